@@ -1,0 +1,1 @@
+"""Framework-free core of metastore_plugins: depends on torch, safetensors and numpy only."""

@@ -1,0 +1,91 @@
+"""Norm layers and other small parameters: dense per-sample gradients (they are tiny).
+
+``nn.LayerNorm``: with ``x_hat`` the normalized input and ``D`` the output gradient,
+``grad gamma_i = sum_t D_i[t] * x_hat_i[t]`` and ``grad beta_i = sum_t D_i[t]``.
+
+Other modules whose output for a sample depends only on that sample's input
+(``GroupNorm``, ``RMSNorm``, ``InstanceNorm``, ``BatchNorm`` in eval mode) use
+:func:`capture_with_vmap`: the vector-Jacobian product of the module's own
+parameters, one sample at a time under ``torch.func.vmap``. Register it for your
+own such modules with ``register_capture(MyModule, params=(...))(capture_with_vmap)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+
+from metastore_plugins.core.capture.records import LayerRecord, dense_record
+from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
+
+
+def layer_norm_records(
+    norm: nn.LayerNorm, layer: str, x: Tensor, grad_output: Tensor, params: dict[str, str]
+) -> list[LayerRecord]:
+    """Dense per-sample gradients of a LayerNorm for input and output grad ``(B, ..., *normalized_shape)``."""
+    batch = x.shape[0]
+    x_hat = F.layer_norm(x.float(), norm.normalized_shape, eps=norm.eps)  # (B, ..., *shape)
+    grad = grad_output.float()
+    grads: dict[str, Tensor] = {}
+    if "weight" in params:
+        grads["weight"] = (grad * x_hat).reshape(batch, -1, *norm.normalized_shape).sum(1)  # (B, *shape)
+    if "bias" in params:
+        grads["bias"] = grad.reshape(batch, -1, *norm.normalized_shape).sum(1)  # (B, *shape)
+    return [dense_record(layer, grads, params)]
+
+
+@register_capture(nn.LayerNorm)
+def capture_layer_norm(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext
+) -> None:
+    """Hook body for ``nn.LayerNorm``."""
+    x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, ..., *normalized_shape)
+    params = ctx.param_names(module)
+    ctx.on_output_grad(output, lambda grad: layer_norm_records(module, ctx.name, x, grad, params))  # type: ignore[arg-type]
+
+
+def vmap_records(module: nn.Module, layer: str, x: Tensor, grad_output: Tensor, params: dict[str, str]) -> list[LayerRecord]:
+    """Dense per-sample gradients of ``module``'s own parameters, one sample at a time.
+
+    Exact for any module whose output for sample i depends only on input i.
+    """
+    own = {local: module.get_parameter(local).detach() for local in params}
+
+    def one_sample(x_i: Tensor, grad_i: Tensor) -> dict[str, Tensor]:
+        _, pullback = vjp(lambda p: functional_call(module, p, (x_i.unsqueeze(0),), strict=False), own)
+        return pullback(grad_i.unsqueeze(0).to(x_i.dtype))[0]
+
+    with torch.enable_grad():
+        grads = vmap(one_sample)(x, grad_output)  # role -> (B, *shape)
+    return [dense_record(layer, grads, params)]
+
+
+def capture_with_vmap(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext
+) -> None:
+    """Hook body for per-sample-independent modules with small parameters."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+        ctx.unsupported(
+            f"'{ctx.name}' ({type(module).__name__}) normalizes with batch statistics in training mode, "
+            "so one sample's gradient depends on the whole batch and per-sample gradients of its weight "
+            "and bias are not defined. Use GroupNorm/LayerNorm, freeze it, or call module.eval()."
+        )
+        return
+    x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, ...)
+    params = ctx.param_names(module)
+    ctx.on_output_grad(output, lambda grad: vmap_records(module, ctx.name, x, grad, params))
+
+
+_PER_SAMPLE_NORMS: tuple[type[nn.Module], ...] = (
+    nn.GroupNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+register_capture(*_PER_SAMPLE_NORMS)(capture_with_vmap)

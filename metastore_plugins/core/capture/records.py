@@ -1,0 +1,215 @@
+"""Per-layer records of per-sample gradients, and their exact restoration.
+
+A ``LayerRecord`` is what capture produces for one layer call of one batch and
+what the store writes. It holds one of three representations (``kind``):
+
+``"outer"``
+    Factors of a Linear/Conv-like layer ``y = x W^T + b`` (weights may be split
+    into ``G`` groups). Each kept row ``r`` is one (sample, token/position) pair:
+
+    - ``prefix``   ``(R, G, d_in)``  the layer input ``A`` (unfolded for convolutions)
+    - ``suffix``   ``(R, G, d_out)`` the gradient of the loss w.r.t. the output, ``D``
+    - ``sample``   ``(R,)`` int32    the sample of the batch the row belongs to
+    - ``position`` ``(R,)`` int32    the token / spatial position of the row
+
+    ``grad W_i[g] = sum_{r: sample_r = i} D[r, g]^T A[r, g]`` and
+    ``grad b_i = sum_{r: sample_r = i} D[r]``. Rows whose suffix is exactly zero
+    contribute nothing and are dropped; ``position`` keeps where kept rows were.
+
+``"embedding"``
+    ``ids`` ``(R,)`` int64 token ids, ``suffix`` ``(R, d)``, ``sample``, ``position``:
+    ``grad W_i[v] = sum_{r: sample_r = i, ids_r = v} D[r]``.
+
+``"dense"``
+    ``grad.<role>`` ``(B, *param_shape)``: the per-sample gradient itself, kept
+    when it is smaller than the factors (and for small parameters such as norms).
+
+Records are stored *raw*: the gradient of the loss as back-propagated. ``scale``
+multiplies by the factor that turns them into gradients of each sample's own loss
+(undoing the loss reduction and the mixed-precision loss scale).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+RecordKind = Literal["outer", "embedding", "dense"]
+WeightLayout = Literal["out_in", "in_out"]
+
+#: Tensor keys that are linear in the loss (and therefore scaled); all others are inputs or ids.
+_GRADIENT_KEYS = ("suffix",)
+_DENSE_PREFIX = "grad."
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """Per-sample gradient information of one layer call on one batch.
+
+    Attributes:
+        layer: module path in ``model.named_modules()`` (``""`` for the root).
+        kind: representation, see the module docstring.
+        batch_size: number of samples ``B`` in the batch.
+        params: role (``"weight"``, ``"bias"``, or any name for dense records) ->
+            parameter name in ``model.named_parameters()``.
+        param_shapes: role -> shape of that parameter.
+        tensors: the representation's tensors (see the module docstring).
+        layout: for ``"outer"`` records, whether the weight is ``(d_out, d_in)``
+            (``nn.Linear``, convolutions) or ``(d_in, d_out)`` (transformers' ``Conv1D``).
+    """
+
+    layer: str
+    kind: RecordKind
+    batch_size: int
+    params: dict[str, str]
+    param_shapes: dict[str, tuple[int, ...]]
+    tensors: dict[str, Tensor]
+    layout: WeightLayout = "out_in"
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes taken by the record's tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes the dense per-sample gradients of the same parameters would take (fp32)."""
+        return self.batch_size * 4 * sum(math.prod(s) for s in self.param_shapes.values())
+
+    def scale(self, factor: float) -> LayerRecord:
+        """Return a copy whose gradient tensors are multiplied by ``factor``."""
+        if factor == 1.0:
+            return self
+        tensors = {
+            key: value * factor if key in _GRADIENT_KEYS or key.startswith(_DENSE_PREFIX) else value
+            for key, value in self.tensors.items()
+        }
+        return replace(self, tensors=tensors)
+
+    def restore(self) -> dict[str, Tensor]:
+        """Rebuild the dense per-sample gradients: parameter name -> ``(B, *shape)``."""
+        return _RESTORERS[self.kind](self)
+
+
+def _per_sample_row_splits(sample: Tensor, batch_size: int) -> list[int]:
+    """Row counts per sample; rows are kept grouped by sample in ascending order."""
+    return torch.bincount(sample.long(), minlength=batch_size).tolist()
+
+
+def _restore_outer(record: LayerRecord) -> dict[str, Tensor]:
+    prefix, suffix = record.tensors["prefix"], record.tensors["suffix"]  # (R, G, d_in), (R, G, d_out)
+    counts = _per_sample_row_splits(record.tensors["sample"], record.batch_size)
+    groups, d_in, d_out = prefix.shape[1], prefix.shape[2], suffix.shape[2]
+    weights = prefix.new_zeros(record.batch_size, groups, d_out, d_in)  # (B, G, d_out, d_in)
+    for i, (a, d) in enumerate(zip(prefix.split(counts), suffix.split(counts))):
+        if a.shape[0]:
+            weights[i] = torch.einsum("rgo,rgi->goi", d, a)
+    restored: dict[str, Tensor] = {}
+    if "weight" in record.params:
+        weight = weights.reshape(record.batch_size, groups * d_out, d_in)  # (B, out, in)
+        if record.layout == "in_out":
+            weight = weight.transpose(1, 2)  # (B, in, out)
+        restored[record.params["weight"]] = weight.reshape(record.batch_size, *record.param_shapes["weight"])
+    if "bias" in record.params:
+        bias = suffix.new_zeros(record.batch_size, groups * d_out)  # (B, out)
+        bias.index_add_(0, record.tensors["sample"].long(), suffix.reshape(-1, groups * d_out))
+        restored[record.params["bias"]] = bias
+    return restored
+
+
+def _restore_embedding(record: LayerRecord) -> dict[str, Tensor]:
+    ids, suffix = record.tensors["ids"].long(), record.tensors["suffix"]  # (R,), (R, d)
+    num_embeddings, dim = record.param_shapes["weight"]
+    flat = suffix.new_zeros(record.batch_size * num_embeddings, dim)  # (B * V, d)
+    flat.index_add_(0, record.tensors["sample"].long() * num_embeddings + ids, suffix)
+    return {record.params["weight"]: flat.view(record.batch_size, num_embeddings, dim)}
+
+
+def _restore_dense(record: LayerRecord) -> dict[str, Tensor]:
+    return {name: record.tensors[_DENSE_PREFIX + role] for role, name in record.params.items()}
+
+
+_RESTORERS = {"outer": _restore_outer, "embedding": _restore_embedding, "dense": _restore_dense}
+
+
+def restore_all(records: list[LayerRecord]) -> dict[str, Tensor]:
+    """Sum the restored per-sample gradients of many records (several calls, tied weights)."""
+    total: dict[str, Tensor] = {}
+    for record in records:
+        for name, grad in record.restore().items():
+            total[name] = total[name] + grad if name in total else grad
+    return total
+
+
+def kept_rows(suffix: Tensor) -> Tensor:
+    """Indices of rows of a ``(R, ...)`` suffix that are not exactly zero."""
+    return suffix.reshape(suffix.shape[0], -1).ne(0).any(dim=1).nonzero().squeeze(1)  # (R_kept,)
+
+
+def outer_record(
+    layer: str,
+    prefix: Tensor,
+    suffix: Tensor,
+    params: dict[str, str],
+    param_shapes: dict[str, tuple[int, ...]],
+    layout: WeightLayout = "out_in",
+    choose_smaller: bool = True,
+) -> LayerRecord:
+    """Build an ``"outer"`` record from token-major factors, dropping zero-suffix rows.
+
+    Args:
+        prefix: ``(B, T, G, d_in)`` layer inputs per sample and position.
+        suffix: ``(B, T, G, d_out)`` output gradients per sample and position.
+        choose_smaller: return the dense record instead when it takes fewer bytes.
+    """
+    batch, tokens = suffix.shape[0], suffix.shape[1]
+    flat_prefix = prefix.reshape(batch * tokens, *prefix.shape[2:])  # (B*T, G, d_in)
+    flat_suffix = suffix.reshape(batch * tokens, *suffix.shape[2:])  # (B*T, G, d_out)
+    rows = kept_rows(flat_suffix)  # (R,)
+    record = LayerRecord(
+        layer=layer,
+        kind="outer",
+        batch_size=batch,
+        params=params,
+        param_shapes=param_shapes,
+        layout=layout,
+        tensors={
+            "prefix": flat_prefix.index_select(0, rows).float(),
+            "suffix": flat_suffix.index_select(0, rows).float(),
+            "sample": torch.div(rows, tokens, rounding_mode="floor").int(),
+            "position": torch.remainder(rows, tokens).int(),
+        },
+    )
+    if choose_smaller and record.nbytes > record.dense_nbytes:
+        return to_dense(record)
+    return record
+
+
+def to_dense(record: LayerRecord) -> LayerRecord:
+    """The same gradients as a ``"dense"`` record."""
+    if record.kind == "dense":
+        return record
+    by_name = record.restore()
+    return replace(
+        record,
+        kind="dense",
+        tensors={_DENSE_PREFIX + role: by_name[name] for role, name in record.params.items()},
+    )
+
+
+def dense_record(layer: str, grads: dict[str, Tensor], params: dict[str, str]) -> LayerRecord:
+    """Build a ``"dense"`` record from per-sample gradients ``role -> (B, *shape)``."""
+    batch = next(iter(grads.values())).shape[0]
+    return LayerRecord(
+        layer=layer,
+        kind="dense",
+        batch_size=batch,
+        params=params,
+        param_shapes={role: tuple(g.shape[1:]) for role, g in grads.items()},
+        tensors={_DENSE_PREFIX + role: g.float() for role, g in grads.items()},
+    )

@@ -1,0 +1,274 @@
+"""``CaptureSession``: hooks a model and collects exact per-sample gradient factors.
+
+Example::
+
+    with CaptureSession(model, loss_reduction="mean") as session:
+        loss = loss_fn(model(x), y)          # mean over the batch of per-sample losses
+        loss.backward()
+        grads = session.per_sample_gradients()  # {parameter name: (B, *param.shape)}
+        records = session.factors()              # per-layer records for the store
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from metastore_plugins.core.capture.records import LayerRecord, restore_all
+from metastore_plugins.core.capture.registry import CaptureRule, RecordsFn, find_rule, move_batch_first
+
+LossReduction = Literal["mean", "sum"]
+UnsupportedPolicy = Literal["warn", "error", "skip"]
+
+
+class UnsupportedLayerError(RuntimeError):
+    """A trainable parameter that no capture rule covers, with ``unsupported="error"``."""
+
+
+class _GradScalerLike(Protocol):
+    def get_scale(self) -> float: ...
+
+
+_ATTACHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+#: Containers whose children see ``(T, B, ...)`` tensors when ``batch_first`` is False.
+_SEQUENCE_FIRST_CONTAINERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+class _ModuleContext:
+    """The :class:`~metastore_plugins.core.capture.registry.LayerContext` of one hooked module."""
+
+    def __init__(self, session: CaptureSession, name: str, batch_dim: int, params: dict[str, str]) -> None:
+        self._session = session
+        self.name = name
+        self.batch_dim = batch_dim
+        self._params = params
+
+    def param_names(self, module: nn.Module) -> dict[str, str]:
+        return self._params
+
+    def batch_first(self, tensor: Tensor) -> Tensor:
+        return move_batch_first(tensor, self.batch_dim)
+
+    def on_output_grad(self, output: Tensor, records: RecordsFn) -> None:
+        if isinstance(output, Tensor) and output.requires_grad:
+            batch_dim = self.batch_dim
+            output.register_hook(lambda grad: self._session._collect(records(move_batch_first(grad, batch_dim))))
+
+    def on_node_grad(self, node: Any, records: RecordsFn) -> None:
+        node.register_prehook(lambda grads: self._session._collect(records(grads[0])))
+
+    def track(self, handle: RemovableHandle) -> None:
+        self._session._handles.append(handle)
+
+    def unsupported(self, message: str) -> None:
+        """Report that this call cannot be captured exactly; its parameters become uncaptured."""
+        self._session._report_unsupported(self.name, message, list(self._params.values()))
+
+
+class CaptureSession:
+    """Owns the hooks that turn back-propagation into per-sample gradient factors.
+
+    Args:
+        model: the model to hook. Parameter names are ``model.named_parameters()`` names.
+        loss_reduction: how the loss combines per-sample losses: ``"mean"`` (divided by
+            the batch size B, undone by multiplying by B) or ``"sum"``.
+        loss_scale: a constant the loss was multiplied by before ``backward`` (for
+            example ``1 / accumulation_steps``); divided out.
+        grad_scaler: a ``torch.amp.GradScaler`` whose scale is divided out. Read the
+            factors before ``scaler.update()`` changes the scale.
+        unsupported: what to do with trainable parameters no rule covers: ``"warn"``
+            once per module, ``"error"``, or ``"skip"`` silently. They are listed by
+            :meth:`uncaptured_parameters` in every case.
+        batch_dims: module path -> dimension that indexes samples in its inputs, for
+            modules fed ``(T, B, ...)`` tensors. Applies to the module and its children.
+            Children of ``nn.TransformerEncoderLayer``/``DecoderLayer(batch_first=False)``
+            are detected without it.
+        modules: capture only modules whose path starts with one of these (all by default).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_reduction: LossReduction = "mean",
+        loss_scale: float = 1.0,
+        grad_scaler: _GradScalerLike | None = None,
+        unsupported: UnsupportedPolicy = "warn",
+        batch_dims: Mapping[str, int] | None = None,
+        modules: Sequence[str] | None = None,
+    ) -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if unsupported not in ("warn", "error", "skip"):
+            raise ValueError(f"unsupported must be 'warn', 'error' or 'skip', got {unsupported!r}")
+        if not loss_scale:
+            raise ValueError("loss_scale must be a non-zero number (the factor the loss was multiplied by)")
+        self.model = model
+        self.loss_reduction = loss_reduction
+        self.loss_scale = float(loss_scale)
+        self.grad_scaler = grad_scaler
+        self.unsupported = unsupported
+        self.batch_dims = dict(batch_dims or {})
+        self.modules = tuple(modules) if modules is not None else None
+        self._handles: list[RemovableHandle] = []
+        self._records: list[LayerRecord] = []
+        self._uncaptured: dict[str, None] = {}
+        self._reported: set[str] = set()
+        self._attached = False
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def __enter__(self) -> CaptureSession:
+        self.attach()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def attach(self) -> None:
+        """Hook every covered module of the model."""
+        if self._attached or self.model in _ATTACHED:
+            raise RuntimeError(
+                f"a CaptureSession is already attached to this {type(self.model).__name__}; "
+                "close it (leave its `with` block) before starting another"
+            )
+        _ATTACHED.add(self.model)
+        self._attached = True
+        try:
+            self._hook_modules()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Remove every hook; records already collected stay readable."""
+        try:
+            for handle in self._handles:
+                handle.remove()
+        finally:
+            self._handles.clear()
+            if self._attached:
+                _ATTACHED.discard(self.model)
+                self._attached = False
+
+    def reset(self) -> None:
+        """Forget the records collected so far (call between optimizer steps)."""
+        self._records.clear()
+
+    # -- results ---------------------------------------------------------------------
+
+    def factors(self) -> list[LayerRecord]:
+        """Records since the last :meth:`reset`, scaled to gradients of each sample's own loss."""
+        scale = self.loss_scale * (self.grad_scaler.get_scale() if self.grad_scaler is not None else 1.0)
+        return [
+            record.scale((record.batch_size if self.loss_reduction == "mean" else 1.0) / scale)
+            for record in self._records
+        ]
+
+    def per_sample_gradients(self) -> dict[str, Tensor]:
+        """Parameter name -> ``(B, *param.shape)``: each sample's own loss gradient."""
+        records = self.factors()
+        sizes = {record.batch_size for record in records}
+        if len(sizes) > 1:
+            by_layer = ", ".join(sorted({f"{r.layer or '<root>'}: {r.batch_size}" for r in records}))
+            raise RuntimeError(
+                f"layers saw different batch sizes ({by_layer}); either reset() between batches or "
+                "pass batch_dims={module path: dim} for modules fed sequence-first tensors"
+            )
+        return restore_all(records)
+
+    def uncaptured_parameters(self) -> list[str]:
+        """Names of trainable parameters whose per-sample gradients are not captured."""
+        return list(self._uncaptured)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _collect(self, records: list[LayerRecord]) -> None:
+        if self._attached:  # gradients reaching a closed session are not collected
+            self._records.extend(records)
+
+    def _report_unsupported(self, where: str, message: str, params: list[str]) -> None:
+        for name in params:
+            self._uncaptured[name] = None
+        if self.unsupported == "error":
+            raise UnsupportedLayerError(message)
+        if self.unsupported == "warn" and where not in self._reported:
+            self._reported.add(where)
+            warnings.warn(message, stacklevel=3)
+
+    def _wanted(self, path: str) -> bool:
+        return self.modules is None or any(path == m or path.startswith(m + ".") for m in self.modules)
+
+    def _batch_dim(self, path: str, ancestors: list[nn.Module]) -> int:
+        for prefix in sorted(self.batch_dims, key=len, reverse=True):
+            if path == prefix or path.startswith(prefix + ".") or prefix == "":
+                return self.batch_dims[prefix]
+        sequence_first = any(isinstance(m, _SEQUENCE_FIRST_CONTAINERS) and not m.self_attn.batch_first for m in ancestors)
+        return 1 if sequence_first else 0
+
+    def _hook_modules(self) -> None:
+        canonical = {id(p): name for name, p in self.model.named_parameters()}
+        covered: set[int] = set()
+        self._walk(self.model, "", [], canonical, covered)
+        for name, param in self.model.named_parameters():
+            if param.requires_grad and id(param) not in covered and self._wanted(name):
+                self._uncaptured[name] = None
+
+    def _walk(
+        self, module: nn.Module, path: str, ancestors: list[nn.Module], canonical: dict[int, str], covered: set[int]
+    ) -> None:
+        rule = find_rule(module) if self._wanted(path) else None
+        if rule is not None:
+            self._hook(module, path, ancestors, rule, canonical, covered)
+            if rule.covers_children:
+                return
+        else:
+            self._check_own_parameters(module, path)
+        for child_name, child in module.named_children():
+            self._walk(child, f"{path}.{child_name}" if path else child_name, [*ancestors, module], canonical, covered)
+
+    def _hook(
+        self,
+        module: nn.Module,
+        path: str,
+        ancestors: list[nn.Module],
+        rule: CaptureRule,
+        canonical: dict[int, str],
+        covered: set[int],
+    ) -> None:
+        params: dict[str, str] = {}
+        for local in rule.params:
+            try:
+                param = module.get_parameter(local)
+            except AttributeError:
+                continue
+            if param is not None and param.requires_grad:
+                params[local] = canonical[id(param)]
+                covered.add(id(param))
+        if not params:
+            return
+        context = _ModuleContext(self, path, self._batch_dim(path, ancestors), params)
+
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if self._attached:
+                rule.forward(mod, args, kwargs, output, context)
+
+        self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
+    def _check_own_parameters(self, module: nn.Module, path: str) -> None:
+        own = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if own:
+            full = [f"{path}.{name}" if path else name for name in own]
+            self._report_unsupported(
+                path,
+                f"no capture rule for module '{path or '<root>'}' ({type(module).__name__}): per-sample "
+                f"gradients of {', '.join(full)} are not captured. Register one with "
+                "metastore_plugins.core.capture.register_capture, freeze these parameters, "
+                "or pass unsupported='skip' to accept it.",
+                full,
+            )
