@@ -17,6 +17,7 @@ registered for your own layer::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,7 +52,7 @@ def reference_per_sample_gradients(
         batch: a tensor or a pytree (dict, tuple) of tensors with samples along dim 0.
         chunk_size: samples per vmap chunk, to bound memory.
     """
-    wrapper = _LossModule(model, loss_fn)
+    wrapper = _LossModule(copy.deepcopy(model), loss_fn)  # functional_call can leave tied modules altered
     params = {n: p.detach() for n, p in wrapper.named_parameters() if p.requires_grad}
     buffers = {n: b.detach() for n, b in wrapper.named_buffers()}
 

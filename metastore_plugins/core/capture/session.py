@@ -242,14 +242,13 @@ class CaptureSession:
         covered: set[int],
     ) -> None:
         params: dict[str, str] = {}
+        own = dict(module.named_parameters(remove_duplicate=False))
         for local in rule.params:
-            try:
-                param = module.get_parameter(local)
-            except AttributeError:
-                continue
+            param = own.get(local)
             if param is not None and param.requires_grad:
                 params[local] = canonical[id(param)]
                 covered.add(id(param))
+        self._check_uncovered_parameters(module, path, rule)
         if not params:
             return
         context = _ModuleContext(self, path, self._batch_dim(path, ancestors), params)
@@ -259,6 +258,20 @@ class CaptureSession:
                 rule.forward(mod, args, kwargs, output, context)
 
         self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
+    def _check_uncovered_parameters(self, module: nn.Module, path: str, rule: CaptureRule) -> None:
+        """Report trainable parameters of a ruled module that its rule does not capture (e.g. MHA ``bias_k``)."""
+        local_params = module.named_parameters(recurse=rule.covers_children)
+        missed = [name for name, p in local_params if p.requires_grad and name not in rule.params]
+        if missed:
+            full = [f"{path}.{name}" if path else name for name in missed]
+            self._report_unsupported(
+                path,
+                f"the capture rule for '{path or '<root>'}' ({type(module).__name__}) does not cover "
+                f"{', '.join(full)}: their per-sample gradients are not captured. Freeze them, register "
+                "a rule that covers them, or pass unsupported='skip' to accept it.",
+                full,
+            )
 
     def _check_own_parameters(self, module: nn.Module, path: str) -> None:
         own = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]

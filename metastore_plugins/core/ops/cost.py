@@ -1,0 +1,146 @@
+"""The cost model: per record (pair), compute on the factors or rebuild dense gradients?
+
+Both ways are exact; they differ in arithmetic. Counting multiply-adds as 2 flops,
+with ``P = G d_out d_in`` weight entries, ``R`` kept rows and ``T`` the largest rows
+per sample (``P_e = V d`` for an embedding, ``d`` its row width):
+
+- outer x outer: factored ``2 G R_a R_b (d_in + d_out) + c R_a R_b``;
+  dense ``(2 T_a + w) P B_a + (2 T_b + w) P B_b + 2 B_a B_b P``;
+- outer x dense: factored ``2 R_a B_b P + c R_a B_b``; dense ``(2 T_a + w) P B_a + 2 B_a B_b P``;
+- embedding x embedding: factored ``2 R_a R_b d + c R_a R_b``; dense ``w (B_a + B_b) P_e + 2 B_a B_b P_e``;
+- embedding x dense: factored ``2 R_a B_b d + c R_a B_b``; dense ``w B_a P_e + 2 B_a B_b P_e``;
+- dense x dense: dense ``2 B_a B_b P`` only;
+- norms of an outer record: factored ``2 B G T^2 (d_in + d_out) + c B G T^2``;
+  dense ``(2 T + w) P B + 2 B P``;
+- norms of an embedding record: factored ``c R d`` (rows grouped by (sample, id));
+  dense ``w B P_e + 2 B P_e``.
+
+``c`` (:data:`ELEMENTWISE_COST`) weighs an element touched by a memory-bound step
+(a Hadamard product, a scatter) against one flop of a matrix multiply; ``w``
+(:data:`REBUILD_ELEMENT_COST`) is the cost of one rebuilt gradient entry (allocating,
+writing and reading back memory dominate rebuilding on CPUs). Rebuilding
+uses padded blocks of ``T`` rows per sample, hence ``B T`` rather than ``R``. The
+cheaper plan wins; ties go to the factored form. A pair of kinds the factored
+form does not cover (an embedding sharing its weight with a Linear head) is always
+rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Literal
+
+from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.ops._common import (
+    common_params,
+    max_rows_per_sample,
+    num_rows,
+    outer_dims,
+    param_numel,
+    roles_of,
+    selected_roles,
+)
+
+Method = Literal["auto", "factored", "dense"]
+
+#: Flop-equivalents of one element touched by an elementwise or scatter step.
+ELEMENTWISE_COST = 8.0
+
+#: Flop-equivalents of one rebuilt gradient entry: allocating, writing and re-reading it.
+#: Calibrated on 2 CPU threads (d = 64..768, T = 1..128): rebuilding is memory-bound.
+REBUILD_ELEMENT_COST = 256.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the cost model decided for one record or pair.
+
+    Attributes:
+        method: ``"factored"`` or ``"dense"``.
+        factored_cost: estimated flops of the factored form (``inf`` if not available).
+        dense_cost: estimated flops of rebuilding the gradients.
+    """
+
+    method: Literal["factored", "dense"]
+    factored_cost: float
+    dense_cost: float
+
+
+def _rebuild_cost(record: LayerRecord, names: Collection[str]) -> float:
+    """Flops to rebuild a record's per-sample gradients of ``names``."""
+    numel = param_numel(record, names)
+    if record.kind == "dense":
+        return 0.0
+    written = REBUILD_ELEMENT_COST * record.batch_size * numel
+    if record.kind == "embedding":
+        return written
+    return written + 2.0 * numel * record.batch_size * max_rows_per_sample(record)
+
+
+def _factored_cost(a: LayerRecord, b: LayerRecord, names: Collection[str]) -> float:
+    """Flops of the factored dot products of ``a`` (factored) with ``b``; ``inf`` if unsupported."""
+    c = ELEMENTWISE_COST
+    r_a, r_b = num_rows(a), num_rows(b)
+    if a.kind == "outer" and b.kind == "outer":
+        groups, d_in, d_out = outer_dims(a)
+        width = (d_in if "weight" in roles_of(a, names) else 0) + d_out
+        return 2.0 * groups * r_a * r_b * width + c * groups * r_a * r_b
+    if a.kind == "outer" and b.kind == "dense":
+        return 2.0 * r_a * b.batch_size * param_numel(a, names) + c * r_a * b.batch_size
+    if a.kind == "embedding" and b.kind == "embedding":
+        dim = a.tensors["suffix"].shape[1]
+        return 2.0 * r_a * r_b * dim + c * r_a * r_b
+    if a.kind == "embedding" and b.kind == "dense":
+        dim = a.tensors["suffix"].shape[1]
+        return 2.0 * r_a * b.batch_size * dim + c * r_a * b.batch_size
+    return float("inf")
+
+
+def _decide(factored: float, dense: float, method: Method) -> Plan:
+    if method not in ("auto", "factored", "dense"):
+        raise ValueError(f"method must be 'auto', 'factored' or 'dense', got {method!r}")
+    if factored == float("inf"):  # dense records, or kinds without a factored form: only one way
+        return Plan("dense", factored, dense)
+    if method == "auto":
+        method = "factored" if factored <= dense else "dense"
+    return Plan(method, factored, dense)
+
+
+def plan_dots(
+    a: LayerRecord, b: LayerRecord, params: Collection[str] | None = None, method: Method = "auto"
+) -> Plan:
+    """Choose how :func:`~metastore_plugins.core.ops.dots` computes ``<g_a_i, g_b_j>``.
+
+    Args:
+        a, b: records of the same layer (any kinds).
+        params: parameter names to include (all shared ones when ``None``).
+        method: ``"auto"`` asks the cost model; ``"factored"`` / ``"dense"`` force a form
+            (``"factored"`` still rebuilds when no factored form exists, e.g. dense x dense).
+    """
+    names = common_params(a, b, params)
+    order = {"outer": 0, "embedding": 0, "dense": 1}
+    first, second = (a, b) if order[a.kind] <= order[b.kind] else (b, a)
+    factored = float("inf") if first.kind == "dense" else _factored_cost(first, second, names)
+    numel = param_numel(a, names)
+    dense = _rebuild_cost(a, names) + _rebuild_cost(b, names) + 2.0 * a.batch_size * b.batch_size * numel
+    return _decide(factored, dense, method)
+
+
+def plan_norms(record: LayerRecord, params: Collection[str] | None = None, method: Method = "auto") -> Plan:
+    """Choose how :func:`~metastore_plugins.core.ops.sq_norms` computes ``||g_i||^2``."""
+    names = list(selected_roles(record, params).values())
+    c, batch = ELEMENTWISE_COST, record.batch_size
+    numel = param_numel(record, names)
+    if record.kind == "outer":
+        groups, d_in, d_out = outer_dims(record)
+        tokens = max_rows_per_sample(record)
+        width = (d_in if "weight" in roles_of(record, names) else 0) + d_out
+        factored = 2.0 * batch * groups * tokens**2 * width + c * batch * groups * tokens**2
+        dense = _rebuild_cost(record, names) + 2.0 * batch * numel
+    elif record.kind == "embedding":
+        factored = c * num_rows(record) * record.tensors["suffix"].shape[1]
+        dense = _rebuild_cost(record, names) + 2.0 * batch * numel
+    else:
+        factored, dense = float("inf"), 2.0 * batch * numel
+    return _decide(factored, dense, method)

@@ -1,0 +1,96 @@
+"""Batch gradients, accumulated |gradients|, per-weight top contributors and exceed fractions."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from metastore_plugins.core.capture.records import to_dense
+from metastore_plugins.core.ops import (
+    abs_grad_accumulate,
+    batch_gradient,
+    entry_gradients,
+    exceed_fraction,
+    top_contributors,
+    weight_exceed_fraction,
+)
+from opscases import TOLERANCE, Case, flat_reference, rel_err
+
+
+def test_batch_gradient_equals_what_the_optimizer_saw(case: Case) -> None:
+    restored = batch_gradient(case.train_records, "mean")
+    assert set(restored) == set(case.train_grad)
+    for name, grad in case.train_grad.items():
+        assert rel_err(restored[name], grad) <= TOLERANCE, name
+        assert rel_err(batch_gradient(case.train_records, "sum")[name], case.train_ref[name].sum(0)) <= TOLERANCE
+
+
+def test_batch_gradient_of_a_module_called_twice(tied_case: Case) -> None:
+    restored = batch_gradient(tied_case.train_records)
+    for name, grad in tied_case.train_grad.items():
+        assert rel_err(restored[name], grad) <= TOLERANCE, name
+    with pytest.raises(ValueError, match="'sum' or 'mean'"):
+        batch_gradient(tied_case.train_records, "max")  # type: ignore[arg-type]
+
+
+def test_abs_grad_accumulate(case: Case) -> None:
+    for record in case.train_records:
+        for dense in (False, True):
+            rec = to_dense(record) if dense else record
+            absolute = abs_grad_accumulate(rec)
+            signed = abs_grad_accumulate(rec, signed=True)
+            for name in record.params.values():
+                ref = case.train_ref[name].double()
+                assert rel_err(absolute[name], ref.abs().sum(0)) <= TOLERANCE, name
+                assert rel_err(signed[name], ref.sum(0)) <= TOLERANCE, name
+            assert set(abs_grad_accumulate(rec, max_bytes=1)) == set(absolute)
+
+
+def _some_entries(shape: tuple[int, ...], count: int = 6) -> list[tuple[int, ...]]:
+    every = list(itertools.product(*(range(s) for s in shape)))
+    step = max(1, len(every) // count)
+    return every[::step][:count] + [every[-1]]
+
+
+def test_entry_gradients_and_top_contributors(case: Case) -> None:
+    for record in case.train_records:
+        for role, name in record.params.items():
+            entries = _some_entries(record.param_shapes[role])
+            ref = case.train_ref[name].double()  # (B, *shape)
+            expected = torch.stack([ref[(slice(None), *e)] for e in entries], 1)  # (B, E)
+            for rec in (record, to_dense(record)):
+                assert rel_err(entry_gradients(rec, role, entries), expected) <= TOLERANCE, (name, rec.kind)
+                assert rel_err(entry_gradients(rec, role, entries, max_bytes=1), expected) <= TOLERANCE
+            top = top_contributors(record, role, entries, k=2)
+            order = expected.abs().argsort(0, descending=True)[:2].T  # (E, 2)
+            atol = TOLERANCE * float(expected.abs().max())
+            for e in range(len(entries)):  # ties in |g| (e.g. all zero) may order either way
+                assert torch.allclose(top.values[e].double().abs(), expected[order[e], e].abs(), rtol=0, atol=atol)
+                assert torch.allclose(top.values[e].double(), expected[top.indices[e], e], rtol=0, atol=atol)
+
+
+def test_entry_gradients_accepts_one_entry_and_rejects_bad_ones(case: Case) -> None:
+    record = case.train_records[0]
+    shape = record.param_shapes["weight"]
+    one = entry_gradients(record, "weight", tuple(0 for _ in shape))
+    assert one.shape == (record.batch_size, 1)
+    with pytest.raises(ValueError, match="out of range"):
+        entry_gradients(record, "weight", tuple(shape))
+    with pytest.raises(ValueError, match="no captured parameter role"):
+        entry_gradients(record, "gamma", (0,))
+
+
+def test_exceed_fractions(case: Case) -> None:
+    record = case.train_records[0]
+    norms = flat_reference(case.train_ref, list(record.params.values())).norm(dim=1)
+    threshold = float(norms.median())
+    assert exceed_fraction(record, threshold) == pytest.approx(float((norms > threshold).double().mean()))
+    assert exceed_fraction(record, 0.0) == 1.0
+    grads = {n: case.train_ref[n].double().mean(0) for n in record.params.values()}
+    limit = float(torch.cat([g.flatten() for g in grads.values()]).abs().median())
+    expected = sum(int((g.abs() > limit).sum()) for g in grads.values()) / sum(g.numel() for g in grads.values())
+    restored = batch_gradient([record])
+    one_entry = 1.0 / sum(g.numel() for g in grads.values())  # rounding may move an entry at the limit
+    assert weight_exceed_fraction(restored, limit) == pytest.approx(expected, abs=one_entry)
