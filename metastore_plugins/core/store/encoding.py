@@ -1,0 +1,75 @@
+"""Compact encodings of record tensors: pure functions, no I/O.
+
+Floating tensors (prefix, suffix, dense gradients) are encoded *per row* (the
+first dimension: one kept token row, or one sample of a dense gradient):
+
+``fp32``  exact.
+``fp16``  ``q = x / s`` in float16 with ``s = max |x_row|`` (float32); scaling keeps
+          small suffix values (1e-8 and below are common) out of fp16's underflow range.
+``bf16``  ``x`` in bfloat16 (float32's range, 8 significant bits); no scale needed.
+``int8``  ``q = round(x / s)`` with ``s = max |x_row| / 127``.
+
+Integer tensors (sample, position, token ids) are kept as int32.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+Encoding = Literal["fp32", "fp16", "bf16", "int8"]
+ENCODINGS: tuple[str, ...] = get_args(Encoding)
+DEFAULT_ENCODING: Encoding = "fp16"
+
+_SCALE_SUFFIX = ".scale"
+_ROW_SCALED = {"fp16": (torch.float16, 1.0), "int8": (torch.int8, 127.0)}
+
+
+def check_encoding(encoding: str) -> Encoding:
+    """Return ``encoding`` if known, else raise a ``ValueError`` listing the choices."""
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}; got {encoding!r}")
+    return encoding  # type: ignore[return-value]
+
+
+def _row_scale(x: Tensor, top: float) -> Tensor:
+    """``(R,)`` float32 per-row scale ``max |x_row| / top``; 1 for all-zero rows."""
+    peak = x.reshape(x.shape[0], -1).abs().amax(dim=1) if x.numel() else x.new_zeros(x.shape[0])  # (R,)
+    peak = peak.float() / top
+    return torch.where(peak > 0, peak, torch.ones_like(peak))
+
+
+def encode(key: str, tensor: Tensor, encoding: Encoding) -> dict[str, Tensor]:
+    """Stored tensors of one record tensor: ``{key: data}`` plus ``{key.scale: (R,)}`` when scaled."""
+    tensor = tensor.detach()
+    if not tensor.is_floating_point():
+        return {key: tensor.to(torch.int32).contiguous()}
+    if encoding == "fp32":
+        return {key: tensor.float().contiguous()}
+    if encoding == "bf16":
+        return {key: tensor.to(torch.bfloat16).contiguous()}
+    dtype, top = _ROW_SCALED[encoding]
+    scale = _row_scale(tensor, top)  # (R,)
+    view = scale.view(-1, *([1] * (tensor.dim() - 1)))
+    scaled = tensor.float() / view
+    if dtype == torch.int8:
+        scaled = scaled.round().clamp_(-127, 127)
+    return {key: scaled.to(dtype).contiguous(), key + _SCALE_SUFFIX: scale.contiguous()}
+
+
+def decode(stored: dict[str, Tensor], key: str) -> Tensor:
+    """Invert :func:`encode` for ``key`` (float tensors come back as float32, ids as int64)."""
+    data = stored[key]
+    if not data.is_floating_point() and data.dtype != torch.int8:
+        return data.long()
+    scale = stored.get(key + _SCALE_SUFFIX)
+    if scale is None:
+        return data.float()
+    return data.float() * scale.view(-1, *([1] * (data.dim() - 1)))
+
+
+def is_scale_key(key: str) -> bool:
+    """Whether a stored key holds the row scales of another key."""
+    return key.endswith(_SCALE_SUFFIX)

@@ -1,0 +1,257 @@
+"""``open_store`` and ``GradientStore``: the one reader every query, report and command uses.
+
+Example::
+
+    store = open_store("runs/demo/store")
+    store.capture_points()                      # ['epoch-0/train', 'epoch-0/val', 'train']
+    ids = store.sample_ids("epoch-0/val")       # aligned with every per-sample result
+    grads = store.restore(ids[0], capture_point="epoch-0/val", layer="classifier")
+    assert store.verify() == []
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+from torch import Tensor
+
+from metastore_plugins.core.capture.records import restore_all
+from metastore_plugins.core.store import manifest as mf
+from metastore_plugins.core.store.queries import QueryMixin
+from metastore_plugins.core.store.selection import BatchRef, Selection
+
+
+class StoreError(ValueError):
+    """A user mistake about a store: not a store, unknown capture point, sample, step or layer."""
+
+
+def _as_range(steps: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    if steps is None:
+        return None
+    if isinstance(steps, int):
+        return steps, steps
+    lo, hi = steps
+    return int(lo), int(hi)
+
+
+class GradientStore(QueryMixin):
+    """A read-only view of a run directory: the union of every rank's manifest.
+
+    Per-sample results follow *selection order*: batches by (step, micro-batch, rank),
+    samples in batch order. A sample seen at several steps (``"train"`` over several
+    epochs) appears once per occurrence; checkpoint passes hold each sample once.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        manifests = mf.find_manifests(self.path)
+        if not manifests:
+            what = "does not exist" if not self.path.exists() else "holds no manifest-rank*.json"
+            raise StoreError(f"{self.path} is not a metastore store: it {what}")
+        self.manifests = [mf.load_manifest(p) for p in manifests]
+        self._layers: dict[str, dict[str, Any]] = {}
+        refs = []
+        for manifest in self.manifests:
+            self._layers.update(manifest["layers"])
+            for shard in manifest["shards"]:
+                for j, info in enumerate(shard["batches"]):
+                    refs.append(BatchRef(self.path / shard["file"], j, info, manifest["layers"]))
+        self._refs = tuple(sorted(refs, key=BatchRef.order_key))
+
+    # -- listing -------------------------------------------------------------------------
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run configuration (rank zero's, merged over ranks)."""
+        merged: dict[str, Any] = {}
+        for manifest in reversed(self.manifests):
+            merged.update(manifest.get("config", {}))
+        return merged
+
+    def capture_points(self) -> list[str]:
+        return sorted({ref.capture_point for ref in self._refs})
+
+    def steps(self, capture_point: str | None = None) -> list[int]:
+        return sorted({ref.step for ref in self._select_refs(capture_point)})
+
+    def epochs(self, capture_point: str | None = None) -> list[int]:
+        return sorted({int(ref.info["epoch"]) for ref in self._select_refs(capture_point)})
+
+    def ranks(self) -> list[int]:
+        return sorted(int(m["rank"]) for m in self.manifests)
+
+    def layers(self) -> list[str]:
+        return list(self._layers)
+
+    def layer_info(self, layer: str) -> dict[str, Any]:
+        """Parameters, shapes and layout of a layer, and how its records are represented."""
+        self._check_layers([layer])
+        kinds: dict[str, int] = {}
+        for ref in self._refs:
+            for entry in ref.info["records"]:
+                if entry["layer"] == layer:
+                    kinds[entry["kind"]] = kinds.get(entry["kind"], 0) + 1
+        return {**self._layers[layer], "kinds": kinds}
+
+    def parameters(self) -> dict[str, tuple[int, ...]]:
+        """Captured parameter name -> shape."""
+        return {
+            name: tuple(info["param_shapes"][role]) for info in self._layers.values() for role, name in info["params"].items()
+        }
+
+    def sample_ids(self, capture_point: str | None = None, **where: Any) -> np.ndarray:
+        """``(N,)`` dataset indices in selection order; see :meth:`select` for ``where``."""
+        return self.select(capture_point, **where).sample_ids()
+
+    def metadata(self, capture_point: str | None = None, **where: Any) -> dict[str, np.ndarray]:
+        """Per-sample columns (sample_id, label, loss, prediction, step, epoch, micro_batch, rank, lr, capture_point)."""
+        return self.select(capture_point, **where).metadata()
+
+    def learning_rate(self, capture_point: str) -> float | None:
+        """The learning rate recorded with a capture point (its last batch's)."""
+        refs = self._select_refs(capture_point)
+        return refs[-1].lr if refs else None
+
+    # -- selection -----------------------------------------------------------------------
+
+    def select(
+        self,
+        capture_point: str | None = None,
+        *,
+        steps: int | tuple[int, int] | None = None,
+        epochs: int | Iterable[int] | None = None,
+        sample_ids: Iterable[int] | None = None,
+        layers: Sequence[str] | None = None,
+    ) -> Selection:
+        """Choose batches by capture point, inclusive step range and epochs, then samples and layers.
+
+        Raises:
+            StoreError: naming an unknown capture point or layer.
+        """
+        refs = self._select_refs(capture_point)
+        window = _as_range(steps)
+        if window is not None:
+            refs = [r for r in refs if window[0] <= r.step <= window[1]]
+        if epochs is not None:
+            wanted = {int(epochs)} if isinstance(epochs, int) else {int(e) for e in epochs}
+            refs = [r for r in refs if int(r.info["epoch"]) in wanted]
+        if layers is not None:
+            layers = [layers] if isinstance(layers, str) else list(layers)
+            self._check_layers(layers)
+        ids = None if sample_ids is None else frozenset(int(i) for i in np.asarray(list(sample_ids)).reshape(-1))
+        return Selection(tuple(refs), ids, None if layers is None else tuple(layers))
+
+    def _select_refs(self, capture_point: str | None) -> list[BatchRef]:
+        if capture_point is None:
+            return list(self._refs)
+        refs = [r for r in self._refs if r.capture_point == capture_point]
+        if not refs:
+            raise StoreError(
+                f"unknown capture point {capture_point!r} in {self.path}; it has: {', '.join(self.capture_points()) or 'none'}"
+            )
+        return refs
+
+    def _check_layers(self, layers: Iterable[str]) -> None:
+        unknown = [layer for layer in layers if layer not in self._layers]
+        if unknown:
+            raise StoreError(f"unknown layer(s) {', '.join(map(repr, unknown))}; the store has: {', '.join(self._layers)}")
+
+    # -- restoring -----------------------------------------------------------------------
+
+    def restore(
+        self,
+        sample_id: int,
+        *,
+        capture_point: str | None = None,
+        step: int | None = None,
+        layer: str | None = None,
+    ) -> dict[str, Tensor]:
+        """The dense per-sample gradient of one stored sample: parameter name -> ``param.shape``.
+
+        Raises:
+            StoreError: if the sample is not stored there, or is stored at several
+                (capture point, step) pairs and they were not given.
+        """
+        selection = self.select(capture_point, steps=step, sample_ids=[sample_id], layers=None if layer is None else [layer])
+        found = list(selection.batches())
+        if not found:
+            where = f" at capture point {capture_point!r}" if capture_point else ""
+            where += f" at step {step}" if step is not None else ""
+            raise StoreError(f"sample {sample_id} is not stored{where}")
+        places = sorted({(b.ref.capture_point, b.ref.step) for b in found})
+        if len(places) > 1 or found[0].size > 1:
+            shown = ", ".join(f"{cp}@{s}" for cp, s in places[:10])
+            raise StoreError(f"sample {sample_id} is stored more than once ({shown}); pass capture_point and step")
+        grads = restore_all(found[0].records)
+        return {name: grad[0] for name, grad in grads.items()}
+
+    # -- health --------------------------------------------------------------------------
+
+    def verify(self, checksums: bool = True) -> list[str]:
+        """Problems found, one readable line each; empty when every listed shard is sound."""
+        problems: list[str] = []
+        listed: set[str] = set()
+        for manifest in self.manifests:
+            for shard in manifest["shards"]:
+                listed.add(shard["file"])
+                problems.extend(_check_shard(self.path / shard["file"], shard, checksums))
+        for path in sorted(self.path.glob("*.safetensors")):
+            if path.name not in listed:
+                problems.append(f"{path.name}: not listed in any manifest (a shard in flight when the run stopped?); ignored")
+        return problems
+
+    def summary(self) -> dict[str, Any]:
+        """Sizes on disk against the dense fp32 per-sample gradients the store stands for."""
+        shards = [s for m in self.manifests for s in m["shards"]]
+        dense = sum(r["dense_bytes"] for ref in self._refs for r in ref.info["records"])
+        on_disk = sum(s["bytes"] for s in shards)
+        return {
+            "path": str(self.path),
+            "ranks": self.ranks(),
+            "shards": len(shards),
+            "samples": sum(ref.size for ref in self._refs),
+            "capture_points": {cp: len(self._select_refs(cp)) for cp in self.capture_points()},
+            "steps": len({ref.step for ref in self._refs}),
+            "layers": len(self._layers),
+            "encodings": sorted({s["encoding"] for s in shards}),
+            "bytes_on_disk": on_disk,
+            "dense_bytes": dense,
+            "compression": dense / on_disk if on_disk else None,
+        }
+
+
+def _check_shard(path: Path, shard: dict[str, Any], checksums: bool) -> list[str]:
+    name = shard["file"]
+    if not path.exists():
+        return [f"{name}: listed in the manifest but missing on disk"]
+    size = path.stat().st_size
+    if size != shard["bytes"]:
+        return [f"{name}: {size} bytes on disk, the manifest says {shard['bytes']} (truncated or rewritten)"]
+    if checksums and mf.file_sha256(path) != shard["sha256"]:
+        return [f"{name}: sha256 differs from the manifest (the file is damaged)"]
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            keys = set(handle.keys())
+    except Exception as exc:  # noqa: BLE001 - any parse failure is damage to report
+        return [f"{name}: unreadable safetensors file ({exc})"]
+    missing = [f"b{j}" for j in range(len(shard["batches"])) if f"b{j}/meta/sample_id" not in keys]
+    return [f"{name}: batches {', '.join(missing)} have no sample ids"] if missing else []
+
+
+def open_store(path: str | os.PathLike[str]) -> GradientStore:
+    """Open a run's gradient store (the directory holding ``manifest-rank*.json``).
+
+    A run directory whose ``store/`` subdirectory holds the manifests is accepted too.
+    """
+    path = Path(path)
+    if not mf.find_manifests(path) and mf.find_manifests(path / "store"):
+        path = path / "store"
+    return GradientStore(path)
+
+
+__all__ = ["GradientStore", "StoreError", "open_store"]
