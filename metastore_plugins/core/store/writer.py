@@ -49,6 +49,7 @@ class WriterStats:
     shards: int = 0
     bytes_written: int = 0
     peak_queued_bytes: int = 0
+    peak_pending_bytes: int = 0  # encoded bytes of the shard being built
     wait_seconds: float = 0.0
     batches: int = 0
     dense_bytes: int = 0  # what the same samples' dense fp32 per-sample gradients would take
@@ -237,6 +238,7 @@ class StoreWriter:
                     item.set()
                     continue
                 pending_bytes += self._encode_batch(item, len(batches), pending)
+                self.stats.peak_pending_bytes = max(self.stats.peak_pending_bytes, pending_bytes)
                 batches.append(item.info | {"records": [self._record_info(r) for r in item.records]})
                 self.stats.dense_bytes += sum(r.dense_nbytes for r in item.records)
                 if pending_bytes >= self.shard_bytes:

@@ -1,0 +1,41 @@
+"""Reports built from store queries, written as plain files (JSON, CSV, markdown)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from metastore_plugins.core.reports.files import influence_markdown, markdown_table, write_table
+from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows, outlier_rows
+from metastore_plugins.core.store.reader import GradientStore
+
+OUTLIER_COLUMNS = ("rank", "sample_id", "label", "prediction", "loss", "self_influence", "class_zscore")
+
+
+def write_reports(
+    store: GradientStore, directory: str | Path, *, train_split: str = "train", test_split: str = "val", k: int = 20
+) -> dict[str, Any]:
+    """Build the outlier and influence reports from the checkpoint passes and write them to ``directory``.
+
+    Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths]}``.
+    """
+    directory = Path(directory)
+    train, test = checkpoint_points(store, train_split), checkpoint_points(store, test_split)
+    if not train:
+        raise ValueError(f"the store has no checkpoint passes 'epoch-*/{train_split}'; it has {store.capture_points()}")
+    outliers = outlier_rows(store, train, k)
+    files = write_table(directory, "outliers", outliers, OUTLIER_COLUMNS)
+    influence: list[dict[str, Any]] = []
+    if test:
+        pairs = [(a, a.split("/")[0] + "/" + test_split) for a in train if a.split("/")[0] + "/" + test_split in test]
+        influence = influence_rows(store, [a for a, _ in pairs], [b for _, b in pairs], k=5)
+        (directory / "influence.json").write_text(json.dumps(influence, indent=1))
+        (directory / "influence.md").write_text(influence_markdown(influence))
+        files += [directory / "influence.json", directory / "influence.md"]
+    (directory / "summary.json").write_text(json.dumps(store.summary(), indent=1))
+    files.append(directory / "summary.json")
+    return {"outliers": outliers, "influence": influence, "files": [str(p) for p in files]}
+
+
+__all__ = ["OUTLIER_COLUMNS", "checkpoint_points", "influence_rows", "markdown_table", "outlier_rows", "write_reports"]

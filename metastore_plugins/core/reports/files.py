@@ -1,0 +1,43 @@
+"""Write report tables as plain files (JSON, CSV, markdown) into a run directory."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A GitHub-style markdown table of ``columns`` (floats to 4 significant digits)."""
+
+    def cell(value: Any) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(directory: Path, name: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> list[Path]:
+    """Write ``name.json`` (all fields), ``name.csv`` and ``name.md`` (the given columns)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / f"{name}.{ext}" for ext in ("json", "csv", "md")]
+    paths[0].write_text(json.dumps(list(rows), indent=1))
+    with open(paths[1], "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    paths[2].write_text(markdown_table(rows, columns))
+    return paths
+
+
+def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per test sample: its label and prediction, then its top proponents and opponents."""
+    lines = ["| test id | label | prediction | proponents (id:label) | opponents (id:label) |", "|---|---|---|---|---|"]
+    for row in rows:
+        pro = ", ".join(f"{p['sample_id']}:{p['label']}" for p in row["proponents"])
+        opp = ", ".join(f"{p['sample_id']}:{p['label']}" for p in row["opponents"])
+        lines.append(f"| {row['test_id']} | {row['test_label']} | {row['test_prediction']} | {pro} | {opp} |")
+    return "\n".join(lines) + "\n"

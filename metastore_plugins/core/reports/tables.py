@@ -1,0 +1,78 @@
+"""Report tables built from store queries: suspicious training samples and influence rankings.
+
+Rows are plain dicts (JSON-ready); :mod:`~metastore_plugins.core.reports.files` writes them
+as JSON, CSV and markdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from metastore_plugins.core import ops
+from metastore_plugins.core.store.reader import GradientStore
+
+
+def checkpoint_points(store: GradientStore, split: str) -> list[str]:
+    """Capture points ``epoch-{e}/{split}`` of the checkpoint passes, in epoch order."""
+    found = [cp for cp in store.capture_points() if cp.endswith("/" + split) and cp.startswith("epoch-")]
+    return sorted(found, key=lambda cp: int(cp.split("/")[0].split("-")[1]))
+
+
+def _last_metadata(store: GradientStore, points: Sequence[str]) -> dict[int, dict[str, Any]]:
+    """Per sample id: label, prediction and loss from the last capture point that holds it."""
+    rows: dict[int, dict[str, Any]] = {}
+    for cp in points:
+        meta = store.metadata(cp)
+        for k, sid in enumerate(meta["sample_id"].tolist()):
+            rows[int(sid)] = {
+                "label": int(meta["label"][k]) if np.ndim(meta["label"][k]) == 0 else meta["label"][k].tolist(),
+                "prediction": int(meta["prediction"][k]),
+                "loss": float(meta["loss"][k]),
+            }
+    return rows
+
+
+def outlier_rows(store: GradientStore, points: Sequence[str], k: int = 20) -> list[dict[str, Any]]:
+    """The ``k`` training samples with the largest TracIn self-influence over ``points``.
+
+    Each row: rank, sample_id, label, prediction, loss, self_influence, and the z-score of
+    the self-influence within the sample's labelled class.
+    """
+    values = store.self_influence(list(points))  # (N,)
+    ids = store.self_influence_ids(list(points)) if len(points) > 1 else store.sample_ids(points[0])
+    meta = _last_metadata(store, points)
+    labels = torch.tensor([meta[int(i)]["label"] if isinstance(meta[int(i)]["label"], int) else -1 for i in ids])
+    zscores = ops.zscore_by_class(torch.from_numpy(values), labels).numpy()
+    order = np.argsort(-values, kind="stable")[:k]
+    return [
+        {
+            "rank": r + 1,
+            "sample_id": int(ids[i]),
+            **meta[int(ids[i])],
+            "self_influence": float(values[i]),
+            "class_zscore": float(zscores[i]),
+        }
+        for r, i in enumerate(order)
+    ]
+
+
+def influence_rows(store: GradientStore, train: Sequence[str], test: Sequence[str], k: int = 5) -> list[dict[str, Any]]:
+    """Per test sample: its label/prediction and the ``k`` strongest proponents and opponents."""
+    scores = store.influence(list(train), list(test))
+    train_meta, test_meta = _last_metadata(store, train), _last_metadata(store, test)
+    rows = []
+    for entry in scores.top(k):
+        sid = entry["sample_id"]
+        rows.append(
+            {
+                "test_id": sid,
+                **{f"test_{key}": value for key, value in test_meta[sid].items()},
+                "proponents": [{"sample_id": i, "score": s, "label": train_meta[i]["label"]} for i, s in entry["proponents"]],
+                "opponents": [{"sample_id": i, "score": s, "label": train_meta[i]["label"]} for i, s in entry["opponents"]],
+            }
+        )
+    return rows
