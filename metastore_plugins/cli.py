@@ -1,0 +1,170 @@
+"""The ``metastore`` command: inspect a store, build reports, answer queries.
+
+Example::
+
+    metastore inspect runs/text-classifier
+    metastore outliers runs/text-classifier -k 10
+    metastore influence runs/text-classifier --test 0,1,2 -k 5
+    metastore restore runs/text-classifier --sample 17 --capture-point epoch-1/val --out g.safetensors
+
+User mistakes (unknown run, sample, layer, step) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table, write_reports
+from metastore_plugins.core.reports.files import influence_markdown
+from metastore_plugins.core.reports.tables import influence_rows, outlier_rows
+from metastore_plugins.core.store import GradientStore, StoreError, open_store
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sample ids such as 3,17,42; got {text!r}") from None
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=1, default=str) if args.json else text, end="" if text.endswith("\n") else "\n")
+
+
+def _train_points(store: GradientStore, given: Sequence[str] | None) -> list[str]:
+    points = list(given or checkpoint_points(store, "train"))
+    if not points:
+        raise StoreError("the store has no checkpoint passes 'epoch-*/train'; pass --capture-point NAME")
+    return points
+
+
+def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
+    """Exit status 1 when the store is damaged."""
+    summary = store.summary()
+    layers = {name: store.layer_info(name) for name in store.layers()}
+    problems = store.verify(checksums=not args.no_checksums)
+    data = {**summary, "capture_points_detail": {cp: store.steps(cp) for cp in store.capture_points()}, "layers_detail": layers, "problems": problems}
+    ratio = summary["compression"]
+    lines = [
+        f"store      {summary['path']}",
+        f"ranks      {summary['ranks']}   shards {summary['shards']}   encodings {', '.join(summary['encodings'])}",
+        f"samples    {summary['samples']} stored over {summary['steps']} steps",
+        f"bytes      {summary['bytes_on_disk']:,} on disk vs {summary['dense_bytes']:,} as dense fp32 per-sample gradients"
+        + (f" ({ratio:.1f}x smaller)" if ratio else ""),
+        "capture points:",
+        *(f"  {cp:<20} {n} batches, steps {store.steps(cp)[0]}..{store.steps(cp)[-1]}" for cp, n in summary["capture_points"].items()),
+        "layers:",
+        *(f"  {name:<40} {', '.join(f'{k}:{v}' for k, v in info['kinds'].items())}" for name, info in layers.items()),
+        "problems: " + ("none" if not problems else ""),
+        *(f"  {p}" for p in problems),
+    ]
+    _emit(args, data, "\n".join(lines))
+    return 1 if problems else 0
+
+
+def cmd_report(args: argparse.Namespace, store: GradientStore) -> None:
+    out = Path(args.out) if args.out else store.path.parent / "reports"
+    result = write_reports(store, out, k=args.k)
+    _emit(args, {"files": result["files"]}, "\n".join(["wrote:", *(f"  {f}" for f in result["files"])]))
+
+
+def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
+    rows = outlier_rows(store, _train_points(store, args.capture_point), args.k)
+    _emit(args, rows, markdown_table(rows, OUTLIER_COLUMNS))
+
+
+def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
+    train = _train_points(store, args.train)
+    test = [cp.split("/")[0] + "/" + args.test_split for cp in train]
+    if args.capture_point:
+        train, test = train[-1:], [args.capture_point]
+    rows = influence_rows(store, train, test, args.k)
+    if args.test is not None:
+        wanted = set(args.test)
+        missing = wanted - {row["test_id"] for row in rows}
+        if missing:
+            raise StoreError(f"test sample(s) {sorted(missing)} are not stored in {', '.join(test)}")
+        rows = [row for row in rows if row["test_id"] in wanted]
+    _emit(args, rows, influence_markdown(rows))
+
+
+def cmd_similar(args: argparse.Namespace, store: GradientStore) -> None:
+    query_point = args.capture_point or _train_points(store, None)[-1]
+    candidates = args.candidates or query_point
+    if args.sample not in set(store.sample_ids(query_point).tolist()):
+        raise StoreError(f"sample {args.sample} is not stored in capture point {query_point!r}")
+    scores = store.similar(query_point, candidates, query_ids=[args.sample])
+    ranked = sorted(zip(scores.row_ids.tolist(), scores.scores[:, 0].tolist()), key=lambda r: -r[1])
+    rows = [{"sample_id": i, "cosine": s} for i, s in ranked if i != args.sample][: args.k]
+    _emit(args, rows, markdown_table(rows, ("sample_id", "cosine")))
+
+
+def cmd_restore(args: argparse.Namespace, store: GradientStore) -> None:
+    from safetensors.torch import save_file
+
+    grads = store.restore(args.sample, capture_point=args.capture_point, step=args.step, layer=args.layer)
+    save_file({name: g.contiguous() for name, g in grads.items()}, args.out)
+    shapes = {name: list(g.shape) for name, g in grads.items()}
+    _emit(args, {"file": args.out, "tensors": shapes}, f"wrote {args.out}: " + ", ".join(f"{n} {s}" for n, s in shapes.items()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="metastore", description="Inspect and query a metastore gradient store.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, func: Any, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("run", help="the run directory or its store directory")
+        p.add_argument("--json", action="store_true", help="print JSON instead of text")
+        p.set_defaults(func=func)
+        return p
+
+    p = add("inspect", cmd_inspect, "capture points, steps, samples, layers, bytes, damage")
+    p.add_argument("--no-checksums", action="store_true", help="skip the sha256 check of every shard")
+    p = add("report", cmd_report, "(re)build the report files")
+    p.add_argument("--out", help="directory for the report files (default: RUN/reports)")
+    p.add_argument("-k", type=int, default=20, help="rows of the outlier table")
+    p = add("outliers", cmd_outliers, "training samples with the largest self-influence")
+    p.add_argument("-k", type=int, default=20)
+    p.add_argument("--capture-point", action="append", help="capture point(s) to sum (default: epoch-*/train)")
+    p = add("influence", cmd_influence, "training samples that drove each test sample (TracIn)")
+    p.add_argument("--test", type=_ids, help="comma-separated test sample ids (default: all)")
+    p.add_argument("--capture-point", help="one test capture point, paired with the last train pass")
+    p.add_argument("--train", action="append", help="train capture point(s) (default: epoch-*/train)")
+    p.add_argument("--test-split", default="val", help="test split of the checkpoint passes (default: val)")
+    p.add_argument("-k", type=int, default=10)
+    p = add("similar", cmd_similar, "samples whose gradients are most similar to one sample's")
+    p.add_argument("--sample", type=int, required=True)
+    p.add_argument("--capture-point", help="where the sample is stored (default: the last train pass)")
+    p.add_argument("--candidates", help="capture point to search (default: the sample's)")
+    p.add_argument("-k", type=int, default=10)
+    p = add("restore", cmd_restore, "write the exact dense gradient of one sample to a safetensors file")
+    p.add_argument("--sample", type=int, required=True)
+    p.add_argument("--step", type=int)
+    p.add_argument("--capture-point")
+    p.add_argument("--layer")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        store = open_store(args.run)
+        status = args.func(args, store) or 0
+    except (StoreError, ValueError, FileNotFoundError) as exc:
+        print(f"metastore {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("metastore: interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The ``metastore`` command on a real example run: exit codes, --json checked against the Python API, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from metastore_plugins import open_store
+from metastore_plugins.testing import max_relative_error
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "run"
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_text_classifier.py"), "--out", str(out), "--epochs", "2",
+         "--train-size", "128", "--encoding", "fp32"],
+        check=True, capture_output=True, timeout=300,
+    )
+    return out
+
+
+def metastore(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "metastore_plugins.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def json_of(*args: str) -> object:
+    done = metastore(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_inspect_matches_the_store(run_dir: Path) -> None:
+    data = json_of("inspect", str(run_dir))
+    store = open_store(run_dir)
+    assert data["samples"] == sum(len(store.sample_ids(cp)) for cp in store.capture_points())
+    assert set(data["capture_points"]) == set(store.capture_points())
+    assert data["problems"] == [] and set(data["layers_detail"]) == set(store.layers())
+    assert "capture points:" in metastore("inspect", str(run_dir)).stdout
+
+
+def test_outliers_match_self_influence(run_dir: Path) -> None:
+    rows = json_of("outliers", str(run_dir), "-k", "5")
+    store = open_store(run_dir)
+    points = ["epoch-0/train", "epoch-1/train"]
+    values = store.self_influence(points)
+    ids = store.self_influence_ids(points)
+    expected = ids[np.argsort(-values, kind="stable")[:5]].tolist()
+    assert [row["sample_id"] for row in rows] == expected
+    assert rows[0]["self_influence"] == pytest.approx(float(values.max()), rel=1e-6)
+
+
+def test_influence_of_chosen_test_samples(run_dir: Path) -> None:
+    rows = json_of("influence", str(run_dir), "--test", "3,5", "-k", "4")
+    scores = open_store(run_dir).influence(["epoch-0/train", "epoch-1/train"], ["epoch-0/val", "epoch-1/val"])
+    assert [row["test_id"] for row in rows] == [3, 5]
+    for row in rows:
+        column = scores.scores[:, list(scores.col_ids).index(row["test_id"])]
+        best = scores.row_ids[np.argsort(-column, kind="stable")[:4]].tolist()
+        assert [p["sample_id"] for p in row["proponents"]] == best
+
+
+def test_similar_and_restore(run_dir: Path, tmp_path: Path) -> None:
+    rows = json_of("similar", str(run_dir), "--sample", "7", "-k", "3")
+    assert len(rows) == 3 and all(-1.0 - 1e-6 <= r["cosine"] <= 1.0 + 1e-6 for r in rows)
+    out = tmp_path / "g.safetensors"
+    done = metastore("restore", str(run_dir), "--sample", "7", "--capture-point", "epoch-1/val", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    expected = open_store(run_dir).restore(7, capture_point="epoch-1/val")
+    assert max_relative_error(load_file(str(out)), expected) == 0.0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["inspect", "{tmp}/not-a-store"], "is not a metastore store"),
+        (["restore", "{run}", "--sample", "99999", "--capture-point", "epoch-1/val", "--out", "{tmp}/x.safetensors"], "is not stored"),
+        (["similar", "{run}", "--sample", "99999"], "is not stored"),
+        (["influence", "{run}", "--test", "99999"], "are not stored"),
+        (["outliers", "{run}", "--capture-point", "nope"], "unknown capture point"),
+        (["restore", "{run}", "--sample", "1", "--capture-point", "epoch-1/val", "--layer", "nope", "--out", "{tmp}/x"], "unknown layer"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(run_dir: Path, tmp_path: Path, args: list[str], message: str) -> None:
+    done = metastore(*[a.format(run=run_dir, tmp=tmp_path) for a in args])
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_a_damaged_shard_is_reported(run_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "damaged"
+    shutil.copytree(run_dir / "store", copy)
+    shard = sorted(copy.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    done = metastore("inspect", str(copy), "--json")
+    assert done.returncode == 1
+    assert any(shard.name in p and "sha256" in p for p in json.loads(done.stdout)["problems"])
