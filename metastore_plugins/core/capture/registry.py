@@ -57,12 +57,22 @@ class LayerContext(Protocol):
         """Call ``records(grad of node's first output)`` when autograd reaches ``node``."""
         ...
 
+    def after_model_forward(self, callback: Callable[[list[Tensor]], None]) -> None:
+        """Call ``callback(tensors of the model's output)`` once the model's forward returns.
+
+        For rules that need the part of the autograd graph built after their module ran.
+        """
+        ...
+
     def track(self, handle: RemovableHandle) -> None:
         """Remove ``handle`` when the session closes."""
         ...
 
-    def unsupported(self, message: str) -> None:
-        """Report that this call cannot be captured exactly (raises, warns or skips per policy)."""
+    def unsupported(self, message: str, params: Sequence[str] | None = None) -> None:
+        """Report that this call cannot be captured exactly (raises, warns or skips per policy).
+
+        ``params`` (local names) limits the report to some of the module's parameters; all by default.
+        """
         ...
 
 

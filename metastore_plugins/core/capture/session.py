@@ -11,9 +11,10 @@ Example::
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from torch import Tensor, nn
@@ -36,8 +37,16 @@ class _GradScalerLike(Protocol):
 
 _ATTACHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
-#: Containers whose children see ``(T, B, ...)`` tensors when ``batch_first`` is False.
-_SEQUENCE_FIRST_CONTAINERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+def _sequence_first(module: nn.Module) -> bool:
+    """Whether a built-in transformer container feeds its children ``(T, B, ...)`` tensors."""
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return not module.self_attn.batch_first
+    if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)):  # e.g. its final `norm`
+        return len(module.layers) > 0 and not module.layers[0].self_attn.batch_first
+    if isinstance(module, nn.Transformer):
+        return not module.batch_first
+    return False
 
 
 class _ModuleContext:
@@ -58,17 +67,21 @@ class _ModuleContext:
     def on_output_grad(self, output: Tensor, records: RecordsFn) -> None:
         if isinstance(output, Tensor) and output.requires_grad:
             batch_dim = self.batch_dim
-            output.register_hook(lambda grad: self._session._collect(records(move_batch_first(grad, batch_dim))))
+            output.register_hook(lambda grad: self._session._collect(records, move_batch_first(grad, batch_dim)))
 
     def on_node_grad(self, node: Any, records: RecordsFn) -> None:
-        node.register_prehook(lambda grads: self._session._collect(records(grads[0])))
+        node.register_prehook(lambda grads: self._session._collect(records, grads[0]))
+
+    def after_model_forward(self, callback: Callable[[list[Tensor]], None]) -> None:
+        self._session._after_forward.append(callback)
 
     def track(self, handle: RemovableHandle) -> None:
         self._session._handles.append(handle)
 
-    def unsupported(self, message: str) -> None:
+    def unsupported(self, message: str, params: Sequence[str] | None = None) -> None:
         """Report that this call cannot be captured exactly; its parameters become uncaptured."""
-        self._session._report_unsupported(self.name, message, list(self._params.values()))
+        names = [self._params[p] for p in params if p in self._params] if params is not None else self._params.values()
+        self._session._report_unsupported(self.name, message, list(names))
 
 
 class CaptureSession:
@@ -87,8 +100,8 @@ class CaptureSession:
             :meth:`uncaptured_parameters` in every case.
         batch_dims: module path -> dimension that indexes samples in its inputs, for
             modules fed ``(T, B, ...)`` tensors. Applies to the module and its children.
-            Children of ``nn.TransformerEncoderLayer``/``DecoderLayer(batch_first=False)``
-            are detected without it.
+            Children of ``nn.Transformer``, ``nn.TransformerEncoder``/``Decoder`` and their
+            layers with ``batch_first=False`` are detected without it.
         modules: capture only modules whose path starts with one of these (all by default).
     """
 
@@ -106,11 +119,24 @@ class CaptureSession:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if unsupported not in ("warn", "error", "skip"):
             raise ValueError(f"unsupported must be 'warn', 'error' or 'skip', got {unsupported!r}")
-        if not loss_scale:
-            raise ValueError("loss_scale must be a non-zero number (the factor the loss was multiplied by)")
+        try:
+            scale = float(loss_scale)
+        except (TypeError, ValueError):
+            scale = math.nan
+        if not math.isfinite(scale) or scale == 0:
+            raise ValueError(
+                "loss_scale must be a finite non-zero number (the factor the loss was multiplied by), "
+                f"got {loss_scale!r}"
+            )
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise ValueError(
+                f"grad_scaler must have a get_scale() method (a torch.amp.GradScaler), got {grad_scaler!r}"
+            )
+        if isinstance(modules, str):
+            raise ValueError(f"modules must be a list of module paths, got the string {modules!r}; write [{modules!r}]")
         self.model = model
         self.loss_reduction = loss_reduction
-        self.loss_scale = float(loss_scale)
+        self.loss_scale = scale
         self.grad_scaler = grad_scaler
         self.unsupported = unsupported
         self.batch_dims = dict(batch_dims or {})
@@ -120,6 +146,8 @@ class CaptureSession:
         self._uncaptured: dict[str, None] = {}
         self._reported: set[str] = set()
         self._attached = False
+        self._in_records = False
+        self._after_forward: list[Callable[[list[Tensor]], None]] = []
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -137,6 +165,14 @@ class CaptureSession:
                 f"a CaptureSession is already attached to this {type(self.model).__name__}; "
                 "close it (leave its `with` block) before starting another"
             )
+        known = {path for path, _ in self.model.named_modules()}
+        for argument, paths in (("modules", self.modules or ()), ("batch_dims", self.batch_dims)):
+            unknown = sorted(set(paths) - known)
+            if unknown:
+                raise ValueError(
+                    f"{argument} names modules that {type(self.model).__name__} does not have: {unknown}; "
+                    "use paths from model.named_modules()"
+                )
         _ATTACHED.add(self.model)
         self._attached = True
         try:
@@ -152,6 +188,7 @@ class CaptureSession:
                 handle.remove()
         finally:
             self._handles.clear()
+            self._after_forward.clear()
             if self._attached:
                 _ATTACHED.discard(self.model)
                 self._attached = False
@@ -188,9 +225,24 @@ class CaptureSession:
 
     # -- internals -------------------------------------------------------------------
 
-    def _collect(self, records: list[LayerRecord]) -> None:
-        if self._attached:  # gradients reaching a closed session are not collected
-            self._records.extend(records)
+    def _collect(self, records: RecordsFn, grad: Tensor) -> None:
+        if not self._attached:  # gradients reaching a closed session are not collected
+            return
+        self._in_records = True  # a rule that re-runs its module (capture_with_vmap) must not re-hook it
+        try:
+            self._records.extend(records(grad))
+        finally:
+            self._in_records = False
+
+    def _model_forward_done(self, model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Run the callbacks rules deferred until the whole graph of this forward exists."""
+        if self._in_records:
+            return
+        callbacks, self._after_forward = self._after_forward, []
+        if self._attached:
+            outputs = _tensors(output)
+            for callback in callbacks:
+                callback(outputs)
 
     def _report_unsupported(self, where: str, message: str, params: list[str]) -> None:
         for name in params:
@@ -208,13 +260,13 @@ class CaptureSession:
         for prefix in sorted(self.batch_dims, key=len, reverse=True):
             if path == prefix or path.startswith(prefix + ".") or prefix == "":
                 return self.batch_dims[prefix]
-        sequence_first = any(isinstance(m, _SEQUENCE_FIRST_CONTAINERS) and not m.self_attn.batch_first for m in ancestors)
-        return 1 if sequence_first else 0
+        return 1 if any(_sequence_first(m) for m in ancestors) else 0
 
     def _hook_modules(self) -> None:
         canonical = {id(p): name for name, p in self.model.named_parameters()}
         covered: set[int] = set()
         self._walk(self.model, "", [], canonical, covered)
+        self._handles.append(self.model.register_forward_hook(self._model_forward_done))
         for name, param in self.model.named_parameters():
             if param.requires_grad and id(param) not in covered and self._wanted(name):
                 self._uncaptured[name] = None
@@ -222,12 +274,13 @@ class CaptureSession:
     def _walk(
         self, module: nn.Module, path: str, ancestors: list[nn.Module], canonical: dict[int, str], covered: set[int]
     ) -> None:
-        rule = find_rule(module) if self._wanted(path) else None
+        wanted = self._wanted(path)
+        rule = find_rule(module) if wanted else None
         if rule is not None:
             self._hook(module, path, ancestors, rule, canonical, covered)
             if rule.covers_children:
                 return
-        else:
+        elif wanted:  # modules left out by `modules=` are not reported
             self._check_own_parameters(module, path)
         for child_name, child in module.named_children():
             self._walk(child, f"{path}.{child_name}" if path else child_name, [*ancestors, module], canonical, covered)
@@ -254,7 +307,7 @@ class CaptureSession:
         context = _ModuleContext(self, path, self._batch_dim(path, ancestors), params)
 
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if self._attached:
+            if self._attached and not self._in_records:
                 rule.forward(mod, args, kwargs, output, context)
 
         self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -285,3 +338,14 @@ class CaptureSession:
                 "or pass unsupported='skip' to accept it.",
                 full,
             )
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    """The tensors in a model output (tensor, tuple, list, dict or ``ModelOutput``)."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors(item)]
+    return []

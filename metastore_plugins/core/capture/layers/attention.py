@@ -87,15 +87,20 @@ def capture_multihead_attention(
     if in_params and not (query is key and key is value):
         ctx.unsupported(
             f"nn.MultiheadAttention '{ctx.name}' was called with distinct query/key/value (cross-attention); "
-            "only self-attention (query is key is value) is captured. Freeze its in_proj_weight/in_proj_bias "
-            "or pass unsupported='skip'."
+            "only self-attention (query is key is value) is captured for in_proj_weight/in_proj_bias "
+            "(out_proj is). Freeze them or pass unsupported='skip'.",
+            params=("in_proj_weight", "in_proj_bias"),
         )
+        in_params = {}
+    if not (in_params or out_params):
         return
     x = query.detach()
     if not module.batch_first:
         x = x.transpose(0, 1)  # (B, L, E)
     batch = x.shape[0]
-    weights = {"in": module.in_proj_weight, "out": module.out_proj.weight}
+    weights = {"in": module.in_proj_weight} if in_params else {}
+    if out_params:
+        weights["out"] = module.out_proj.weight
     nodes = find_matmul_nodes(attn_output, weights, stop={query.grad_fn} if query.grad_fn is not None else set())
     if ("in" not in nodes and in_params) or ("out" not in nodes and out_params):
         ctx.unsupported(
