@@ -14,6 +14,7 @@ Integer tensors (sample, position, token ids) are kept as int32.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Literal, get_args
 
 import torch
@@ -70,6 +71,10 @@ def decode(stored: dict[str, Tensor], key: str) -> Tensor:
     return data.float() * scale.view(-1, *([1] * (data.dim() - 1)))
 
 
-def is_scale_key(key: str) -> bool:
-    """Whether a stored key holds the row scales of another key."""
-    return key.endswith(_SCALE_SUFFIX)
+def is_scale_key(key: str, stored: Collection[str]) -> bool:
+    """Whether ``key`` holds the row scales of another key of ``stored``.
+
+    A key that merely ends in ``.scale`` (the dense gradient of a parameter named ``scale``,
+    ``grad.scale``) is data: it is a scale only when the key it scales is stored too.
+    """
+    return key.endswith(_SCALE_SUFFIX) and key[: -len(_SCALE_SUFFIX)] in stored

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from metastore_plugins.core.capture.records import restore_all
 from metastore_plugins.core.store import manifest as mf
+from metastore_plugins.core.store.dynamics import DynamicsMixin
 from metastore_plugins.core.store.queries import QueryMixin
 from metastore_plugins.core.store.selection import BatchRef, Selection
 
@@ -39,7 +40,7 @@ def _as_range(steps: int | tuple[int, int] | None) -> tuple[int, int] | None:
     return int(lo), int(hi)
 
 
-class GradientStore(QueryMixin):
+class GradientStore(QueryMixin, DynamicsMixin):
     """A read-only view of a run directory: the union of every rank's manifest.
 
     Per-sample results follow *selection order*: batches by (step, micro-batch, rank),
@@ -53,7 +54,10 @@ class GradientStore(QueryMixin):
         if not manifests:
             what = "does not exist" if not self.path.exists() else "holds no manifest-rank*.json"
             raise StoreError(f"{self.path} is not a metastore store: it {what}")
-        self.manifests = [mf.load_manifest(p) for p in manifests]
+        try:
+            self.manifests = [mf.load_manifest(p) for p in manifests]
+        except ValueError as exc:
+            raise StoreError(str(exc)) from exc
         self._layers: dict[str, dict[str, Any]] = {}
         refs = []
         for manifest in self.manifests:

@@ -73,7 +73,7 @@ class BatchRef:
 
     def _record(self, entry: dict[str, Any], stored: dict[str, Tensor]) -> LayerRecord:
         layer = self.layers[entry["layer"]]
-        tensors = {key: decode(stored, key) for key in stored if not is_scale_key(key)}
+        tensors = {key: decode(stored, key) for key in stored if not is_scale_key(key, stored)}
         return LayerRecord(
             layer=entry["layer"],
             kind=entry["kind"],

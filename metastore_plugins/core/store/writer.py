@@ -144,11 +144,13 @@ class StoreWriter:
         ids = torch.as_tensor(sample_ids).detach().cpu().long().reshape(-1)
         size = ids.shape[0]
         meta = {"sample_id": ids}
-        for name, values, dtype in (("label", labels, None), ("loss", losses, torch.float32), ("prediction", predictions, None)):
-            column = _column(name, values, size, dtype)
+        columns = (("label", "labels", labels, None), ("loss", "losses", losses, torch.float32), ("prediction", "predictions", predictions, None))
+        for name, argument, values, dtype in columns:
+            column = _column(argument, values, size, dtype)
             if column is not None:
                 meta[name] = column
-        records = [self._checked(record, size) for record in records]
+        records = list(records)
+        self._check_records(records, size)
         info = {
             "capture_point": capture_point,
             "step": int(step),
@@ -186,20 +188,25 @@ class StoreWriter:
 
     # -- caller side ---------------------------------------------------------------------
 
-    def _checked(self, record: LayerRecord, size: int) -> LayerRecord:
-        if record.batch_size != size:
-            raise ValueError(
-                f"record of layer '{record.layer}' holds {record.batch_size} samples but {size} sample ids "
-                "were given; pass one id per sample of the batch"
-            )
-        layer = {"params": dict(record.params), "param_shapes": {k: list(v) for k, v in record.param_shapes.items()}, "layout": record.layout}
-        known = self._manifest["layers"].setdefault(record.layer, layer)
-        if known != layer:
-            raise ValueError(
-                f"layer '{record.layer}' changed since it was first stored ({known} vs {layer}); "
-                "write a changed model to a new store directory"
-            )
-        return record
+    def _check_records(self, records: list[LayerRecord], size: int) -> None:
+        """Check every record of a batch, then register its new layers: a rejected batch leaves no trace."""
+        new: dict[str, dict[str, Any]] = {}
+        for record in records:
+            if record.batch_size != size:
+                raise ValueError(
+                    f"record of layer '{record.layer}' holds {record.batch_size} samples but {size} sample ids "
+                    "were given; pass one id per sample of the batch"
+                )
+            layer = {"params": dict(record.params), "param_shapes": {k: list(v) for k, v in record.param_shapes.items()}, "layout": record.layout}
+            known = self._manifest["layers"].get(record.layer) or new.setdefault(record.layer, layer)
+            if known != layer:
+                raise ValueError(
+                    f"layer '{record.layer}' changed since it was first stored ({known} vs {layer}); "
+                    "write a changed model to a new store directory"
+                )
+        if new:
+            with self._cond:  # the writer thread serializes the manifest under this lock
+                self._manifest["layers"].update(new)
 
     def _put(self, item: _Batch | threading.Event, nbytes: int) -> None:
         start = time.perf_counter()
@@ -290,8 +297,10 @@ class StoreWriter:
             "sample_ids": [min(ids), max(ids)] if ids else [],
             "batches": batches,
         }
-        self._manifest["shards"].append(entry)
-        mf.write_manifest(self.path, self._manifest)
+        with self._cond:  # the training thread may be registering new layers
+            self._manifest["shards"].append(entry)
+            manifest = {**self._manifest, "layers": dict(self._manifest["layers"])}
+        mf.write_manifest(self.path, manifest)
         self._next_shard += 1
         self.stats.shards += 1
         self.stats.batches += len(batches)
