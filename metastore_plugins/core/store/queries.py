@@ -201,6 +201,34 @@ class QueryMixin:
         matrix = dot_matrix(rows, cols, weighted=True, max_bytes=max_bytes)
         return _summed_scores([(rows.sample_ids(), matrix)], [(cols.sample_ids(), matrix)])
 
+    def sketched_influence(
+        self: GradientStore,
+        train: str | Sequence[str],
+        test: str | Sequence[str],
+        *,
+        dim: int = 64,
+        seed: int = 0,
+        layers: Sequence[str] | None = None,
+    ) -> Scores:
+        """TracIn on Kronecker sketches (``dim * dim`` numbers per sample): fast, unbiased, approximate.
+
+        ``<sketch_i, sketch_j>`` estimates ``<g_i, g_j>`` without bias (see ``docs/queries.md``
+        for its error); pairs of capture points and learning rates as in :meth:`influence`.
+        """
+        trains = [train] if isinstance(train, str) else list(train)
+        tests = [test] if isinstance(test, str) else list(test)
+        if len(trains) != len(tests) or not trains:
+            raise ValueError(f"pair train and test capture points one to one; got {trains} and {tests}")
+        row_parts, col_parts = [], []
+        for train_cp, test_cp in zip(trains, tests):
+            lr = np.nan_to_num(self.metadata(train_cp)["lr"].astype(float), nan=1.0)  # (N,)
+            rows = self.sketches(train_cp, dim, seed, layers)  # (N, dim^2)
+            cols = self.sketches(test_cp, dim, seed, layers)  # (M, dim^2)
+            matrix = (lr[:, None] * rows) @ cols.T  # (N, M)
+            row_parts.append((self.sample_ids(train_cp), matrix))
+            col_parts.append((self.sample_ids(test_cp), matrix))
+        return _summed_scores(row_parts, col_parts)
+
     def similar(
         self: GradientStore,
         query: str,

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.store.progress import progress
 from metastore_plugins.core.store.encoding import decode, is_scale_key
 
 #: Metadata columns every selection returns (missing values: -1 for ids/labels, NaN for floats).
@@ -130,7 +131,7 @@ class Selection:
 
     def batches(self, with_records: bool = True) -> Iterator[StoredBatch]:
         """Load the selected batches one at a time (batches left with no sample are skipped)."""
-        for ref in self.refs:
+        for ref in progress(self.refs, len(self.refs), "reading store"):
             meta = ref.read_meta()
             keep = self._keep(meta["sample_id"])  # (n,)
             if keep.numel() == 0:
