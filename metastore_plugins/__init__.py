@@ -1,7 +1,28 @@
 """metastore_plugins: exact, compact per-sample gradients of a training run, and the answers they give."""
 
+from typing import Any
+
 from metastore_plugins.core.capture import CaptureSession, register_capture
+from metastore_plugins.core.sample_ids import IndexedDataset
 from metastore_plugins.core.store import GradientStore, StoreWriter, open_store
 
 __version__ = "0.1.0"
-__all__ = ["CaptureSession", "GradientStore", "StoreWriter", "__version__", "open_store", "register_capture"]
+__all__ = [
+    "CaptureSession",
+    "GradientStore",
+    "IndexedDataset",
+    "MetaStoreCallback",
+    "StoreWriter",
+    "__version__",
+    "open_store",
+    "register_capture",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """``MetaStoreCallback`` is imported on first use, so that importing the package never needs lightning."""
+    if name == "MetaStoreCallback":
+        from metastore_plugins.lightning_callback import MetaStoreCallback
+
+        return MetaStoreCallback
+    raise AttributeError(f"module 'metastore_plugins' has no attribute {name!r}")

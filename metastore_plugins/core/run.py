@@ -1,0 +1,345 @@
+"""Framework-free pieces every trainer adapter shares: sample ids, labels, checkpoint passes, and ``RunCapture``.
+
+The Lightning and Hugging Face callbacks only map their framework's events onto these:
+
+- sample ids (re-exported from :mod:`metastore_plugins.core.sample_ids`): :class:`IndexedDataset`
+  items carry their index, :func:`take_sample_ids` reads it back, :class:`RecordingBatchSampler`
+  remembers what a loader's sampler drew;
+- :func:`default_labels` and :func:`default_per_sample_loss` read labels and per-sample
+  losses from the common ``(x, y)`` and dict-with-``labels`` batches;
+- :class:`CheckpointSchedule` chooses when checkpoint passes run and the bounded, seeded,
+  fixed training subset they cover; :func:`indexed_batches` iterates a dataset subset with
+  exact ids whatever the items look like;
+- :class:`RunCapture` owns the :class:`~metastore_plugins.core.capture.CaptureSession` of
+  each step and the :class:`~metastore_plugins.core.store.StoreWriter` of the run.
+
+Example::
+
+    run = RunCapture("runs/demo/store", rank=0)
+    try:
+        for step, batch in enumerate(loader):            # IndexedDataset items
+            ids = take_sample_ids(batch, strip=True)
+            run.begin_step(model)
+            loss = loss_fn(model(batch[0]), batch[1]); loss.backward()
+            run.end_backward()
+            run.finish_step(batch, ids, step=step, lr=0.1)
+            optimizer.step(); optimizer.zero_grad()
+    finally:
+        run.close()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from metastore_plugins.core.capture import CaptureSession, LayerRecord
+from metastore_plugins.core.passes import predictions_of
+from metastore_plugins.core.sample_ids import (
+    SAMPLE_ID_KEYS,
+    IndexedDataset,
+    RecordingBatchSampler,
+    SampleIdError,
+    batch_size_of,
+    missing_ids_error,
+    record_sampler_ids,
+    take_sample_ids,
+    unwrap_dataset,
+)
+from metastore_plugins.core.store.writer import StoreWriter
+
+__all__ = [
+    "SAMPLE_ID_KEYS", "CheckpointSchedule", "IndexedDataset", "RecordingBatchSampler", "RunCapture", "SampleIdError",
+    "batch_size_of", "check_writable", "default_labels", "default_per_sample_loss", "indexed_batches", "logits_of",
+    "missing_ids_error", "rank_share", "record_sampler_ids", "take_sample_ids", "unwrap_dataset",
+]  # fmt: skip
+
+LABEL_KEYS = ("labels", "label", "y")
+
+#: ``(forward output, batch) -> (B,)`` per-sample losses.
+PerSampleLossFn = Callable[[Any, Any], Tensor]
+#: ``batch -> (B,)`` labels.
+LabelsFn = Callable[[Any], Tensor]
+
+
+def default_labels(batch: Any) -> Tensor:
+    """Labels of a ``(x, y)`` batch or a dict batch with ``"labels"`` (or ``"label"``, ``"y"``)."""
+    if isinstance(batch, Mapping):
+        for key in LABEL_KEYS:
+            if key in batch:
+                return batch[key]
+        raise ValueError(f"the dict batch has no labels under {LABEL_KEYS} (keys: {list(batch)}); pass labels=callable(batch)")
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[1]
+    raise ValueError(
+        f"cannot tell the labels of a {type(batch).__name__} batch"
+        + (f" of {len(batch)} elements" if isinstance(batch, (tuple, list)) else "")
+        + "; the defaults read (x, y) batches and dicts with 'labels'. Pass labels=callable(batch)"
+    )
+
+
+def logits_of(output: Any) -> Tensor | None:
+    """The ``logits`` of a forward output: a tensor, ``output.logits`` or ``output["logits"]``."""
+    if isinstance(output, Mapping):
+        output = output.get("logits")
+    output = getattr(output, "logits", output)
+    return output if isinstance(output, Tensor) else None
+
+
+def default_per_sample_loss(output: Any, labels: Tensor) -> Tensor:
+    """Cross-entropy of ``(B, C)`` logits on ``(B,)`` class labels, per sample."""
+    logits = logits_of(output)
+    if logits is None or logits.dim() != 2 or labels.dim() != 1 or labels.is_floating_point():
+        shape = None if logits is None else tuple(logits.shape)
+        raise ValueError(
+            f"the default per-sample loss is cross-entropy of (B, C) logits on (B,) class labels; got logits of shape "
+            f"{shape} and labels of shape {tuple(labels.shape)}. Pass per_sample_loss=callable(output, batch) -> (B,)"
+        )
+    return F.cross_entropy(logits.detach().float(), labels.to(logits.device).long(), reduction="none")
+
+
+@dataclass
+class CheckpointSchedule:
+    """When checkpoint passes run, and the fixed training subset they cover.
+
+    Args:
+        every_n_epochs: a pass at the end of every n-th epoch (0: never).
+        train_samples: the most training samples in each pass (drawn once, seeded, then fixed).
+        seed: the seed of that draw.
+    """
+
+    every_n_epochs: int = 1
+    train_samples: int = 256
+    seed: int = 0
+    train_indices: list[int] | None = field(default=None)
+
+    def due(self, epoch: int) -> bool:
+        return self.every_n_epochs > 0 and (epoch + 1) % self.every_n_epochs == 0
+
+    def train_subset(self, dataset_size: int) -> list[int]:
+        """The sorted dataset indices of the training subset (the same in every pass, and after resuming)."""
+        if self.train_indices is None:
+            if dataset_size <= self.train_samples:
+                self.train_indices = list(range(dataset_size))
+            else:
+                g = torch.Generator().manual_seed(self.seed)
+                self.train_indices = sorted(torch.randperm(dataset_size, generator=g)[: self.train_samples].tolist())
+        return self.train_indices
+
+
+def rank_share(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """The indices a process rank takes in a checkpoint pass (every rank a disjoint share)."""
+    return list(indices[rank::world_size])
+
+
+class _Tagged(Dataset):
+    def __init__(self, dataset: Any, indices: Sequence[int]) -> None:
+        self.dataset, self.indices = dataset, list(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, k: int) -> tuple[Any, int]:
+        return self.dataset[self.indices[k]], self.indices[k]
+
+
+def indexed_batches(
+    dataset: Any, indices: Sequence[int], batch_size: int, collate_fn: Callable[[list[Any]], Any] | None = None
+) -> Iterator[tuple[Tensor, Any]]:
+    """``(ids, batch)`` over ``dataset[indices]`` in order: exact ids for any map-style dataset."""
+    if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        raise SampleIdError(f"checkpoint passes need a map-style dataset (__getitem__, __len__); got {type(dataset).__name__}")
+    collate = collate_fn or torch.utils.data.default_collate
+
+    def both(items: list[tuple[Any, int]]) -> tuple[Tensor, Any]:
+        return torch.tensor([i for _, i in items]), collate([item for item, _ in items])
+
+    yield from DataLoader(_Tagged(unwrap_dataset(dataset), indices), batch_size=max(1, batch_size), collate_fn=both)
+
+
+def check_writable(path: str | os.PathLike[str], setting: str) -> Path:
+    """Create ``path`` and check it is writable, or raise naming ``setting``."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create the store directory {path} ({exc}); set {setting} to a writable directory") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"the store directory {path} is not writable; set {setting} to a writable directory")
+    return path
+
+
+class RunCapture:
+    """Owns the capture session of each step and the store writer of one process rank.
+
+    Args:
+        path: the store directory.
+        rank: the process rank (each rank writes its own shards).
+        loss_reduction: how the training loss combines per-sample losses (``"mean"``/``"sum"``).
+        per_sample_loss: ``(forward output, batch) -> (B,)``; default
+            :func:`default_per_sample_loss` of the labels.
+        labels: ``batch -> (B,)``; default :func:`default_labels`.
+        encoding, config: passed to :class:`StoreWriter`.
+        session_options: more :class:`CaptureSession` arguments (``modules``, ``unsupported``, ...).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        rank: int = 0,
+        loss_reduction: str = "mean",
+        per_sample_loss: PerSampleLossFn | None = None,
+        labels: LabelsFn | None = None,
+        encoding: str = "fp16",
+        config: dict[str, Any] | None = None,
+        session_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.loss_reduction = loss_reduction
+        self.per_sample_loss = per_sample_loss
+        self.labels = labels or default_labels
+        self.session_options = dict(session_options or {})
+        self.writer = StoreWriter(self.path, rank=rank, encoding=encoding, config=config)  # type: ignore[arg-type]
+        self._session: CaptureSession | None = None
+        self._output_hook: Any = None
+        self._output: Any = None
+        self._records: list[LayerRecord] | None = None
+        self.skipped_steps = 0  # fp16 steps whose gradients overflowed: not stored
+
+    # -- one training step ---------------------------------------------------------------
+
+    def begin_step(self, model: nn.Module, *, loss_scale: float = 1.0, grad_scaler: Any = None) -> None:
+        """Hook ``model`` for the coming forward and backward (closing any step left open)."""
+        self.abort_step()
+        self._session = CaptureSession(
+            model, loss_reduction=self.loss_reduction, loss_scale=loss_scale, grad_scaler=grad_scaler,  # type: ignore[arg-type]
+            **self.session_options,
+        )
+        self._session.attach()
+        self._output_hook = model.register_forward_hook(self._keep_output)
+
+    def end_backward(self) -> None:
+        """Read the factors of the backward just done (before a GradScaler updates its scale)."""
+        if self._session is not None:
+            records = self._session.factors()
+            if self._session.grad_scaler is not None and not _finite(records):
+                records, self.skipped_steps = None, self.skipped_steps + 1  # the GradScaler skips this step too
+            self._records = records
+            self._close_session()
+
+    def finish_step(
+        self, batch: Any, sample_ids: Tensor, *, step: int, capture_point: str = "train", epoch: int = 0,
+        micro_batch: int = 0, lr: float | None = None, output: Any = None,
+    ) -> None:
+        """Queue the step's records with ids, labels, per-sample losses and predictions."""
+        self._close_session()
+        records, self._records = self._records, None
+        forward_output = self._output if output is None else output
+        self._output = None
+        if records is None:  # no backward happened (a skipped step)
+            return
+        labels, losses = self.losses(forward_output, batch)
+        self.writer.write(
+            records, sample_ids=sample_ids, step=step, capture_point=capture_point, epoch=epoch,
+            micro_batch=micro_batch, labels=labels, losses=losses, predictions=predictions_of(logits_of(forward_output)), lr=lr,
+        )
+
+    def abort_step(self) -> None:
+        """Forget an unfinished step and remove its hooks."""
+        self._close_session()
+        self._records, self._output = None, None
+
+    def losses(self, output: Any, batch: Any) -> tuple[Tensor, Tensor]:
+        """Labels and per-sample losses of a batch, checked to hold one value per sample."""
+        labels = torch.as_tensor(self.labels(batch)).detach()
+        if self.per_sample_loss is not None:
+            losses = self.per_sample_loss(output, batch)
+        elif output is None:
+            raise ValueError(
+                "no forward output was seen for this batch (the step did not call the module itself), so the default "
+                "per-sample loss cannot be computed; pass per_sample_loss=callable(output, batch) -> (B,)"
+            )
+        else:
+            losses = default_per_sample_loss(output, labels)
+        losses = torch.as_tensor(losses).detach().float().reshape(-1)
+        if losses.shape[0] != labels.reshape(len(labels), -1).shape[0]:
+            raise ValueError(f"per_sample_loss returned {losses.shape[0]} values for {len(labels)} samples; return one per sample")
+        return labels.cpu(), losses.cpu()
+
+    # -- checkpoint passes ---------------------------------------------------------------
+
+    def checkpoint_pass(
+        self,
+        model: nn.Module,
+        batches: Iterator[tuple[Tensor, Any]],
+        loss_of: Callable[[Any, int], Tensor],
+        *,
+        capture_point: str,
+        step: int,
+        epoch: int,
+        lr: float | None,
+        context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> int:
+        """Capture ``(ids, batch)`` batches at the current weights in eval mode; ``.grad`` and mode are restored.
+
+        ``loss_of(batch, k)`` runs the model and returns the batch loss (reduced as
+        ``loss_reduction`` says). Returns the number of samples captured.
+        """
+        saved = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+        was_training, count = model.training, 0
+        model.eval()
+        try:
+            for k, (ids, batch) in enumerate(batches):
+                self.begin_step(model)
+                with torch.enable_grad(), context():
+                    loss = loss_of(batch, k)
+                loss.backward()
+                self.end_backward()
+                self.finish_step(batch, ids, step=step, capture_point=capture_point, epoch=epoch, micro_batch=k, lr=lr)
+                count += len(ids)
+        finally:
+            self.abort_step()
+            model.train(was_training)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.grad = saved[name]
+        return count
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove hooks and write everything queued. Safe to call twice."""
+        try:
+            self.abort_step()
+        finally:
+            self.writer.close()
+
+    def _keep_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        # the first call that completes: Lightning's DDP runs the whole training_step through an outer
+        # forward call of the module, which completes after the step's own call
+        if self._output is None:
+            self._output = output
+
+    def _close_session(self) -> None:
+        try:
+            if self._session is not None:
+                self._session.close()
+        finally:
+            self._session = None
+            if self._output_hook is not None:
+                self._output_hook.remove()
+                self._output_hook = None
+
+
+def _finite(records: Sequence[LayerRecord]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for record in records for t in record.tensors.values())

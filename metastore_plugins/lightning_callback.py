@@ -1,0 +1,291 @@
+"""``MetaStoreCallback``: capture exact per-sample gradients of a Lightning run and report on them.
+
+A thin adapter: it maps Lightning's events onto :mod:`metastore_plugins.core.run`
+(capture, sample ids, checkpoint passes) and :mod:`metastore_plugins.core.reports`.
+
+Example::
+
+    import lightning as L
+    from metastore_plugins import IndexedDataset, MetaStoreCallback
+
+    loader = DataLoader(IndexedDataset(train_set), batch_size=32, shuffle=True)
+    trainer = L.Trainer(max_epochs=3, callbacks=[MetaStoreCallback()])   # the one extra line
+    trainer.fit(model, loader, DataLoader(IndexedDataset(val_set), batch_size=64))
+
+See ``docs/lightning.md`` for defaults, sample ids, loss reduction and the reports.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+from torch.utils.data import IterableDataset
+
+from metastore_plugins.core.run import (
+    SAMPLE_ID_KEYS,
+    CheckpointSchedule,
+    IndexedDataset,
+    LabelsFn,
+    PerSampleLossFn,
+    RecordingBatchSampler,
+    RunCapture,
+    batch_size_of,
+    check_writable,
+    indexed_batches,
+    missing_ids_error,
+    rank_share,
+    record_sampler_ids,
+    take_sample_ids,
+)
+
+
+class MetaStoreCallback(Callback):
+    """Stores per-sample gradient factors of every training step, checkpoint passes, and reports.
+
+    Args:
+        dirpath: the store directory; default ``<trainer.log_dir>/metastore``.
+        loss_reduction: how ``training_step``'s loss combines per-sample losses: ``"mean"``
+            (default) or ``"sum"``. Undone, with Lightning's division by
+            ``accumulate_grad_batches`` and the 16-mixed GradScaler's scale.
+        per_sample_loss: ``(forward output, batch) -> (B,)`` per-sample losses (recorded with
+            the factors). Default: cross-entropy of the module's ``(B, C)`` logits on the labels.
+        labels: ``batch -> (B,)``; default: ``y`` of ``(x, y)`` batches, ``batch["labels"]`` of dicts.
+        encoding: ``"fp16"`` (default), ``"fp32"``, ``"bf16"`` or ``"int8"``.
+        modules: capture only these module paths of the LightningModule (all by default).
+        unsupported: ``"warn"``, ``"error"`` or ``"skip"`` for parameters no capture rule covers.
+        capture_train_steps: capture every training step (capture point ``"train"``).
+        checkpoint_every_n_epochs: checkpoint passes (``epoch-{e}/val``, ``epoch-{e}/train``) at
+            the end of every n-th epoch; 0 turns them off.
+        checkpoint_train_samples: the most training samples in each pass (a seeded, fixed subset).
+        checkpoint_val_samples: the most validation samples in each pass.
+        seed: the seed of the training subset.
+        reports: build reports at the end of ``fit`` (files, and TensorBoard when the logger is one).
+        report_k: rows of the outlier table.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        loss_reduction: str = "mean",
+        per_sample_loss: PerSampleLossFn | None = None,
+        labels: LabelsFn | None = None,
+        encoding: str = "fp16",
+        modules: Sequence[str] | None = None,
+        unsupported: str = "warn",
+        capture_train_steps: bool = True,
+        checkpoint_every_n_epochs: int = 1,
+        checkpoint_train_samples: int = 256,
+        checkpoint_val_samples: int = 256,
+        seed: int = 0,
+        reports: bool = True,
+        report_k: int = 20,
+    ) -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"MetaStoreCallback(loss_reduction=...) must be 'mean' or 'sum', got {loss_reduction!r}")
+        if isinstance(modules, str):
+            raise ValueError(f"MetaStoreCallback(modules=...) takes a list of module paths; write [{modules!r}]")
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.loss_reduction = loss_reduction
+        self.per_sample_loss = per_sample_loss
+        self.labels = labels
+        self.encoding = encoding
+        self.modules = None if modules is None else list(modules)
+        self.unsupported = unsupported
+        self.capture_train_steps = capture_train_steps
+        self.schedule = CheckpointSchedule(checkpoint_every_n_epochs, checkpoint_train_samples, seed)
+        self.checkpoint_val_samples = checkpoint_val_samples
+        self.reports = reports
+        self.report_k = report_k
+        self.run: RunCapture | None = None
+        self.report_result: dict[str, Any] | None = None
+        self._ids: Tensor | None = None
+        self._sampler: RecordingBatchSampler | None = None
+        self._step, self._step_lr = 0, None
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.dirpath is None and trainer.logger is None:
+            raise ValueError(
+                "MetaStoreCallback needs to know where to put the store: pass dirpath=... to MetaStoreCallback, "
+                "or give the Trainer a logger (logger=TensorBoardLogger(...))"
+            )
+        if self.modules is not None:
+            unknown = sorted(set(self.modules) - {name for name, _ in pl_module.named_modules()})
+            if unknown:
+                raise ValueError(
+                    f"MetaStoreCallback(modules=...) names modules that {type(pl_module).__name__} does not have: "
+                    f"{unknown}; use paths from model.named_modules()"
+                )
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                f"MetaStoreCallback supports automatic optimization only; {type(pl_module).__name__} sets "
+                "automatic_optimization=False"
+            )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.dirpath is None:
+            self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "metastore"
+        check_writable(self.dirpath, "MetaStoreCallback(dirpath=...)")
+        config = {
+            "framework": "lightning", "loss_reduction": self.loss_reduction, "precision": str(trainer.precision),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches, "world_size": trainer.world_size,
+            "module": type(pl_module).__name__, "seed": self.schedule.seed,
+        }
+        options = {"unsupported": self.unsupported, **({"modules": self.modules} if self.modules else {})}
+        self.run = RunCapture(
+            self.dirpath, rank=trainer.global_rank, loss_reduction=self.loss_reduction, per_sample_loss=self.per_sample_loss,
+            labels=self.labels, encoding=self.encoding, config=config, session_options=options,
+        )
+        self._record_sampler(trainer)
+        dataset = getattr(trainer.train_dataloader, "dataset", None)
+        if self._sampler is None and not isinstance(dataset, (IndexedDataset, IterableDataset)) and hasattr(dataset, "__len__"):
+            first = dataset[0]  # type: ignore[index]  # fail before training when no id can come
+            if not (isinstance(first, Mapping) and any(key in first for key in SAMPLE_ID_KEYS)):
+                raise missing_ids_error("training")
+
+    # -- training steps ------------------------------------------------------------------
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record_sampler(trainer)  # Lightning may have reloaded the train dataloader
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        loader = trainer.train_dataloader
+        ids = take_sample_ids(batch, strip=isinstance(getattr(loader, "dataset", None), IndexedDataset))
+        derived = self._sampler.next_ids(batch_size_of(batch)) if self._sampler is not None else None
+        if ids is None and derived is None:
+            raise missing_ids_error("training")
+        self._ids = (ids if ids is not None else derived).detach().cpu()  # type: ignore[union-attr]
+        self._step, self._step_lr = trainer.global_step, self._lr(trainer)  # the step this (micro-)batch contributes to
+        if self.run is not None and self.capture_train_steps:
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            self.run.begin_step(pl_module, loss_scale=1.0 / trainer.accumulate_grad_batches, grad_scaler=scaler)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.run is not None:
+            self.run.end_backward()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.run is None or not self.capture_train_steps:
+            return
+        accumulate = trainer.accumulate_grad_batches
+        self.run.finish_step(
+            batch, self._ids, step=self._step, epoch=trainer.current_epoch, micro_batch=batch_idx % accumulate, lr=self._step_lr,
+            output=outputs.get("logits") if isinstance(outputs, dict) and "logits" in outputs else None,
+        )
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        _strip_index(trainer.val_dataloaders, batch, dataloader_idx)
+
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        _strip_index(trainer.test_dataloaders, batch, dataloader_idx)
+
+    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        _strip_index(trainer.predict_dataloaders, batch, dataloader_idx)
+
+    # -- checkpoint passes ---------------------------------------------------------------
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        if self.run is None or not self.schedule.due(epoch):
+            return
+        train_loader = trainer.train_dataloader
+        val_loaders = trainer.val_dataloaders
+        val_loader = val_loaders[0] if isinstance(val_loaders, (list, tuple)) and val_loaders else val_loaders
+        passes = [("train", train_loader, self.schedule.train_subset(len(train_loader.dataset)))]
+        if val_loader is not None and hasattr(val_loader, "dataset"):
+            passes.append(("val", val_loader, list(range(min(len(val_loader.dataset), self.checkpoint_val_samples)))))
+        pl_module.log = pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]  # a pass must not log
+        try:
+            for split, loader, indices in passes:
+                share = rank_share(indices, trainer.global_rank, trainer.world_size)
+                batches = indexed_batches(loader.dataset, share, loader.batch_size or 32, loader.collate_fn)
+                self.run.checkpoint_pass(
+                    pl_module, ((ids, move_data_to_device(b, pl_module.device)) for ids, b in batches),
+                    lambda batch, k: _loss(pl_module.training_step(batch, k)),
+                    capture_point=f"epoch-{epoch}/{split}", step=trainer.global_step, epoch=epoch,
+                    lr=self._lr(trainer), context=trainer.precision_plugin.train_step_context,
+                )
+        finally:
+            del pl_module.log, pl_module.log_dict  # the class's methods show through again
+
+    # -- end of fit ----------------------------------------------------------------------
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+        trainer.strategy.barrier("metastore-reports")
+        if self.reports and trainer.is_global_zero and self.dirpath is not None:
+            from metastore_plugins.core.reports.tensorboard import report_run
+
+            experiments = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+            try:
+                self.report_result = report_run(self.dirpath, self.dirpath / "reports", experiments, step=trainer.global_step, k=self.report_k)
+            except (KeyError, ValueError) as exc:  # e.g. no class predictions for a regression model: the store is intact
+                warnings.warn(f"MetaStoreCallback could not build the reports ({exc!r}); the store {self.dirpath} is complete. "
+                              "Pass reports=False to skip them", stacklevel=2)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close()
+
+    # -- resuming ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dirpath": None if self.dirpath is None else str(self.dirpath), "train_indices": self.schedule.train_indices}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("dirpath"):
+            self.dirpath = Path(state_dict["dirpath"])
+        self.schedule.train_indices = state_dict.get("train_indices")
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _record_sampler(self, trainer: pl.Trainer) -> None:
+        """Derive ids of plain datasets from the index lists the train loader's sampler draws."""
+        loader = trainer.train_dataloader
+        if isinstance(getattr(loader, "dataset", None), IndexedDataset):
+            self._sampler = None
+        elif isinstance(getattr(loader, "batch_sampler", None), RecordingBatchSampler):
+            self._sampler = loader.batch_sampler
+        else:
+            self._sampler = record_sampler_ids(loader)
+            fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+            if self._sampler is not None and fetcher is not None:
+                iter(fetcher)  # Lightning created this epoch's iterator already, over the unwrapped sampler
+
+    @staticmethod
+    def _lr(trainer: pl.Trainer) -> float | None:
+        return float(trainer.optimizers[0].param_groups[0]["lr"]) if trainer.optimizers else None
+
+    def _close(self) -> None:
+        run, self.run = self.run, None
+        if run is not None:
+            run.close()
+
+
+def _loss(output: Any) -> Tensor:
+    loss = output["loss"] if isinstance(output, dict) else output
+    if not isinstance(loss, Tensor):
+        raise ValueError("training_step must return the loss (a tensor, or a dict with 'loss') for checkpoint passes")
+    return loss
+
+
+def _strip_index(loaders: Any, batch: Any, dataloader_idx: int) -> None:
+    """Remove what an IndexedDataset added, so that evaluation steps see the dataset's own items."""
+    loader = loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders
+    if isinstance(getattr(loader, "dataset", None), IndexedDataset):
+        take_sample_ids(batch, strip=True)
