@@ -72,6 +72,11 @@ def bert_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list],
     return records, reference
 
 
+def _per_sample_vectors(grads: dict[str, Tensor]) -> Tensor:
+    size = next(iter(grads.values())).shape[0]
+    return torch.stack([flat({name: g[i] for name, g in grads.items()}) for i in range(size)])
+
+
 def _write(path: Path, records: dict[str, list], encoding: str | None) -> None:
     kwargs = {} if encoding is None else {"encoding": encoding}
     with StoreWriter(path, shard_bytes=50_000, **kwargs) as writer:
@@ -86,15 +91,15 @@ def test_encoding_error_on_tiny_bert(bert_run: tuple, tmp_path: Path, encoding: 
     store = open_store(tmp_path)
     used = encoding or DEFAULT_ENCODING
     assert store.summary()["encodings"] == [used]
-    flat_ref = {cp: torch.stack([flat({k: v[i] for k, v in g.items()}) for i in range(next(iter(g.values())).shape[0])]) for cp, g in reference.items()}
+    flat_ref = {cp: _per_sample_vectors(grads) for cp, grads in reference.items()}  # (B, P) each
     ref_norms = np.concatenate([flat_ref["train"].norm(dim=1).numpy(), flat_ref["test"].norm(dim=1).numpy()])
     norms = np.concatenate([store.norms("train"), store.norms("test")])
     ref_dots = (flat_ref["train"] @ flat_ref["test"].T).numpy()  # (8, 4)
     scores = store.influence(train="train", test="test")  # no lr recorded: plain dots
     np.testing.assert_array_equal(scores.row_ids, np.arange(8))
     norm_err, dot_err = rel_err(norms, ref_norms), rel_err(scores.scores, ref_dots)
-    print(f"\n[{used}{' (default)' if encoding is None else ''}] norms rel err {norm_err:.2e}, dots rel err {dot_err:.2e}, "
-          f"bytes on disk {store.summary()['bytes_on_disk']}")
+    label = used + (" (default)" if encoding is None else "")
+    print(f"\n[{label}] norms rel err {norm_err:.2e}, dots rel err {dot_err:.2e}, bytes {store.summary()['bytes_on_disk']}")
     norm_bound, dot_bound = BOUNDS[used]
     assert norm_err <= norm_bound and dot_err <= dot_bound
     if used != "fp32":  # lossy encodings are not secretly exact
@@ -114,7 +119,12 @@ def _tiny_outer(seed: int, magnitude: float) -> tuple[LayerRecord, dict[str, Ten
         batch_size=3,
         params={"weight": "fc.weight", "bias": "fc.bias"},
         param_shapes={"weight": (4, 5), "bias": (4,)},
-        tensors={"prefix": prefix, "suffix": suffix, "sample": torch.arange(3).repeat_interleave(2).int(), "position": torch.arange(6).int() % 2},
+        tensors={
+            "prefix": prefix,
+            "suffix": suffix,
+            "sample": torch.arange(3).repeat_interleave(2).int(),
+            "position": torch.arange(6).int() % 2,
+        },
     )
     a, d = prefix[:, 0].reshape(3, 2, 5), suffix[:, 0].reshape(3, 2, 4)
     return record, {"fc.weight": torch.einsum("bto,bti->boi", d, a), "fc.bias": d.sum(1)}
@@ -134,7 +144,12 @@ def test_tiny_values_and_zero_rows_round_trip(tmp_path: Path, encoding: str, bou
         batch_size=3,
         params={"weight": "unused.weight"},
         param_shapes={"weight": (2, 3)},
-        tensors={"prefix": torch.zeros(0, 1, 3), "suffix": torch.zeros(0, 1, 2), "sample": torch.zeros(0, dtype=torch.int32), "position": torch.zeros(0, dtype=torch.int32)},
+        tensors={
+            "prefix": torch.zeros(0, 1, 3),
+            "suffix": torch.zeros(0, 1, 2),
+            "sample": torch.zeros(0, dtype=torch.int32),
+            "position": torch.zeros(0, dtype=torch.int32),
+        },
     )
     with StoreWriter(tmp_path, encoding=encoding) as writer:
         writer.write([record, dense, empty], sample_ids=[7, 8, 9], step=0)

@@ -168,6 +168,8 @@ def test_restore_equals_torch_func_reference(run: Run, store: GradientStore) -> 
     expected = run.grads[("ckpt0/test", 1, 102)]
     head = store.restore(102, capture_point="ckpt0/test", layer="head")
     assert max_relative_error(head, {k: v for k, v in expected.items() if k.startswith("head.")}) <= TOL
+    step = store.metadata("train", sample_ids=[5])["step"][0]  # a numpy integer
+    assert max_relative_error(store.restore(5, capture_point="train", step=step), run.grads[("train", int(step), 5)]) <= TOL
     # unique in a checkpoint pass: no step needed
     assert max_relative_error(store.restore(102, capture_point="ckpt0/test"), expected) <= TOL
 
@@ -189,6 +191,7 @@ def test_select_by_steps_epochs_samples(run: Run, store: GradientStore) -> None:
         ({"sample_ids": [17, 3, 5]}, [r for r in rows if r["sample_id"] in (3, 5, 17)]),
         ({"sample_ids": np.array([5]), "epochs": 1}, [r for r in rows if r["sample_id"] == 5 and r["epoch"] == 1]),
         ({"steps": (7, 9)}, []),
+        ({"steps": np.int64(2), "epochs": np.int64(1)}, [r for r in rows if r["step"] == 2]),  # as metadata() gives them
     ]
     for where, expected in cases:
         np.testing.assert_array_equal(store.sample_ids("train", **where), [r["sample_id"] for r in expected], err_msg=str(where))
@@ -240,8 +243,9 @@ def test_two_ranks_merge_transparently(run: Run, store: GradientStore) -> None:
     assert summary["capture_points"]["train"] == 16  # 4 steps x 2 ranks x 2 micro-batches
     assert store.verify() == []
     # one rank on its own holds exactly its samples
-    np.testing.assert_array_equal(store.metadata("train")["sample_id"][store.metadata("train")["rank"] == 1],
-                                  [r["sample_id"] for r in run.expected("train") if r["rank"] == 1])
+    meta = store.metadata("train")
+    from_rank1 = [r["sample_id"] for r in run.expected("train") if r["rank"] == 1]
+    np.testing.assert_array_equal(meta["sample_id"][meta["rank"] == 1], from_rank1)
 
 
 def test_norms_equal_reference(run: Run, store: GradientStore) -> None:
@@ -314,15 +318,9 @@ def test_similar_is_gradient_cosine(run: Run, store: GradientStore) -> None:
     sim = store.similar("ckpt0/test", "ckpt0/train", query_ids=[101, 104])
     np.testing.assert_array_equal(sim.row_ids, CHECKPOINT_TRAIN_IDS[0])
     np.testing.assert_array_equal(sim.col_ids, [101, 104])
-    expected = np.array(
-        [
-            [
-                float(torch.nn.functional.cosine_similarity(flat(run.grads[("ckpt0/train", 1, i)]), flat(run.grads[("ckpt0/test", 1, j)]), dim=0))
-                for j in (101, 104)
-            ]
-            for i in CHECKPOINT_TRAIN_IDS[0]
-        ]
-    )
+    train = torch.stack([flat(run.grads[("ckpt0/train", 1, i)]) for i in CHECKPOINT_TRAIN_IDS[0]])  # (8, P)
+    test = torch.stack([flat(run.grads[("ckpt0/test", 1, j)]) for j in (101, 104)])  # (2, P)
+    expected = (train / train.norm(dim=1, keepdim=True)) @ (test / test.norm(dim=1, keepdim=True)).T  # (8, 2)
     np.testing.assert_allclose(sim.scores, expected, atol=TOL)
 
 

@@ -314,6 +314,27 @@ def test_errors_in_the_writer_thread_reach_the_caller(tmp_path: Path, monkeypatc
         writer.write(records, sample_ids=[0, 1, 2, 3], step=1)
 
 
+def test_new_layers_while_the_manifest_is_being_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training thread registers layers while the writer thread serializes the manifest."""
+    from metastore_plugins.core.store import manifest as mf
+
+    write_manifest = mf.write_manifest
+
+    def slow_write(directory: Path, manifest: dict[str, Any]) -> None:
+        for _ in manifest["layers"]:  # a slow serializer: other threads run meanwhile
+            time.sleep(0.002)
+        write_manifest(directory, manifest)
+
+    monkeypatch.setattr(mf, "write_manifest", slow_write)
+    with StoreWriter(tmp_path, encoding="fp32", shard_bytes=1) as writer:
+        for i in range(20):
+            record = LayerRecord(f"l{i}", "dense", 1, {"w": f"l{i}.w"}, {"w": (1,)}, {"grad.w": torch.full((1, 1), float(i))})
+            writer.write([record], sample_ids=[i], step=i)
+    store = open_store(tmp_path)
+    assert len(store.layers()) == 20 and store.verify() == []
+    assert [float(store.restore(i)[f"l{i}.w"]) for i in range(20)] == [float(i) for i in range(20)]
+
+
 # -- opening ----------------------------------------------------------------------------------
 
 

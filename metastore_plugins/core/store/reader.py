@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,8 @@ class StoreError(ValueError):
 def _as_range(steps: int | tuple[int, int] | None) -> tuple[int, int] | None:
     if steps is None:
         return None
-    if isinstance(steps, int):
-        return steps, steps
+    if isinstance(steps, Integral):  # numpy integers too (metadata columns are numpy)
+        return int(steps), int(steps)
     lo, hi = steps
     return int(lo), int(hi)
 
@@ -142,7 +143,7 @@ class GradientStore(QueryMixin, DynamicsMixin):
         if window is not None:
             refs = [r for r in refs if window[0] <= r.step <= window[1]]
         if epochs is not None:
-            wanted = {int(epochs)} if isinstance(epochs, int) else {int(e) for e in epochs}
+            wanted = {int(epochs)} if isinstance(epochs, Integral) else {int(e) for e in epochs}
             refs = [r for r in refs if int(r.info["epoch"]) in wanted]
         if layers is not None:
             layers = [layers] if isinstance(layers, str) else list(layers)
