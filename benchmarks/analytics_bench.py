@@ -1,0 +1,187 @@
+"""Analytics: per-sample norms and exact influence (N train x M test), three ways, side by side.
+
+- ``store``: ``open_store(...).norms("train")`` / ``.influence("train", "test")`` -- reads the
+  shards and computes on the factors (the ops choose factored or dense per layer);
+- ``torch.func``: per-sample gradients by ``vmap(grad)`` (train in chunks), flattened, ``matmul``;
+- ``rebuild``: read the same store, rebuild dense per-sample gradients from the factors, ``matmul``.
+
+Agreement is ``max |a - e| / max |e|`` against torch.func (fp32 store: exact up to float
+rounding; the default fp16 store is lossy by design, and its error is reported too).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from metastore_plugins.core.capture.records import restore_all
+from metastore_plugins.core.passes import capture_step
+from metastore_plugins.core.store import StoreWriter, open_store
+
+from .capture_bench import func_per_sample_grads, per_sample_ce
+from .models import Workload
+from .timing import median, rel_error
+
+TEST_ID_OFFSET = 1_000_000
+
+
+def freeze_word_embeddings(model: torch.nn.Module) -> torch.nn.Module:
+    """BERT's 30522 x 384 word embeddings make one dense per-sample gradient 47 MB: the torch.func
+    and rebuild baselines could not hold N of them, so they are frozen for analytics (all methods)."""
+    for name, param in model.named_parameters():
+        if name.endswith("word_embeddings.weight"):
+            param.requires_grad_(False)
+    return model
+
+
+def write_store(path: Path, model: torch.nn.Module, workload: Workload, n_train: int, n_test: int, encoding: str) -> None:
+    """Capture ``n_train`` train and ``n_test`` test samples at the same weights (model left unchanged)."""
+    with StoreWriter(path, encoding=encoding) as writer:
+        for point, count, seed, offset in (("train", n_train, 100, 0), ("test", n_test, 200, TEST_ID_OFFSET)):
+            for k, lo in enumerate(range(0, count, workload.batch_size)):
+                size = min(workload.batch_size, count - lo)
+                batch = workload.batch(size, seed + k)
+                capture_step(
+                    model, lambda: workload.forward(model, batch), batch["labels"], torch.arange(lo, lo + size) + offset,
+                    per_sample_ce, writer, step=0, capture_point=point,
+                )
+    model.zero_grad(set_to_none=True)
+
+
+def _flat(grads: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    return torch.cat([grads[n].reshape(grads[n].shape[0], -1) for n in names], 1)  # (n, P)
+
+
+def torch_func_pass(model: torch.nn.Module, workload: Workload, n_train: int, n_test: int) -> dict[str, Any]:
+    """Norms and influence from torch.func per-sample gradients; times of each part."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    times = {"grads_test": 0.0, "grads_train": 0.0, "matmul": 0.0, "norms": 0.0}
+    start = time.perf_counter()
+    test = []
+    for k, lo in enumerate(range(0, n_test, workload.batch_size)):
+        batch = workload.batch(min(workload.batch_size, n_test - lo), 200 + k)
+        test.append(_flat(func_per_sample_grads(model, workload, batch), names))
+    g_test = torch.cat(test)  # (M, P)
+    times["grads_test"] = time.perf_counter() - start
+    scores, norms = [], []
+    for k, lo in enumerate(range(0, n_train, workload.batch_size)):
+        batch = workload.batch(min(workload.batch_size, n_train - lo), 100 + k)
+        t0 = time.perf_counter()
+        g = _flat(func_per_sample_grads(model, workload, batch), names)  # (n, P)
+        t1 = time.perf_counter()
+        scores.append(g @ g_test.T)  # (n, M)
+        t2 = time.perf_counter()
+        norms.append(g.norm(dim=1))  # (n,)
+        times["grads_train"] += t1 - t0
+        times["matmul"] += t2 - t1
+        times["norms"] += time.perf_counter() - t2
+    return {"scores": torch.cat(scores).double().numpy(), "norms": torch.cat(norms).double().numpy(), "times": times}
+
+
+def rebuild_pass(path: Path, names: list[str], train_ids: list[int] | None = None) -> dict[str, Any]:
+    """Norms and influence after rebuilding dense per-sample gradients from the stored factors."""
+    store = open_store(path)
+    start = time.perf_counter()
+    g_test = torch.cat([_flat(restore_all(b.records), names) for b in store.select("test").batches()])  # (M, P)
+    t = {"test": time.perf_counter() - start, "train": 0.0, "matmul": 0.0, "norms": 0.0}
+    scores, norms = [], []
+    batches = iter(store.select("train", sample_ids=train_ids).batches())
+    while True:
+        t0 = time.perf_counter()
+        b = next(batches, None)
+        if b is None:
+            break
+        g = _flat(restore_all(b.records), names)  # (n, P)
+        t1 = time.perf_counter()
+        scores.append(g @ g_test.T)  # (n, M)
+        t2 = time.perf_counter()
+        norms.append(g.norm(dim=1))  # (n,)
+        t["train"] += t1 - t0
+        t["matmul"] += t2 - t1
+        t["norms"] += time.perf_counter() - t2
+    return {
+        "scores": torch.cat(scores).double().numpy(),
+        "norms": torch.cat(norms).double().numpy(),
+        "influence_s": t["test"] + t["train"] + t["matmul"],
+        "norms_s": t["train"] + t["norms"],
+    }
+
+
+def run(workload: Workload, n_train: int, n_test: int, repeats: int) -> dict[str, Any]:
+    model = workload.build()
+    if workload.kind == "text":
+        freeze_word_embeddings(model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    with tempfile.TemporaryDirectory(prefix="msbench-") as tmp:
+        paths = {enc: Path(tmp) / enc for enc in ("fp32", "fp16")}
+        for enc, path in paths.items():
+            write_store(path, model, workload, n_train, n_test, enc)
+        store = open_store(paths["fp32"])
+        if sorted(store.parameters()) != sorted(names):
+            raise RuntimeError(f"the store captured {sorted(store.parameters())}, expected {names}")
+        # warm-up (also first reads from the page cache): one untimed call of each
+        store.norms("train"), store.influence("train", "test")
+        store_norm_t, store_infl_t, func_runs, rebuild_runs = [], [], [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            norms = store.norms("train")
+            t1 = time.perf_counter()
+            scores = store.influence("train", "test").scores
+            t2 = time.perf_counter()
+            store_norm_t.append(t1 - t0)
+            store_infl_t.append(t2 - t1)
+            func_runs.append(torch_func_pass(model, workload, n_train, n_test))
+            rebuild_runs.append(rebuild_pass(paths["fp32"], names))
+        half = open_store(paths["fp16"])
+        half_norms, half_scores = half.norms("train"), half.influence("train", "test").scores
+        store_bytes = sum(p.stat().st_size for p in paths["fp16"].glob("*.safetensors"))
+    ref = func_runs[-1]
+    func_norm_t = [r["times"]["grads_train"] + r["times"]["norms"] for r in func_runs]
+    func_infl_t = [r["times"]["grads_train"] + r["times"]["grads_test"] + r["times"]["matmul"] for r in func_runs]
+    rebuild_infl_t = [r["influence_s"] for r in rebuild_runs]
+    result = {
+        "workload": workload.name,
+        "n_train": n_train,
+        "n_test": n_test,
+        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "repeats": repeats,
+        "fp16_store_bytes": store_bytes,
+        "norms_s": {
+            "store": median(store_norm_t),
+            "torch.func": median(func_norm_t),
+            "rebuild": median([r["norms_s"] for r in rebuild_runs]),
+        },
+        "influence_s": {
+            "store": median(store_infl_t),
+            "torch.func": median(func_infl_t),
+            "rebuild": median(rebuild_infl_t),
+            "torch.func_matmul_only": median([r["times"]["matmul"] for r in func_runs]),
+        },
+        "agreement": {
+            "norms_store_fp32": rel_error(norms, ref["norms"]),
+            "norms_rebuild_fp32": rel_error(rebuild_runs[-1]["norms"], ref["norms"]),
+            "influence_store_fp32": rel_error(scores, ref["scores"]),
+            "influence_rebuild_fp32": rel_error(rebuild_runs[-1]["scores"], ref["scores"]),
+            "norms_store_fp16": rel_error(half_norms, ref["norms"]),
+            "influence_store_fp16": rel_error(half_scores, ref["scores"]),
+        },
+    }
+    result["speedup"] = {
+        "influence_vs_torch.func": result["influence_s"]["torch.func"] / result["influence_s"]["store"],
+        "influence_vs_rebuild": result["influence_s"]["rebuild"] / result["influence_s"]["store"],
+        "norms_vs_torch.func": result["norms_s"]["torch.func"] / result["norms_s"]["store"],
+    }
+    return result
+
+
+def agreement_ok(result: dict[str, Any]) -> bool:
+    """fp32 results must match torch.func to float rounding."""
+    a = result["agreement"]
+    return max(a["norms_store_fp32"], a["influence_store_fp32"], a["influence_rebuild_fp32"]) < 1e-3 and np.isfinite(
+        list(a.values())
+    ).all()
