@@ -54,6 +54,16 @@ def storage_table(results: list[dict[str, Any]]) -> list[str]:
     )
 
 
+def writer_table(results: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        [r["workload"], _fmt(w["bytes"], "B"), f"{w['store_mb_s']:.0f} MB/s", f"{w['save_file_mb_s']:.0f} MB/s",
+         f"{w['store_mb_s'] / w['save_file_mb_s']:.2f}x"]
+        for r in results
+        if (w := r.get("writer_throughput"))
+    ]
+    return _table(["workload", "written", "StoreWriter (fsync, sha256)", "plain save_file", "ratio"], rows)
+
+
 def analytics_table(results: list[dict[str, Any]]) -> list[str]:
     rows = []
     for r in results:
@@ -174,6 +184,11 @@ def markdown(results: dict[str, Any], plot_name: str) -> str:
         "#### Storage: bytes per sample",
         "",
         *storage_table(results["storage"]),
+        "",
+        "Writer throughput: 8 batches through `StoreWriter` (fp32, background thread, fsync, sha256, manifest) "
+        "against one `safetensors.torch.save_file` of the same tensors, same run:",
+        "",
+        *writer_table(results["storage"]),
         "",
         "#### Analytics: norms and exact influence (seconds; relative error against torch.func)",
         "",

@@ -10,6 +10,8 @@ rows kept (capped by its dense form, which the store keeps when smaller).
 from __future__ import annotations
 
 import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.store import ENCODINGS, StoreWriter
 from metastore_plugins.core.store.encoding import encode
+from safetensors.torch import save_file
 
 from .models import Workload
 
@@ -91,4 +94,23 @@ def run(workload: Workload) -> dict[str, Any]:
             "ratio_dense_without_word_embeddings_to_store": out["dense_fp32_per_sample_without_word_embeddings"] / per_sample,
             "pruning_saves": per_sample_unpruned / per_sample,
         }
+    out["writer_throughput"] = writer_throughput(records, size)
     return out
+
+
+def writer_throughput(records: list[LayerRecord], size: int, batches: int = 8) -> dict[str, float]:
+    """MB/s of ``StoreWriter`` (fp32, one shard) against ``save_file`` of the same tensors, same run."""
+    with tempfile.TemporaryDirectory(prefix="msbench-") as tmp:
+        start = time.perf_counter()
+        with StoreWriter(Path(tmp) / "store", encoding="fp32", shard_bytes=2**40) as writer:
+            for step in range(batches):
+                writer.write(records, sample_ids=torch.arange(size) + step * size, step=step)
+        store_s = time.perf_counter() - start
+        written = writer.stats.bytes_written
+        tensors = {
+            f"b{step}/r{k}/{name}": t.clone() for step in range(batches) for k, r in enumerate(records) for name, t in r.tensors.items()
+        }
+        start = time.perf_counter()
+        save_file(tensors, str(Path(tmp) / "plain.safetensors"))
+        plain_s = time.perf_counter() - start
+    return {"bytes": written, "store_mb_s": written / store_s / 1e6, "save_file_mb_s": written / plain_s / 1e6}

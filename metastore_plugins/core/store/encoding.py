@@ -45,10 +45,10 @@ def _row_scale(x: Tensor, top: float) -> Tensor:
 def encode(key: str, tensor: Tensor, encoding: Encoding) -> dict[str, Tensor]:
     """Stored tensors of one record tensor: ``{key: data}`` plus ``{key.scale: (R,)}`` when scaled."""
     tensor = tensor.detach()
-    if not tensor.is_floating_point():
-        return {key: tensor.to(torch.int32).contiguous()}
+    if not tensor.is_floating_point():  # copies: a shard never shares memory with the caller's tensors
+        return {key: tensor.to(torch.int32, copy=True).contiguous()}
     if encoding == "fp32":
-        return {key: tensor.float().contiguous()}
+        return {key: tensor.to(torch.float32, copy=True).contiguous()}
     if encoding == "bf16":
         return {key: tensor.to(torch.bfloat16).contiguous()}
     dtype, top = _ROW_SCALED[encoding]
