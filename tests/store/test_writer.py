@@ -305,7 +305,7 @@ def test_errors_in_the_writer_thread_reach_the_caller(tmp_path: Path, monkeypatc
         raise OSError("disk full")
 
     monkeypatch.setattr(writer_module, "save_file", broken)
-    writer = StoreWriter(tmp_path, shard_bytes=1)
+    writer = StoreWriter(tmp_path, shard_bytes=1, on_error="raise")  # the default warns: tests/store/test_faults.py
     records, _ = synthetic_batch(0)
     writer.write(records, sample_ids=[0, 1, 2, 3], step=0)
     with pytest.raises(RuntimeError, match="disk full"):

@@ -2,7 +2,8 @@
 
 A run directory holds ``manifest-rank{r}.json`` and ``rank{r}-{n:06d}.safetensors``
 shards. A shard is listed only once it is whole on disk, so a killed run leaves a
-readable store that lost at most the shard in flight. Schema (version 1)::
+readable store that lost at most the shard in flight. Schema (version 1; every field, the
+versioning rules and what a reader checks are in docs/format.md)::
 
     {"format": "metastore", "schema_version": 1, "rank": 0,
      "config": {...},                                   # run configuration, free-form
@@ -30,6 +31,11 @@ from typing import Any
 FORMAT = "metastore"
 SCHEMA_VERSION = 1
 MANIFEST_PATTERN = re.compile(r"^manifest-rank(\d+)\.json$")
+
+
+class StoreError(ValueError):
+    """A user mistake about a store (not a store, unknown capture point, sample, step or layer),
+    or a damaged or malformed store (a checksum mismatch, a hostile manifest or shard)."""
 
 
 def manifest_name(rank: int) -> str:
@@ -65,13 +71,20 @@ def fsync_dir(directory: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file, fsync and rename."""
+    """Write ``data`` to ``path`` through a temporary file, fsync and rename.
+
+    On failure (a full disk) the temporary file is removed and ``path`` is left as it was.
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -90,18 +103,103 @@ def file_sha256(path: Path) -> str:
 def load_manifest(path: Path) -> dict[str, Any]:
     """Read and check one manifest; raise ``ValueError`` naming the file and the problem."""
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"cannot read manifest {path}: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{path} is not a metastore manifest (no \"format\": \"{FORMAT}\")")
     version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if not _is_int(version) or version < 1:
+        raise ValueError(f"{path} has an invalid schema version {version!r} (a positive integer is expected)")
+    if version > SCHEMA_VERSION:
         raise ValueError(
             f"{path} has schema version {version}; this version of metastore_plugins reads "
-            f"version {SCHEMA_VERSION}: upgrade metastore_plugins"
+            f"version {SCHEMA_VERSION} and older: upgrade metastore_plugins"
         )
+    check_manifest(manifest, path)
     return manifest
+
+
+# -- structure checks: a reader trusts nothing a manifest says before these pass -------------
+
+SHARD_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors$")
+KINDS = ("outer", "embedding", "dense")
+LAYOUTS = ("out_in", "in_out")
+ENCODING_NAMES = ("fp32", "fp16", "bf16", "int8")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _need(ok: bool, path: Path, where: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"malformed manifest {path}: {where} {what}")
+
+
+def check_shard_file(name: Any, path: Path, where: str) -> None:
+    """A shard ``file`` must be a plain file name inside the run directory (no ``..``, ``/``, drive)."""
+    _need(isinstance(name, str), path, where, f"must be a file name string; got {name!r}")
+    _need(
+        SHARD_FILE.match(name) is not None and name not in (".", ".."),
+        path,
+        where,
+        f"{name!r} is not a plain *.safetensors file name in the run directory (paths and '..' are refused)",
+    )
+
+
+def check_manifest(manifest: dict[str, Any], path: Path) -> None:
+    """Check the types of every field a reader uses; raise ``ValueError`` naming the file and the field."""
+    _need(_is_int(manifest.get("rank")) and manifest["rank"] >= 0, path, '"rank"', "must be a non-negative integer")
+    _need(isinstance(manifest.get("config", {}), dict), path, '"config"', "must be an object")
+    layers = manifest.get("layers")
+    _need(isinstance(layers, dict), path, '"layers"', "must be an object")
+    for name, layer in layers.items():
+        where = f"layers[{name!r}]"
+        _need(isinstance(layer, dict), path, where, "must be an object")
+        params, shapes = layer.get("params"), layer.get("param_shapes")
+        _need(isinstance(params, dict) and all(isinstance(v, str) for v in params.values()), path, where, '"params" must map roles to names')
+        _need(isinstance(shapes, dict) and set(shapes) == set(params), path, where, '"param_shapes" must give a shape per role')
+        for role, shape in shapes.items():
+            good = isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
+            _need(good, path, f"{where}.param_shapes[{role!r}]", f"must be a list of sizes; got {shape!r}")
+        _need(layer.get("layout", "out_in") in LAYOUTS, path, where, f'"layout" must be one of {LAYOUTS}')
+    shards = manifest.get("shards")
+    _need(isinstance(shards, list), path, '"shards"', "must be a list")
+    for i, shard in enumerate(shards):
+        where = f"shards[{i}]"
+        _need(isinstance(shard, dict), path, where, "must be an object")
+        check_shard_file(shard.get("file"), path, f"{where}.file")
+        _need(_is_int(shard.get("bytes")) and shard["bytes"] >= 0, path, f"{where}.bytes", "must be a byte count")
+        sha = shard.get("sha256")
+        _need(isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha) is not None, path, f"{where}.sha256", "must be 64 hex digits")
+        _need(shard.get("encoding") in ENCODING_NAMES, path, f"{where}.encoding", f"must be one of {ENCODING_NAMES}")
+        batches = shard.get("batches")
+        _need(isinstance(batches, list), path, f"{where}.batches", "must be a list")
+        for j, batch in enumerate(batches):
+            _check_batch(batch, layers, path, f"{where}.batches[{j}]")
+
+
+def _check_batch(batch: Any, layers: dict[str, Any], path: Path, where: str) -> None:
+    _need(isinstance(batch, dict), path, where, "must be an object")
+    _need(isinstance(batch.get("capture_point"), str), path, f"{where}.capture_point", "must be a string")
+    for key in ("step", "epoch", "micro_batch", "rank", "size"):
+        _need(_is_int(batch.get(key)), path, f"{where}.{key}", f"must be an integer; got {batch.get(key)!r}")
+    _need(batch["size"] >= 0, path, f"{where}.size", "must be non-negative")
+    _need(batch.get("lr") is None or _is_number(batch["lr"]), path, f"{where}.lr", "must be a number or null")
+    records = batch.get("records")
+    _need(isinstance(records, list), path, f"{where}.records", "must be a list")
+    for k, record in enumerate(records):
+        at = f"{where}.records[{k}]"
+        _need(isinstance(record, dict), path, at, "must be an object")
+        _need(record.get("layer") in layers, path, f"{at}.layer", f"{record.get('layer')!r} is not in \"layers\"")
+        _need(record.get("kind") in KINDS, path, f"{at}.kind", f"must be one of {KINDS}")
+        for key in ("rows", "bytes", "dense_bytes"):
+            _need(_is_int(record.get(key, 0)), path, f"{at}.{key}", "must be an integer")
 
 
 def find_manifests(directory: Path) -> list[Path]:

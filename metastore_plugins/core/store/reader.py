@@ -23,13 +23,10 @@ from torch import Tensor
 
 from metastore_plugins.core.capture.records import restore_all
 from metastore_plugins.core.store import manifest as mf
+from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.dynamics import DynamicsMixin
 from metastore_plugins.core.store.queries import QueryMixin
-from metastore_plugins.core.store.selection import BatchRef, Selection
-
-
-class StoreError(ValueError):
-    """A user mistake about a store: not a store, unknown capture point, sample, step or layer."""
+from metastore_plugins.core.store.selection import BatchRef, Selection, ShardFiles
 
 
 def _as_range(steps: int | tuple[int, int] | None) -> tuple[int, int] | None:
@@ -47,9 +44,12 @@ class GradientStore(QueryMixin, DynamicsMixin):
     Per-sample results follow *selection order*: batches by (step, micro-batch, rank),
     samples in batch order. A sample seen at several steps (``"train"`` over several
     epochs) appears once per occurrence; checkpoint passes hold each sample once.
+
+    The first read from a shard checks its size and (with ``checksums``, the default) its
+    sha256 against the manifest; a damaged shard raises :class:`StoreError` naming the file.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, checksums: bool = True) -> None:
         self.path = Path(path)
         manifests = mf.find_manifests(self.path)
         if not manifests:
@@ -60,12 +60,19 @@ class GradientStore(QueryMixin, DynamicsMixin):
         except ValueError as exc:
             raise StoreError(str(exc)) from exc
         self._layers: dict[str, dict[str, Any]] = {}
+        entries: dict[str, dict[str, Any]] = {}
+        for manifest, source in zip(self.manifests, manifests):
+            for shard in manifest["shards"]:
+                if shard["file"] in entries:
+                    raise StoreError(f"{source}: shard {shard['file']} is listed twice in the store's manifests")
+                entries[shard["file"]] = shard
+        self._files = ShardFiles(self.path, entries, checksums)
         refs = []
         for manifest in self.manifests:
             self._layers.update(manifest["layers"])
             for shard in manifest["shards"]:
                 for j, info in enumerate(shard["batches"]):
-                    refs.append(BatchRef(self.path / shard["file"], j, info, manifest["layers"]))
+                    refs.append(BatchRef(self.path / shard["file"], j, info, manifest["layers"], self._files))
         self._refs = tuple(sorted(refs, key=BatchRef.order_key))
 
     # -- listing -------------------------------------------------------------------------
@@ -232,6 +239,8 @@ class GradientStore(QueryMixin, DynamicsMixin):
 
 def _check_shard(path: Path, shard: dict[str, Any], checksums: bool) -> list[str]:
     name = shard["file"]
+    if path.is_symlink():
+        return [f"{name}: a link, not a file of the run directory; not read"]
     if not path.exists():
         return [f"{name}: listed in the manifest but missing on disk"]
     size = path.stat().st_size
@@ -248,15 +257,17 @@ def _check_shard(path: Path, shard: dict[str, Any], checksums: bool) -> list[str
     return [f"{name}: batches {', '.join(missing)} have no sample ids"] if missing else []
 
 
-def open_store(path: str | os.PathLike[str]) -> GradientStore:
+def open_store(path: str | os.PathLike[str], *, checksums: bool = True) -> GradientStore:
     """Open a run's gradient store (the directory holding ``manifest-rank*.json``).
 
     A run directory whose ``store/`` subdirectory holds the manifests is accepted too.
+    ``checksums=False`` skips the sha256 check of each shard on its first read (sizes are
+    still checked).
     """
     path = Path(path)
     if not mf.find_manifests(path) and mf.find_manifests(path / "store"):
         path = path / "store"
-    return GradientStore(path)
+    return GradientStore(path, checksums=checksums)
 
 
 __all__ = ["GradientStore", "StoreError", "open_store"]

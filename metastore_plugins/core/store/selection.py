@@ -6,8 +6,12 @@ from memory-mapped shards (``safetensors.safe_open``) only while iterating it.
 
 from __future__ import annotations
 
+import bisect
+import math
+import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +21,121 @@ from safetensors import safe_open
 from torch import Tensor
 
 from metastore_plugins.core.capture.records import LayerRecord
-from metastore_plugins.core.store.progress import progress
+from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import decode, is_scale_key
+from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.progress import progress
 
 #: Metadata columns every selection returns (missing values: -1 for ids/labels, NaN for floats).
 BATCH_COLUMNS = ("step", "epoch", "micro_batch", "rank")
+
+
+class ShardFiles:
+    """Opens the shards of one store: checks a shard against its manifest entry (inside the
+    run directory, size, sha256) the first time it is read, then remembers it is sound.
+
+    Every error is a :class:`StoreError` naming the file; other shards stay readable.
+    """
+
+    def __init__(self, directory: Path, entries: dict[str, dict[str, Any]], checksums: bool = True) -> None:
+        self.directory, self.entries, self.checksums = directory, entries, checksums
+        self._sound: set[str] = set()
+        self._lock = threading.Lock()
+
+    def check(self, path: Path) -> None:
+        name = path.name
+        if name in self._sound:
+            return
+        with self._lock:
+            entry = self.entries.get(name)
+            if entry is None or path.parent != self.directory:
+                raise StoreError(f"{path} is not a shard listed in the manifests of {self.directory}; not read")
+            if path.is_symlink() or path.resolve().parent != self.directory.resolve():
+                raise StoreError(f"{path} leads outside the run directory {self.directory}; not read")
+            if not path.is_file():
+                raise StoreError(f"{path}: listed in the manifest but missing on disk")
+            size = path.stat().st_size
+            if size != entry["bytes"]:
+                raise StoreError(f"{path}: checksum mismatch, {size} bytes on disk but {entry['bytes']} in the manifest (truncated or rewritten)")
+            if self.checksums:
+                actual = mf.file_sha256(path)
+                if actual != entry["sha256"]:
+                    raise StoreError(
+                        f"{path}: checksum mismatch, sha256 {actual} on disk but {entry['sha256']} in the manifest "
+                        "(the file is damaged); other shards stay readable, store.verify() lists all damage"
+                    )
+            self._sound.add(name)
+
+    @contextmanager
+    def open(self, path: Path) -> Iterator[Any]:
+        """``safe_open`` a checked shard; a file safetensors cannot parse raises :class:`StoreError`."""
+        self.check(path)
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as exc:  # noqa: BLE001 - header too large, bad JSON header, bad offsets
+            raise StoreError(f"{path}: not a readable safetensors file ({exc})") from exc
+        with handle:
+            yield handle
+
+
+def _get(handle: Any, key: str, path: Path) -> Tensor:
+    try:
+        return handle.get_tensor(key)
+    except Exception as exc:  # noqa: BLE001
+        raise StoreError(f"{path}: cannot read tensor {key!r} ({exc})") from exc
+
+
+_INTEGER_KEYS = ("sample", "position", "ids")
+_KIND_KEYS = {"outer": ("prefix", "suffix", "sample", "position"), "embedding": ("ids", "suffix", "sample", "position")}
+
+
+def _check_record(path: Path, where: str, entry: dict[str, Any], layer: dict[str, Any], size: int, raw: dict[str, Tensor], tensors: dict[str, Tensor]) -> None:
+    """Check dtypes, ranks and shapes of one decoded record against its manifest entry."""
+
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise StoreError(f"{path}: tensor {where}{key} {what} (layer {entry['layer']!r}, kind {entry['kind']!r})")
+
+    for key, value in raw.items():  # row scales: float, one per row of the tensor they scale
+        if is_scale_key(key, raw):
+            data = raw[key[: -len(".scale")]]
+            need(value.is_floating_point() and value.dim() == 1 and data.dim() >= 1 and value.shape[0] == data.shape[0],
+                 key, f"must be a float (R,) row scale; got {value.dtype} {tuple(value.shape)}")
+    kind, shapes = entry["kind"], {role: tuple(shape) for role, shape in layer["param_shapes"].items()}
+    if kind == "dense":
+        for role in layer["params"]:
+            key, value = "grad." + role, tensors.get("grad." + role)
+            need(value is not None, key, "is missing")
+            need(value.is_floating_point() and tuple(value.shape) == (size, *shapes[role]), key,
+                 f"must be float {(size, *shapes[role])}; got {value.dtype} {tuple(value.shape)}")
+        return
+    for key in _KIND_KEYS[kind]:
+        need(key in tensors, key, "is missing")
+    for key in _KIND_KEYS[kind]:
+        value = tensors[key]
+        if key in _INTEGER_KEYS:
+            need(not value.is_floating_point() and value.dim() == 1, key, f"must be a 1-d integer tensor; got {value.dtype} {tuple(value.shape)}")
+        else:
+            need(value.is_floating_point(), key, f"must be a float tensor; got {value.dtype}")
+        need(value.shape[0] == tensors["suffix"].shape[0], key, f"has {value.shape[0]} rows, suffix has {tensors['suffix'].shape[0]}")
+    sample = tensors["sample"]
+    need(sample.numel() == 0 or (int(sample.min()) >= 0 and int(sample.max()) < size), "sample", f"holds samples outside 0..{size - 1}")
+    need(bool((sample[1:] >= sample[:-1]).all()), "sample", "is not grouped by sample in ascending order")
+    suffix = tensors["suffix"]
+    if kind == "embedding":
+        vocab, dim = (shapes.get("weight", ()) + (0, 0))[:2]
+        need(suffix.dim() == 2 and suffix.shape[1] == dim and len(shapes.get("weight", ())) == 2, "suffix", f"must be (R, {dim}); got {tuple(suffix.shape)}")
+        ids = tensors["ids"]
+        need(ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab), "ids", f"holds token ids outside 0..{vocab - 1}")
+        return
+    prefix = tensors["prefix"]
+    need(prefix.dim() == 3, "prefix", f"must be (R, G, d_in); got {tuple(prefix.shape)}")
+    need(suffix.dim() == 3 and suffix.shape[1] == prefix.shape[1], "suffix", f"must be (R, G, d_out); got {tuple(suffix.shape)}")
+    groups, d_in, d_out = prefix.shape[1], prefix.shape[2], suffix.shape[2]
+    if "weight" in shapes:
+        need(groups * d_out * d_in == math.prod(shapes["weight"]), "prefix", f"and suffix do not make a weight of shape {shapes['weight']}")
+    if "bias" in shapes:
+        need(groups * d_out == math.prod(shapes["bias"]), "suffix", f"does not make a bias of shape {shapes['bias']}")
 
 
 @dataclass(frozen=True)
@@ -32,6 +146,20 @@ class BatchRef:
     batch: int  # index of the batch inside its shard
     info: dict[str, Any]  # capture point, step, epoch, micro-batch, rank, size, lr, records
     layers: dict[str, dict[str, Any]]  # the manifest's layer table (params, shapes, layout)
+    files: ShardFiles | None = field(default=None, compare=False, repr=False)  # checks shards on first read
+
+    @contextmanager
+    def _open(self) -> Iterator[Any]:
+        if self.files is not None:
+            with self.files.open(self.file) as handle:
+                yield handle
+            return
+        try:
+            handle = safe_open(str(self.file), framework="pt")
+        except Exception as exc:  # noqa: BLE001
+            raise StoreError(f"{self.file}: not a readable safetensors file ({exc})") from exc
+        with handle:
+            yield handle
 
     @property
     def capture_point(self) -> str:
@@ -53,10 +181,27 @@ class BatchRef:
         info = self.info
         return (info["step"], info["micro_batch"], info["rank"], self.file.name, self.batch)
 
+    def may_hold(self, wanted: list[int]) -> bool:
+        """Whether the shard's sample id range (manifest) meets ``wanted`` (sorted); True when unknown."""
+        span = self.files.entries.get(self.file.name, {}).get("sample_ids") if self.files is not None else None
+        if not (isinstance(span, list) and len(span) == 2 and all(isinstance(v, int) for v in span)):
+            return True
+        at = bisect.bisect_left(wanted, span[0])
+        return at < len(wanted) and wanted[at] <= span[1]
+
     def read_meta(self) -> dict[str, Tensor]:
         prefix = f"b{self.batch}/meta/"
-        with safe_open(str(self.file), framework="pt") as handle:
-            return {key[len(prefix) :]: handle.get_tensor(key) for key in handle.keys() if key.startswith(prefix)}
+        with self._open() as handle:
+            meta = {key[len(prefix) :]: _get(handle, key, self.file) for key in handle.keys() if key.startswith(prefix)}
+        ids = meta.get("sample_id")
+        if ids is None or ids.is_floating_point() or ids.dtype == torch.bool or ids.dim() != 1 or ids.shape[0] != self.size:
+            got = "nothing" if ids is None else f"{ids.dtype} {tuple(ids.shape)}"
+            raise StoreError(f"{self.file}: tensor {prefix}sample_id must be ({self.size},) integer sample ids; got {got}")
+        for column, value in meta.items():
+            if value.dim() == 0 or value.shape[0] != self.size:
+                raise StoreError(f"{self.file}: tensor {prefix}{column} must have {self.size} rows; got {tuple(value.shape)}")
+        meta["sample_id"] = ids.long()
+        return meta
 
     def read_records(self, layers: Sequence[str] | None = None) -> list[LayerRecord]:
         """Decode the batch's records (of ``layers`` only, when given)."""
@@ -64,17 +209,21 @@ class BatchRef:
         if not wanted:
             return []
         records = []
-        with safe_open(str(self.file), framework="pt") as handle:
+        with self._open() as handle:
             keys = list(handle.keys())
             for k, entry in wanted:
                 prefix = f"b{self.batch}/r{k}/"
-                stored = {key[len(prefix) :]: handle.get_tensor(key) for key in keys if key.startswith(prefix)}
-                records.append(self._record(entry, stored))
+                stored = {key[len(prefix) :]: _get(handle, key, self.file) for key in keys if key.startswith(prefix)}
+                records.append(self._record(entry, stored, prefix))
         return records
 
-    def _record(self, entry: dict[str, Any], stored: dict[str, Tensor]) -> LayerRecord:
+    def _record(self, entry: dict[str, Any], stored: dict[str, Tensor], prefix: str = "") -> LayerRecord:
         layer = self.layers[entry["layer"]]
-        tensors = {key: decode(stored, key) for key in stored if not is_scale_key(key, stored)}
+        try:
+            tensors = {key: decode(stored, key) for key in stored if not is_scale_key(key, stored)}
+        except RuntimeError as exc:  # a row scale that does not fit its tensor
+            raise StoreError(f"{self.file}: cannot decode record {prefix} ({exc})") from exc
+        _check_record(self.file, prefix, entry, layer, self.size, stored, tensors)
         return LayerRecord(
             layer=entry["layer"],
             kind=entry["kind"],
@@ -131,7 +280,11 @@ class Selection:
 
     def batches(self, with_records: bool = True) -> Iterator[StoredBatch]:
         """Load the selected batches one at a time (batches left with no sample are skipped)."""
-        for ref in progress(self.refs, len(self.refs), "reading store"):
+        refs = self.refs
+        if self.sample_filter is not None:  # skip shards whose sample id range holds none of them
+            wanted = sorted(self.sample_filter)
+            refs = tuple(ref for ref in refs if ref.may_hold(wanted))
+        for ref in progress(refs, len(refs), "reading store"):
             meta = ref.read_meta()
             keep = self._keep(meta["sample_id"])  # (n,)
             if keep.numel() == 0:

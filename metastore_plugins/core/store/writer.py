@@ -17,11 +17,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -64,7 +65,7 @@ def _column(name: str, values: ArrayLike | None, size: int, dtype: torch.dtype |
         column = column.to(dtype)
     if column.dim() == 0 or column.shape[0] != size:
         raise ValueError(f"{name} must have one entry per sample ({size}); got shape {tuple(column.shape)}")
-    return column.contiguous()
+    return column.contiguous().clone()  # the caller may reuse its buffer before the shard is written
 
 
 class StoreWriter:
@@ -78,6 +79,12 @@ class StoreWriter:
         queue_bytes: the most record bytes waiting for the writer thread.
         shard_bytes: a shard is written once its encoded tensors reach this size.
         config: the run's configuration, kept in the manifest.
+        on_error: what an ``OSError`` while writing a shard or the manifest (a full disk)
+            does. ``"warn"`` (default): capture stops, later ``write()`` calls drop their
+            data, and the next ``write``/``flush``/``close`` warns once, naming the directory
+            and what the store kept; training goes on. ``"raise"``: the next
+            ``write``/``flush``/``close`` raises ``RuntimeError``. Either way the shards already
+            listed and the last manifest stay valid, and the partial file is removed.
     """
 
     def __init__(
@@ -89,9 +96,16 @@ class StoreWriter:
         queue_bytes: int = 256 * 2**20,
         shard_bytes: int = 64 * 2**20,
         config: dict[str, Any] | None = None,
+        on_error: Literal["warn", "raise"] = "warn",
     ) -> None:
         if queue_bytes <= 0 or shard_bytes <= 0:
             raise ValueError("queue_bytes and shard_bytes must be positive byte counts")
+        if on_error not in ("warn", "raise"):
+            raise ValueError(f"on_error must be 'warn' or 'raise'; got {on_error!r}")
+        self.on_error = on_error
+        self.stopped: OSError | None = None  # the disk error that stopped capture (on_error="warn")
+        self._warned = False
+        self.dropped_samples = 0
         self.path = Path(path)
         self.rank = int(rank)
         self.encoding = check_encoding(encoding)
@@ -135,13 +149,19 @@ class StoreWriter:
         predictions: ArrayLike | None = None,
         lr: float | None = None,
     ) -> None:
-        """Queue one batch: its records and one metadata entry per sample (waits if the queue is full)."""
+        """Queue one batch: its records and one metadata entry per sample (waits if the queue is full).
+
+        After a disk error with ``on_error="warn"`` this drops the batch (see :attr:`stopped`).
+        """
         self._raise_if_failed()
         if self._closed:
             raise RuntimeError("this StoreWriter is closed; open a new one to write more")
+        if self.stopped is not None:
+            self.dropped_samples += int(torch.as_tensor(sample_ids).numel())
+            return
         if not isinstance(capture_point, str) or not capture_point.strip():
             raise ValueError(f"capture_point must be a non-empty name such as 'train'; got {capture_point!r}")
-        ids = torch.as_tensor(sample_ids).detach().cpu().long().reshape(-1)
+        ids = torch.as_tensor(sample_ids).detach().cpu().long().reshape(-1).clone()
         size = ids.shape[0]
         meta = {"sample_id": ids}
         columns = (("label", "labels", labels, None), ("loss", "losses", losses, torch.float32), ("prediction", "predictions", predictions, None))
@@ -221,6 +241,18 @@ class StoreWriter:
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
+        if self.stopped is not None and not self._warned:
+            self._warned = True
+            shards = self._manifest["shards"]
+            warnings.warn(
+                f"the gradient store writer for {self.path} STOPPED CAPTURING after a disk error "
+                f"({self.stopped}); the store keeps the {len(shards)} shard(s) and "
+                f"{sum(s['rows'] for s in shards)} sample(s) listed in {mf.manifest_name(self.rank)}; "
+                f"{self.dropped_samples} sample(s) in flight were lost and later batches are dropped "
+                "(pass on_error='raise' to StoreWriter to fail instead)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if self._error is not None:
             raise RuntimeError(f"the gradient store writer for {self.path} failed: {self._error!r}") from self._error
 
@@ -238,6 +270,12 @@ class StoreWriter:
             if item is None:
                 return
             try:
+                if self.stopped is not None or self._error is not None:  # drop what is left
+                    if isinstance(item, _Batch):
+                        self.dropped_samples += item.info["size"]
+                    else:
+                        item.set()
+                    continue
                 if isinstance(item, threading.Event):
                     if batches:
                         self._write_shard(pending, batches)
@@ -252,7 +290,12 @@ class StoreWriter:
                     self._write_shard(pending, batches)
                     pending, batches, pending_bytes = {}, [], 0
             except BaseException as exc:  # surfaced on the training thread by the next call
-                self._error = exc
+                if isinstance(exc, OSError) and self.on_error == "warn":
+                    self.stopped = exc
+                else:
+                    self._error = exc
+                self.dropped_samples += sum(b["size"] for b in batches)
+                pending, batches, pending_bytes = {}, [], 0
                 if isinstance(item, threading.Event):
                     item.set()
             finally:
@@ -280,17 +323,21 @@ class StoreWriter:
     def _write_shard(self, tensors: dict[str, Tensor], batches: list[dict[str, Any]]) -> None:
         name = mf.shard_name(self.rank, self._next_shard)
         final, tmp = self.path / name, self.path / (name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": mf.FORMAT, "encoding": self.encoding})
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, final)
-        mf.fsync_dir(self.path)
+        try:
+            save_file(tensors, str(tmp), metadata={"format": mf.FORMAT, "encoding": self.encoding})
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+            size, sha256 = tmp.stat().st_size, mf.file_sha256(tmp)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a partial file on a full disk
+            raise
         ids = [int(v) for key, t in tensors.items() if key.endswith("/meta/sample_id") for v in (t.min(), t.max()) if t.numel()]
         steps = [b["step"] for b in batches]
         entry = {
             "file": name,
-            "bytes": final.stat().st_size,
-            "sha256": mf.file_sha256(final),
+            "bytes": size,
+            "sha256": sha256,
             "encoding": self.encoding,
             "rows": sum(b["size"] for b in batches),
             "steps": [min(steps), max(steps)],
@@ -298,21 +345,35 @@ class StoreWriter:
             "batches": batches,
         }
         with self._cond:  # the training thread may be registering new layers
+            manifest = {**self._manifest, "layers": dict(self._manifest["layers"]), "shards": [*self._manifest["shards"], entry]}
+        try:
+            mf.fsync_dir(self.path)
+            mf.write_manifest(self.path, manifest)
+        except BaseException:
+            if not self._listed_on_disk(name):
+                final.unlink(missing_ok=True)  # never listed: free its space; the last manifest stays valid
+            raise
+        with self._cond:
             self._manifest["shards"].append(entry)
-            manifest = {**self._manifest, "layers": dict(self._manifest["layers"])}
-        mf.write_manifest(self.path, manifest)
         self._next_shard += 1
         self.stats.shards += 1
         self.stats.batches += len(batches)
         self.stats.bytes_written += entry["bytes"]
         self.stats.files.append(name)
 
+    def _listed_on_disk(self, name: str) -> bool:
+        """Whether the rank's manifest on disk lists ``name`` (True when it cannot be read: keep the file)."""
+        try:
+            return any(s.get("file") == name for s in mf.load_manifest(self.path / mf.manifest_name(self.rank))["shards"])
+        except Exception:  # noqa: BLE001 - in doubt, keep the shard
+            return True
+
     # -- opening -------------------------------------------------------------------------
 
     def _open_manifest(self, config: dict[str, Any]) -> dict[str, Any]:
         existing = self.path / mf.manifest_name(self.rank)
-        for stale in self.path.glob(f"rank{self.rank}-*.tmp"):
-            stale.unlink()
+        for stale in [*self.path.glob(f"rank{self.rank}-*.tmp"), self.path / (mf.manifest_name(self.rank) + ".tmp")]:
+            stale.unlink(missing_ok=True)
         if existing.exists():
             manifest = mf.load_manifest(existing)
             manifest["config"] = {**manifest.get("config", {}), **config}
