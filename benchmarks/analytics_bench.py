@@ -137,6 +137,11 @@ def run(workload: Workload, n_train: int, n_test: int, repeats: int) -> dict[str
             store_infl_t.append(t2 - t1)
             func_runs.append(torch_func_pass(model, workload, n_train, n_test))
             rebuild_runs.append(rebuild_pass(paths["fp32"], names))
+        sketch_t = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sketched = store.sketched_influence("train", "test", dim=SKETCH_DIM).scores
+            sketch_t.append(time.perf_counter() - t0)
         half = open_store(paths["fp16"])
         half_norms, half_scores = half.norms("train"), half.influence("train", "test").scores
         store_bytes = sum(p.stat().st_size for p in paths["fp16"].glob("*.safetensors"))
@@ -161,7 +166,9 @@ def run(workload: Workload, n_train: int, n_test: int, repeats: int) -> dict[str
             "torch.func": median(func_infl_t),
             "rebuild": median(rebuild_infl_t),
             "torch.func_matmul_only": median([r["times"]["matmul"] for r in func_runs]),
+            f"sketch_{SKETCH_DIM}x{SKETCH_DIM}": median(sketch_t),
         },
+        "sketch_spearman_mean": mean_spearman(sketched, ref["scores"]),
         "agreement": {
             "norms_store_fp32": rel_error(norms, ref["norms"]),
             "norms_rebuild_fp32": rel_error(rebuild_runs[-1]["norms"], ref["norms"]),
@@ -177,6 +184,19 @@ def run(workload: Workload, n_train: int, n_test: int, repeats: int) -> dict[str
         "norms_vs_torch.func": result["norms_s"]["torch.func"] / result["norms_s"]["store"],
     }
     return result
+
+
+SKETCH_DIM = 64  # sketches of 64 x 64 = 4096 numbers per sample
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    return np.argsort(np.argsort(values, kind="stable"), kind="stable").astype(float)
+
+
+def mean_spearman(approx: np.ndarray, exact: Any) -> float:
+    """Mean over test samples (columns) of the Spearman correlation of the two score columns."""
+    exact = np.asarray(exact, dtype=float)
+    return float(np.mean([np.corrcoef(_ranks(approx[:, j]), _ranks(exact[:, j]))[0, 1] for j in range(exact.shape[1])]))
 
 
 def agreement_ok(result: dict[str, Any]) -> bool:

@@ -64,6 +64,14 @@ def writer_table(results: list[dict[str, Any]]) -> list[str]:
     return _table(["workload", "written", "StoreWriter (fsync, sha256)", "plain save_file", "ratio"], rows)
 
 
+def _sketch_cells(r: dict[str, Any]) -> list[str]:
+    key = next((k for k in r["influence_s"] if k.startswith("sketch_")), None)
+    if key is None:
+        return ["-", "-", "-"]
+    t = r["influence_s"][key]
+    return [_fmt(t, " s"), f"{r['influence_s']['store'] / t:.1f}x", f"{r['sketch_spearman_mean']:.3f}"]
+
+
 def analytics_table(results: list[dict[str, Any]]) -> list[str]:
     rows = []
     for r in results:
@@ -75,10 +83,12 @@ def analytics_table(results: list[dict[str, Any]]) -> list[str]:
             f"{r['speedup']['influence_vs_torch.func']:.1f}x", f"{r['speedup']['influence_vs_rebuild']:.1f}x",
             f"{a['influence_store_fp32']:.1e} / {a['norms_store_fp32']:.1e}",
             f"{a['influence_store_fp16']:.1e} / {a['norms_store_fp16']:.1e}",
+            *_sketch_cells(r),
         ])
     return _table(
         ["workload", "N x M", "params", "norms: store", "torch.func", "rebuild", "influence: store", "torch.func",
-         "rebuild", "store vs torch.func", "store vs rebuild", "rel. err fp32 (infl./norms)", "rel. err fp16"],
+         "rebuild", "store vs torch.func", "store vs rebuild", "rel. err fp32 (infl./norms)", "rel. err fp16",
+         "sketched influence (4096-d)", "exact/sketched", "Spearman vs exact"],
         rows,
     )
 
