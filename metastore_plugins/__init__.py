@@ -12,6 +12,7 @@ __all__ = [
     "GradientStore",
     "IndexedDataset",
     "MetaStoreCallback",
+    "MetaStoreTrainerCallback",
     "StoreWriter",
     "__version__",
     "open_store",
@@ -20,9 +21,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``MetaStoreCallback`` is imported on first use, so that importing the package never needs lightning."""
+    """The callbacks are imported on first use, so that importing the package never needs lightning or transformers."""
     if name == "MetaStoreCallback":
         from metastore_plugins.lightning_callback import MetaStoreCallback
 
         return MetaStoreCallback
+    if name == "MetaStoreTrainerCallback":
+        from metastore_plugins.hf_callback import MetaStoreTrainerCallback
+
+        return MetaStoreTrainerCallback
     raise AttributeError(f"module 'metastore_plugins' has no attribute {name!r}")

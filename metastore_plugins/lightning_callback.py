@@ -227,11 +227,16 @@ class MetaStoreCallback(Callback):
         self._close()
         trainer.strategy.barrier("metastore-reports")
         if self.reports and trainer.is_global_zero and self.dirpath is not None:
+            from metastore_plugins.core.reports.render import dataset_lookup
             from metastore_plugins.core.reports.tensorboard import report_run
 
             experiments = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+            val_loader = _first(trainer.val_dataloaders)
+            samples = dataset_lookup({"train": getattr(trainer.train_dataloader, "dataset", None),
+                                      "val": getattr(val_loader, "dataset", None)})  # thumbnails where samples are images
             try:
-                self.report_result = report_run(self.dirpath, self.dirpath / "reports", experiments, step=trainer.global_step, k=self.report_k)
+                self.report_result = report_run(self.dirpath, self.dirpath / "reports", experiments, step=trainer.global_step,
+                                                k=self.report_k, samples=samples)
             except (KeyError, ValueError) as exc:  # e.g. no class predictions for a regression model: the store is intact
                 warnings.warn(f"MetaStoreCallback could not build the reports ({exc!r}); the store {self.dirpath} is complete. "
                               "Pass reports=False to skip them", stacklevel=2)
@@ -282,6 +287,10 @@ def _loss(output: Any) -> Tensor:
     if not isinstance(loss, Tensor):
         raise ValueError("training_step must return the loss (a tensor, or a dict with 'loss') for checkpoint passes")
     return loss
+
+
+def _first(loaders: Any) -> Any:
+    return loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
 
 
 def _strip_index(loaders: Any, batch: Any, dataloader_idx: int) -> None:

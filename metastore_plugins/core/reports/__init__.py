@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,29 +14,51 @@ from metastore_plugins.core.store.reader import GradientStore
 OUTLIER_COLUMNS = ("rank", "sample_id", "label", "prediction", "loss", "self_influence", "class_zscore")
 
 
+#: ``(split, sample id) -> text`` of a sample (``None`` if it has none), e.g. decoded input ids.
+RenderFn = Callable[[str, int], "str | None"]
+
+
 def write_reports(
-    store: GradientStore, directory: str | Path, *, train_split: str = "train", test_split: str = "val", k: int = 20
+    store: GradientStore, directory: str | Path, *, train_split: str = "train", test_split: str = "val", k: int = 20,
+    render: RenderFn | None = None,
 ) -> dict[str, Any]:
     """Build the outlier and influence reports from the checkpoint passes and write them to ``directory``.
 
-    Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths]}``.
+    With ``render``, outlier rows get a ``text`` column and influence rows ``test_text`` and
+    the ``text`` of each proponent and opponent.
+
+    Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths],
+    "outlier_columns": columns}``.
     """
     directory = Path(directory)
     train, test = checkpoint_points(store, train_split), checkpoint_points(store, test_split)
     if not train:
-        raise ValueError(f"the store has no checkpoint passes 'epoch-*/{train_split}'; it has {store.capture_points()}")
+        raise ValueError(
+            f"the store has no checkpoint passes 'epoch-*/{train_split}' or 'step-*/{train_split}'; "
+            f"it has {store.capture_points()}"
+        )
     outliers = outlier_rows(store, train, k)
-    files = write_table(directory, "outliers", outliers, OUTLIER_COLUMNS)
+    columns = OUTLIER_COLUMNS
+    if render is not None:
+        for row in outliers:
+            row["text"] = render(train_split, row["sample_id"])
+        columns = (*OUTLIER_COLUMNS, "text")
+    files = write_table(directory, "outliers", outliers, columns)
     influence: list[dict[str, Any]] = []
     if test:
         pairs = [(a, a.split("/")[0] + "/" + test_split) for a in train if a.split("/")[0] + "/" + test_split in test]
         influence = influence_rows(store, [a for a, _ in pairs], [b for _, b in pairs], k=5)
+        if render is not None:
+            for row in influence:
+                row["test_text"] = render(test_split, row["test_id"])
+                for entry in (*row["proponents"], *row["opponents"]):
+                    entry["text"] = render(train_split, entry["sample_id"])
         (directory / "influence.json").write_text(json.dumps(influence, indent=1))
         (directory / "influence.md").write_text(influence_markdown(influence))
         files += [directory / "influence.json", directory / "influence.md"]
     (directory / "summary.json").write_text(json.dumps(store.summary(), indent=1))
     files.append(directory / "summary.json")
-    return {"outliers": outliers, "influence": influence, "files": [str(p) for p in files]}
+    return {"outliers": outliers, "influence": influence, "files": [str(p) for p in files], "outlier_columns": columns}
 
 
-__all__ = ["OUTLIER_COLUMNS", "checkpoint_points", "influence_rows", "markdown_table", "outlier_rows", "write_reports"]
+__all__ = ["OUTLIER_COLUMNS", "RenderFn", "checkpoint_points", "influence_rows", "markdown_table", "outlier_rows", "write_reports"]

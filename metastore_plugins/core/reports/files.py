@@ -13,7 +13,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     """A GitHub-style markdown table of ``columns`` (floats to 4 significant digits)."""
 
     def cell(value: Any) -> str:
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return " ".join(str(value).split()).replace("|", "\\|")  # one line, no column breaks
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
@@ -35,9 +37,14 @@ def write_table(directory: Path, name: str, rows: Sequence[dict[str, Any]], colu
 
 def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """One line per test sample: its label and prediction, then its top proponents and opponents."""
-    lines = ["| test id | label | prediction | proponents (id:label) | opponents (id:label) |", "|---|---|---|---|---|"]
+    text = any("test_text" in row for row in rows)
+    lines = ["| test id | label | prediction | proponents (id:label) | opponents (id:label) |" + (" test text |" if text else ""),
+             "|---|---|---|---|---|" + ("---|" if text else "")]
     for row in rows:
         pro = ", ".join(f"{p['sample_id']}:{p['label']}" for p in row["proponents"])
         opp = ", ".join(f"{p['sample_id']}:{p['label']}" for p in row["opponents"])
-        lines.append(f"| {row['test_id']} | {row['test_label']} | {row['test_prediction']} | {pro} | {opp} |")
+        line = f"| {row['test_id']} | {row['test_label']} | {row['test_prediction']} | {pro} | {opp} |"
+        if text:
+            line += " " + " ".join(str(row.get("test_text") or "").split()).replace("|", "\\|") + " |"
+        lines.append(line)
     return "\n".join(lines) + "\n"

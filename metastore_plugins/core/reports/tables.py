@@ -17,9 +17,16 @@ from metastore_plugins.core.store.reader import GradientStore
 
 
 def checkpoint_points(store: GradientStore, split: str) -> list[str]:
-    """Capture points ``epoch-{e}/{split}`` of the checkpoint passes, in epoch order."""
-    found = [cp for cp in store.capture_points() if cp.endswith("/" + split) and cp.startswith("epoch-")]
-    return sorted(found, key=lambda cp: int(cp.split("/")[0].split("-")[1]))
+    """Capture points ``epoch-{e}/{split}`` (or ``step-{s}/{split}``) of the checkpoint passes, in order."""
+
+    def key(cp: str) -> tuple[int, int] | None:
+        kind, _, number = cp.split("/")[0].partition("-")
+        if kind not in ("epoch", "step") or not number.isdigit():
+            return None
+        return (0 if kind == "epoch" else 1, int(number))
+
+    found = [cp for cp in store.capture_points() if cp.endswith("/" + split) and key(cp) is not None]
+    return sorted(found, key=key)  # type: ignore[arg-type,return-value]
 
 
 def _last_metadata(store: GradientStore, points: Sequence[str]) -> dict[int, dict[str, Any]]:

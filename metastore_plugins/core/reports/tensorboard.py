@@ -23,8 +23,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from metastore_plugins.core.reports import OUTLIER_COLUMNS, write_reports
+from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, write_reports
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table
+from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid
 from metastore_plugins.core.reports.tables import _last_metadata, checkpoint_points
 from metastore_plugins.core.store.reader import GradientStore, open_store
 
@@ -99,7 +100,8 @@ def write_tensorboard(
     """Write the outlier and influence tables, histograms and scatter; returns the tags written."""
     tags = []
     if reports.get("outliers"):
-        writer.add_text(f"{prefix}/outliers", markdown_table(reports["outliers"], OUTLIER_COLUMNS), step)
+        columns = reports.get("outlier_columns", OUTLIER_COLUMNS)
+        writer.add_text(f"{prefix}/outliers", markdown_table(reports["outliers"], columns), step)
         tags.append(f"{prefix}/outliers")
     if reports.get("influence"):
         writer.add_text(f"{prefix}/influence", influence_markdown(reports["influence"]), step)
@@ -159,12 +161,41 @@ def write_projector(
     return [tag]
 
 
+GRID_TAGS = {"outliers": "outlier_samples", "influence": "influence_samples"}
+
+
+def sample_grids(
+    reports: dict[str, Any], samples: SampleLookup | None, directory: Path | None = None, *, train_split: str = "train",
+    test_split: str = "val",
+) -> dict[str, np.ndarray]:
+    """Thumbnail grids ``{"outliers": image, "influence": image}`` of image samples (none for other data), saved as PNGs."""
+    if samples is None:
+        return {}
+    grids = {
+        "outliers": outlier_grid(reports.get("outliers") or [], samples, split=train_split),
+        "influence": influence_grid(reports.get("influence") or [], samples, train_split=train_split, test_split=test_split),
+    }
+    grids = {name: grid for name, grid in grids.items() if grid is not None}
+    if directory is not None and grids:
+        from PIL import Image
+
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, grid in grids.items():
+            Image.fromarray(grid).save(directory / f"{name}.png")
+    return grids
+
+
 def report_run(
     store_dir: str | os.PathLike[str], reports_dir: str | os.PathLike[str], writers: Sequence[SummaryWriterLike] = (),
     *, step: int = 0, k: int = 20, train_split: str = "train", test_split: str = "val", dynamics: bool = True,
-    projector: bool = True,
+    projector: bool = True, render: RenderFn | None = None, samples: SampleLookup | None = None,
 ) -> dict[str, Any] | None:
     """Files via :func:`write_reports` into ``reports_dir``, and the same reports to each writer.
+
+    ``render(split, sample id)`` adds each sample's text to the tables (see :func:`write_reports`).
+    ``samples(split, sample id)`` returns dataset items: where they are small images, thumbnail
+    grids of the top outliers and of the influence rows are written (``outliers.png``,
+    ``influence.png`` and the images ``metastore/outlier_samples``, ``metastore/influence_samples``).
 
     Returns ``write_reports``'s result with ``"tags"`` added, or ``None`` (with a warning)
     when the store holds no checkpoint passes to report on.
@@ -178,11 +209,18 @@ def report_run(
             stacklevel=2,
         )
         return None
-    result = write_reports(store, Path(reports_dir), train_split=train_split, test_split=test_split, k=k)
+    result = write_reports(store, Path(reports_dir), train_split=train_split, test_split=test_split, k=k, render=render)
     table = self_influence_table(store, points) if writers else None
+    grids = sample_grids(result, samples, Path(reports_dir), train_split=train_split, test_split=test_split)
+    result["files"] += [str(Path(reports_dir) / f"{name}.png") for name in grids]
+    result["grids"] = list(grids)
     result["tags"] = []
     for writer in writers:
         result["tags"] += write_tensorboard(writer, result, table, step=step)
+        for name, grid in grids.items():
+            tag = f"metastore/{GRID_TAGS[name]}"
+            writer.add_image(tag, grid, step, dataformats="HWC")
+            result["tags"].append(tag)
         if dynamics:
             result["tags"] += write_dynamics(writer, store)
         if projector:

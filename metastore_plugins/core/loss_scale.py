@@ -1,0 +1,101 @@
+"""Measure how a trainer scaled a model's own loss before ``backward``, instead of assuming it.
+
+Trainers divide the loss a model returns by the number of accumulated micro-batches, or
+let the model divide a sum of per-sample losses by the number of items in the whole
+accumulated batch, multiply it by a mixed-precision loss scale or by the number of
+processes. The stored factors must be each sample's own loss gradient whatever was done:
+
+- :func:`per_sample_weight` tells, from the loss value and the per-sample losses, the
+  weight ``c`` of each sample's loss in the model's loss ``c * sum_i l_i`` (``1/B`` for a
+  mean, ``1/N`` for a sum over the ``N`` items of an accumulated batch, ``1`` for a sum);
+- :class:`MeasuredLossScale` reads the gradient that reaches the model's loss in
+  ``backward`` (everything the trainer multiplied it by) and hands a
+  :class:`~metastore_plugins.core.capture.CaptureSession` the factor to divide out, as
+  its ``grad_scaler``.
+
+Example::
+
+    scale = MeasuredLossScale()
+    run.begin_step(model, grad_scaler=scale)     # RunCapture with loss_reduction="mean"
+    out = model(**batch)
+    scale.watch(out.loss, per_sample_weight(out.loss, per_sample_losses, batch_size))
+    trainer_backward(out.loss / accumulation_steps)
+    run.end_backward()                           # factors divided by exactly what was applied
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+
+class LossScaleError(ValueError):
+    """The loss a trainer back-propagated cannot be related to the per-sample losses exactly."""
+
+
+def per_sample_weight(loss: Tensor | float, per_sample_losses: Tensor, num_items: Tensor | int | float | None = None, *, rtol: float = 1e-3) -> float:
+    """The weight ``c`` with ``loss == c * sum(per_sample_losses)``: ``1/B``, ``1/num_items`` or ``1``.
+
+    Args:
+        loss: the scalar loss the model returned.
+        per_sample_losses: ``(B,)`` losses of the same samples.
+        num_items: the number of items the trainer told the model to divide by, if any.
+        rtol: relative tolerance of the match.
+
+    Raises:
+        LossScaleError: none of the candidates matches (the loss is not a uniform
+            weighting of these per-sample losses), naming what to pass instead.
+    """
+    value = float(loss)
+    losses = per_sample_losses.detach().double().reshape(-1)
+    total, size = float(losses.sum()), losses.shape[0]
+    candidates = [("mean", 1.0 / size)]
+    if num_items is not None and float(num_items) > 0:
+        candidates.append(("sum / num_items_in_batch", 1.0 / float(num_items)))
+    candidates.append(("sum", 1.0))
+    for _, weight in candidates:
+        if math.isclose(value, weight * total, rel_tol=rtol, abs_tol=1e-6 * max(1.0, abs(value))):
+            return weight
+    described = ", ".join(f"{name}: {weight * total:.6g}" for name, weight in candidates)
+    raise LossScaleError(
+        f"the model's loss {value:.6g} is none of the expected reductions of the per-sample losses ({described}); "
+        "the stored gradients would be mis-scaled. Pass per_sample_loss=callable(output, batch) -> (B,) that returns "
+        "the per-sample losses the model's loss is built from"
+    )
+
+
+class MeasuredLossScale:
+    """The factor a model's loss was multiplied by before ``backward``, read from the gradient reaching it.
+
+    Passed to a :class:`~metastore_plugins.core.capture.CaptureSession` (through
+    ``RunCapture.begin_step(grad_scaler=...)``) of ``loss_reduction="mean"``: its
+    :meth:`get_scale` returns ``upstream * c * B`` so that the session's division by
+    ``get_scale() / B`` leaves each sample's own loss gradient.
+    """
+
+    def __init__(self) -> None:
+        self.upstream: Tensor | None = None
+        self.weight = 1.0
+        self.batch_size = 1
+
+    def watch(self, loss: Tensor, weight: float, batch_size: int) -> None:
+        """Record the gradient that will reach ``loss`` (``c`` = ``weight`` over ``batch_size`` samples)."""
+        self.upstream, self.weight, self.batch_size = None, float(weight), int(batch_size)
+        if loss.requires_grad:
+            loss.register_hook(self._keep)
+
+    def _keep(self, grad: Tensor) -> None:
+        self.upstream = grad.detach().reshape(-1)[0].clone()
+
+    def get_scale(self) -> float:
+        if self.upstream is None:
+            raise LossScaleError(
+                "the back-propagated loss was not computed from the model's own output loss (a compute_loss_func, "
+                "label smoothing, or a compute_loss override?), so the stored gradients cannot be scaled exactly; "
+                "let the model compute the loss from its `labels`"
+            )
+        return float(self.upstream) * self.weight * self.batch_size
+
+
+__all__ = ["LossScaleError", "MeasuredLossScale", "per_sample_weight"]

@@ -1,0 +1,369 @@
+"""``MetaStoreTrainerCallback``: exact per-sample gradients of a Hugging Face ``Trainer`` run, and reports on them.
+
+A thin adapter: it maps ``transformers.TrainerCallback`` events onto
+:mod:`metastore_plugins.core.run` (capture, checkpoint passes), the sample ids the train
+loader's sampler draws (:mod:`metastore_plugins.core.sample_ids`), the loss scale measured
+in ``backward`` (:mod:`metastore_plugins.core.loss_scale`) and
+:mod:`metastore_plugins.core.reports`.
+
+Example::
+
+    from transformers import Trainer
+    from metastore_plugins import MetaStoreTrainerCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
+                      callbacks=[MetaStoreTrainerCallback()])   # the one extra line
+    trainer.train()
+
+See ``docs/hf.md`` for defaults, sample ids, loss scaling and the reports.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from metastore_plugins.core.capture import CaptureSession
+from metastore_plugins.core.loss_scale import MeasuredLossScale, per_sample_weight
+from metastore_plugins.core.run import (
+    CheckpointSchedule,
+    LabelsFn,
+    PerSampleLossFn,
+    RecordingBatchSampler,
+    RunCapture,
+    SampleIdError,
+    batch_size_of,
+    check_writable,
+    indexed_batches,
+    rank_share,
+    record_sampler_ids,
+)
+
+
+class MetaStoreTrainerCallback(TrainerCallback):
+    """Stores per-sample gradient factors of every training micro-batch, checkpoint passes, and reports.
+
+    Args:
+        dirpath: the store directory; default ``<args.output_dir>/metastore``.
+        per_sample_loss: ``(model output, batch) -> (B,)`` per-sample losses, where ``batch`` is
+            the dict of tensors the model received. Default: cross-entropy of the ``(B, C)``
+            logits on ``batch["labels"]`` (sequence classification).
+        labels: ``batch -> (B,)``; default ``batch["labels"]``.
+        encoding: ``"fp16"`` (default), ``"fp32"``, ``"bf16"`` or ``"int8"``.
+        modules: capture only these module paths of the model (all by default).
+        unsupported: ``"warn"``, ``"error"`` or ``"skip"`` for parameters no capture rule covers.
+        capture_train_steps: capture every training micro-batch (capture point ``"train"``).
+        checkpoint_every_n_evals: a checkpoint pass at every n-th evaluation during training
+            (``epoch-{e}/val`` and ``epoch-{e}/train`` with ``eval_strategy="epoch"``,
+            ``step-{global_step}/...`` otherwise); 0 turns them off. Without any evaluation
+            during training, one pass runs at the end of training.
+        checkpoint_train_samples: the most training samples in each pass (a seeded, fixed subset).
+        checkpoint_val_samples: the most evaluation samples in each pass.
+        seed: the seed of the training subset.
+        reports: build reports at the end of training (files, and TensorBoard when ``report_to``
+            includes it).
+        report_k: rows of the outlier table.
+        tensorboard_dir: where the TensorBoard reports go; default the directory of the
+            Trainer's own TensorBoard writer (``$TENSORBOARD_LOGGING_DIR`` or the newest
+            ``<output_dir>/runs/*``).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        per_sample_loss: PerSampleLossFn | None = None,
+        labels: LabelsFn | None = None,
+        encoding: str = "fp16",
+        modules: Sequence[str] | None = None,
+        unsupported: str = "warn",
+        capture_train_steps: bool = True,
+        checkpoint_every_n_evals: int = 1,
+        checkpoint_train_samples: int = 256,
+        checkpoint_val_samples: int = 256,
+        seed: int = 0,
+        reports: bool = True,
+        report_k: int = 20,
+        tensorboard_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if isinstance(modules, str):
+            raise ValueError(f"MetaStoreTrainerCallback(modules=...) takes a list of module paths; write [{modules!r}]")
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.per_sample_loss = per_sample_loss
+        self.labels = labels
+        self.encoding = encoding
+        self.modules = None if modules is None else list(modules)
+        self.unsupported = unsupported
+        self.capture_train_steps = capture_train_steps
+        self.schedule = CheckpointSchedule(checkpoint_every_n_evals, checkpoint_train_samples, seed)
+        self.checkpoint_val_samples = checkpoint_val_samples
+        self.reports = reports
+        self.report_k = report_k
+        self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
+        self.run: RunCapture | None = None
+        self.report_result: dict[str, Any] | None = None
+        self.passes: list[str] = []
+        self._scale = MeasuredLossScale()
+        self._sampler: RecordingBatchSampler | None = None
+        self._hooks: list[Any] = []
+        self._pending: dict[str, Any] | None = None
+        self._state: TrainerState | None = None
+        self._optimizer: Any = None
+        self._epoch = self._micro = self._evals = self._skip = 0
+        self._started = 0.0
+
+    # -- start ---------------------------------------------------------------------------
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        model: nn.Module = kwargs["model"]
+        if self.dirpath is None:
+            self.dirpath = Path(args.output_dir or ".") / "metastore"
+        check_writable(self.dirpath, "MetaStoreTrainerCallback(dirpath=...) or TrainingArguments(output_dir=...)")
+        if self.modules is not None:
+            unknown = sorted(set(self.modules) - {name for name, _ in model.named_modules()})
+            if unknown:
+                raise ValueError(
+                    f"MetaStoreTrainerCallback(modules=...) names modules that {type(model).__name__} does not have: "
+                    f"{unknown}; use paths from model.named_modules()"
+                )
+        _check_capturable(model, self.modules)
+        if self.capture_train_steps:
+            loader = kwargs.get("train_dataloader")  # accelerate's DataLoaderShard iterates the DataLoader it wraps
+            self._sampler = record_sampler_ids(getattr(loader, "base_dataloader", loader))
+            if self._sampler is None:
+                raise SampleIdError(
+                    "MetaStoreTrainerCallback reads the dataset index of every training sample from the train "
+                    "loader's sampler, and this loader has none it can read (an IterableDataset, or "
+                    "dataloader_in_order=False); use a map-style dataset, or pass capture_train_steps=False"
+                )
+            self._skip = _resumed_batches(args, state, loader)
+        config = {
+            "framework": "transformers", "model": type(model).__name__, "world_size": args.world_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps, "seed": self.schedule.seed,
+            "loss_scale": "measured from the gradient reaching the model's loss",
+        }
+        options = {"unsupported": self.unsupported, **({"modules": self.modules} if self.modules else {})}
+        self.run = RunCapture(
+            self.dirpath, rank=args.process_index, loss_reduction="mean", per_sample_loss=self.per_sample_loss,
+            labels=self.labels, encoding=self.encoding, config=config, session_options=options,
+        )
+        self._state, self._optimizer, self._started = state, kwargs.get("optimizer"), time.time()
+        self._epoch, self._evals, self.passes = int(state.epoch or 0), 0, []
+        self._hooks = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._epoch = int(state.epoch or 0)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._micro = 0
+
+    # -- one micro-batch: forward hooks, then the event after its backward -----------------
+
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.run is None or self._sampler is None or not module.training or not torch.is_grad_enabled():
+            return  # evaluation, prediction and checkpoint passes run in eval mode or without grad
+        if self._pending is not None:
+            raise SampleIdError(
+                f"{type(module).__name__} was called twice in one training micro-batch (a compute_loss override that "
+                "runs the model more than once?); each training forward must take one batch the sampler drew, or the "
+                "sample ids cannot be known. Pass capture_train_steps=False to keep only the checkpoint passes"
+            )
+        batch = dict(kwargs) if kwargs else {"input_ids": args[0]} if args else {}
+        for _ in range(self._skip):  # drawn by the sampler, then skipped by the Trainer when resuming mid-epoch
+            self._sampler.next_ids(None)
+        self._skip = 0
+        ids = self._sampler.next_ids(batch_size_of(batch))
+        state = self._state
+        self._pending = {
+            "batch": batch, "ids": ids, "step": state.global_step if state else 0, "micro_batch": self._micro,
+            "epoch": self._epoch, "lr": _lr(self._optimizer), "watched": False,
+        }
+        self._micro += 1
+        self.run.begin_step(module, grad_scaler=self._scale)
+
+    def _after_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        pending = self._pending
+        if pending is None or pending["watched"] or self.run is None:
+            return
+        pending["watched"] = True
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if not isinstance(loss, Tensor):
+            raise ValueError(
+                f"{type(module).__name__} returned no loss: MetaStoreTrainerCallback needs the model to compute its "
+                "loss from `labels` in the batch. Check the dataset has a label column the Trainer keeps ('label' or "
+                "'labels'), and do not set label_smoothing_factor or compute_loss_func (the Trainer then takes the "
+                "labels away from the model)"
+            )
+        _, losses = self.run.losses(output, pending["batch"])
+        weight = per_sample_weight(loss.detach(), losses, pending["batch"].get("num_items_in_batch"))
+        self._scale.watch(loss, weight, len(losses))
+
+    def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._finish()
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._finish()
+
+    def _finish(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None or self.run is None:
+            return
+        self.run.end_backward()
+        self.run.finish_step(
+            pending["batch"], pending["ids"], step=pending["step"], epoch=pending["epoch"],
+            micro_batch=pending["micro_batch"], lr=pending["lr"],
+        )
+
+    # -- checkpoint passes ---------------------------------------------------------------
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self.run is None:  # an evaluation outside training
+            return
+        self._evals += 1
+        if self.schedule.due(self._evals - 1):
+            self._checkpoint_pass(args, state, kwargs)
+
+    def _checkpoint_pass(self, args: TrainingArguments, state: TrainerState, kwargs: dict[str, Any]) -> None:
+        model: nn.Module = kwargs["model"]
+        if str(getattr(args.eval_strategy, "value", args.eval_strategy)) == "epoch":
+            name = f"epoch-{max(0, math.ceil(state.epoch or 0) - 1)}"
+        else:
+            name = f"step-{state.global_step}"
+        train_loader, eval_loader = kwargs.get("train_dataloader"), kwargs.get("eval_dataloader")
+        passes = [("train", train_loader, args.per_device_train_batch_size, self.schedule.train_subset(len(train_loader.dataset)))]
+        if eval_loader is not None and hasattr(eval_loader.dataset, "__len__"):
+            count = min(len(eval_loader.dataset), self.checkpoint_val_samples)
+            passes.append(("val", eval_loader, args.per_device_eval_batch_size, list(range(count))))
+        device = next(model.parameters()).device
+        self._pending = None
+        for split, loader, batch_size, indices in passes:
+            share = rank_share(indices, args.process_index, args.world_size)
+            batches = indexed_batches(loader.dataset, share, batch_size, loader.collate_fn)
+            self.run.checkpoint_pass(  # type: ignore[union-attr]
+                model, ((ids, _to(batch, device)) for ids, batch in batches), lambda batch, k: self._mean_loss(model, batch),
+                capture_point=f"{name}/{split}", step=state.global_step, epoch=self._epoch, lr=_lr(self._optimizer),
+            )
+        self.passes.append(name)
+
+    def _mean_loss(self, model: nn.Module, batch: Any) -> Tensor:
+        """The model's loss of a checkpoint-pass batch, rescaled to the mean of its per-sample losses."""
+        output = model(**batch)
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if not isinstance(loss, Tensor):
+            raise ValueError(f"{type(model).__name__} returned no loss for a checkpoint-pass batch; the batches need `labels`")
+        _, losses = self.run.losses(output, batch)  # type: ignore[union-attr]
+        return loss / (per_sample_weight(loss.detach(), losses) * len(losses))
+
+    # -- end of training -----------------------------------------------------------------
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self.run is not None and not self.passes and self.schedule.every_n_epochs > 0 and kwargs.get("train_dataloader") is not None:
+            self._checkpoint_pass(args, state, kwargs)  # no evaluation ran during training
+        self._close()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if not (self.reports and state.is_world_process_zero and self.dirpath is not None):
+            return
+        from metastore_plugins.core.reports.tensorboard import report_run, summary_writer
+
+        report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+        writers = []
+        if "tensorboard" in report_to or "all" in report_to:
+            writers.append(summary_writer(self.tensorboard_dir or _trainer_tensorboard_dir(args, self._started)))
+        render = _text_renderer(kwargs.get("processing_class"), kwargs.get("train_dataloader"), kwargs.get("eval_dataloader"))
+        try:
+            self.report_result = report_run(
+                self.dirpath, self.dirpath / "reports", writers, step=state.global_step, k=self.report_k, render=render,
+            )
+        except (KeyError, ValueError) as exc:  # e.g. no class predictions for a regression model: the store is intact
+            warnings.warn(f"MetaStoreTrainerCallback could not build the reports ({exc!r}); the store {self.dirpath} is "
+                          "complete. Pass reports=False to skip them", stacklevel=2)
+        finally:
+            for writer in writers:
+                writer.close()
+
+    def _close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._pending = [], None
+        run, self.run = self.run, None
+        if run is not None:
+            run.close()
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _lr(optimizer: Any) -> float | None:
+    return float(optimizer.param_groups[0]["lr"]) if optimizer is not None and optimizer.param_groups else None
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Mapping):
+        return {key: value.to(device) if isinstance(value, Tensor) else value for key, value in batch.items()}
+    return batch
+
+
+def _resumed_batches(args: TrainingArguments, state: TrainerState, loader: Any) -> int:
+    """Micro-batches the Trainer skips at the start of a resumed epoch (its sampler still draws them)."""
+    if not state.global_step or getattr(args, "ignore_data_skip", False) or not hasattr(loader, "__len__"):
+        return 0
+    accumulation = max(1, int(args.gradient_accumulation_steps))
+    updates_per_epoch = max(1, -(-len(loader) // accumulation))
+    return (state.global_step % updates_per_epoch) * accumulation
+
+
+def _check_capturable(model: nn.Module, modules: Sequence[str] | None) -> None:
+    """Fail before training when no trainable parameter of the model has a capture rule."""
+    probe = CaptureSession(model, unsupported="skip", **({"modules": modules} if modules else {}))
+    probe.attach()
+    probe.close()
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    if trainable and set(trainable) <= set(probe.uncaptured_parameters()):
+        raise ValueError(
+            f"no trainable layer of {type(model).__name__}{' under ' + str(modules) if modules else ''} has a capture "
+            "rule, so nothing would be stored: register one with metastore_plugins.register_capture, or pass "
+            "modules=[...] naming Linear/Embedding/attention layers of the model"
+        )
+
+
+
+
+def _trainer_tensorboard_dir(args: TrainingArguments, started: float) -> Path:
+    """The directory of the Trainer's own TensorBoard writer (created at the start of training)."""
+    if os.getenv("TENSORBOARD_LOGGING_DIR"):
+        return Path(os.path.expanduser(os.environ["TENSORBOARD_LOGGING_DIR"]))
+    runs = Path(args.output_dir or ".") / "runs"
+    found = [d for d in runs.glob("*") if d.is_dir() and any(f.stat().st_mtime >= started - 60 for f in d.glob("events.out.tfevents.*"))]
+    return max(found, key=lambda d: d.stat().st_mtime) if found else runs / "metastore"
+
+
+def _text_renderer(tokenizer: Any, train_loader: Any, eval_loader: Any) -> Any:
+    """``(split, sample id) -> text``: the ``input_ids`` of the dataset item decoded with the Trainer's tokenizer."""
+    decode = getattr(tokenizer, "decode", None)
+    if not callable(decode):
+        return None
+    datasets = {"train": getattr(train_loader, "dataset", None), "val": getattr(eval_loader, "dataset", None)}
+
+    def render(split: str, sample_id: int) -> str | None:
+        dataset = datasets.get(split)
+        try:
+            item = dataset[int(sample_id)]  # type: ignore[index]
+            ids = item["input_ids"] if isinstance(item, Mapping) else None
+            return None if ids is None else str(decode(ids, skip_special_tokens=True))
+        except (TypeError, KeyError, IndexError):
+            return None
+
+    return render
