@@ -41,6 +41,8 @@ class ShardFiles:
         self.directory, self.entries, self.checksums = directory, entries, checksums
         self._sound: set[str] = set()
         self._lock = threading.Lock()
+        #: (shard name, batch) -> checked per-sample metadata: small, and read by most queries
+        self.meta: dict[tuple[str, int], dict[str, Tensor]] = {}
 
     def check(self, path: Path) -> None:
         name = path.name
@@ -190,6 +192,16 @@ class BatchRef:
         return at < len(wanted) and wanted[at] <= span[1]
 
     def read_meta(self) -> dict[str, Tensor]:
+        """The batch's per-sample metadata columns (cached per store once checked)."""
+        key = (self.file.name, self.batch)
+        cached = self.files.meta.get(key) if self.files is not None else None
+        if cached is None:
+            cached = self._read_meta()
+            if self.files is not None:
+                self.files.meta[key] = cached
+        return dict(cached)
+
+    def _read_meta(self) -> dict[str, Tensor]:
         prefix = f"b{self.batch}/meta/"
         with self._open() as handle:
             meta = {key[len(prefix) :]: _get(handle, key, self.file) for key in handle.keys() if key.startswith(prefix)}
