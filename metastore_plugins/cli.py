@@ -13,6 +13,7 @@ User mistakes (unknown run, sample, layer, step) print one line and exit with st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -32,8 +33,25 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated sample ids such as 3,17,42; got {text!r}") from None
 
 
+def _plain(value: Any) -> Any:
+    """Dataclasses and named tuples as dicts (recursively), tuples as lists: ready for JSON and tables."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):
+        return {k: _plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def _json_default(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, indent=1, default=str) if args.json else text, end="" if text.endswith("\n") else "\n")
+    print(json.dumps(data, indent=1, default=_json_default) if args.json else text, end="" if text.endswith("\n") else "\n")
 
 
 def _train_points(store: GradientStore, given: Sequence[str] | None) -> list[str]:
@@ -68,9 +86,46 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
 
 
 def cmd_report(args: argparse.Namespace, store: GradientStore) -> None:
+    """Files into --out, and TensorBoard events (tables, histograms, figures, projector) into --logdir."""
     out = Path(args.out) if args.out else store.path.parent / "reports"
-    result = write_reports(store, out, k=args.k)
-    _emit(args, {"files": result["files"]}, "\n".join(["wrote:", *(f"  {f}" for f in result["files"])]))
+    if args.logdir is None:
+        files = write_reports(store, out, k=args.k)["files"]
+    else:
+        from metastore_plugins.core.reports.tensorboard import report_run, summary_writer
+
+        writer = summary_writer(args.logdir)
+        try:
+            result = report_run(store.path, out, [writer], k=args.k)
+        finally:
+            writer.close()
+        files = [*(result or {}).get("files", []), str(args.logdir)]
+    _emit(args, {"files": files}, "\n".join(["wrote:", *(f"  {f}" for f in files)]))
+
+
+def cmd_query(args: argparse.Namespace, store: GradientStore) -> None:
+    """The training-dynamics questions of docs/queries.md."""
+    where: dict[str, Any] = {"capture_point": args.capture_point}
+    steps = None if args.steps is None else tuple(int(v) for v in args.steps.split(":"))
+    if args.question == "changed":
+        rows = [_plain(r) for r in store.changed_most(args.layer, args.k, steps=steps, **where)]
+        _emit(args, rows, markdown_table(rows, ("param", "index", "value")))
+    elif args.question == "contributors":
+        if args.layer is None:
+            raise StoreError("query contributors needs --layer NAME (see `metastore inspect` for layer names)")
+        rows = store.top_contributors(args.layer, args.k, steps=steps, **where).rows()
+        _emit(args, rows, markdown_table(rows, list(rows[0]) if rows else ["entry"]))
+    elif args.question == "spikes":
+        if args.threshold is None:
+            raise StoreError("query spikes needs --threshold (a per-sample gradient norm)")
+        spikes = store.spikes(args.threshold, args.fraction, args.before, **where)
+        rows = [_plain(s) for s in spikes]
+        _emit(args, rows, markdown_table(rows, list(rows[0]) if rows else ["step"]))
+    else:  # compare
+        if args.other is None:
+            raise StoreError("query compare needs --other RUN (a second run of the same model)")
+        comparison = store.compare(open_store(args.other), args.capture_point)
+        data = _plain(comparison)
+        _emit(args, data, json.dumps(data, indent=1, default=_json_default))
 
 
 def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
@@ -129,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("report", cmd_report, "(re)build the report files")
     p.add_argument("--out", help="directory for the report files (default: RUN/reports)")
     p.add_argument("-k", type=int, default=20, help="rows of the outlier table")
+    p.add_argument("--logdir", help="also write the reports as TensorBoard events into this directory")
     p = add("outliers", cmd_outliers, "training samples with the largest self-influence")
     p.add_argument("-k", type=int, default=20)
     p.add_argument("--capture-point", action="append", help="capture point(s) to sum (default: epoch-*/train)")
@@ -143,6 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-point", help="where the sample is stored (default: the last train pass)")
     p.add_argument("--candidates", help="capture point to search (default: the sample's)")
     p.add_argument("-k", type=int, default=10)
+    p = add("query", cmd_query, "training dynamics: weights that changed most, their top contributors, spikes, run comparison")
+    p.add_argument("question", choices=["changed", "contributors", "spikes", "compare"])
+    p.add_argument("--layer", help="layer name (changed: all layers by default)")
+    p.add_argument("--steps", help="inclusive step range LO:HI (default: all)")
+    p.add_argument("--capture-point", default="train")
+    p.add_argument("-k", type=int, default=10)
+    p.add_argument("--threshold", type=float, help="spikes: per-sample gradient norm threshold")
+    p.add_argument("--fraction", type=float, default=0.1, help="spikes: fraction of samples above the threshold")
+    p.add_argument("--before", type=int, default=3, help="spikes: how many earlier steps to list samples of")
+    p.add_argument("--other", help="compare: the other run")
     p = add("restore", cmd_restore, "write the exact dense gradient of one sample to a safetensors file")
     p.add_argument("--sample", type=int, required=True)
     p.add_argument("--step", type=int)

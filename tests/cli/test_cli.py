@@ -106,3 +106,37 @@ def test_a_damaged_shard_is_reported(run_dir: Path, tmp_path: Path) -> None:
     done = metastore("inspect", str(copy), "--json")
     assert done.returncode == 1
     assert any(shard.name in p and "sha256" in p for p in json.loads(done.stdout)["problems"])
+
+
+def test_query_changed_and_contributors_match_the_python_api(run_dir: Path) -> None:
+    store = open_store(run_dir)
+    rows = json_of("query", str(run_dir), "changed", "--layer", "head", "-k", "3")
+    expected = store.changed_most("head", 3)
+    assert [(r["param"], r["index"]) for r in rows] == [(c.param, list(c.index)) for c in expected]
+    assert [r["value"] for r in rows] == pytest.approx([c.value for c in expected], rel=1e-6)
+    rows = json_of("query", str(run_dir), "contributors", "--layer", "head", "-k", "2", "--steps", "0:5")
+    expected = store.top_contributors("head", 2, steps=(0, 5)).rows()
+    assert [[list(c) for c in r["contributors"]] for r in rows] == [[list(c) for c in e["contributors"]] for e in expected]
+
+
+def test_query_spikes_and_compare(run_dir: Path) -> None:
+    store = open_store(run_dir)
+    rows = json_of("query", str(run_dir), "spikes", "--threshold", "0.5", "--fraction", "0.2", "--before", "2")
+    assert [r["step"] for r in rows] == [s.step for s in store.spikes(0.5, 0.2, 2)]
+    data = json_of("query", str(run_dir), "compare", "--other", str(run_dir))
+    assert all(layer["ratio"] == pytest.approx(1.0) for layer in data["layers"])
+    done = metastore("query", str(run_dir), "contributors")
+    assert done.returncode == 2 and "--layer" in done.stderr
+
+
+def test_report_writes_files_and_tensorboard_events(run_dir: Path, tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    done = metastore("report", str(run_dir), "--out", str(tmp_path / "reports"), "--logdir", str(tmp_path / "tb"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "reports" / "outliers.md").exists()
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0, "images": 0, "histograms": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert any("outlier" in tag for tag in tags["tensors"]), tags  # markdown tables (text plugin)
+    assert tags["histograms"] and tags["images"], tags
