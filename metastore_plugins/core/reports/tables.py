@@ -36,7 +36,7 @@ def _last_metadata(store: GradientStore, points: Sequence[str]) -> dict[int, dic
         meta = store.metadata(cp)
         for k, sid in enumerate(meta["sample_id"].tolist()):
             rows[int(sid)] = {
-                "label": int(meta["label"][k]) if np.ndim(meta["label"][k]) == 0 else meta["label"][k].tolist(),
+                "label": meta["label"][k].tolist(),  # an int for class labels, a float for regression targets
                 "prediction": int(meta["prediction"][k]),
                 "loss": float(meta["loss"][k]),
             }
