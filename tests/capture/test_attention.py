@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from conftest import TOLERANCE, assert_exact
+from capturecases import TOLERANCE, assert_exact
 from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
 

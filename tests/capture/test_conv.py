@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import assert_exact, cross_entropy
+from capturecases import assert_exact, cross_entropy
 
 
 @dataclass(frozen=True)

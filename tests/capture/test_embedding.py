@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from conftest import assert_exact
+from capturecases import assert_exact
 from metastore_plugins.core.capture import CaptureSession
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import assert_exact, cross_entropy, squared_error
+from capturecases import assert_exact, cross_entropy, squared_error
 
 
 @dataclass(frozen=True)

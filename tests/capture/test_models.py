@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from conftest import (
+from capturecases import (
     TOLERANCE,
     Reference,
     assert_exact,

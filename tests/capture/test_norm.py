@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_exact, cross_entropy
+from capturecases import assert_exact, cross_entropy
 from metastore_plugins.core.capture import CaptureSession
 
 

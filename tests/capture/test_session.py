@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from conftest import TOLERANCE, assert_exact, cross_entropy, squared_error
+from capturecases import TOLERANCE, assert_exact, cross_entropy, squared_error
 from metastore_plugins.core.capture import (
     CaptureSession,
     UnsupportedLayerError,

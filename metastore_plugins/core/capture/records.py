@@ -96,30 +96,23 @@ class LayerRecord:
         return _RESTORERS[self.kind](self)
 
 
-def _per_sample_row_splits(sample: Tensor, batch_size: int) -> list[int]:
-    """Row counts per sample; rows are kept grouped by sample in ascending order."""
-    return torch.bincount(sample.long(), minlength=batch_size).tolist()
-
-
 def _restore_outer(record: LayerRecord) -> dict[str, Tensor]:
     prefix, suffix = record.tensors["prefix"], record.tensors["suffix"]  # (R, G, d_in), (R, G, d_out)
-    counts = _per_sample_row_splits(record.tensors["sample"], record.batch_size)
-    groups, d_in, d_out = prefix.shape[1], prefix.shape[2], suffix.shape[2]
-    weights = prefix.new_zeros(record.batch_size, groups, d_out, d_in)  # (B, G, d_out, d_in)
-    for i, (a, d) in enumerate(zip(prefix.split(counts), suffix.split(counts))):
-        if a.shape[0]:
-            weights[i] = torch.einsum("rgo,rgi->goi", d, a)
-    restored: dict[str, Tensor] = {}
-    if "weight" in record.params:
-        weight = weights.reshape(record.batch_size, groups * d_out, d_in)  # (B, out, in)
-        if record.layout == "in_out":
-            weight = weight.transpose(1, 2)  # (B, in, out)
-        restored[record.params["weight"]] = weight.reshape(record.batch_size, *record.param_shapes["weight"])
-    if "bias" in record.params:
-        bias = suffix.new_zeros(record.batch_size, groups * d_out)  # (B, out)
-        bias.index_add_(0, record.tensors["sample"].long(), suffix.reshape(-1, groups * d_out))
-        restored[record.params["bias"]] = bias
-    return restored
+    sample = record.tensors["sample"].long()  # (R,)
+    if sample.numel() > 1 and not bool((sample[1:] >= sample[:-1]).all()):
+        order = torch.argsort(sample, stable=True)  # group rows by sample
+        prefix, suffix, sample = prefix[order], suffix[order], sample[order]
+    batch = record.batch_size
+    counts = torch.bincount(sample, minlength=batch)  # (B,)
+    t_max = int(counts.max()) if sample.numel() else 0
+    position = torch.arange(sample.numel(), device=sample.device) - (torch.cumsum(counts, 0) - counts)[sample]  # (R,)
+    padded_prefix = prefix.new_zeros(batch, t_max, *prefix.shape[1:])  # (B, T_max, G, d_in)
+    padded_suffix = suffix.new_zeros(batch, t_max, *suffix.shape[1:])  # (B, T_max, G, d_out)
+    padded_prefix[sample, position] = prefix
+    padded_suffix[sample, position] = suffix
+    params = {role: record.params[role] for role in ("weight", "bias") if role in record.params}
+    dense = _dense_from_factors(record.layer, padded_prefix, padded_suffix, params, record.param_shapes, record.layout)
+    return {name: dense.tensors[_DENSE_PREFIX + role] for role, name in params.items()}
 
 
 def _restore_embedding(record: LayerRecord) -> dict[str, Tensor]:
@@ -168,10 +161,15 @@ def outer_record(
         choose_smaller: return the dense record instead when it takes fewer bytes.
     """
     batch, tokens = suffix.shape[0], suffix.shape[1]
-    flat_prefix = prefix.reshape(batch * tokens, *prefix.shape[2:])  # (B*T, G, d_in)
-    flat_suffix = suffix.reshape(batch * tokens, *suffix.shape[2:])  # (B*T, G, d_out)
+    groups, d_in, d_out = prefix.shape[2], prefix.shape[3], suffix.shape[3]
+    flat_prefix = prefix.reshape(batch * tokens, groups, d_in)  # (B*T, G, d_in)
+    flat_suffix = suffix.reshape(batch * tokens, groups, d_out)  # (B*T, G, d_out)
     rows = kept_rows(flat_suffix)  # (R,)
-    record = LayerRecord(
+    factored_bytes = rows.numel() * (4 * groups * (d_in + d_out) + 8)  # prefix, suffix, sample, position
+    dense_bytes = batch * 4 * sum(math.prod(shape) for shape in param_shapes.values())
+    if choose_smaller and factored_bytes > dense_bytes:  # decide before copying rows
+        return _dense_from_factors(layer, prefix, suffix, params, param_shapes, layout)
+    return LayerRecord(
         layer=layer,
         kind="outer",
         batch_size=batch,
@@ -185,9 +183,28 @@ def outer_record(
             "position": torch.remainder(rows, tokens).int(),
         },
     )
-    if choose_smaller and record.nbytes > record.dense_nbytes:
-        return to_dense(record)
-    return record
+
+
+def _dense_from_factors(
+    layer: str,
+    prefix: Tensor,
+    suffix: Tensor,
+    params: dict[str, str],
+    param_shapes: dict[str, tuple[int, ...]],
+    layout: WeightLayout,
+) -> LayerRecord:
+    """The ``"dense"`` record of token-major factors: ``grad W_i[g] = sum_t D[i,t,g]^T A[i,t,g]`` in one einsum."""
+    batch = suffix.shape[0]
+    grads: dict[str, Tensor] = {}
+    if "weight" in params:
+        weight = torch.einsum("btgo,btgi->bgoi", suffix.float(), prefix.float())  # (B, G, d_out, d_in)
+        weight = weight.reshape(batch, -1, weight.shape[-1])  # (B, G*d_out, d_in)
+        if layout == "in_out":
+            weight = weight.transpose(1, 2)  # (B, d_in, d_out)
+        grads["weight"] = weight.reshape(batch, *param_shapes["weight"])
+    if "bias" in params:
+        grads["bias"] = suffix.float().sum(1).reshape(batch, *param_shapes["bias"])  # (B, G*d_out)
+    return dense_record(layer, grads, {role: params[role] for role in grads})
 
 
 def to_dense(record: LayerRecord) -> LayerRecord:
