@@ -10,7 +10,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -71,6 +72,21 @@ def capture_step(
     return losses.detach().mean()
 
 
+@contextmanager
+def weights_untouched(model: nn.Module) -> Iterator[None]:
+    """Eval mode for a checkpoint pass; the parameters' ``.grad`` and the train/eval mode come back as they were."""
+    saved = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.grad = saved[name]
+
+
 def checkpoint_pass(
     model: nn.Module,
     batches: Iterable[tuple[Tensor, Callable[[], Any], Tensor]],
@@ -88,18 +104,10 @@ def checkpoint_pass(
     The weights and the parameters' ``.grad`` are left as they were: a checkpoint pass
     never changes training.
     """
-    saved = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
-    was_training = model.training
-    model.eval()
-    try:
+    with weights_untouched(model):
         for k, (ids, forward, labels) in enumerate(batches):
             capture_step(
                 model, forward, labels, ids, per_sample_loss, writer,
                 step=step, capture_point=capture_point, epoch=epoch, micro_batch=k, lr=lr,
                 session_options=session_options,
             )
-    finally:
-        model.train(was_training)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.grad = saved[name]

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
-from metastore_plugins.core.passes import predictions_of
+from metastore_plugins.core.passes import predictions_of, weights_untouched
 from metastore_plugins.core.sample_ids import (
     SAMPLE_ID_KEYS,
     IndexedDataset,
@@ -295,24 +295,19 @@ class RunCapture:
         ``loss_of(batch, k)`` runs the model and returns the batch loss (reduced as
         ``loss_reduction`` says). Returns the number of samples captured.
         """
-        saved = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
-        was_training, count = model.training, 0
-        model.eval()
-        try:
-            for k, (ids, batch) in enumerate(batches):
-                self.begin_step(model)
-                with torch.enable_grad(), context():
-                    loss = loss_of(batch, k)
-                loss.backward()
-                self.end_backward()
-                self.finish_step(batch, ids, step=step, capture_point=capture_point, epoch=epoch, micro_batch=k, lr=lr)
-                count += len(ids)
-        finally:
-            self.abort_step()
-            model.train(was_training)
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    param.grad = saved[name]
+        count = 0
+        with weights_untouched(model):
+            try:
+                for k, (ids, batch) in enumerate(batches):
+                    self.begin_step(model)
+                    with torch.enable_grad(), context():
+                        loss = loss_of(batch, k)
+                    loss.backward()
+                    self.end_backward()
+                    self.finish_step(batch, ids, step=step, capture_point=capture_point, epoch=epoch, micro_batch=k, lr=lr)
+                    count += len(ids)
+            finally:
+                self.abort_step()
         return count
 
     # -- lifecycle -----------------------------------------------------------------------
