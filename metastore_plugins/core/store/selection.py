@@ -10,7 +10,6 @@ import bisect
 import math
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ class ShardFiles:
         self._lock = threading.Lock()
         #: (shard name, batch) -> checked per-sample metadata: small, and read by most queries
         self.meta: dict[tuple[str, int], dict[str, Tensor]] = {}
+        self._open: dict[str, OpenShard] = {}
 
     def check(self, path: Path) -> None:
         name = path.name
@@ -68,16 +68,47 @@ class ShardFiles:
                     )
             self._sound.add(name)
 
-    @contextmanager
-    def open(self, path: Path) -> Iterator[Any]:
-        """``safe_open`` a checked shard; a file safetensors cannot parse raises :class:`StoreError`."""
+    def open(self, path: Path) -> OpenShard:
+        """The checked shard, opened once (``safe_open``) and kept while the store is in use.
+
+        A file safetensors cannot parse raises :class:`StoreError`. At most
+        :data:`MAX_OPEN_SHARDS` stay open (the least recently used is dropped).
+        """
         self.check(path)
+        with self._lock:
+            shard = self._open.pop(path.name, None)
+            if shard is None:
+                shard = OpenShard(path)
+            self._open[path.name] = shard  # most recently used last
+            while len(self._open) > MAX_OPEN_SHARDS:
+                self._open.pop(next(iter(self._open)))
+        return shard
+
+
+#: Shards kept open per store: their parsed headers make repeated reads cheap.
+MAX_OPEN_SHARDS = 16
+
+
+class OpenShard:
+    """One ``safe_open`` handle and its tensor names grouped by stored batch (``"b3"`` -> keys).
+
+    Parsing a shard's header is the costly part of opening it (a shard holds thousands of
+    tensors), so it is done once; tensors read from it are independent copies.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
         try:
-            handle = safe_open(str(path), framework="pt")
+            self.handle = safe_open(str(path), framework="pt")
         except Exception as exc:  # noqa: BLE001 - header too large, bad JSON header, bad offsets
             raise StoreError(f"{path}: not a readable safetensors file ({exc})") from exc
-        with handle:
-            yield handle
+        self.keys: dict[str, list[str]] = {}
+        for key in self.handle.keys():
+            self.keys.setdefault(key.split("/", 1)[0], []).append(key)
+
+    def read(self, batch: int, prefix: str) -> dict[str, Tensor]:
+        """The tensors of stored batch ``batch`` whose names start with ``prefix``, without it."""
+        return {key[len(prefix) :]: _get(self.handle, key, self.path) for key in self.keys.get(f"b{batch}", ()) if key.startswith(prefix)}
 
 
 def _get(handle: Any, key: str, path: Path) -> Tensor:
@@ -150,18 +181,8 @@ class BatchRef:
     layers: dict[str, dict[str, Any]]  # the manifest's layer table (params, shapes, layout)
     files: ShardFiles | None = field(default=None, compare=False, repr=False)  # checks shards on first read
 
-    @contextmanager
-    def _open(self) -> Iterator[Any]:
-        if self.files is not None:
-            with self.files.open(self.file) as handle:
-                yield handle
-            return
-        try:
-            handle = safe_open(str(self.file), framework="pt")
-        except Exception as exc:  # noqa: BLE001
-            raise StoreError(f"{self.file}: not a readable safetensors file ({exc})") from exc
-        with handle:
-            yield handle
+    def _shard(self) -> OpenShard:
+        return self.files.open(self.file) if self.files is not None else OpenShard(self.file)
 
     @property
     def capture_point(self) -> str:
@@ -203,8 +224,7 @@ class BatchRef:
 
     def _read_meta(self) -> dict[str, Tensor]:
         prefix = f"b{self.batch}/meta/"
-        with self._open() as handle:
-            meta = {key[len(prefix) :]: _get(handle, key, self.file) for key in handle.keys() if key.startswith(prefix)}
+        meta = self._shard().read(self.batch, prefix)
         ids = meta.get("sample_id")
         if ids is None or ids.is_floating_point() or ids.dtype == torch.bool or ids.dim() != 1 or ids.shape[0] != self.size:
             got = "nothing" if ids is None else f"{ids.dtype} {tuple(ids.shape)}"
@@ -220,14 +240,8 @@ class BatchRef:
         wanted = [(k, r) for k, r in enumerate(self.info["records"]) if layers is None or r["layer"] in layers]
         if not wanted:
             return []
-        records = []
-        with self._open() as handle:
-            keys = list(handle.keys())
-            for k, entry in wanted:
-                prefix = f"b{self.batch}/r{k}/"
-                stored = {key[len(prefix) :]: _get(handle, key, self.file) for key in keys if key.startswith(prefix)}
-                records.append(self._record(entry, stored, prefix))
-        return records
+        shard = self._shard()
+        return [self._record(entry, shard.read(self.batch, f"b{self.batch}/r{k}/"), f"b{self.batch}/r{k}/") for k, entry in wanted]
 
     def _record(self, entry: dict[str, Any], stored: dict[str, Tensor], prefix: str = "") -> LayerRecord:
         layer = self.layers[entry["layer"]]
