@@ -210,8 +210,9 @@ class RunCapture:
         self.labels = labels or default_labels
         self.session_options = dict(session_options or {})
         self.writer = StoreWriter(self.path, rank=rank, encoding=encoding, config=config)  # type: ignore[arg-type]
-        self._session: CaptureSession | None = None
+        self._session: CaptureSession | None = None  # attached from the first step to close()
         self._output_hook: Any = None
+        self._collecting = False
         self._output: Any = None
         self._records: list[LayerRecord] | None = None
         self.skipped_steps = 0  # fp16 steps whose gradients overflowed: not stored
@@ -219,30 +220,35 @@ class RunCapture:
     # -- one training step ---------------------------------------------------------------
 
     def begin_step(self, model: nn.Module, *, loss_scale: float = 1.0, grad_scaler: Any = None) -> None:
-        """Hook ``model`` for the coming forward and backward (closing any step left open)."""
+        """Collect the coming forward and backward of ``model`` (dropping any step left open).
+
+        The model is hooked once and stays hooked (paused between steps) until :meth:`close`.
+        """
         self.abort_step()
-        self._session = CaptureSession(
-            model, loss_reduction=self.loss_reduction, loss_scale=loss_scale, grad_scaler=grad_scaler,  # type: ignore[arg-type]
-            **self.session_options,
-        )
-        self._session.attach()
-        self._output_hook = model.register_forward_hook(self._keep_output)
+        if self._session is None or self._session.model is not model:
+            self._close_session()
+            self._session = CaptureSession(model, loss_reduction=self.loss_reduction, **self.session_options)  # type: ignore[arg-type]
+            self._session.attach()
+            self._output_hook = model.register_forward_hook(self._keep_output)
+        self._session.rescale(loss_scale, grad_scaler)
+        self._session.resume()
+        self._collecting = True
 
     def end_backward(self) -> None:
         """Read the factors of the backward just done (before a GradScaler updates its scale)."""
-        if self._session is not None:
+        if self._session is not None and self._collecting:
             records = self._session.factors()
             if self._session.grad_scaler is not None and not _finite(records):
                 records, self.skipped_steps = None, self.skipped_steps + 1  # the GradScaler skips this step too
             self._records = records
-            self._close_session()
+            self._pause()
 
     def finish_step(
         self, batch: Any, sample_ids: Tensor, *, step: int, capture_point: str = "train", epoch: int = 0,
         micro_batch: int = 0, lr: float | None = None, output: Any = None,
     ) -> None:
         """Queue the step's records with ids, labels, per-sample losses and predictions."""
-        self._close_session()
+        self._pause()
         records, self._records = self._records, None
         forward_output = self._output if output is None else output
         self._output = None
@@ -255,8 +261,8 @@ class RunCapture:
         )
 
     def abort_step(self) -> None:
-        """Forget an unfinished step and remove its hooks."""
-        self._close_session()
+        """Forget an unfinished step (the model stays hooked, paused)."""
+        self._pause()
         self._records, self._output = None, None
 
     def losses(self, output: Any, batch: Any) -> tuple[Tensor, Tensor]:
@@ -316,14 +322,21 @@ class RunCapture:
         """Remove hooks and write everything queued. Safe to call twice."""
         try:
             self.abort_step()
+            self._close_session()
         finally:
             self.writer.close()
 
     def _keep_output(self, module: nn.Module, args: Any, output: Any) -> None:
         # the first call that completes: Lightning's DDP runs the whole training_step through an outer
         # forward call of the module, which completes after the step's own call
-        if self._output is None:
+        if self._collecting and self._output is None:
             self._output = output
+
+    def _pause(self) -> None:
+        self._collecting = False
+        if self._session is not None:
+            self._session.pause()
+            self._session.reset()
 
     def _close_session(self) -> None:
         try:

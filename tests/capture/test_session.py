@@ -129,6 +129,22 @@ def test_reset_forgets_records() -> None:
         assert session.factors() == []
 
 
+def test_a_paused_session_collects_nothing_and_resumes_exactly() -> None:
+    model, batch = mlp(), vector_batch(5)
+    expected = reference_per_sample_gradients(model, cross_entropy, batch)
+    with CaptureSession(model) as session:
+        session.pause()
+        loss = cross_entropy(model, batch)  # a forward while paused hooks nothing ...
+        session.resume()
+        loss.backward()  # ... so its backward adds nothing either
+        assert session.factors() == []
+        session.rescale(0.5)  # the next step's loss is halved
+        (cross_entropy(model, batch) * 0.5).backward()
+        assert max_relative_error(session.per_sample_gradients(), expected) <= TOLERANCE
+    with pytest.raises(ValueError, match="loss_scale"):
+        session.rescale(0.0)
+
+
 # -- unsupported layers ------------------------------------------------------------------
 
 

@@ -115,3 +115,34 @@ def test_run_capture_skips_overflowed_fp16_steps_and_writes_the_rest(tmp_path: P
         run.close()
     assert run.skipped_steps == 1
     assert open_store(tmp_path).steps("train") == [0, 2]
+
+
+def test_run_capture_hooks_once_ignores_forwards_between_steps_and_unhooks_on_close(tmp_path: Path) -> None:
+    from metastore_plugins import open_store
+    from metastore_plugins.core.run import RunCapture
+    from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(3)]
+    run = RunCapture(tmp_path, encoding="fp32")
+    try:
+        for step, (x, y) in enumerate(batches):
+            run.begin_step(model, loss_scale=0.5)
+            (torch.nn.functional.cross_entropy(model(x), y) * 0.5).backward()
+            run.end_backward()
+            run.finish_step((x, y), torch.arange(4) + 10 * step, step=step)
+            hooks = sum(len(m._forward_hooks) for m in model.modules())
+            torch.nn.functional.cross_entropy(model(x), y).backward()  # e.g. user code between steps: not captured
+        assert hooks == sum(len(m._forward_hooks) for m in model.modules()) > 0  # hooked once, kept
+    finally:
+        run.close()
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+    store = open_store(tmp_path)
+    assert store.steps("train") == [0, 1, 2] and len(store.sample_ids("train")) == 12
+    for step, (x, y) in enumerate(batches[-1:], start=2):
+        expected = reference_per_sample_gradients(model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), (x, y))
+        # the weights did not change (no optimizer step), so every step's gradients are those of the same model
+        restored = {name: torch.stack([store.restore(10 * step + i, capture_point="train", step=step)[name] for i in range(4)])
+                    for name in expected}
+        assert max_relative_error(restored, expected) <= 1e-5

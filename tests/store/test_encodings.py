@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.capture.records import LayerRecord, dense_record
 from metastore_plugins.core.store import DEFAULT_ENCODING, ENCODINGS
+from metastore_plugins.core.store.encoding import encode, encode_many, encoded_nbytes
 from storecases import flat, reference_loop, rel_err
 
 pytest.importorskip("transformers")
@@ -181,3 +182,21 @@ def test_a_dense_parameter_named_scale_round_trips(tmp_path: Path, encoding: str
     restored = open_store(tmp_path).restore(1)
     assert list(restored) == ["rms.scale"]
     assert rel_err(restored["rms.scale"], grads[1]) <= 2e-2
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_encoding_many_tensors_at_once_stores_the_same_values(encoding: str) -> None:
+    """The writer encodes a whole shard in one pass: it must equal encoding each tensor alone."""
+    torch.manual_seed(0)
+    tensors = [
+        ("b0/r0/prefix", torch.randn(5, 1, 3)), ("b0/r0/sample", torch.arange(5)), ("b1/r0/prefix", torch.randn(0, 1, 3)),
+        ("b1/r0/suffix", torch.randn(2, 1, 4) * 1e-8), ("b2/r0/prefix", torch.randn(3, 1, 3).half()),
+        ("b2/r1/grad.weight", torch.zeros(2, 4, 4)),
+    ]
+    many = encode_many(tensors, encoding)
+    one = {key: value for name, tensor in tensors for key, value in encode(name, tensor, encoding).items()}
+    assert many.keys() == one.keys()
+    for key, value in one.items():
+        assert many[key].dtype == value.dtype and many[key].shape == value.shape and torch.equal(many[key], value), key
+    for name, tensor in tensors:
+        assert encoded_nbytes(tensor, encoding) == sum(v.numel() * v.element_size() for v in encode(name, tensor, encoding).values())

@@ -133,18 +133,18 @@ def test_a_shard_is_hashed_once_per_store(store4: tuple, monkeypatch: pytest.Mon
 
 
 def _full_disk_after(monkeypatch: pytest.MonkeyPatch, good: int) -> list[str]:
-    """``save_file`` writes ``good`` shards, then writes half a file and fails with ENOSPC."""
+    """The shard saver writes ``good`` shards, then writes half a file and fails with ENOSPC."""
     calls: list[str] = []
-    save = writer_module.save_file
+    save = writer_module.save_tensors
 
-    def save_file_until_full(tensors: dict[str, torch.Tensor], filename: str, metadata: Any = None) -> None:
-        calls.append(filename)
+    def save_until_full(tensors: dict[str, torch.Tensor], filename: Path, metadata: dict[str, str]) -> None:
+        calls.append(str(filename))
         if len(calls) <= good:
             return save(tensors, filename, metadata=metadata)
         Path(filename).write_bytes(b"\0" * 100)  # a partial file
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
+        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
 
-    monkeypatch.setattr(writer_module, "save_file", save_file_until_full)
+    monkeypatch.setattr(writer_module, "save_tensors", save_until_full)
     return calls
 
 

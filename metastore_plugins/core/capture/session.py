@@ -119,25 +119,12 @@ class CaptureSession:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if unsupported not in ("warn", "error", "skip"):
             raise ValueError(f"unsupported must be 'warn', 'error' or 'skip', got {unsupported!r}")
-        try:
-            scale = float(loss_scale)
-        except (TypeError, ValueError):
-            scale = math.nan
-        if not math.isfinite(scale) or scale == 0:
-            raise ValueError(
-                "loss_scale must be a finite non-zero number (the factor the loss was multiplied by), "
-                f"got {loss_scale!r}"
-            )
-        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-            raise ValueError(
-                f"grad_scaler must have a get_scale() method (a torch.amp.GradScaler), got {grad_scaler!r}"
-            )
         if isinstance(modules, str):
             raise ValueError(f"modules must be a list of module paths, got the string {modules!r}; write [{modules!r}]")
         self.model = model
         self.loss_reduction = loss_reduction
-        self.loss_scale = scale
-        self.grad_scaler = grad_scaler
+        self.loss_scale, self.grad_scaler = 1.0, None
+        self.rescale(loss_scale, grad_scaler)
         self.unsupported = unsupported
         self.batch_dims = dict(batch_dims or {})
         self.modules = tuple(modules) if modules is not None else None
@@ -146,6 +133,7 @@ class CaptureSession:
         self._uncaptured: dict[str, None] = {}
         self._reported: set[str] = set()
         self._attached = False
+        self._paused = False
         self._in_records = False
         self._after_forward: list[Callable[[list[Tensor]], None]] = []
 
@@ -196,6 +184,34 @@ class CaptureSession:
     def reset(self) -> None:
         """Forget the records collected so far (call between optimizer steps)."""
         self._records.clear()
+
+    def pause(self) -> None:
+        """Stop collecting while staying attached: forward passes until :meth:`resume` cost nothing.
+
+        Cheaper than closing and attaching again for every step of a training loop.
+        """
+        self._paused = True
+
+    def resume(self) -> None:
+        """Collect again after :meth:`pause`."""
+        self._paused = False
+
+    def rescale(self, loss_scale: float = 1.0, grad_scaler: _GradScalerLike | None = None) -> None:
+        """Set the constant and the ``GradScaler`` divided out of the records (as in the constructor)."""
+        try:
+            scale = float(loss_scale)
+        except (TypeError, ValueError):
+            scale = math.nan
+        if not math.isfinite(scale) or scale == 0:
+            raise ValueError(
+                "loss_scale must be a finite non-zero number (the factor the loss was multiplied by), "
+                f"got {loss_scale!r}"
+            )
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise ValueError(
+                f"grad_scaler must have a get_scale() method (a torch.amp.GradScaler), got {grad_scaler!r}"
+            )
+        self.loss_scale, self.grad_scaler = scale, grad_scaler
 
     # -- results ---------------------------------------------------------------------
 
@@ -307,7 +323,7 @@ class CaptureSession:
         context = _ModuleContext(self, path, self._batch_dim(path, ancestors), params)
 
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if self._attached and not self._in_records:
+            if self._attached and not self._paused and not self._in_records:
                 rule.forward(mod, args, kwargs, output, context)
 
         self._handles.append(module.register_forward_hook(hook, with_kwargs=True))

@@ -14,7 +14,7 @@ Integer tensors (sample, position, token ids) are kept as int32.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Literal, get_args
 
 import torch
@@ -78,3 +78,34 @@ def is_scale_key(key: str, stored: Collection[str]) -> bool:
     ``grad.scale``) is data: it is a scale only when the key it scales is stored too.
     """
     return key.endswith(_SCALE_SUFFIX) and key[: -len(_SCALE_SUFFIX)] in stored
+
+
+def encode_many(tensors: Sequence[tuple[str, Tensor]], encoding: Encoding) -> dict[str, Tensor]:
+    """:func:`encode` of many ``(key, tensor)`` pairs at once, with the same stored values.
+
+    Tensors of one dtype and trailing shape are concatenated along rows, encoded in one call
+    and split again: every encoding works row by row, so the result equals encoding each
+    tensor alone, at a fraction of the per-call cost. The returned tensors are contiguous
+    row slices of a few shared buffers (write them with a saver that accepts shared memory).
+    """
+    groups: dict[tuple[torch.dtype, tuple[int, ...]], list[tuple[str, Tensor]]] = {}
+    out: dict[str, Tensor] = {}
+    for key, tensor in tensors:
+        groups.setdefault((tensor.dtype, tuple(tensor.shape[1:])), []).append((key, tensor.detach()))
+    for members in groups.values():
+        rows = [tensor.shape[0] for _, tensor in members]
+        joined = encode("", torch.cat([tensor for _, tensor in members]), encoding)  # {"": data, ".scale": (R,)}
+        for suffix, stored in joined.items():
+            for (key, _), part in zip(members, stored.split(rows)):
+                out[key + suffix] = part
+    return out
+
+
+def encoded_nbytes(tensor: Tensor, encoding: Encoding) -> int:
+    """Bytes :func:`encode` stores for ``tensor`` (data and row scales)."""
+    if not tensor.is_floating_point() or encoding == "fp32":
+        return tensor.numel() * 4
+    if encoding == "bf16":
+        return tensor.numel() * 2
+    width = 2 if encoding == "fp16" else 1
+    return tensor.numel() * width + tensor.shape[0] * 4

@@ -8,8 +8,8 @@ Example::
         writer.write(session.factors(), sample_ids=ids, step=0, labels=y, losses=per_sample_loss)
 
 Training waits only when the queue holds ``queue_bytes`` already (backpressure); the
-writer's memory stays within ``queue_bytes`` plus one shard (``shard_bytes`` plus the
-batch that crossed it).
+writer's memory stays within ``queue_bytes`` plus one shard's records (``shard_bytes``
+encoded, plus the batch that crossed it). See ``docs/store.md``.
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.store import manifest as mf
-from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding, check_encoding, encode
+from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding, check_encoding, encoded_nbytes
+from metastore_plugins.core.store.shardfile import save_tensors, shard_tensors
 
 ArrayLike = Tensor | Sequence[float] | Sequence[int]
 
@@ -232,11 +232,13 @@ class StoreWriter:
         start = time.perf_counter()
         with self._cond:
             while self._queued_bytes > 0 and self._queued_bytes + nbytes > self.queue_bytes and self._error is None:
+                self._cond.notify_all()
                 self._cond.wait(0.1)
             self._queue.append(item)
             self._queued_bytes += nbytes
             self.stats.peak_queued_bytes = max(self.stats.peak_queued_bytes, self._queued_bytes)
-            self._cond.notify_all()
+            if not isinstance(item, _Batch) or self._queued_bytes >= min(self.shard_bytes, self.queue_bytes // 2):
+                self._cond.notify_all()  # batches wait for a shard's worth: waking the thread per batch costs training time
         self.stats.wait_seconds += time.perf_counter() - start
         self._raise_if_failed()
 
@@ -259,9 +261,8 @@ class StoreWriter:
     # -- writer thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        pending: dict[str, Tensor] = {}
-        batches: list[dict[str, Any]] = []
-        pending_bytes = 0
+        pending: list[_Batch] = []  # batches of the shard being built, not encoded yet
+        pending_bytes = 0  # their encoded size
         while True:
             with self._cond:
                 while not self._queue:
@@ -277,25 +278,27 @@ class StoreWriter:
                         item.set()
                     continue
                 if isinstance(item, threading.Event):
-                    if batches:
-                        self._write_shard(pending, batches)
-                    pending, batches, pending_bytes = {}, [], 0
+                    if pending:
+                        self._write_shard(pending)
+                    pending, pending_bytes = [], 0
                     item.set()
                     continue
-                pending_bytes += self._encode_batch(item, len(batches), pending)
+                item.records = [replace(r, tensors={k: t.cpu() for k, t in r.tensors.items()}) for r in item.records]
+                pending.append(item)
+                pending_bytes += sum(encoded_nbytes(t, self.encoding) for r in item.records for t in r.tensors.values())
+                pending_bytes += sum(t.numel() * t.element_size() for t in item.meta.values())
                 self.stats.peak_pending_bytes = max(self.stats.peak_pending_bytes, pending_bytes)
-                batches.append(item.info | {"records": [self._record_info(r) for r in item.records]})
                 self.stats.dense_bytes += sum(r.dense_nbytes for r in item.records)
                 if pending_bytes >= self.shard_bytes:
-                    self._write_shard(pending, batches)
-                    pending, batches, pending_bytes = {}, [], 0
+                    self._write_shard(pending)
+                    pending, pending_bytes = [], 0
             except BaseException as exc:  # surfaced on the training thread by the next call
                 if isinstance(exc, OSError) and self.on_error == "warn":
                     self.stopped = exc
                 else:
                     self._error = exc
-                self.dropped_samples += sum(b["size"] for b in batches)
-                pending, batches, pending_bytes = {}, [], 0
+                self.dropped_samples += sum(b.info["size"] for b in pending)
+                pending, pending_bytes = [], 0
                 if isinstance(item, threading.Event):
                     item.set()
             finally:
@@ -303,28 +306,18 @@ class StoreWriter:
                     self._queued_bytes -= item.nbytes if isinstance(item, _Batch) else 0
                     self._cond.notify_all()
 
-    def _encode_batch(self, batch: _Batch, index: int, out: dict[str, Tensor]) -> int:
-        added = 0
-        for k, record in enumerate(batch.records):
-            for name, tensor in record.tensors.items():
-                for key, value in encode(mf.record_key(index, k, name), tensor.cpu(), self.encoding).items():
-                    out[key] = value
-                    added += value.numel() * value.element_size()
-        for column, values in batch.meta.items():
-            out[mf.meta_key(index, column)] = values
-            added += values.numel() * values.element_size()
-        return added
-
     @staticmethod
     def _record_info(record: LayerRecord) -> dict[str, Any]:
         rows = record.batch_size if record.kind == "dense" else int(record.tensors["sample"].shape[0])
         return {"layer": record.layer, "kind": record.kind, "rows": rows, "bytes": record.nbytes, "dense_bytes": record.dense_nbytes}
 
-    def _write_shard(self, tensors: dict[str, Tensor], batches: list[dict[str, Any]]) -> None:
+    def _write_shard(self, pending: list[_Batch]) -> None:
+        tensors = shard_tensors([(b.records, b.meta) for b in pending], self.encoding)
+        batches = [b.info | {"records": [self._record_info(r) for r in b.records]} for b in pending]
         name = mf.shard_name(self.rank, self._next_shard)
         final, tmp = self.path / name, self.path / (name + ".tmp")
         try:
-            save_file(tensors, str(tmp), metadata={"format": mf.FORMAT, "encoding": self.encoding})
+            save_tensors(tensors, tmp, metadata={"format": mf.FORMAT, "encoding": self.encoding})
             with open(tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
             size, sha256 = tmp.stat().st_size, mf.file_sha256(tmp)
