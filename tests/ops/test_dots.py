@@ -104,6 +104,23 @@ def test_cost_model_branches() -> None:
     assert plan_dots(to_dense(short_a), to_dense(short_b)).method == "dense"  # only one way for dense records
 
 
+def test_plan_flops_count_the_matrix_products_dots_runs() -> None:
+    """``Plan.flops`` against the flops torch's FlopCounterMode sees: the factored plan adds one
+    per Hadamard element to its products; the dense plan counts the bias rebuild as products too."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for (a, b), method in (((_linear_record(6, 3, 32, 32), _linear_record(5, 2, 32, 32)), "factored"),
+                           ((_linear_record(6, 40, 8, 8), _linear_record(5, 40, 8, 8)), "dense")):
+        plan = plan_dots(a, b, method=method)
+        with FlopCounterMode(display=False) as counter:
+            dots(a, b, method=method)
+        counted = counter.get_total_flops()
+        if method == "factored":
+            assert plan.flops == counted + a.tensors["sample"].numel() * b.tensors["sample"].numel()
+        else:
+            assert counted <= plan.flops <= 1.2 * counted, (plan.flops, counted)
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     sizes=st.tuples(st.integers(1, 4), st.integers(1, 4)),

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins import GradientStore, StoreWriter, open_store
+from metastore_plugins.core.ops.sketch import projection
 from metastore_plugins.core.passes import capture_step
 from metastore_plugins.testing import reference_per_sample_gradients
 
@@ -125,3 +126,39 @@ def train(
     run.end = {n: p.detach().clone() for n, p in params.items()}
     run.store = open_store(path)
     return run
+
+
+def occurrences(run: Run, first: int = 0, last: int = 10**9) -> list[tuple[int, int, dict[str, Tensor], float]]:
+    """``(step, sample id, own-loss gradients, lr)`` per sample occurrence, in selection order."""
+    return [
+        (step, int(sid), {n: g[i] for n, g in refs.items()}, lr)
+        for step, ids, refs, lr in zip(run.steps, run.ids, run.refs, run.lrs)
+        if first <= step <= last
+        for i, sid in enumerate(ids)
+    ]
+
+
+def expected_sketch(grads: dict[str, Tensor], layer: str, dim: int, seed: int) -> Tensor:
+    """``P_out [W | b] P_in^T`` of a Linear layer (bias as an extra input column), or ``P v`` of
+    LayerNorm's flattened ``(bias, weight)``, with the projections the sketch maths defines."""
+    cpu = torch.device("cpu")
+    if layer == "2":
+        flat = torch.cat([grads["2.bias"], grads["2.weight"]])  # roles in sorted order
+        p_vec = projection("vector:bias,weight", layer, seed, (dim * dim, flat.numel()), dim * dim, cpu)
+        return p_vec @ flat
+    weight, bias = grads[f"{layer}.weight"], grads[f"{layer}.bias"]  # (d_out, d_in), (d_out,)
+    p_out = projection("out", layer, seed, (dim, weight.shape[0]), dim, cpu)
+    p_in = projection("in", layer, seed, (dim, weight.shape[1]), dim, cpu)
+    p_bias = projection("bias", layer, seed, (dim, 1), dim, cpu)
+    return (p_out @ weight @ p_in.T + (p_out @ bias)[:, None] @ p_bias.T).reshape(-1)
+
+
+def sum_by_id(ids: list[int], matrix: Tensor) -> tuple[list[int], Tensor]:
+    """An ``(N_occ, N_occ)`` matrix of occurrences summed over rows and columns of the same sample id.
+
+    Returns the unique ids (first-seen order, as the store's score rows) and the ``(U, U)`` sums.
+    """
+    unique = list(dict.fromkeys(ids))
+    index = torch.tensor([unique.index(i) for i in ids])
+    by_row = torch.zeros(len(unique), len(ids), dtype=matrix.dtype).index_add_(0, index, matrix)  # (U, N_occ)
+    return unique, torch.zeros(len(unique), len(unique), dtype=matrix.dtype).index_add_(1, index, by_row)  # (U, U)

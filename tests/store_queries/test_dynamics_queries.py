@@ -15,10 +15,9 @@ from torch import Tensor
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core import ops
-from metastore_plugins.core.ops.sketch import projection
 from metastore_plugins.core.passes import capture_step
 from metastore_plugins.core.store import StoreError
-from runcases import Run, make_data, per_sample_ce
+from runcases import Run, expected_sketch, make_data, occurrences, per_sample_ce
 
 TOL = 1e-5
 LAYERS = ("3", "2", "0")  # store.layers(): the order records come in (backward order)
@@ -28,16 +27,6 @@ def rel(actual: Tensor | np.ndarray, expected: Tensor | np.ndarray) -> float:
     a, e = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
     assert a.shape == e.shape, (a.shape, e.shape)
     return float((a - e).abs().max() / e.abs().max().clamp_min(1e-30))
-
-
-def occurrences(run: Run, first: int = 0, last: int = 10**9) -> list[tuple[int, int, dict[str, Tensor], float]]:
-    """``(step, sample id, own-loss gradients, lr)`` per sample occurrence, in selection order."""
-    return [
-        (step, int(sid), {n: g[i] for n, g in refs.items()}, lr)
-        for step, ids, refs, lr in zip(run.steps, run.ids, run.refs, run.lrs)
-        if first <= step <= last
-        for i, sid in enumerate(ids)
-    ]
 
 
 def flat_norm(grads: dict[str, Tensor], names: list[str] | None = None) -> float:
@@ -201,21 +190,6 @@ def test_spikes_and_the_samples_seen_before_them(run_a: Run) -> None:
 
 
 # -- sketches and clusters ---------------------------------------------------------------------
-
-
-def expected_sketch(grads: dict[str, Tensor], layer: str, dim: int, seed: int) -> Tensor:
-    """``P_out [W | b] P_in^T`` of a Linear layer (bias as an extra input column), or ``P v`` of
-    LayerNorm's flattened ``(bias, weight)``, with the projections the sketch maths defines."""
-    cpu = torch.device("cpu")
-    if layer == "2":
-        flat = torch.cat([grads["2.bias"], grads["2.weight"]])  # roles in sorted order
-        p_vec = projection("vector:bias,weight", layer, seed, (dim * dim, flat.numel()), dim * dim, cpu)
-        return p_vec @ flat
-    weight, bias = grads[f"{layer}.weight"], grads[f"{layer}.bias"]  # (d_out, d_in), (d_out,)
-    p_out = projection("out", layer, seed, (dim, weight.shape[0]), dim, cpu)
-    p_in = projection("in", layer, seed, (dim, weight.shape[1]), dim, cpu)
-    p_bias = projection("bias", layer, seed, (dim, 1), dim, cpu)
-    return (p_out @ weight @ p_in.T + (p_out @ bias)[:, None] @ p_bias.T).reshape(-1)
 
 
 @pytest.mark.parametrize("seed", [0, 7])

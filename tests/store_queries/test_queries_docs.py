@@ -19,9 +19,10 @@ def section_code(title: str) -> list[str]:
 
 def test_training_dynamics_examples_run(capsys: pytest.CaptureFixture[str]) -> None:
     blocks = section_code("Training-dynamics queries")
-    assert len(blocks) == 7  # set-up, then one per method group
+    assert len(blocks) == 8  # set-up, then one per method group
     namespace: dict[str, object] = {}
     for block in blocks:
         exec(compile(block, str(DOC), "exec"), namespace)  # noqa: S102 - our own documentation
     printed = capsys.readouterr().out
     assert "0.weight" in printed and "(64, 64) (64,)" in printed
+    assert "sketches True" in printed and "(32, 32)" in printed

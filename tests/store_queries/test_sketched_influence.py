@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runcases import Run
+from runcases import Run, sum_by_id
 
 
 def _ranks(values: np.ndarray) -> np.ndarray:
@@ -29,10 +29,8 @@ def test_sketched_influence_agrees_with_exact_influence(run_a: Run) -> None:
     sketched = store.sketched_influence("train", "train", dim=64, seed=3)
     ids, (flat, lrs) = _reference(run_a)
     occurrence = (lrs[:, None] * flat) @ flat.T  # (N_occ, N_occ): lr_s <g_i(s), g_j(t)>
-    unique = list(dict.fromkeys(ids.tolist()))
-    index = torch.tensor([unique.index(int(i)) for i in ids])
-    by_row = torch.zeros(len(unique), len(ids), dtype=torch.float64).index_add_(0, index, occurrence)  # (U, N_occ)
-    exact = torch.zeros(len(unique), len(unique), dtype=torch.float64).index_add_(1, index, by_row).numpy()  # (U, U)
+    unique, exact = sum_by_id(ids.tolist(), occurrence)
+    exact = exact.numpy()  # (U, U)
     assert sketched.row_ids.tolist() == unique and sketched.col_ids.tolist() == unique
     correlations = [_spearman(sketched.scores[:, j], exact[:, j]) for j in range(len(unique))]
     assert np.mean(correlations) >= 0.9 and min(correlations) >= 0.7, correlations  # one seed: sampling error

@@ -6,10 +6,12 @@ tensors derived from them; the store streams records chunk by chunk into them.
 
 - :func:`sq_norms`, :func:`sq_norms_by_param` -- ``||g_i||^2`` without rebuilding ``g_i``;
 - :func:`dots` -- ``<g_a_i, g_b_j>`` between two records of a layer, any kinds,
-  with a cost model (:func:`plan_dots`) choosing factored or rebuilt-dense per pair;
+  with a cost model (:func:`plan_dots`, :func:`plan_total_dots`) choosing factored or
+  rebuilt-dense per pair;
 - :func:`total_dots`, :func:`total_sq_norms`, :func:`cosine`, :func:`influence_scores`
   (TracIn), :func:`self_influence`, :func:`topk`;
-- :func:`sketch` -- seeded Kronecker random projections, :func:`kmeans` on them;
+- :func:`sketch` -- seeded Kronecker random projections (:class:`Projections` keeps the
+  drawn matrices over a pass), :func:`kmeans` on them;
 - :func:`zscore_by_class`, :func:`rank_outliers`;
 - :func:`batch_gradient`, :func:`abs_grad_accumulate`, :func:`entry_gradients`,
   :func:`top_contributors`, :func:`exceed_fraction`, :func:`weight_exceed_fraction`.
@@ -17,7 +19,15 @@ tensors derived from them; the store streams records chunk by chunk into them.
 
 from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.cluster import KMeansResult, kmeans
-from metastore_plugins.core.ops.cost import ELEMENTWISE_COST, REBUILD_ELEMENT_COST, Method, Plan, plan_dots, plan_norms
+from metastore_plugins.core.ops.cost import (
+    ELEMENTWISE_COST,
+    REBUILD_ELEMENT_COST,
+    Method,
+    Plan,
+    plan_dots,
+    plan_norms,
+    plan_total_dots,
+)
 from metastore_plugins.core.ops.dots import dots
 from metastore_plugins.core.ops.dynamics import (
     Contributors,
@@ -39,7 +49,7 @@ from metastore_plugins.core.ops.influence import (
 )
 from metastore_plugins.core.ops.norms import sq_norms, sq_norms_by_param
 from metastore_plugins.core.ops.outliers import Ranking, rank_outliers, zscore_by_class
-from metastore_plugins.core.ops.sketch import projection, sketch
+from metastore_plugins.core.ops.sketch import Projections, projection, sketch
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -49,6 +59,7 @@ __all__ = [
     "KMeansResult",
     "Method",
     "Plan",
+    "Projections",
     "Ranking",
     "TopK",
     "abs_grad_accumulate",
@@ -61,6 +72,7 @@ __all__ = [
     "kmeans",
     "plan_dots",
     "plan_norms",
+    "plan_total_dots",
     "projection",
     "rank_outliers",
     "self_influence",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -59,6 +59,22 @@ def common_params(a: LayerRecord, b: LayerRecord, params: Collection[str] | None
                 f"{tuple(shape_b[name])} in the other; pair records taken from the same model"
             )
     return common
+
+
+def record_pairs(
+    records_a: Sequence[LayerRecord], records_b: Sequence[LayerRecord], params: Collection[str] | None = None
+) -> Iterator[tuple[LayerRecord, LayerRecord]]:
+    """Every pair ``(a, b)`` holding a common parameter (in ``params``), ``a`` then ``b`` in order.
+
+    Pairs are found through a parameter index: a model has many records, few pairs.
+    """
+    holders: dict[str, list[int]] = {}
+    for j, b in enumerate(records_b):
+        for name in selected_roles(b, params).values():
+            holders.setdefault(name, []).append(j)
+    for a in records_a:
+        for j in sorted({j for name in selected_roles(a, params).values() for j in holders.get(name, ())}):
+            yield a, records_b[j]
 
 
 def roles_of(record: LayerRecord, names: Collection[str]) -> set[str]:

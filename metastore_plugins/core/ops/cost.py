@@ -22,12 +22,13 @@ writing and reading back memory dominate rebuilding on CPUs). Rebuilding
 uses padded blocks of ``T`` rows per sample, hence ``B T`` rather than ``R``. The
 cheaper plan wins; ties go to the factored form. A pair of kinds the factored
 form does not cover (an embedding sharing its weight with a Linear head) is always
-rebuilt.
+rebuilt. :attr:`Plan.flops` is the chosen method's plain arithmetic (no ``c``, ``w``):
+the figure an arithmetic rate (flops per second) divides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,6 +39,7 @@ from metastore_plugins.core.ops._common import (
     num_rows,
     outer_dims,
     param_numel,
+    record_pairs,
     roles_of,
     selected_roles,
 )
@@ -60,51 +62,73 @@ class Plan:
         method: ``"factored"`` or ``"dense"``.
         factored_cost: estimated flops of the factored form (``inf`` if not available).
         dense_cost: estimated flops of rebuilding the gradients.
+        flops: arithmetic of the chosen method: matrix-multiply flops plus one per element
+            of an elementwise or scatter step (no weights ``c``, ``w``; what a rate divides).
     """
 
     method: Literal["factored", "dense"]
     factored_cost: float
     dense_cost: float
+    flops: float
 
 
-def _rebuild_cost(record: LayerRecord, names: Collection[str]) -> float:
-    """Flops to rebuild a record's per-sample gradients of ``names``."""
+@dataclass(frozen=True)
+class Work:
+    """The arithmetic of one way: matrix-multiply ``flops``, elements ``touched`` by
+    memory-bound steps, gradient entries ``rebuilt``."""
+
+    flops: float
+    touched: float = 0.0
+    rebuilt: float = 0.0
+
+    @property
+    def cost(self) -> float:
+        """``flops + c touched + w rebuilt`` in flop-equivalents."""
+        return self.flops + ELEMENTWISE_COST * self.touched + REBUILD_ELEMENT_COST * self.rebuilt
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.flops + other.flops, self.touched + other.touched, self.rebuilt + other.rebuilt)
+
+
+UNAVAILABLE = Work(float("inf"))
+
+
+def _rebuild(record: LayerRecord, names: Collection[str]) -> Work:
+    """Rebuilding a record's per-sample gradients of ``names``."""
     numel = param_numel(record, names)
     if record.kind == "dense":
-        return 0.0
-    written = REBUILD_ELEMENT_COST * record.batch_size * numel
+        return Work(0.0)
+    written = record.batch_size * numel
     if record.kind == "embedding":
-        return written
-    return written + 2.0 * numel * record.batch_size * max_rows_per_sample(record)
+        return Work(0.0, rebuilt=written)
+    return Work(2.0 * numel * record.batch_size * max_rows_per_sample(record), rebuilt=written)
 
 
-def _factored_cost(a: LayerRecord, b: LayerRecord, names: Collection[str]) -> float:
-    """Flops of the factored dot products of ``a`` (factored) with ``b``; ``inf`` if unsupported."""
-    c = ELEMENTWISE_COST
+def _factored(a: LayerRecord, b: LayerRecord, names: Collection[str]) -> Work:
+    """The factored dot products of ``a`` (factored) with ``b``; :data:`UNAVAILABLE` if unsupported."""
     r_a, r_b = num_rows(a), num_rows(b)
     if a.kind == "outer" and b.kind == "outer":
         groups, d_in, d_out = outer_dims(a)
         width = (d_in if "weight" in roles_of(a, names) else 0) + d_out
-        return 2.0 * groups * r_a * r_b * width + c * groups * r_a * r_b
+        return Work(2.0 * groups * r_a * r_b * width, touched=groups * r_a * r_b)
     if a.kind == "outer" and b.kind == "dense":
-        return 2.0 * r_a * b.batch_size * param_numel(a, names) + c * r_a * b.batch_size
+        return Work(2.0 * r_a * b.batch_size * param_numel(a, names), touched=r_a * b.batch_size)
     if a.kind == "embedding" and b.kind == "embedding":
-        dim = a.tensors["suffix"].shape[1]
-        return 2.0 * r_a * r_b * dim + c * r_a * r_b
+        return Work(2.0 * r_a * r_b * a.tensors["suffix"].shape[1], touched=r_a * r_b)
     if a.kind == "embedding" and b.kind == "dense":
-        dim = a.tensors["suffix"].shape[1]
-        return 2.0 * r_a * b.batch_size * dim + c * r_a * b.batch_size
-    return float("inf")
+        return Work(2.0 * r_a * b.batch_size * a.tensors["suffix"].shape[1], touched=r_a * b.batch_size)
+    return UNAVAILABLE
 
 
-def _decide(factored: float, dense: float, method: Method) -> Plan:
+def _decide(factored: Work, dense: Work, method: Method) -> Plan:
     if method not in ("auto", "factored", "dense"):
         raise ValueError(f"method must be 'auto', 'factored' or 'dense', got {method!r}")
-    if factored == float("inf"):  # dense records, or kinds without a factored form: only one way
-        return Plan("dense", factored, dense)
-    if method == "auto":
-        method = "factored" if factored <= dense else "dense"
-    return Plan(method, factored, dense)
+    if factored.cost == float("inf"):  # dense records, or kinds without a factored form: only one way
+        method = "dense"
+    elif method == "auto":
+        method = "factored" if factored.cost <= dense.cost else "dense"
+    chosen = factored if method == "factored" else dense
+    return Plan(method, factored.cost, dense.cost, chosen.flops + chosen.touched)
 
 
 def plan_dots(
@@ -121,26 +145,33 @@ def plan_dots(
     names = common_params(a, b, params)
     order = {"outer": 0, "embedding": 0, "dense": 1}
     first, second = (a, b) if order[a.kind] <= order[b.kind] else (b, a)
-    factored = float("inf") if first.kind == "dense" else _factored_cost(first, second, names)
-    numel = param_numel(a, names)
-    dense = _rebuild_cost(a, names) + _rebuild_cost(b, names) + 2.0 * a.batch_size * b.batch_size * numel
+    factored = UNAVAILABLE if first.kind == "dense" else _factored(first, second, names)
+    dense = _rebuild(a, names) + _rebuild(b, names) + Work(2.0 * a.batch_size * b.batch_size * param_numel(a, names))
     return _decide(factored, dense, method)
+
+
+def plan_total_dots(
+    records_a: Sequence[LayerRecord],
+    records_b: Sequence[LayerRecord],
+    params: Collection[str] | None = None,
+    method: Method = "auto",
+) -> list[Plan]:
+    """The plans :func:`~metastore_plugins.core.ops.total_dots` follows, one per record pair it multiplies."""
+    return [plan_dots(a, b, params, method) for a, b in record_pairs(records_a, records_b, params)]
 
 
 def plan_norms(record: LayerRecord, params: Collection[str] | None = None, method: Method = "auto") -> Plan:
     """Choose how :func:`~metastore_plugins.core.ops.sq_norms` computes ``||g_i||^2``."""
     names = list(selected_roles(record, params).values())
-    c, batch = ELEMENTWISE_COST, record.batch_size
-    numel = param_numel(record, names)
+    batch, numel = record.batch_size, param_numel(record, names)
+    dense = _rebuild(record, names) + Work(2.0 * batch * numel)
     if record.kind == "outer":
         groups, d_in, d_out = outer_dims(record)
-        tokens = max_rows_per_sample(record)
+        pairs = batch * groups * max_rows_per_sample(record) ** 2
         width = (d_in if "weight" in roles_of(record, names) else 0) + d_out
-        factored = 2.0 * batch * groups * tokens**2 * width + c * batch * groups * tokens**2
-        dense = _rebuild_cost(record, names) + 2.0 * batch * numel
+        factored = Work(2.0 * pairs * width, touched=pairs)
     elif record.kind == "embedding":
-        factored = c * num_rows(record) * record.tensors["suffix"].shape[1]
-        dense = _rebuild_cost(record, names) + 2.0 * batch * numel
+        factored = Work(0.0, touched=num_rows(record) * record.tensors["suffix"].shape[1])
     else:
-        factored, dense = float("inf"), 2.0 * batch * numel
+        factored = UNAVAILABLE
     return _decide(factored, dense, method)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from metastore_plugins.core.capture.records import LayerRecord
-from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, selected_roles
+from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, record_pairs, selected_roles
 from metastore_plugins.core.ops.cost import Method
 from metastore_plugins.core.ops.dots import dots
 from metastore_plugins.core.ops.norms import sq_norms
@@ -43,11 +43,9 @@ def total_dots(
     """``(B_a, B_b)`` inner products of whole-model gradients (sum over every pair of records sharing a parameter)."""
     _batch_size(records_a, "first"), _batch_size(records_b, "second")
     total: Tensor | None = None
-    for a in records_a:
-        for b in records_b:
-            if _shares(a, b, params):
-                part = dots(a, b, params, method, max_bytes)  # (B_a, B_b)
-                total = part if total is None else total + part
+    for a, b in record_pairs(records_a, records_b, params):
+        part = dots(a, b, params, method, max_bytes)  # (B_a, B_b)
+        total = part if total is None else total + part
     if total is None:
         raise ValueError("the two sets of records share no parameter; pair records of the same model")
     return total

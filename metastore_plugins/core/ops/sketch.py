@@ -79,6 +79,27 @@ def projection(tag: str, layer: str, seed: int, shape: tuple[int, ...], scale_di
     return _gaussian(tag, layer, int(seed), tuple(int(s) for s in shape), int(scale_dim)).to(device)
 
 
+class Projections:
+    """The projections of one sketching pass, each drawn once and kept until the pass ends.
+
+    A pass over a store meets every layer once per batch; a model has more projections
+    than :func:`projection`'s small cache holds, and drawing them again for every batch
+    cost more than the sketches themselves. Call it like :func:`projection`.
+    """
+
+    def __init__(self) -> None:
+        self._drawn: dict[tuple[object, ...], Tensor] = {}
+
+    def __call__(
+        self, tag: str, layer: str, seed: int, shape: tuple[int, ...], scale_dim: int, device: torch.device
+    ) -> Tensor:
+        key = (tag, layer, int(seed), tuple(int(s) for s in shape), int(scale_dim), str(device))
+        drawn = self._drawn.get(key)
+        if drawn is None:
+            drawn = self._drawn[key] = projection(tag, layer, seed, shape, scale_dim, device)
+        return drawn
+
+
 def sketch(
     record: LayerRecord,
     dim_in: int = 16,
@@ -86,6 +107,7 @@ def sketch(
     seed: int = 0,
     params: Collection[str] | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    projections: Projections | None = None,
 ) -> Tensor:
     """Sketch of each per-sample gradient of a record: ``(B, dim_out * dim_in)``.
 
@@ -95,43 +117,48 @@ def sketch(
         seed: selects the projections (with the layer name and shapes).
         params: parameter names to include (all of the record's by default).
         max_bytes: bound on the largest intermediate.
+        projections: where to keep the drawn matrices across calls (one per pass over a
+            store); each call draws its own by default.
 
     Returns:
         ``(B, k)`` float32; ``<sketch_i, sketch_j>`` estimates ``<g_i, g_j>`` without bias.
     """
     roles = selected_roles(record, params)
     device = next(iter(record.tensors.values())).device
+    draw = Projections() if projections is None else projections
     out = torch.zeros(record.batch_size, dim_out, dim_in, device=device)  # (B, k_out, k_in)
     if record.kind == "outer":
-        _outer_sketch(record, roles, out, seed, max_bytes)
+        _outer_sketch(record, roles, out, seed, max_bytes, draw)
     elif record.kind == "embedding" and "weight" in roles:
-        _embedding_sketch(record, out, seed, max_bytes)
+        _embedding_sketch(record, out, seed, max_bytes, draw)
     elif record.kind == "dense":
-        _dense_sketch(record, roles, out, seed)
+        _dense_sketch(record, roles, out, seed, draw)
     return out.reshape(record.batch_size, dim_out * dim_in)
 
 
 def _in_projection(
-    layer: str, seed: int, cols: int, k_in: int, weight: bool, bias: bool, device: torch.device
+    draw: Projections, layer: str, seed: int, cols: int, k_in: int, weight: bool, bias: bool, device: torch.device
 ) -> Tensor:
     """``P_in`` of the ``[W | b]`` view, ``(k_in, cols + 1)`` with bias, ``(k_in, 0 + 1)`` for bias alone."""
     parts = []
     if weight:
-        parts.append(projection("in", layer, seed, (k_in, cols), k_in, device))  # (k_in, cols)
+        parts.append(draw("in", layer, seed, (k_in, cols), k_in, device))  # (k_in, cols)
     if bias:
-        parts.append(projection("bias", layer, seed, (k_in, 1), k_in, device))  # (k_in, 1)
+        parts.append(draw("bias", layer, seed, (k_in, 1), k_in, device))  # (k_in, 1)
     return torch.cat(parts, dim=1)
 
 
-def _outer_sketch(record: LayerRecord, roles: dict[str, str], out: Tensor, seed: int, max_bytes: int) -> None:
+def _outer_sketch(
+    record: LayerRecord, roles: dict[str, str], out: Tensor, seed: int, max_bytes: int, draw: Projections
+) -> None:
     groups, d_in, d_out = outer_dims(record)
     k_out, k_in = out.shape[1], out.shape[2]
     with_weight, with_bias = "weight" in roles, "bias" in roles
     if not (with_weight or with_bias):
         return
-    p_out = projection("out", record.layer, seed, (k_out, groups * d_out), k_out, out.device)  # (k_out, G d_out)
+    p_out = draw("out", record.layer, seed, (k_out, groups * d_out), k_out, out.device)  # (k_out, G d_out)
     p_out = p_out.view(k_out, groups, d_out).permute(1, 2, 0)  # (G, d_out, k_out)
-    p_in = _in_projection(record.layer, seed, d_in, k_in, with_weight, with_bias, out.device)  # (k_in, d_in [+1])
+    p_in = _in_projection(draw, record.layer, seed, d_in, k_in, with_weight, with_bias, out.device)  # (k_in, d_in [+1])
     tokens = max_rows_per_sample(record)
     per_sample = 4 * tokens * groups * (k_in + k_out + d_in + d_out) + 1
     for lo, hi in chunks(record.batch_size, max_bytes // per_sample):
@@ -148,11 +175,11 @@ def _outer_sketch(record: LayerRecord, roles: dict[str, str], out: Tensor, seed:
         out[lo:hi] = pd.reshape(n, -1, k_out).transpose(1, 2) @ pa.reshape(n, -1, k_in)  # (n, k_out, k_in)
 
 
-def _embedding_sketch(record: LayerRecord, out: Tensor, seed: int, max_bytes: int) -> None:
+def _embedding_sketch(record: LayerRecord, out: Tensor, seed: int, max_bytes: int, draw: Projections) -> None:
     vocab, dim = record.param_shapes["weight"]
     k_out, k_in = out.shape[1], out.shape[2]
-    p_out = projection("out", record.layer, seed, (k_out, vocab), k_out, out.device)  # (k_out, V)
-    p_in = projection("in", record.layer, seed, (k_in, dim), k_in, out.device)  # (k_in, d)
+    p_out = draw("out", record.layer, seed, (k_out, vocab), k_out, out.device)  # (k_out, V)
+    p_in = draw("in", record.layer, seed, (k_in, dim), k_in, out.device)  # (k_in, d)
     tokens = max_rows_per_sample(record)
     per_sample = 4 * tokens * (k_in + k_out + dim) + 1
     for lo, hi in chunks(record.batch_size, max_bytes // per_sample):
@@ -179,15 +206,15 @@ def _matrix_view(record: LayerRecord, roles: dict[str, str]) -> tuple[Tensor | N
     return matrix, None if bias is None else bias.reshape(batch, -1)
 
 
-def _dense_sketch(record: LayerRecord, roles: dict[str, str], out: Tensor, seed: int) -> None:
+def _dense_sketch(record: LayerRecord, roles: dict[str, str], out: Tensor, seed: int, draw: Projections) -> None:
     k_out, k_in = out.shape[1], out.shape[2]
     matrix, bias = _matrix_view(record, roles)
     rest = dict(roles)
     if matrix is not None:
         rest.pop("weight")
         rows, cols = matrix.shape[1], matrix.shape[2]
-        p_out = projection("out", record.layer, seed, (k_out, rows), k_out, out.device)  # (k_out, rows)
-        p_in = _in_projection(record.layer, seed, cols, k_in, True, bias is not None, out.device)  # (k_in, cols [+1])
+        p_out = draw("out", record.layer, seed, (k_out, rows), k_out, out.device)  # (k_out, rows)
+        p_in = _in_projection(draw, record.layer, seed, cols, k_in, True, bias is not None, out.device)  # (k_in, cols [+1])
         out += p_out @ matrix @ p_in[:, :cols].T  # (B, k_out, k_in)
         if bias is not None:
             rest.pop("bias")
@@ -195,5 +222,5 @@ def _dense_sketch(record: LayerRecord, roles: dict[str, str], out: Tensor, seed:
     if rest:
         flat = torch.cat([record.tensors["grad." + role].reshape(record.batch_size, -1) for role in sorted(rest)], 1)
         k = k_out * k_in
-        p_vec = projection("vector:" + ",".join(sorted(rest)), record.layer, seed, (k, flat.shape[1]), k, out.device)
+        p_vec = draw("vector:" + ",".join(sorted(rest)), record.layer, seed, (k, flat.shape[1]), k, out.device)
         out += (flat @ p_vec.T).view(-1, k_out, k_in)  # (B, k_out, k_in)

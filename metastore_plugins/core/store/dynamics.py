@@ -1,4 +1,4 @@
-"""Training-dynamics and sketch queries of a store, streamed batch by batch over selections.
+"""Training-dynamics queries of a store, streamed batch by batch over selections.
 
 Conventions shared by every method here:
 
@@ -26,7 +26,6 @@ from torch import Tensor
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.store._dynamics_support import (
-    Clusters,
     Contributors,
     RunComparison,
     Spike,
@@ -60,7 +59,7 @@ def _lr(batch: StoredBatch) -> float:
 
 
 class DynamicsMixin:
-    """Training-dynamics and sketch queries of :class:`~metastore_plugins.core.store.reader.GradientStore`."""
+    """Training-dynamics queries of :class:`~metastore_plugins.core.store.reader.GradientStore`."""
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -301,57 +300,6 @@ class DynamicsMixin:
             ids = window.sample_ids() if window is not None else np.zeros(0, dtype=np.int64)
             out.append(Spike(step, frac, found, np.array(list(dict.fromkeys(ids.tolist())), dtype=np.int64)))
         return out
-
-    def sketches(
-        self: GradientStore,
-        capture_point: str,
-        dim: int = 16,
-        seed: int = 0,
-        layers: Sequence[str] | None = None,
-        *,
-        combine: Literal["sum", "concat"] = "sum",
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        **where: Any,
-    ) -> np.ndarray:
-        """Kronecker sketches of per-sample gradients, aligned with ``sample_ids(capture_point, **where)``.
-
-        Each layer's sketch has ``k = dim * dim`` entries (``P_out G P_in^T`` with ``dim x dim``
-        Gaussian projections, see :mod:`metastore_plugins.core.ops.sketch`). ``combine="sum"``
-        adds the layers' sketches: ``(N, k)``; ``"concat"`` puts them side by side in the order
-        of ``layers`` (``store.layers()`` by default): ``(N, L k)``. Both give unbiased
-        estimates of whole-model inner products.
-        """
-        dim = positive_int("dim", dim)
-        if combine not in ("sum", "concat"):
-            raise ValueError(f"combine must be 'sum' or 'concat', got {combine!r}")
-        order = list(self.layers()) if layers is None else ([layers] if isinstance(layers, str) else list(layers))
-        selection = self.select(capture_point, layers=order, **where)
-        k = dim * dim
-        parts = []
-        for batch in selection.batches():
-            block = torch.zeros(batch.size, len(order), k)  # (B, L, k)
-            for record in batch.records:
-                block[:, order.index(record.layer)] += ops.sketch(record, dim, dim, seed, max_bytes=max_bytes).cpu()
-            parts.append(block.sum(1) if combine == "sum" else block.reshape(batch.size, -1))
-        width = k if combine == "sum" else len(order) * k
-        return torch.cat(parts).double().numpy() if parts else np.zeros((0, width))
-
-    def clusters(
-        self: GradientStore,
-        capture_point: str,
-        k: int,
-        *,
-        dim: int = 16,
-        seed: int = 0,
-        layers: Sequence[str] | None = None,
-        iters: int = 50,
-        **where: Any,
-    ) -> Clusters:
-        """k-means (:func:`~metastore_plugins.core.ops.kmeans`, seeded) on :meth:`sketches`."""
-        points = self.sketches(capture_point, dim, seed, layers, **where)
-        result = ops.kmeans(torch.from_numpy(points), positive_int("k", k), seed=seed, iters=iters)
-        ids = self.sample_ids(capture_point, **where)
-        return Clusters(ids, result.labels.numpy(), result.centroids.numpy(), result.inertia)
 
     def compare(
         self: GradientStore,

@@ -102,7 +102,16 @@ def _union(id_lists: Sequence[np.ndarray], what: str) -> tuple[np.ndarray, list[
     return np.array(union, dtype=np.int64), [np.array([index[int(v)] for v in ids], dtype=np.int64) for ids in id_lists]
 
 
-def _summed_scores(
+def paired_points(train: str | Sequence[str], test: str | Sequence[str]) -> list[tuple[str, str]]:
+    """Train and test capture points paired one to one (a single name is a list of one)."""
+    trains = [train] if isinstance(train, str) else list(train)
+    tests = [test] if isinstance(test, str) else list(test)
+    if len(trains) != len(tests) or not trains:
+        raise ValueError(f"pair train and test capture points one to one; got {trains} and {tests}")
+    return list(zip(trains, tests))
+
+
+def summed_scores(
     row_parts: Sequence[tuple[np.ndarray, np.ndarray]], col_parts: Sequence[tuple[np.ndarray, np.ndarray]]
 ) -> Scores:
     """Sum score matrices ``(ids_rows_c, ids_cols_c, matrix_c)`` into one matrix over unique ids."""
@@ -168,18 +177,14 @@ class QueryMixin:
             layers: restrict to these layers (all by default).
             train_ids, test_ids: restrict to these samples.
         """
-        trains = [train] if isinstance(train, str) else list(train)
-        tests = [test] if isinstance(test, str) else list(test)
-        if len(trains) != len(tests) or not trains:
-            raise ValueError(f"pair train and test capture points one to one; got {trains} and {tests}")
         row_parts, col_parts = [], []
-        for train_cp, test_cp in zip(trains, tests):
+        for train_cp, test_cp in paired_points(train, test):
             rows = self.select(train_cp, sample_ids=train_ids, layers=layers)
             cols = self.select(test_cp, sample_ids=test_ids, layers=layers)
             matrix = dot_matrix(rows, cols, weighted=True, max_bytes=max_bytes)
             row_parts.append((rows.sample_ids(), matrix))
             col_parts.append((cols.sample_ids(), matrix))
-        return _summed_scores(row_parts, col_parts)
+        return summed_scores(row_parts, col_parts)
 
     def in_run_influence(
         self: GradientStore,
@@ -199,35 +204,7 @@ class QueryMixin:
         rows = self.select(train, steps=steps, layers=layers)
         cols = self.select(test, layers=layers)
         matrix = dot_matrix(rows, cols, weighted=True, max_bytes=max_bytes)
-        return _summed_scores([(rows.sample_ids(), matrix)], [(cols.sample_ids(), matrix)])
-
-    def sketched_influence(
-        self: GradientStore,
-        train: str | Sequence[str],
-        test: str | Sequence[str],
-        *,
-        dim: int = 64,
-        seed: int = 0,
-        layers: Sequence[str] | None = None,
-    ) -> Scores:
-        """TracIn on Kronecker sketches (``dim * dim`` numbers per sample): fast, unbiased, approximate.
-
-        ``<sketch_i, sketch_j>`` estimates ``<g_i, g_j>`` without bias (see ``docs/queries.md``
-        for its error); pairs of capture points and learning rates as in :meth:`influence`.
-        """
-        trains = [train] if isinstance(train, str) else list(train)
-        tests = [test] if isinstance(test, str) else list(test)
-        if len(trains) != len(tests) or not trains:
-            raise ValueError(f"pair train and test capture points one to one; got {trains} and {tests}")
-        row_parts, col_parts = [], []
-        for train_cp, test_cp in zip(trains, tests):
-            lr = np.nan_to_num(self.metadata(train_cp)["lr"].astype(float), nan=1.0)  # (N,)
-            rows = self.sketches(train_cp, dim, seed, layers)  # (N, dim^2)
-            cols = self.sketches(test_cp, dim, seed, layers)  # (M, dim^2)
-            matrix = (lr[:, None] * rows) @ cols.T  # (N, M)
-            row_parts.append((self.sample_ids(train_cp), matrix))
-            col_parts.append((self.sample_ids(test_cp), matrix))
-        return _summed_scores(row_parts, col_parts)
+        return summed_scores([(rows.sample_ids(), matrix)], [(cols.sample_ids(), matrix)])
 
     def similar(
         self: GradientStore,

@@ -27,6 +27,7 @@ from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.dynamics import DynamicsMixin
 from metastore_plugins.core.store.queries import QueryMixin
 from metastore_plugins.core.store.selection import BatchRef, Selection, ShardFiles
+from metastore_plugins.core.store.sketches import SketchMixin
 
 
 def _as_range(steps: int | tuple[int, int] | None) -> tuple[int, int] | None:
@@ -38,7 +39,7 @@ def _as_range(steps: int | tuple[int, int] | None) -> tuple[int, int] | None:
     return int(lo), int(hi)
 
 
-class GradientStore(QueryMixin, DynamicsMixin):
+class GradientStore(QueryMixin, DynamicsMixin, SketchMixin):
     """A read-only view of a run directory: the union of every rank's manifest.
 
     Per-sample results follow *selection order*: batches by (step, micro-batch, rank),
