@@ -2,7 +2,8 @@
 to get per-sample gradients, side by side on the same model and batch.
 
 - ``plain``: no per-sample gradients;
-- ``capture+store``: :class:`CaptureSession` + :class:`StoreWriter` (fp16, background thread);
+- ``capture+store``: :class:`RunCapture` as the callbacks use it (the model hooked once; records,
+  per-sample losses and labels to a :class:`StoreWriter`, fp16, background thread);
 - ``torch.func``: ``vmap(grad(per-sample loss))``, then the mean gradient for the step;
 - ``opacus``: ``GradSampleModule`` (hooks); ``backpack``: ``extend`` + ``BatchGrad``.
 
@@ -24,8 +25,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
-from metastore_plugins.core.passes import capture_step
-from metastore_plugins.core.store import StoreWriter
+from metastore_plugins.core.run import RunCapture
 
 from .models import Workload, parameter_count
 from .timing import median, round_robin
@@ -80,15 +80,16 @@ def _plain(workload: Workload, batch: dict[str, Tensor], _: dict[str, Any]) -> C
 
 
 def _capture_store(workload: Workload, batch: dict[str, Tensor], state: dict[str, Any]) -> Callable[[], None]:
+    """What the Lightning and HF callbacks run per step: :class:`RunCapture` (model hooked once)."""
     model = workload.build()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     tmp = tempfile.TemporaryDirectory(prefix="msbench-")
-    writer = StoreWriter(tmp.name, encoding="fp16")
+    run = RunCapture(tmp.name, encoding="fp16")
 
     def cleanup() -> None:  # what is still queued when timing ends is written here, and timed
         start = time.perf_counter()
-        writer.close()
-        state.update(writer=writer.stats, flush_s=time.perf_counter() - start)
+        run.close()
+        state.update(writer=run.writer.stats, flush_s=time.perf_counter() - start)
         tmp.cleanup()
 
     state["cleanup"] = cleanup
@@ -98,10 +99,11 @@ def _capture_store(workload: Workload, batch: dict[str, Tensor], state: dict[str
     def step() -> None:
         k = next(counter)
         opt.zero_grad(set_to_none=True)
-        capture_step(  # labels cloned: StoreWriter keeps the tensor, and one tensor twice in a shard fails
-            model, lambda: workload.forward(model, batch), batch["labels"].clone(), torch.arange(size) + k * size,
-            per_sample_ce, writer, step=k, lr=LR,
-        )
+        run.begin_step(model)
+        logits = workload.forward(model, batch)
+        F.cross_entropy(logits, batch["labels"]).backward()
+        run.end_backward()
+        run.finish_step(batch, torch.arange(size) + k * size, step=k, lr=LR, output=logits)
         opt.step()
 
     return step

@@ -70,3 +70,33 @@ def test_conv2d_shapes(batch: int, groups: int, kernel: int, stride: int, paddin
     x = torch.randn(batch, 2 * groups, size, size)
     model(x)
     assert_exact(model, cross_entropy, (x, torch.randint(0, 2, (batch,))))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize(("size", "kind"), [(5, "outer"), (16, "dense")])
+def test_factored_and_direct_dense_convolution_records_are_both_exact(groups: int, size: int, kind: str) -> None:
+    """A 5x5 kernel over a 5x5 image has one position (factors are smaller); over 16x16, 144 (dense is)."""
+    torch.manual_seed(size + groups)
+    model = nn.Sequential(nn.Conv2d(2 * groups, 2 * groups, 5, groups=groups), nn.Tanh(), nn.Flatten(), nn.LazyLinear(3))
+    x = torch.randn(3, 2 * groups, size, size)
+    model(x)
+    session = assert_exact(model, cross_entropy, (x, torch.randint(0, 3, (3,))))
+    assert [r.kind for r in session.factors() if r.layer == "0"] == [kind]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize(("kernel", "stride", "padding", "dilation"), [(1, 1, 0, 1), (3, 2, 1, 2), (2, 1, 2, 1), (3, 3, 0, 1)])
+def test_strided_patches_equal_f_unfold(kernel: int, stride: int, padding: int, dilation: int, channels_last: bool) -> None:
+    import torch.nn.functional as F
+
+    from metastore_plugins.core.capture.layers.conv import unfold_patches
+
+    conv2 = nn.Conv2d(3, 4, kernel, stride=stride, padding=padding, dilation=dilation)
+    x = torch.randn(2, 3, 9, 7)[:, :, 1:, :]  # a view with a storage offset
+    x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    padded = F.pad(x, [padding] * 4)
+    assert torch.equal(unfold_patches(conv2, x), F.unfold(padded, kernel, dilation=dilation, stride=stride))
+    conv1 = nn.Conv1d(3, 4, kernel, stride=stride, padding=padding, dilation=dilation)
+    x1 = torch.randn(2, 3, 10)
+    expected = F.unfold(F.pad(x1, [padding] * 2).unsqueeze(2), (1, kernel), dilation=(1, dilation), stride=(1, stride))
+    assert torch.equal(unfold_patches(conv1, x1), expected)

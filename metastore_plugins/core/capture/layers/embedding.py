@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.capture.records import LayerRecord, nonzero_rows
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
 
 
@@ -35,7 +35,7 @@ def embedding_records(
     tokens = flat_ids.shape[1]
     flat_ids = flat_ids.reshape(-1)  # (B*T,)
     suffix = grad_output.reshape(batch * tokens, -1)  # (B*T, d)
-    keep = suffix.ne(0).any(dim=1)  # (B*T,)
+    keep = nonzero_rows(suffix)  # (B*T,)
     if embedding.padding_idx is not None:
         keep &= flat_ids.ne(embedding.padding_idx)
     rows = keep.nonzero().squeeze(1)  # (R,)
