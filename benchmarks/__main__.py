@@ -23,11 +23,13 @@ REPO = Path(__file__).resolve().parent.parent
 #: sizes per mode; "smoke" is the smallest, for the CI test (not a measurement)
 PROFILES: dict[str, dict[str, Any]] = {
     "smoke": {"bert_layers": 1, "tokens": [16], "bert_batch": 4, "cnn_batch": 8, "repeats": 1, "warmup": 0,
-              "n_train": 16, "n_test": 4, "analytics_repeats": 1, "scaling": [16, 32], "scaling_repeats": 1},
+              "n_train": 16, "n_test": 4, "analytics_repeats": 1, "scaling": [16, 32], "scaling_repeats": 1, "matmul": 512},
     "quick": {"bert_layers": 2, "tokens": [64, 128], "bert_batch": 16, "cnn_batch": 64, "repeats": 5, "warmup": 1,
-              "n_train": 256, "n_test": 32, "analytics_repeats": 2, "scaling": [256, 1024, 4096], "scaling_repeats": 3},
+              "n_train": 256, "n_test": 32, "analytics_repeats": 2, "scaling": [256, 1024, 4096], "scaling_repeats": 3,
+              "matmul": 4096},
     "full": {"bert_layers": 6, "tokens": [64, 128], "bert_batch": 16, "cnn_batch": 64, "repeats": 7, "warmup": 2,
-             "n_train": 256, "n_test": 32, "analytics_repeats": 3, "scaling": [256, 1024, 4096], "scaling_repeats": 5},
+             "n_train": 256, "n_test": 32, "analytics_repeats": 3, "scaling": [256, 1024, 4096], "scaling_repeats": 5,
+             "matmul": 4096},
 }
 
 INTRO = """# Benchmarks
@@ -113,7 +115,9 @@ def run(mode: str, out: Path, doc: Path, threads: int) -> dict[str, Any]:
         results["storage"].append(storage_bench.run(workload))
     for workload in (image, text[0]):
         print(f"[analytics] {workload.name}", file=sys.stderr, flush=True)
-        results["analytics"].append(analytics_bench.run(workload, p["n_train"], p["n_test"], p["analytics_repeats"]))
+        results["analytics"].append(
+            analytics_bench.run(workload, p["n_train"], p["n_test"], p["analytics_repeats"], p["matmul"])
+        )
     print("[captum] TracInCPFast, last layer of the CNN", file=sys.stderr, flush=True)
     results["captum"] = captum_bench.run(image, p["n_train"], p["n_test"], p["analytics_repeats"])
     print("[scaling] influence vs N", file=sys.stderr, flush=True)

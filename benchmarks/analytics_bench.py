@@ -7,6 +7,11 @@
 
 Agreement is ``max |a - e| / max |e|`` against torch.func (fp32 store: exact up to float
 rounding; the default fp16 store is lossy by design, and its error is reported too).
+
+Next to the exact store influence: the arithmetic rate of its plan against one large matmul
+timed in the same rounds, and (text workloads) its peak memory in a fresh process
+(:mod:`benchmarks.influence_profile`); and sketched influence, whose sketches are built once
+(``store.build_sketches``, timed once) and then read from the store's cache by every query.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from metastore_plugins.core.passes import capture_step
 from metastore_plugins.core.store import StoreWriter, open_store
 
 from .capture_bench import func_per_sample_grads, per_sample_ce
+from .influence_profile import Matmul, influence_memory, plan_flops
 from .models import Workload
-from .timing import median, rel_error
+from .timing import median, rel_error, timed
 
 TEST_ID_OFFSET = 1_000_000
 
@@ -112,11 +118,14 @@ def rebuild_pass(path: Path, names: list[str], train_ids: list[int] | None = Non
     }
 
 
-def run(workload: Workload, n_train: int, n_test: int, repeats: int) -> dict[str, Any]:
+def run(workload: Workload, n_train: int, n_test: int, repeats: int, matmul_size: int = 4096) -> dict[str, Any]:
+    """Every figure of one workload: ``repeats`` rounds of store norms, exact and sketched influence, one
+    ``matmul_size``-cubed matmul, torch.func and rebuild, one of each per round; then plan flops and memory."""
     model = workload.build()
     if workload.kind == "text":
         freeze_word_embeddings(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
+    matmul = Matmul(matmul_size)
     with tempfile.TemporaryDirectory(prefix="msbench-") as tmp:
         paths = {enc: Path(tmp) / enc for enc in ("fp32", "fp16")}
         for enc, path in paths.items():
@@ -126,25 +135,30 @@ def run(workload: Workload, n_train: int, n_test: int, repeats: int) -> dict[str
             raise RuntimeError(f"the store captured {sorted(store.parameters())}, expected {names}")
         # warm-up (also first reads from the page cache): one untimed call of each
         store.norms("train"), store.influence("train", "test")
-        store_norm_t, store_infl_t, func_runs, rebuild_runs = [], [], [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            norms = store.norms("train")
-            t1 = time.perf_counter()
-            scores = store.influence("train", "test").scores
-            t2 = time.perf_counter()
-            store_norm_t.append(t1 - t0)
-            store_infl_t.append(t2 - t1)
+        start = time.perf_counter()  # sketches built once, then kept in the store
+        built = [store.build_sketches(point, dim=SKETCH_DIM) for point in ("train", "test")]
+        sketch_build_s = time.perf_counter() - start
+        if None in built:
+            raise RuntimeError(f"could not keep sketches in {paths['fp32']}")
+        cache_bytes = sum(path.stat().st_size for path in built if path is not None)
+        times: dict[str, list[float]] = {"norms": [], "influence": [], "sketched": [], "matmul": []}
+        func_runs, rebuild_runs = [], []
+        for _ in range(repeats):  # one of each per round: load from other jobs hits all alike
+            norms, t = timed(lambda: store.norms("train"))
+            times["norms"].append(t)
+            scores, t = timed(lambda: store.influence("train", "test").scores)
+            times["influence"].append(t)
+            sketched, t = timed(lambda: store.sketched_influence("train", "test", dim=SKETCH_DIM).scores)
+            times["sketched"].append(t)
+            times["matmul"].append(matmul())
             func_runs.append(torch_func_pass(model, workload, n_train, n_test))
             rebuild_runs.append(rebuild_pass(paths["fp32"], names))
-        sketch_t = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            sketched = store.sketched_influence("train", "test", dim=SKETCH_DIM).scores
-            sketch_t.append(time.perf_counter() - t0)
+        flops = plan_flops(store)
         half = open_store(paths["fp16"])
         half_norms, half_scores = half.norms("train"), half.influence("train", "test").scores
         store_bytes = sum(p.stat().st_size for p in paths["fp16"].glob("*.safetensors"))
+        threads = torch.get_num_threads()
+        memory = {enc: influence_memory(path, threads) for enc, path in paths.items()} if workload.kind == "text" else {}
     ref = func_runs[-1]
     func_norm_t = [r["times"]["grads_train"] + r["times"]["norms"] for r in func_runs]
     func_infl_t = [r["times"]["grads_train"] + r["times"]["grads_test"] + r["times"]["matmul"] for r in func_runs]
@@ -157,18 +171,30 @@ def run(workload: Workload, n_train: int, n_test: int, repeats: int) -> dict[str
         "repeats": repeats,
         "fp16_store_bytes": store_bytes,
         "norms_s": {
-            "store": median(store_norm_t),
+            "store": median(times["norms"]),
             "torch.func": median(func_norm_t),
             "rebuild": median([r["norms_s"] for r in rebuild_runs]),
         },
         "influence_s": {
-            "store": median(store_infl_t),
+            "store": median(times["influence"]),
             "torch.func": median(func_infl_t),
             "rebuild": median(rebuild_infl_t),
             "torch.func_matmul_only": median([r["times"]["matmul"] for r in func_runs]),
-            f"sketch_{SKETCH_DIM}x{SKETCH_DIM}": median(sketch_t),
         },
-        "sketch_spearman_mean": mean_spearman(sketched, ref["scores"]),
+        "influence_rate": {
+            "plan_flops": flops,
+            "plan_gflops_per_s": flops / median(times["influence"]) / 1e9,
+            "matmul_size": matmul_size,
+            "matmul_gflops_per_s": matmul.gflops(median(times["matmul"])),
+        },
+        "influence_memory_mib": memory,
+        "sketch": {
+            "dim": SKETCH_DIM,
+            "build_s": sketch_build_s,
+            "query_s": median(times["sketched"]),
+            "spearman_vs_exact": mean_spearman(sketched, ref["scores"]),
+            "cache_bytes": cache_bytes,
+        },
         "agreement": {
             "norms_store_fp32": rel_error(norms, ref["norms"]),
             "norms_rebuild_fp32": rel_error(rebuild_runs[-1]["norms"], ref["norms"]),
@@ -178,10 +204,14 @@ def run(workload: Workload, n_train: int, n_test: int, repeats: int) -> dict[str
             "influence_store_fp16": rel_error(half_scores, ref["scores"]),
         },
     }
+    result["influence_rate"]["ratio_to_matmul"] = (
+        result["influence_rate"]["plan_gflops_per_s"] / result["influence_rate"]["matmul_gflops_per_s"]
+    )
     result["speedup"] = {
         "influence_vs_torch.func": result["influence_s"]["torch.func"] / result["influence_s"]["store"],
         "influence_vs_rebuild": result["influence_s"]["rebuild"] / result["influence_s"]["store"],
         "norms_vs_torch.func": result["norms_s"]["torch.func"] / result["norms_s"]["store"],
+        "exact_vs_sketched_query": result["influence_s"]["store"] / result["sketch"]["query_s"],
     }
     return result
 

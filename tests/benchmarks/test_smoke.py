@@ -58,6 +58,14 @@ def test_result_structure(smoke_run: tuple[dict, Path]) -> None:
             assert e["store_per_sample_unpruned"] >= e["store_per_sample"]
     text = [c for c in result["storage"] if c["padding_fraction"] > 0]
     assert text and all(c["encodings"]["fp16"]["pruning_saves"] > 1.5 for c in text)
+    for case in result["analytics"]:
+        rate, sketch = case["influence_rate"], case["sketch"]
+        assert rate["plan_flops"] > 0 and rate["matmul_gflops_per_s"] > 0 and rate["ratio_to_matmul"] > 0
+        assert sketch["build_s"] > 0 and sketch["query_s"] > 0 and sketch["cache_bytes"] > 0
+        assert -1 <= sketch["spearman_vs_exact"] <= 1
+    (text_case,) = [c for c in result["analytics"] if c["influence_memory_mib"]]
+    for memory in text_case["influence_memory_mib"].values():
+        assert memory["extra_peak_mib"] > 0 and memory["time_s"] > 0
     points = result["scaling"]["points"]
     assert {p["method"] for p in points} == {"store", "rebuild"}
     assert all(p["median_s"] > 0 and p["rss_peak_mib"] > 0 for p in points)
@@ -77,7 +85,8 @@ def test_markdown_and_plot_written(smoke_run: tuple[dict, Path]) -> None:
 
     _, doc = smoke_run
     text = doc.read_text()
-    for heading in ("Capture", "Storage", "Analytics", "Scaling", "Checks"):
+    for heading in ("Capture", "Storage", "Analytics", "Exact store influence", "Sketched influence", "Issue 4 targets",
+                    "Scaling", "Checks"):
         assert f"#### {heading}" in text
     assert "<!-- results:start -->" in text and "<!-- results:end -->" in text
     with Image.open(doc.parent / "benchmarks-scaling-smoke.png") as image:
