@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table, write_table
 from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows, outlier_rows
 from metastore_plugins.core.store.reader import GradientStore
@@ -20,12 +22,13 @@ RenderFn = Callable[[str, int], "str | None"]
 
 def write_reports(
     store: GradientStore, directory: str | Path, *, train_split: str = "train", test_split: str = "val", k: int = 20,
-    render: RenderFn | None = None,
+    render: RenderFn | None = None, scores: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Build the outlier and influence reports from the checkpoint passes and write them to ``directory``.
 
     With ``render``, outlier rows get a ``text`` column and influence rows ``test_text`` and
-    the ``text`` of each proponent and opponent.
+    the ``text`` of each proponent and opponent. ``scores``: the training samples'
+    ``(ids, self-influence)`` when already computed (:func:`~.tables.self_influence_of`).
 
     Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths],
     "outlier_columns": columns}``.
@@ -37,7 +40,7 @@ def write_reports(
             f"the store has no checkpoint passes 'epoch-*/{train_split}' or 'step-*/{train_split}'; "
             f"it has {store.capture_points()}"
         )
-    outliers = outlier_rows(store, train, k)
+    outliers = outlier_rows(store, train, k, scores)
     columns = OUTLIER_COLUMNS
     if render is not None:
         for row in outliers:

@@ -43,14 +43,23 @@ def _last_metadata(store: GradientStore, points: Sequence[str]) -> dict[int, dic
     return rows
 
 
-def outlier_rows(store: GradientStore, points: Sequence[str], k: int = 20) -> list[dict[str, Any]]:
+def self_influence_of(store: GradientStore, points: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``(sample ids, TracIn self-influence)``, both ``(N,)``, summed over the capture points ``points``."""
+    values = store.self_influence(list(points))  # (N,)
+    ids = store.self_influence_ids(list(points)) if len(points) > 1 else store.sample_ids(points[0])
+    return np.asarray(ids), values
+
+
+def outlier_rows(
+    store: GradientStore, points: Sequence[str], k: int = 20, scores: tuple[np.ndarray, np.ndarray] | None = None
+) -> list[dict[str, Any]]:
     """The ``k`` training samples with the largest TracIn self-influence over ``points``.
 
     Each row: rank, sample_id, label, prediction, loss, self_influence, and the z-score of
-    the self-influence within the sample's labelled class.
+    the self-influence within the sample's labelled class. ``scores``: the result of
+    :func:`self_influence_of` when it is at hand (it reads every record of ``points``).
     """
-    values = store.self_influence(list(points))  # (N,)
-    ids = store.self_influence_ids(list(points)) if len(points) > 1 else store.sample_ids(points[0])
+    ids, values = scores if scores is not None else self_influence_of(store, points)
     meta = _last_metadata(store, points)
     labels = torch.tensor([meta[int(i)]["label"] if isinstance(meta[int(i)]["label"], int) else -1 for i in ids])
     zscores = ops.zscore_by_class(torch.from_numpy(values), labels).numpy()

@@ -26,7 +26,7 @@ import numpy as np
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, write_reports
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table
 from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid
-from metastore_plugins.core.reports.tables import _last_metadata, checkpoint_points
+from metastore_plugins.core.reports.tables import _last_metadata, checkpoint_points, self_influence_of
 from metastore_plugins.core.store.reader import GradientStore, open_store
 
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
@@ -51,10 +51,11 @@ def summary_writer(log_dir: str | os.PathLike[str]) -> Any:
     return SummaryWriter(str(log_dir))
 
 
-def self_influence_table(store: GradientStore, points: Sequence[str]) -> dict[str, np.ndarray]:
+def self_influence_table(
+    store: GradientStore, points: Sequence[str], scores: tuple[np.ndarray, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
     """Every training sample of the checkpoint passes: ``sample_id``, ``self_influence``, ``label``, ``loss``."""
-    values = store.self_influence(list(points))  # (N,)
-    ids = store.self_influence_ids(list(points)) if len(points) > 1 else store.sample_ids(points[0])
+    ids, values = scores if scores is not None else self_influence_of(store, points)
     meta = _last_metadata(store, points)
     labels = np.array([meta[int(i)]["label"] if isinstance(meta[int(i)]["label"], int) else -1 for i in ids])
     losses = np.array([meta[int(i)]["loss"] for i in ids], dtype=np.float64)
@@ -136,16 +137,17 @@ def write_dynamics(
     meta = store.metadata(capture_point)
     steps, epochs = meta["step"], meta["epoch"]
     tags = []
-    for layer, norms in store.norms(capture_point, by_layer=True).items():
+    by_layer = store.norms(capture_point, by_layer=True)  # {layer: (N,)}: the one pass over the records
+    for layer, norms in by_layer.items():
         for step in np.unique(steps):
             writer.add_scalar(f"{prefix}/grad_norm/{layer}", float(norms[steps == step].mean()), int(step))
         tags.append(f"{prefix}/grad_norm/{layer}")
-    total = store.norms(capture_point)  # (N,)
+    total = np.sqrt(sum((norms**2 for norms in by_layer.values()), np.zeros(len(steps))))  # (N,) whole-model norms
     for epoch in np.unique(epochs):
         writer.add_histogram(f"{prefix}/grad_norm_per_epoch", total[epochs == epoch], int(epoch))
     threshold = explode_factor * float(np.median(total)) if len(total) else 0.0
-    for step, fraction in zip(*store.exceed_fractions(threshold, capture_point)):
-        writer.add_scalar(f"{prefix}/exploding_fraction", float(fraction), int(step))
+    for step in np.unique(steps):  # as store.exceed_fractions(threshold, capture_point), from the norms at hand
+        writer.add_scalar(f"{prefix}/exploding_fraction", float((total[steps == step] > threshold).mean()), int(step))
     return [*tags, f"{prefix}/grad_norm_per_epoch", f"{prefix}/exploding_fraction"]
 
 
@@ -209,8 +211,10 @@ def report_run(
             stacklevel=2,
         )
         return None
-    result = write_reports(store, Path(reports_dir), train_split=train_split, test_split=test_split, k=k, render=render)
-    table = self_influence_table(store, points) if writers else None
+    scores = self_influence_of(store, points)  # read once, for the table and the histograms
+    result = write_reports(store, Path(reports_dir), train_split=train_split, test_split=test_split, k=k, render=render,
+                           scores=scores)
+    table = self_influence_table(store, points, scores) if writers else None
     grids = sample_grids(result, samples, Path(reports_dir), train_split=train_split, test_split=test_split)
     result["files"] += [str(Path(reports_dir) / f"{name}.png") for name in grids]
     result["grids"] = list(grids)

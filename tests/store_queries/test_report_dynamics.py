@@ -1,0 +1,39 @@
+"""The dynamics report (one pass over the records) shows what the store's own queries say."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from metastore_plugins.core.reports.tensorboard import write_dynamics
+from runcases import Run
+
+
+class RecordingWriter:
+    def __init__(self) -> None:
+        self.scalars: dict[str, dict[int, float]] = defaultdict(dict)
+        self.histograms: dict[str, dict[int, np.ndarray]] = defaultdict(dict)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars[tag][step] = value
+
+    def add_histogram(self, tag: str, values: Any, step: int) -> None:
+        self.histograms[tag][step] = np.asarray(values)
+
+
+def test_dynamics_scalars_equal_the_norm_and_exceed_queries(run_a: Run) -> None:
+    store = run_a.store
+    writer = RecordingWriter()
+    write_dynamics(writer, store, explode_factor=1.2)
+    meta, total = store.metadata("train"), store.norms("train")
+    threshold = 1.2 * float(np.median(total))
+    steps, fractions = store.exceed_fractions(threshold, "train")
+    assert 0 < fractions.max() < 1  # the threshold splits some steps: the comparison means something
+    np.testing.assert_allclose([writer.scalars["metastore/exploding_fraction"][int(s)] for s in steps], fractions)
+    for layer, norms in store.norms("train", by_layer=True).items():
+        expected = {int(s): norms[meta["step"] == s].mean() for s in np.unique(meta["step"])}
+        np.testing.assert_allclose([writer.scalars[f"metastore/grad_norm/{layer}"][s] for s in expected], list(expected.values()), rtol=1e-6)
+    for epoch, values in writer.histograms["metastore/grad_norm_per_epoch"].items():
+        np.testing.assert_allclose(values, total[meta["epoch"] == epoch], rtol=1e-6)
