@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from metastore_plugins import open_store
+from metastore_plugins.core.reports import INFLUENCE_SAMPLES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,5 +30,5 @@ def test_example_run_produces_a_sound_store_and_reports(tmp_path: Path) -> None:
     top = [row["sample_id"] for row in outliers[:10]]
     assert sum(sid in flipped for sid in top) >= 5, (top, sorted(flipped))  # ~5% flipped overall
     influence = json.loads((reports / "influence.json").read_text())
-    assert len(influence) == 64 and all(len(row["proponents"]) == 5 for row in influence)
+    assert len(influence) == INFLUENCE_SAMPLES and all(len(row["proponents"]) == 5 for row in influence)  # of 64
     assert (reports / "outliers.md").read_text().startswith("| rank | sample_id |")

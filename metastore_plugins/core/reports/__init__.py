@@ -14,6 +14,8 @@ from metastore_plugins.core.reports.tables import checkpoint_points, influence_r
 from metastore_plugins.core.store.reader import GradientStore
 
 OUTLIER_COLUMNS = ("rank", "sample_id", "label", "prediction", "loss", "self_influence", "class_zscore")
+#: test samples in the influence report by default (those with the smallest ids)
+INFLUENCE_SAMPLES = 16
 
 
 #: ``(split, sample id) -> text`` of a sample (``None`` if it has none), e.g. decoded input ids.
@@ -23,12 +25,15 @@ RenderFn = Callable[[str, int], "str | None"]
 def write_reports(
     store: GradientStore, directory: str | Path, *, train_split: str = "train", test_split: str = "val", k: int = 20,
     render: RenderFn | None = None, scores: tuple[np.ndarray, np.ndarray] | None = None,
+    influence_samples: int | None = INFLUENCE_SAMPLES,
 ) -> dict[str, Any]:
     """Build the outlier and influence reports from the checkpoint passes and write them to ``directory``.
 
     With ``render``, outlier rows get a ``text`` column and influence rows ``test_text`` and
     the ``text`` of each proponent and opponent. ``scores``: the training samples'
     ``(ids, self-influence)`` when already computed (:func:`~.tables.self_influence_of`).
+    ``influence_samples``: the influence report covers the test samples with the smallest
+    ids, this many (``None``: all of them, at a cost that grows with train x test pairs).
 
     Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths],
     "outlier_columns": columns}``.
@@ -50,7 +55,7 @@ def write_reports(
     influence: list[dict[str, Any]] = []
     if test:
         pairs = [(a, a.split("/")[0] + "/" + test_split) for a in train if a.split("/")[0] + "/" + test_split in test]
-        influence = influence_rows(store, [a for a, _ in pairs], [b for _, b in pairs], k=5)
+        influence = influence_rows(store, [a for a, _ in pairs], [b for _, b in pairs], k=5, samples=influence_samples)
         if render is not None:
             for row in influence:
                 row["test_text"] = render(test_split, row["test_id"])
@@ -64,4 +69,4 @@ def write_reports(
     return {"outliers": outliers, "influence": influence, "files": [str(p) for p in files], "outlier_columns": columns}
 
 
-__all__ = ["OUTLIER_COLUMNS", "RenderFn", "checkpoint_points", "influence_rows", "markdown_table", "outlier_rows", "write_reports"]
+__all__ = ["INFLUENCE_SAMPLES", "OUTLIER_COLUMNS", "RenderFn", "checkpoint_points", "influence_rows", "markdown_table", "outlier_rows", "write_reports"]

@@ -76,9 +76,16 @@ def outlier_rows(
     ]
 
 
-def influence_rows(store: GradientStore, train: Sequence[str], test: Sequence[str], k: int = 5) -> list[dict[str, Any]]:
-    """Per test sample: its label/prediction and the ``k`` strongest proponents and opponents."""
-    scores = store.influence(list(train), list(test))
+def influence_rows(
+    store: GradientStore, train: Sequence[str], test: Sequence[str], k: int = 5, samples: int | None = None
+) -> list[dict[str, Any]]:
+    """Per test sample: its label/prediction and the ``k`` strongest proponents and opponents.
+
+    ``samples``: only the test samples with the ``samples`` smallest ids (all when ``None``);
+    the cost grows with train x test pairs, and a report shows a handful.
+    """
+    test_ids = None if samples is None else sorted(set(store.sample_ids(test[-1]).tolist()))[:samples]
+    scores = store.influence(list(train), list(test), test_ids=test_ids)
     train_meta, test_meta = _last_metadata(store, train), _last_metadata(store, test)
     rows = []
     for entry in scores.top(k):
