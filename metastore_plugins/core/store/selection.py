@@ -71,8 +71,10 @@ class ShardFiles:
     def open(self, path: Path) -> OpenShard:
         """The checked shard, opened once (``safe_open``) and kept while the store is in use.
 
-        A file safetensors cannot parse raises :class:`StoreError`. At most
-        :data:`MAX_OPEN_SHARDS` stay open (the least recently used is dropped).
+        A file safetensors cannot parse raises :class:`StoreError`. Shards stay open while
+        their files take at most :data:`MAX_OPEN_BYTES` together (the least recently used is
+        closed first; the one just opened always stays): the pages of an open shard that were
+        read stay mapped, and count as the process's memory.
         """
         self.check(path)
         with self._lock:
@@ -80,13 +82,14 @@ class ShardFiles:
             if shard is None:
                 shard = OpenShard(path)
             self._open[path.name] = shard  # most recently used last
-            while len(self._open) > MAX_OPEN_SHARDS:
+            size = lambda name: int(self.entries[name]["bytes"])  # noqa: E731
+            while len(self._open) > 1 and sum(size(name) for name in self._open) > MAX_OPEN_BYTES:
                 self._open.pop(next(iter(self._open)))
         return shard
 
 
-#: Shards kept open per store: their parsed headers make repeated reads cheap.
-MAX_OPEN_SHARDS = 16
+#: Bytes of shard files kept open per store: their parsed headers make repeated reads cheap.
+MAX_OPEN_BYTES = 128 * 2**20
 
 
 class OpenShard:
@@ -217,7 +220,7 @@ class BatchRef:
         key = (self.file.name, self.batch)
         cached = self.files.meta.get(key) if self.files is not None else None
         if cached is None:
-            cached = self._read_meta()
+            cached = {column: value.clone() for column, value in self._read_meta().items()}  # not views of the mapped file
             if self.files is not None:
                 self.files.meta[key] = cached
         return dict(cached)
