@@ -12,6 +12,7 @@ Run (``pip install -e ".[examples]"``)::
 
     python examples/lightning_digits.py                                 # full: 1497 training samples, 4 epochs
     python examples/lightning_digits.py --train-size 600 --epochs 3     # fast (the test)
+    python examples/lightning_digits.py --no-callback | --no-passes | --no-reports    # timing (benchmarks/callback_bench.py)
     tensorboard --logdir runs/lightning-digits/tb                       # TEXT, IMAGES, HISTOGRAMS, PROJECTOR
 
 Writes ``<out>/tb`` (TensorBoard events, with a thumbnail grid of the top outliers),
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-callback", action="store_true", help="train without MetaStoreCallback (for timing)")
     parser.add_argument("--no-reports", action="store_true", help="capture only, build no reports (for timing)")
+    parser.add_argument("--no-passes", action="store_true", help="no checkpoint passes and no reports: training steps only (for timing)")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
@@ -105,9 +107,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out / "store",
         checkpoint_train_samples=len(train),  # every training sample in every epoch-end pass
         checkpoint_val_samples=args.val_samples,  # influence rows for these validation samples
+        checkpoint_every_n_epochs=0 if args.no_passes else 1,
         report_k=top,
         seed=args.seed,
-        reports=not args.no_reports,
+        reports=not (args.no_reports or args.no_passes),
     )
     trainer = L.Trainer(
         max_epochs=args.epochs, accelerator="cpu", devices=1, logger=TensorBoardLogger(out, name="tb", version=0),
@@ -127,9 +130,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "train_size": len(train), "epochs": args.epochs, "flipped": len(flipped), "seconds": round(seconds, 2),
         "val_accuracy": round(float(trainer.callback_metrics.get("val_accuracy", float("nan"))), 4),
-        "callback": not args.no_callback, "reports": not (args.no_callback or args.no_reports),
+        "callback": not args.no_callback, "reports": not (args.no_callback or args.no_reports or args.no_passes),
     }
-    if not (args.no_callback or args.no_reports):
+    if result["reports"]:
         reports = out / "store" / "reports"
         outliers = json.loads((reports / "outliers.json").read_text())  # the top 10% by self-influence, ranked
         flipped_ids = set(flipped.tolist())
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"({100 * result['recall']:.0f}%); a random 10% would hold {100 * result['random_baseline']:.0f}%")
         print(f"reports: {reports} (outliers.md, outliers.png); TensorBoard: tensorboard --logdir {out / 'tb'}")
     else:
-        how = "without the callback" if args.no_callback else "with MetaStoreCallback(reports=False)"
+        how = ("without the callback" if args.no_callback else "with MetaStoreCallback, no checkpoint passes or reports"
+               if args.no_passes else "with MetaStoreCallback(reports=False)")
         print(f"trained {args.epochs} epochs on {len(train)} digits in {seconds:.1f} s {how}")
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result

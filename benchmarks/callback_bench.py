@@ -1,0 +1,105 @@
+"""Callback overhead on the examples: training time with and without the callback, side by side.
+
+``python -m benchmarks.callback_bench [--rounds 3] [--only lightning|hf]`` runs each example as a
+fresh process per variant, round-robin (every variant once per round, so that load from other
+jobs hits them alike), reads the training time each example measures itself (``result.json``:
+``Trainer.fit`` / ``Trainer.train``, reports included when they are built), and writes
+``benchmarks/results/callbacks.json`` and the section of ``docs/benchmarks.md`` between the
+``callbacks`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+START, END = "<!-- callbacks:start -->", "<!-- callbacks:end -->"
+
+#: example -> (script, {variant: extra arguments}); the first variant is the baseline
+EXAMPLES: dict[str, tuple[str, dict[str, list[str]]]] = {
+    "lightning": ("examples/lightning_digits.py", {
+        "no callback": ["--no-callback"], "training steps captured": ["--no-passes"],
+        "+ checkpoint passes": ["--no-reports"], "+ reports (the example)": [],
+    }),
+    "hf": ("examples/finetune_bert.py", {
+        "no callback": ["--no-callback"], "training steps captured": ["--no-passes"], "+ passes + reports (the example)": [],
+    }),
+}
+
+
+def run_once(script: str, extra: list[str]) -> float:
+    """Training seconds of one run of ``script`` (its ``result.json``), in a fresh process."""
+    with tempfile.TemporaryDirectory(prefix="msbench-cb-") as out:
+        subprocess.run([sys.executable, str(REPO / script), "--out", out, *extra], cwd=REPO, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        return float(json.loads((Path(out) / "result.json").read_text())["seconds"])
+
+
+def measure(examples: list[str], rounds: int) -> dict[str, Any]:
+    times: dict[str, dict[str, list[float]]] = {name: {v: [] for v in EXAMPLES[name][1]} for name in examples}
+    for _ in range(rounds):
+        for name in examples:
+            script, variants = EXAMPLES[name]
+            for variant, extra in variants.items():
+                print(f"[callbacks] {name}: {variant}", file=sys.stderr, flush=True)
+                times[name][variant].append(run_once(script, extra))
+    results: dict[str, Any] = {}
+    for name, by_variant in times.items():
+        base = statistics.median(next(iter(by_variant.values())))
+        results[name] = {
+            "script": EXAMPLES[name][0],
+            "variants": {v: {"median_s": statistics.median(t), "times_s": t, "ratio": statistics.median(t) / base}
+                         for v, t in by_variant.items()},
+        }
+    return results
+
+
+def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
+    lines = [f"### {meta['started']}, {meta['rounds']} round(s), {meta['machine']}", "",
+             "| example | variant | median training time | ratio to no callback | all runs |", "|---|---|---|---|---|"]
+    for name, entry in results.items():
+        for variant, row in entry["variants"].items():
+            runs = ", ".join(f"{t:.1f}" for t in row["times_s"])
+            lines.append(f"| `{entry['script']}` | {variant} | {row['median_s']:.1f} s | {row['ratio']:.2f}x | {runs} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_section(doc: Path, body: str) -> None:
+    """Replace the text between the callbacks markers of ``doc`` (appended when missing)."""
+    text = doc.read_text()
+    if START not in text or END not in text:
+        text = text.rstrip() + f"\n\n{START}\n{END}\n"
+    head, rest = text.split(START, 1)
+    doc.write_text(f"{head}{START}\n{body}{END}{rest.split(END, 1)[1]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.callback_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", choices=sorted(EXAMPLES), action="append", help="one example (repeatable)")
+    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    args = parser.parse_args(argv)
+    from .__main__ import _machine  # the harness's machine description
+
+    results = measure(args.only or list(EXAMPLES), args.rounds)
+    meta = {"started": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rounds": args.rounds,
+            "machine": f"{_machine()}, {os.cpu_count()} CPUs visible"}
+    out = REPO / "benchmarks" / "results" / "callbacks.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_section(args.doc, markdown(results, meta))
+    print(markdown(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
