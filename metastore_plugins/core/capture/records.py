@@ -81,15 +81,16 @@ class LayerRecord:
         """Bytes the dense per-sample gradients of the same parameters would take (fp32)."""
         return self.batch_size * 4 * sum(math.prod(s) for s in self.param_shapes.values())
 
+    def gradient_keys(self) -> list[str]:
+        """Keys of the tensors that carry the loss gradient (``suffix``, ``grad.*``), not activations or ids."""
+        return [key for key in self.tensors if key in _GRADIENT_KEYS or key.startswith(_DENSE_PREFIX)]
+
     def scale(self, factor: float) -> LayerRecord:
         """Return a copy whose gradient tensors are multiplied by ``factor``."""
         if factor == 1.0:
             return self
-        tensors = {
-            key: value * factor if key in _GRADIENT_KEYS or key.startswith(_DENSE_PREFIX) else value
-            for key, value in self.tensors.items()
-        }
-        return replace(self, tensors=tensors)
+        scaled = set(self.gradient_keys())
+        return replace(self, tensors={key: value * factor if key in scaled else value for key, value in self.tensors.items()})
 
     def restore(self) -> dict[str, Tensor]:
         """Rebuild the dense per-sample gradients: parameter name -> ``(B, *shape)``."""

@@ -36,14 +36,24 @@ def check_encoding(encoding: str) -> Encoding:
 
 
 def _row_scale(x: Tensor, top: float) -> Tensor:
-    """``(R,)`` float32 per-row scale ``max |x_row| / top``; 1 for all-zero rows."""
-    peak = x.reshape(x.shape[0], -1).abs().amax(dim=1) if x.numel() else x.new_zeros(x.shape[0])  # (R,)
+    """``(R,)`` float32 per-row scale ``max |x_row| / top``; 1 for all-zero rows.
+
+    ``max(max x, -min x)``: two reductions that allocate nothing (``|x|`` would copy ``x``).
+    """
+    if x.numel():
+        rows = x.reshape(x.shape[0], -1)  # (R, n)
+        peak = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg())  # (R,); NaN rows stay NaN
+    else:
+        peak = x.new_zeros(x.shape[0])
     peak = peak.float() / top
     return torch.where(peak > 0, peak, torch.ones_like(peak))
 
 
-def encode(key: str, tensor: Tensor, encoding: Encoding) -> dict[str, Tensor]:
-    """Stored tensors of one record tensor: ``{key: data}`` plus ``{key.scale: (R,)}`` when scaled."""
+def encode(key: str, tensor: Tensor, encoding: Encoding, *, owned: bool = False) -> dict[str, Tensor]:
+    """Stored tensors of one record tensor: ``{key: data}`` plus ``{key.scale: (R,)}`` when scaled.
+
+    ``owned``: the caller gives up ``tensor`` (a float32 one is scaled in place: one copy fewer).
+    """
     tensor = tensor.detach()
     if not tensor.is_floating_point():  # copies: a shard never shares memory with the caller's tensors
         return {key: tensor.to(torch.int32, copy=True).contiguous()}
@@ -54,7 +64,7 @@ def encode(key: str, tensor: Tensor, encoding: Encoding) -> dict[str, Tensor]:
     dtype, top = _ROW_SCALED[encoding]
     scale = _row_scale(tensor, top)  # (R,)
     view = scale.view(-1, *([1] * (tensor.dim() - 1)))
-    scaled = tensor.float() / view
+    scaled = tensor.div_(view) if owned and tensor.dtype == torch.float32 else tensor.float() / view
     if dtype == torch.int8:
         scaled = scaled.round().clamp_(-127, 127)
     return {key: scaled.to(dtype).contiguous(), key + _SCALE_SUFFIX: scale.contiguous()}
@@ -94,7 +104,7 @@ def encode_many(tensors: Sequence[tuple[str, Tensor]], encoding: Encoding) -> di
         groups.setdefault((tensor.dtype, tuple(tensor.shape[1:])), []).append((key, tensor.detach()))
     for members in groups.values():
         rows = [tensor.shape[0] for _, tensor in members]
-        joined = encode("", torch.cat([tensor for _, tensor in members]), encoding)  # {"": data, ".scale": (R,)}
+        joined = encode("", torch.cat([tensor for _, tensor in members]), encoding, owned=True)  # {"": data, ".scale": (R,)}
         for suffix, stored in joined.items():
             for (key, _), part in zip(members, stored.split(rows)):
                 out[key + suffix] = part

@@ -261,6 +261,9 @@ class StoreWriter:
     # -- writer thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        # this thread's torch ops (encoding) run single-threaded: sharing the training thread's
+        # intra-op threads oversubscribes the cores and slows the training step (per-thread setting)
+        torch.set_num_threads(1)
         pending: list[_Batch] = []  # batches of the shard being built, not encoded yet
         pending_bytes = 0  # their encoded size
         while True:
