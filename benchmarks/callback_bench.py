@@ -1,6 +1,6 @@
 """Callback overhead on the examples: training time with and without the callback, side by side.
 
-``python -m benchmarks.callback_bench [--rounds 3] [--only lightning|hf]`` runs each example as a
+``python -m benchmarks.callback_bench [--rounds 3] [--only lightning|hf] [--doc PATH] [--out JSON]`` runs each example as a
 fresh process per variant, round-robin (every variant once per round, so that load from other
 jobs hits them alike), reads the training time each example measures itself (``result.json``:
 ``Trainer.fit`` / ``Trainer.train``, reports included when they are built), and writes
@@ -87,15 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", choices=sorted(EXAMPLES), action="append", help="one example (repeatable)")
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "callbacks.json")
     args = parser.parse_args(argv)
     from .__main__ import _machine  # the harness's machine description
 
     results = measure(args.only or list(EXAMPLES), args.rounds)
     meta = {"started": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rounds": args.rounds,
             "machine": f"{_machine()}, {os.cpu_count()} CPUs visible"}
-    out = REPO / "benchmarks" / "results" / "callbacks.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     write_section(args.doc, markdown(results, meta))
     print(markdown(results, meta))
     return 0
