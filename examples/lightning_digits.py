@@ -12,6 +12,7 @@ Run (``pip install -e ".[examples]"``)::
 
     python examples/lightning_digits.py                                 # full: 1497 training samples, 4 epochs
     python examples/lightning_digits.py --train-size 600 --epochs 3     # fast (the test)
+    python examples/lightning_digits.py --outliers-from training        # rank by the training steps; small passes
     python examples/lightning_digits.py --no-callback | --no-passes | --no-reports    # timing (benchmarks/callback_bench.py)
     tensorboard --logdir runs/lightning-digits/tb                       # TEXT, IMAGES, HISTOGRAMS, PROJECTOR
 
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-callback", action="store_true", help="train without MetaStoreCallback (for timing)")
     parser.add_argument("--no-reports", action="store_true", help="capture only, build no reports (for timing)")
+    parser.add_argument("--outliers-from", choices=("checkpoints", "training"), default="checkpoints",
+                        help="rank by self-influence over checkpoint passes of every training sample, or over the "
+                             "training steps (then the passes cover the callback's default 256-sample subset)")
     parser.add_argument("--no-passes", action="store_true", help="no checkpoint passes and no reports: training steps only (for timing)")
     args = parser.parse_args(argv)
 
@@ -105,12 +109,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     top = len(train) // 10  # the top 10% of the training samples
     callback = MetaStoreCallback(
         out / "store",
-        checkpoint_train_samples=len(train),  # every training sample in every epoch-end pass
+        checkpoint_train_samples=len(train) if args.outliers_from == "checkpoints" else 256,  # every sample in each pass, or a subset
         checkpoint_val_samples=args.val_samples,  # influence rows for these validation samples
         checkpoint_every_n_epochs=0 if args.no_passes else 1,
         report_k=top,
         seed=args.seed,
         reports=not (args.no_reports or args.no_passes),
+        outliers_from=args.outliers_from,
     )
     trainer = L.Trainer(
         max_epochs=args.epochs, accelerator="cpu", devices=1, logger=TensorBoardLogger(out, name="tb", version=0),

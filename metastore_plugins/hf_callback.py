@@ -34,6 +34,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.core.loss_scale import MeasuredLossScale, per_sample_weight
+from metastore_plugins.core.reports.tables import check_outlier_source
 from metastore_plugins.core.run import (
     CheckpointSchedule,
     LabelsFn,
@@ -72,6 +73,10 @@ class MetaStoreTrainerCallback(TrainerCallback):
         reports: build reports at the end of training (files, and TensorBoard when ``report_to``
             includes it).
         report_k: rows of the outlier table.
+        outliers_from: ``"checkpoints"`` (default): the outlier table ranks the training samples of the
+            checkpoint passes by self-influence at the passes' weights; ``"training"``: it ranks every
+            trained sample by its in-run self-influence ``sum_t lr_t ||g_i(w_t)||^2`` over the captured
+            training steps (no pass over the whole training set needed).
         tensorboard_dir: where the TensorBoard reports go; default the directory of the
             Trainer's own TensorBoard writer (``$TENSORBOARD_LOGGING_DIR`` or the newest
             ``<output_dir>/runs/*``).
@@ -93,10 +98,12 @@ class MetaStoreTrainerCallback(TrainerCallback):
         seed: int = 0,
         reports: bool = True,
         report_k: int = 20,
+        outliers_from: str = "checkpoints",
         tensorboard_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(modules, str):
             raise ValueError(f"MetaStoreTrainerCallback(modules=...) takes a list of module paths; write [{modules!r}]")
+        check_outlier_source(outliers_from, capture_train_steps, "MetaStoreTrainerCallback")
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.per_sample_loss = per_sample_loss
         self.labels = labels
@@ -108,6 +115,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self.checkpoint_val_samples = checkpoint_val_samples
         self.reports = reports
         self.report_k = report_k
+        self.outliers_from = outliers_from
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
         self.run: RunCapture | None = None
         self.report_result: dict[str, Any] | None = None
@@ -286,6 +294,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         try:
             self.report_result = report_run(
                 self.dirpath, self.dirpath / "reports", writers, step=state.global_step, k=self.report_k, render=render,
+                outliers_from=self.outliers_from,
             )
         except (KeyError, ValueError) as exc:  # e.g. no class predictions for a regression model: the store is intact
             warnings.warn(f"MetaStoreTrainerCallback could not build the reports ({exc!r}); the store {self.dirpath} is "

@@ -30,6 +30,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
+from metastore_plugins.core.reports.tables import check_outlier_source
 from metastore_plugins.core.run import (
     SAMPLE_ID_KEYS,
     CheckpointSchedule,
@@ -70,6 +71,10 @@ class MetaStoreCallback(Callback):
         seed: the seed of the training subset.
         reports: build reports at the end of ``fit`` (files, and TensorBoard when the logger is one).
         report_k: rows of the outlier table.
+        outliers_from: ``"checkpoints"`` (default): the outlier table ranks the training samples of the
+            checkpoint passes by self-influence at the passes' weights; ``"training"``: it ranks every
+            trained sample by its in-run self-influence ``sum_t lr_t ||g_i(w_t)||^2`` over the captured
+            training steps (no pass over the whole training set needed).
     """
 
     def __init__(
@@ -89,11 +94,13 @@ class MetaStoreCallback(Callback):
         seed: int = 0,
         reports: bool = True,
         report_k: int = 20,
+        outliers_from: str = "checkpoints",
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"MetaStoreCallback(loss_reduction=...) must be 'mean' or 'sum', got {loss_reduction!r}")
         if isinstance(modules, str):
             raise ValueError(f"MetaStoreCallback(modules=...) takes a list of module paths; write [{modules!r}]")
+        check_outlier_source(outliers_from, capture_train_steps, "MetaStoreCallback")
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.loss_reduction = loss_reduction
         self.per_sample_loss = per_sample_loss
@@ -106,6 +113,7 @@ class MetaStoreCallback(Callback):
         self.checkpoint_val_samples = checkpoint_val_samples
         self.reports = reports
         self.report_k = report_k
+        self.outliers_from = outliers_from
         self.run: RunCapture | None = None
         self.report_result: dict[str, Any] | None = None
         self._ids: Tensor | None = None
@@ -236,7 +244,7 @@ class MetaStoreCallback(Callback):
                                       "val": getattr(val_loader, "dataset", None)})  # thumbnails where samples are images
             try:
                 self.report_result = report_run(self.dirpath, self.dirpath / "reports", experiments, step=trainer.global_step,
-                                                k=self.report_k, samples=samples)
+                                                k=self.report_k, samples=samples, outliers_from=self.outliers_from)
             except (KeyError, ValueError) as exc:  # e.g. no class predictions for a regression model: the store is intact
                 warnings.warn(f"MetaStoreCallback could not build the reports ({exc!r}); the store {self.dirpath} is complete. "
                               "Pass reports=False to skip them", stacklevel=2)

@@ -171,6 +171,13 @@ def test_unwritable_store_fails_before_training(tmp_path: Path) -> None:
         simulate_train(tmp_path, make_model(), make_dataset(8, 1), make_dataset(4, 2), [callback], epochs=1)
 
 
+def test_outlier_source_is_checked_when_the_callback_is_made() -> None:
+    with pytest.raises(ValueError, match=r"MetaStoreTrainerCallback\(outliers_from=\.\.\.\)"):
+        MetaStoreTrainerCallback(outliers_from="steps")
+    with pytest.raises(ValueError, match="capture_train_steps=True"):
+        MetaStoreTrainerCallback(outliers_from="training", capture_train_steps=False)
+
+
 def test_unknown_modules_fail_before_training(tmp_path: Path) -> None:
     callback = MetaStoreTrainerCallback(modules=["bert.nope"])
     with pytest.raises(ValueError, match="bert.nope"):

@@ -163,3 +163,20 @@ def test_16_mixed_with_a_cpu_grad_scaler_undoes_the_scale_of_each_step(tmp_path:
             got = store.restore(int(sid), capture_point="train", step=step)
             for name, want in expected.items():
                 assert (got[name] - want[sid]).abs().max() <= 1e-2 * want[sid].abs().max(), (step, name)
+
+
+def test_in_run_outliers_rank_every_trained_sample_not_only_the_checkpoint_subset(tmp_path: Path) -> None:
+    callback = MetaStoreCallback(checkpoint_train_samples=8, outliers_from="training", report_k=N_TRAIN, encoding="fp32")
+    train, val = loaders(N_TRAIN, 12, BATCH)
+    fit(tmp_path, Classifier(), train, val, [callback])
+    store = open_store(callback.dirpath)
+    subset = set(store.sample_ids("epoch-0/train").tolist())
+    rows = callback.report_result["outliers"]
+    assert len(subset) == 8 and {row["sample_id"] for row in rows} == set(range(N_TRAIN))  # all 44, not the 8 of the passes
+    ids, values = store.sample_ids("train"), store.self_influence("train")  # per occurrence: once per epoch
+    by_id = {int(i): float(values[ids == i].sum()) for i in np.unique(ids)}
+    assert all(abs(row["self_influence"] - by_id[row["sample_id"]]) <= 1e-6 * max(1.0, by_id[row["sample_id"]]) for row in rows)
+    with pytest.raises(ValueError, match="outliers_from"):
+        MetaStoreCallback(outliers_from="steps")
+    with pytest.raises(ValueError, match="capture_train_steps=True"):
+        MetaStoreCallback(outliers_from="training", capture_train_steps=False)

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.reports.tensorboard import write_dynamics
-from runcases import Run
+from runcases import Run, occurrences
 
 
 class RecordingWriter:
@@ -37,3 +37,19 @@ def test_dynamics_scalars_equal_the_norm_and_exceed_queries(run_a: Run) -> None:
         np.testing.assert_allclose([writer.scalars[f"metastore/grad_norm/{layer}"][s] for s in expected], list(expected.values()), rtol=1e-6)
     for epoch, values in writer.histograms["metastore/grad_norm_per_epoch"].items():
         np.testing.assert_allclose(values, total[meta["epoch"] == epoch], rtol=1e-6)
+
+
+def test_in_run_outlier_scores_sum_every_training_occurrence_of_a_sample(run_a: Run) -> None:
+    """``outliers_from="training"``: ``sum_t lr_t ||g_i(w_t)||^2`` over the steps sample i was trained in (torch.func reference)."""
+    from metastore_plugins.core.reports.tables import outlier_points, outlier_rows, self_influence_of
+
+    expected: dict[int, float] = defaultdict(float)
+    for _, sid, grads, lr in occurrences(run_a):
+        expected[sid] += lr * float(sum(g.double().pow(2).sum() for g in grads.values()))
+    assert len(expected) < len(occurrences(run_a))  # samples recur across steps: the sum is exercised
+    points = outlier_points(run_a.store, [], "training")
+    ids, values = self_influence_of(run_a.store, points)
+    assert sorted(ids.tolist()) == sorted(expected)
+    np.testing.assert_allclose(values, [expected[int(i)] for i in ids], rtol=1e-5)
+    rows = outlier_rows(run_a.store, points, k=3)
+    assert [row["sample_id"] for row in rows] == sorted(expected, key=expected.__getitem__, reverse=True)[:3]

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table, write_table
-from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows, outlier_rows
+from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows, outlier_points, outlier_rows
 from metastore_plugins.core.store.reader import GradientStore
 
 OUTLIER_COLUMNS = ("rank", "sample_id", "label", "prediction", "loss", "self_influence", "class_zscore")
@@ -25,7 +25,7 @@ RenderFn = Callable[[str, int], "str | None"]
 def write_reports(
     store: GradientStore, directory: str | Path, *, train_split: str = "train", test_split: str = "val", k: int = 20,
     render: RenderFn | None = None, scores: tuple[np.ndarray, np.ndarray] | None = None,
-    influence_samples: int | None = INFLUENCE_SAMPLES,
+    influence_samples: int | None = INFLUENCE_SAMPLES, outliers_from: str = "checkpoints",
 ) -> dict[str, Any]:
     """Build the outlier and influence reports from the checkpoint passes and write them to ``directory``.
 
@@ -34,6 +34,7 @@ def write_reports(
     ``(ids, self-influence)`` when already computed (:func:`~.tables.self_influence_of`).
     ``influence_samples``: the influence report covers the test samples with the smallest
     ids, this many (``None``: all of them, at a cost that grows with train x test pairs).
+    ``outliers_from``: ``"checkpoints"`` or ``"training"`` (:func:`~.tables.outlier_points`).
 
     Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths],
     "outlier_columns": columns}``.
@@ -45,7 +46,7 @@ def write_reports(
             f"the store has no checkpoint passes 'epoch-*/{train_split}' or 'step-*/{train_split}'; "
             f"it has {store.capture_points()}"
         )
-    outliers = outlier_rows(store, train, k, scores)
+    outliers = outlier_rows(store, outlier_points(store, train, outliers_from), k, scores)
     columns = OUTLIER_COLUMNS
     if render is not None:
         for row in outliers:

@@ -43,11 +43,53 @@ def _last_metadata(store: GradientStore, points: Sequence[str]) -> dict[int, dic
     return rows
 
 
+#: the capture point of the training steps (``RunCapture.finish_step``'s default)
+TRAINING_STEPS = "train"
+#: where the outlier report takes self-influence from
+OUTLIER_SOURCES = ("checkpoints", "training")
+
+
+def check_outlier_source(outliers_from: str, training_steps: bool, owner: str) -> None:
+    """Raise naming ``owner``'s setting when ``outliers_from`` is unknown or has no training steps to rank."""
+    if outliers_from not in OUTLIER_SOURCES:
+        raise ValueError(f"{owner}(outliers_from=...) must be one of {OUTLIER_SOURCES}, got {outliers_from!r}")
+    if outliers_from == "training" and not training_steps:
+        raise ValueError(f"{owner}(outliers_from='training') ranks the captured training steps; keep capture_train_steps=True")
+
+
+def outlier_points(store: GradientStore, checkpoints: Sequence[str], outliers_from: str) -> list[str]:
+    """The capture points the outlier report sums self-influence over.
+
+    ``"checkpoints"``: the training checkpoint passes (every sample at the same weights, the
+    samples the passes cover). ``"training"``: the training steps (``sum_t lr_t ||g_i(w_t)||^2``
+    over the steps each sample was trained in, TracIn's in-run form: every trained sample,
+    no pass needed).
+    """
+    if outliers_from not in OUTLIER_SOURCES:
+        raise ValueError(f"outliers_from must be one of {OUTLIER_SOURCES}, got {outliers_from!r}")
+    if outliers_from == "checkpoints":
+        return list(checkpoints)
+    if TRAINING_STEPS not in store.capture_points():
+        raise ValueError(
+            f"outliers_from='training' needs the training steps (capture point {TRAINING_STEPS!r}), and the store "
+            f"holds {store.capture_points()}; keep capture_train_steps=True or use outliers_from='checkpoints'"
+        )
+    return [TRAINING_STEPS]
+
+
 def self_influence_of(store: GradientStore, points: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """``(sample ids, TracIn self-influence)``, both ``(N,)``, summed over the capture points ``points``."""
-    values = store.self_influence(list(points))  # (N,)
-    ids = store.self_influence_ids(list(points)) if len(points) > 1 else store.sample_ids(points[0])
-    return np.asarray(ids), values
+    """``(sample ids, TracIn self-influence)``, both ``(N,)``, ids in first-seen order.
+
+    ``sum lr ||g_i||^2`` over every occurrence of each sample in the capture points
+    ``points``: once per checkpoint pass, or once per epoch in the training steps.
+    """
+    ids = np.concatenate([store.sample_ids(point) for point in points])  # (occurrences,)
+    values = np.concatenate([store.self_influence(point) for point in points])  # (occurrences,)
+    unique, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    total = np.zeros(len(unique))
+    np.add.at(total, inverse, values)
+    order = np.argsort(first, kind="stable")
+    return unique[order], total[order]
 
 
 def outlier_rows(

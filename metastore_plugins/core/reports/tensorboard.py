@@ -26,7 +26,7 @@ import numpy as np
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, write_reports
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table
 from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid
-from metastore_plugins.core.reports.tables import _last_metadata, checkpoint_points, self_influence_of
+from metastore_plugins.core.reports.tables import _last_metadata, checkpoint_points, outlier_points, self_influence_of
 from metastore_plugins.core.store.reader import GradientStore, open_store
 
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
@@ -54,7 +54,7 @@ def summary_writer(log_dir: str | os.PathLike[str]) -> Any:
 def self_influence_table(
     store: GradientStore, points: Sequence[str], scores: tuple[np.ndarray, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
-    """Every training sample of the checkpoint passes: ``sample_id``, ``self_influence``, ``label``, ``loss``."""
+    """Every training sample of ``points``: ``sample_id``, ``self_influence``, ``label``, ``loss``."""
     ids, values = scores if scores is not None else self_influence_of(store, points)
     meta = _last_metadata(store, points)
     labels = np.array([meta[int(i)]["label"] if isinstance(meta[int(i)]["label"], int) else -1 for i in ids])
@@ -191,10 +191,13 @@ def report_run(
     store_dir: str | os.PathLike[str], reports_dir: str | os.PathLike[str], writers: Sequence[SummaryWriterLike] = (),
     *, step: int = 0, k: int = 20, train_split: str = "train", test_split: str = "val", dynamics: bool = True,
     projector: bool = True, render: RenderFn | None = None, samples: SampleLookup | None = None,
+    outliers_from: str = "checkpoints",
 ) -> dict[str, Any] | None:
     """Files via :func:`write_reports` into ``reports_dir``, and the same reports to each writer.
 
     ``render(split, sample id)`` adds each sample's text to the tables (see :func:`write_reports`).
+    ``outliers_from="training"`` ranks every trained sample by its in-run self-influence instead of
+    the samples of the checkpoint passes (:func:`~metastore_plugins.core.reports.tables.outlier_points`).
     ``samples(split, sample id)`` returns dataset items: where they are small images, thumbnail
     grids of the top outliers and of the influence rows are written (``outliers.png``,
     ``influence.png`` and the images ``metastore/outlier_samples``, ``metastore/influence_samples``).
@@ -211,10 +214,11 @@ def report_run(
             stacklevel=2,
         )
         return None
-    scores = self_influence_of(store, points)  # read once, for the table and the histograms
+    sources = outlier_points(store, points, outliers_from)
+    scores = self_influence_of(store, sources)  # read once, for the table and the histograms
     result = write_reports(store, Path(reports_dir), train_split=train_split, test_split=test_split, k=k, render=render,
-                           scores=scores)
-    table = self_influence_table(store, points, scores) if writers else None
+                           scores=scores, outliers_from=outliers_from)
+    table = self_influence_table(store, sources, scores) if writers else None
     grids = sample_grids(result, samples, Path(reports_dir), train_split=train_split, test_split=test_split)
     result["files"] += [str(Path(reports_dir) / f"{name}.png") for name in grids]
     result["grids"] = list(grids)
