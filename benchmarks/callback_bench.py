@@ -29,6 +29,7 @@ EXAMPLES: dict[str, tuple[str, dict[str, list[str]]]] = {
     "lightning": ("examples/lightning_digits.py", {
         "no callback": ["--no-callback"], "training steps captured": ["--no-passes"],
         "+ checkpoint passes": ["--no-reports"], "+ reports (the example)": [],
+        "outliers from the training steps, 256-sample passes, reports": ["--outliers-from", "training"],
     }),
     "hf": ("examples/finetune_bert.py", {
         "no callback": ["--no-callback"], "training steps captured": ["--no-passes"], "+ passes + reports (the example)": [],
@@ -68,8 +69,8 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
              "| example | variant | median training time | ratio to no callback | all runs |", "|---|---|---|---|---|"]
     for name, entry in results.items():
         for variant, row in entry["variants"].items():
-            runs = ", ".join(f"{t:.1f}" for t in row["times_s"])
-            lines.append(f"| `{entry['script']}` | {variant} | {row['median_s']:.1f} s | {row['ratio']:.2f}x | {runs} |")
+            runs = ", ".join(f"{t:.2f}" for t in row["times_s"])
+            lines.append(f"| `{entry['script']}` | {variant} | {row['median_s']:.2f} s | {row['ratio']:.2f}x | {runs} |")
     return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,8 @@ def test_lightning_variants_run_and_the_doc_section_is_rewritten(tmp_path: Path)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     variants = json.loads(out.read_text())["results"]["lightning"]["variants"]
-    assert list(variants) == ["no callback", "training steps captured", "+ checkpoint passes", "+ reports (the example)"]
+    assert list(variants) == ["no callback", "training steps captured", "+ checkpoint passes", "+ reports (the example)",
+                              "outliers from the training steps, 256-sample passes, reports"]
     assert all(len(v["times_s"]) == 1 and v["median_s"] > 0 for v in variants.values())
     assert variants["no callback"]["ratio"] == 1.0
     text = doc.read_text()
