@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.capture.records import LayerRecord, dense_record
 from metastore_plugins.core.store import DEFAULT_ENCODING, ENCODINGS
-from metastore_plugins.core.store.encoding import encode, encode_many, encoded_nbytes
+from metastore_plugins.core.store.encoding import encoded_nbytes
 from storecases import flat, reference_loop, rel_err
 
 pytest.importorskip("transformers")
@@ -184,19 +184,66 @@ def test_a_dense_parameter_named_scale_round_trips(tmp_path: Path, encoding: str
     assert rel_err(restored["rms.scale"], grads[1]) <= 2e-2
 
 
+def _reference_encoding(tensor: Tensor, encoding: str) -> dict[str, Tensor]:
+    """The documented encodings, written out here independently of the store's code."""
+    if not tensor.is_floating_point():
+        return {"": tensor.to(torch.int32)}
+    x = tensor.double()
+    if encoding == "fp32":
+        return {"": tensor.float()}
+    if encoding == "bf16":
+        return {"": tensor.float().bfloat16()}
+    peak = x.abs().reshape(len(x), -1).amax(1) if x.numel() else x.new_zeros(len(x))  # (R,)
+    top = 127.0 if encoding == "int8" else 1.0
+    scale = torch.where(peak > 0, peak / top, torch.ones_like(peak)).float()  # (R,)
+    scaled = tensor.float() / scale.view(-1, *([1] * (tensor.dim() - 1)))
+    data = scaled.round().clamp(-127, 127).to(torch.int8) if encoding == "int8" else scaled.half()
+    return {"": data, ".scale": scale}
+
+
 @pytest.mark.parametrize("encoding", ENCODINGS)
-def test_encoding_many_tensors_at_once_stores_the_same_values(encoding: str) -> None:
-    """The writer encodes a whole shard in one pass: it must equal encoding each tensor alone."""
+def test_a_shard_file_holds_each_encoded_tensor_and_its_checksum(tmp_path: Path, encoding: str) -> None:
+    """The writer encodes a shard into one buffer: safetensors reads back every tensor as encoded
+    one by one, metadata columns as given, and the returned size and sha256 are the file's."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from metastore_plugins.core.store import manifest as mf
+    from metastore_plugins.core.store.shardfile import write_shard
+
     torch.manual_seed(0)
-    tensors = [
-        ("b0/r0/prefix", torch.randn(5, 1, 3)), ("b0/r0/sample", torch.arange(5)), ("b1/r0/prefix", torch.randn(0, 1, 3)),
-        ("b1/r0/suffix", torch.randn(2, 1, 4) * 1e-8), ("b2/r0/prefix", torch.randn(3, 1, 3).half()),
-        ("b2/r1/grad.weight", torch.zeros(2, 4, 4)),
-    ]
-    many = encode_many(tensors, encoding)
-    one = {key: value for name, tensor in tensors for key, value in encode(name, tensor, encoding).items()}
-    assert many.keys() == one.keys()
-    for key, value in one.items():
-        assert many[key].dtype == value.dtype and many[key].shape == value.shape and torch.equal(many[key], value), key
-    for name, tensor in tensors:
-        assert encoded_nbytes(tensor, encoding) == sum(v.numel() * v.element_size() for v in encode(name, tensor, encoding).values())
+    first = LayerRecord("fc", "outer", 3, {"weight": "fc.weight"}, {"weight": (4, 3)}, {
+        "prefix": torch.randn(5, 1, 3), "suffix": torch.randn(5, 1, 4) * 1e-8,
+        "sample": torch.tensor([0, 0, 1, 2, 2]), "position": torch.arange(5)})
+    empty = LayerRecord("fc", "outer", 2, {"weight": "fc.weight"}, {"weight": (4, 3)}, {
+        "prefix": torch.randn(0, 1, 3), "suffix": torch.randn(0, 1, 4), "sample": torch.zeros(0, dtype=torch.long),
+        "position": torch.zeros(0, dtype=torch.long)})
+    dense = LayerRecord("ln", "dense", 2, {"weight": "ln.weight"}, {"weight": (4,)}, {
+        "grad.weight": torch.cat([torch.zeros(1, 4), torch.randn(1, 4).half().float()])})
+    batches = [([first], {"sample_id": torch.tensor([7, 8, 9]), "loss": torch.rand(3, dtype=torch.float64)}),
+               ([empty, dense], {"sample_id": torch.tensor([1, 2]), "label": torch.tensor([True, False])})]
+    before = [{k: t.clone() for k, t in r.tensors.items()} for records, _ in batches for r in records]
+    size, sha256 = write_shard(tmp_path / "s.safetensors", batches, encoding, {"format": "x"})
+
+    raw = (tmp_path / "s.safetensors").read_bytes()
+    assert (size, sha256) == (len(raw), hashlib.sha256(raw).hexdigest())
+    expected: dict[str, Tensor] = {}
+    for index, (records, meta) in enumerate(batches):
+        for k, record in enumerate(records):
+            for name, tensor in record.tensors.items():
+                for suffix, value in _reference_encoding(tensor, encoding).items():
+                    expected[mf.record_key(index, k, name) + suffix] = value
+        for column, values in meta.items():
+            expected[mf.meta_key(index, column)] = values
+    with safe_open(tmp_path / "s.safetensors", framework="pt") as stored:
+        assert stored.metadata() == {"format": "x"}
+        assert sorted(stored.keys()) == sorted(expected)
+        for key, value in expected.items():
+            got = stored.get_tensor(key)
+            assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value), key
+    after = [dict(r.tensors) for records, _ in batches for r in records]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(after, before) for k in a)  # the records are only read
+    for tensors in before:
+        for tensor in tensors.values():
+            assert encoded_nbytes(tensor, encoding) == sum(v.numel() * v.element_size() for v in _reference_encoding(tensor, encoding).values())

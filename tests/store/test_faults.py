@@ -135,16 +135,16 @@ def test_a_shard_is_hashed_once_per_store(store4: tuple, monkeypatch: pytest.Mon
 def _full_disk_after(monkeypatch: pytest.MonkeyPatch, good: int) -> list[str]:
     """The shard saver writes ``good`` shards, then writes half a file and fails with ENOSPC."""
     calls: list[str] = []
-    save = writer_module.save_tensors
+    save = writer_module.write_shard
 
-    def save_until_full(tensors: dict[str, torch.Tensor], filename: Path, metadata: dict[str, str]) -> None:
+    def save_until_full(filename: Path, *args: Any) -> tuple[int, str]:
         calls.append(str(filename))
         if len(calls) <= good:
-            return save(tensors, filename, metadata=metadata)
+            return save(filename, *args)
         Path(filename).write_bytes(b"\0" * 100)  # a partial file
         raise OSError(errno.ENOSPC, "No space left on device", str(filename))
 
-    monkeypatch.setattr(writer_module, "save_tensors", save_until_full)
+    monkeypatch.setattr(writer_module, "write_shard", save_until_full)
     return calls
 
 

@@ -68,13 +68,13 @@ def _listed(path: Path, rank: int = 0) -> list[dict[str, Any]]:
 @pytest.fixture
 def slow_disk(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every shard write take 20 ms so that the queue really fills."""
-    save = writer_module.save_tensors
+    save = writer_module.write_shard
 
-    def slow_save(*args: Any, **kwargs: Any) -> None:
+    def slow_save(*args: Any, **kwargs: Any) -> tuple[int, str]:
         time.sleep(0.02)
-        save(*args, **kwargs)
+        return save(*args, **kwargs)
 
-    monkeypatch.setattr(writer_module, "save_tensors", slow_save)
+    monkeypatch.setattr(writer_module, "write_shard", slow_save)
 
 
 # -- backpressure and memory ---------------------------------------------------------------
@@ -304,7 +304,7 @@ def test_errors_in_the_writer_thread_reach_the_caller(tmp_path: Path, monkeypatc
     def broken(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(writer_module, "save_tensors", broken)
+    monkeypatch.setattr(writer_module, "write_shard", broken)
     writer = StoreWriter(tmp_path, shard_bytes=1, on_error="raise")  # the default warns: tests/store/test_faults.py
     records, _ = synthetic_batch(0)
     writer.write(records, sample_ids=[0, 1, 2, 3], step=0)

@@ -14,7 +14,8 @@ Integer tensors (sample, position, token ids) are kept as int32.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import math
+from collections.abc import Collection, Mapping
 from typing import Literal, get_args
 
 import torch
@@ -26,6 +27,7 @@ DEFAULT_ENCODING: Encoding = "fp16"
 
 _SCALE_SUFFIX = ".scale"
 _ROW_SCALED = {"fp16": (torch.float16, 1.0), "int8": (torch.int8, 127.0)}
+_PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def check_encoding(encoding: str) -> Encoding:
@@ -49,25 +51,40 @@ def _row_scale(x: Tensor, top: float) -> Tensor:
     return torch.where(peak > 0, peak, torch.ones_like(peak))
 
 
-def encode(key: str, tensor: Tensor, encoding: Encoding, *, owned: bool = False) -> dict[str, Tensor]:
-    """Stored tensors of one record tensor: ``{key: data}`` plus ``{key.scale: (R,)}`` when scaled.
+def stored_specs(key: str, tensor: Tensor, encoding: Encoding) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Stored key -> ``(dtype, shape)`` of what :func:`encode` makes of ``tensor``: data, and row scales when scaled."""
+    shape = tuple(tensor.shape)
+    if not tensor.is_floating_point():
+        return {key: (torch.int32, shape)}
+    if encoding in _ROW_SCALED:
+        return {key: (_ROW_SCALED[encoding][0], shape), key + _SCALE_SUFFIX: (torch.float32, shape[:1])}
+    return {key: (_PLAIN[encoding], shape)}
 
-    ``owned``: the caller gives up ``tensor`` (a float32 one is scaled in place: one copy fewer).
+
+def encode_into(key: str, tensor: Tensor, encoding: Encoding, out: Mapping[str, Tensor]) -> None:
+    """Write the encoding of ``tensor`` into ``out``, preallocated as :func:`stored_specs` says.
+
+    ``tensor`` is only read: the scaled values go through one temporary of its size.
     """
     tensor = tensor.detach()
-    if not tensor.is_floating_point():  # copies: a shard never shares memory with the caller's tensors
-        return {key: tensor.to(torch.int32, copy=True).contiguous()}
-    if encoding == "fp32":
-        return {key: tensor.to(torch.float32, copy=True).contiguous()}
-    if encoding == "bf16":
-        return {key: tensor.to(torch.bfloat16).contiguous()}
+    data = out[key]
+    if not tensor.is_floating_point() or encoding not in _ROW_SCALED:
+        data.copy_(tensor)  # int32 ids, float32, or bfloat16 (round to nearest)
+        return
     dtype, top = _ROW_SCALED[encoding]
     scale = _row_scale(tensor, top)  # (R,)
-    view = scale.view(-1, *([1] * (tensor.dim() - 1)))
-    scaled = tensor.div_(view) if owned and tensor.dtype == torch.float32 else tensor.float() / view
+    scaled = tensor / scale.view(-1, *([1] * (tensor.dim() - 1)))  # float32, |values| <= top
     if dtype == torch.int8:
-        scaled = scaled.round().clamp_(-127, 127)
-    return {key: scaled.to(dtype).contiguous(), key + _SCALE_SUFFIX: scale.contiguous()}
+        scaled = scaled.round_().clamp_(-127, 127)
+    data.copy_(scaled)
+    out[key + _SCALE_SUFFIX].copy_(scale)
+
+
+def encode(key: str, tensor: Tensor, encoding: Encoding) -> dict[str, Tensor]:
+    """Stored tensors of one record tensor: ``{key: data}`` plus ``{key.scale: (R,)}`` when scaled."""
+    out = {name: torch.empty(shape, dtype=dtype, device=tensor.device) for name, (dtype, shape) in stored_specs(key, tensor, encoding).items()}
+    encode_into(key, tensor, encoding, out)
+    return out
 
 
 def decode(stored: dict[str, Tensor], key: str) -> Tensor:
@@ -90,32 +107,6 @@ def is_scale_key(key: str, stored: Collection[str]) -> bool:
     return key.endswith(_SCALE_SUFFIX) and key[: -len(_SCALE_SUFFIX)] in stored
 
 
-def encode_many(tensors: Sequence[tuple[str, Tensor]], encoding: Encoding) -> dict[str, Tensor]:
-    """:func:`encode` of many ``(key, tensor)`` pairs at once, with the same stored values.
-
-    Tensors of one dtype and trailing shape are concatenated along rows, encoded in one call
-    and split again: every encoding works row by row, so the result equals encoding each
-    tensor alone, at a fraction of the per-call cost. The returned tensors are contiguous
-    row slices of a few shared buffers (write them with a saver that accepts shared memory).
-    """
-    groups: dict[tuple[torch.dtype, tuple[int, ...]], list[tuple[str, Tensor]]] = {}
-    out: dict[str, Tensor] = {}
-    for key, tensor in tensors:
-        groups.setdefault((tensor.dtype, tuple(tensor.shape[1:])), []).append((key, tensor.detach()))
-    for members in groups.values():
-        rows = [tensor.shape[0] for _, tensor in members]
-        joined = encode("", torch.cat([tensor for _, tensor in members]), encoding, owned=True)  # {"": data, ".scale": (R,)}
-        for suffix, stored in joined.items():
-            for (key, _), part in zip(members, stored.split(rows)):
-                out[key + suffix] = part
-    return out
-
-
 def encoded_nbytes(tensor: Tensor, encoding: Encoding) -> int:
     """Bytes :func:`encode` stores for ``tensor`` (data and row scales)."""
-    if not tensor.is_floating_point() or encoding == "fp32":
-        return tensor.numel() * 4
-    if encoding == "bf16":
-        return tensor.numel() * 2
-    width = 2 if encoding == "fp16" else 1
-    return tensor.numel() * width + tensor.shape[0] * 4
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in stored_specs("", tensor, encoding).values())

@@ -30,7 +30,7 @@ from torch import Tensor
 from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding, check_encoding, encoded_nbytes
-from metastore_plugins.core.store.shardfile import save_tensors, shard_tensors
+from metastore_plugins.core.store.shardfile import write_shard
 
 ArrayLike = Tensor | Sequence[float] | Sequence[int]
 
@@ -315,20 +315,17 @@ class StoreWriter:
         return {"layer": record.layer, "kind": record.kind, "rows": rows, "bytes": record.nbytes, "dense_bytes": record.dense_nbytes}
 
     def _write_shard(self, pending: list[_Batch]) -> None:
-        tensors = shard_tensors([(b.records, b.meta) for b in pending], self.encoding)
         batches = [b.info | {"records": [self._record_info(r) for r in b.records]} for b in pending]
         name = mf.shard_name(self.rank, self._next_shard)
         final, tmp = self.path / name, self.path / (name + ".tmp")
         try:
-            save_tensors(tensors, tmp, metadata={"format": mf.FORMAT, "encoding": self.encoding})
-            with open(tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
-            size, sha256 = tmp.stat().st_size, mf.file_sha256(tmp)
+            metadata = {"format": mf.FORMAT, "encoding": self.encoding}
+            size, sha256 = write_shard(tmp, [(b.records, b.meta) for b in pending], self.encoding, metadata)
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)  # a partial file on a full disk
             raise
-        ids = [int(v) for key, t in tensors.items() if key.endswith("/meta/sample_id") for v in (t.min(), t.max()) if t.numel()]
+        ids = [int(v) for b in pending if (t := b.meta["sample_id"]).numel() for v in (t.min(), t.max())]
         steps = [b["step"] for b in batches]
         entry = {
             "file": name,
