@@ -30,7 +30,7 @@ from torch import Tensor
 from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding, check_encoding, encoded_nbytes
-from metastore_plugins.core.store.shardfile import write_shard
+from metastore_plugins.core.store.shardfile import ShardBuffer, write_shard
 
 ArrayLike = Tensor | Sequence[float] | Sequence[int]
 
@@ -264,6 +264,7 @@ class StoreWriter:
         # this thread's torch ops (encoding) run single-threaded: sharing the training thread's
         # intra-op threads oversubscribes the cores and slows the training step (per-thread setting)
         torch.set_num_threads(1)
+        buffer = ShardBuffer()  # reused by every shard; freed when the thread ends
         pending: list[_Batch] = []  # batches of the shard being built, not encoded yet
         pending_bytes = 0  # their encoded size
         while True:
@@ -282,7 +283,7 @@ class StoreWriter:
                     continue
                 if isinstance(item, threading.Event):
                     if pending:
-                        self._write_shard(pending)
+                        self._write_shard(pending, buffer)
                     pending, pending_bytes = [], 0
                     item.set()
                     continue
@@ -293,7 +294,7 @@ class StoreWriter:
                 self.stats.peak_pending_bytes = max(self.stats.peak_pending_bytes, pending_bytes)
                 self.stats.dense_bytes += sum(r.dense_nbytes for r in item.records)
                 if pending_bytes >= self.shard_bytes:
-                    self._write_shard(pending)
+                    self._write_shard(pending, buffer)
                     pending, pending_bytes = [], 0
             except BaseException as exc:  # surfaced on the training thread by the next call
                 if isinstance(exc, OSError) and self.on_error == "warn":
@@ -314,13 +315,13 @@ class StoreWriter:
         rows = record.batch_size if record.kind == "dense" else int(record.tensors["sample"].shape[0])
         return {"layer": record.layer, "kind": record.kind, "rows": rows, "bytes": record.nbytes, "dense_bytes": record.dense_nbytes}
 
-    def _write_shard(self, pending: list[_Batch]) -> None:
+    def _write_shard(self, pending: list[_Batch], buffer: ShardBuffer) -> None:
         batches = [b.info | {"records": [self._record_info(r) for r in b.records]} for b in pending]
         name = mf.shard_name(self.rank, self._next_shard)
         final, tmp = self.path / name, self.path / (name + ".tmp")
         try:
             metadata = {"format": mf.FORMAT, "encoding": self.encoding}
-            size, sha256 = write_shard(tmp, [(b.records, b.meta) for b in pending], self.encoding, metadata)
+            size, sha256 = write_shard(tmp, [(b.records, b.meta) for b in pending], self.encoding, metadata, buffer)
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)  # a partial file on a full disk
