@@ -18,6 +18,7 @@ import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,6 +31,10 @@ _DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
 }
+_ITEMSIZE = {dtype: dtype.itemsize for dtype in _DTYPE_NAMES}
+
+#: record tensors with fewer elements are encoded in groups
+_GROUPED_NUMEL = 1 << 16
 
 Batches = Sequence[tuple[Sequence[LayerRecord], Mapping[str, Tensor]]]
 
@@ -67,15 +72,18 @@ def write_shard(
         for name, tensor in record.tensors.items()
     ]
     columns = [(mf.meta_key(index, column), values) for index, (_, meta) in enumerate(batches) for column, values in meta.items()]
-    specs = {key: spec for name, tensor in records for key, spec in stored_specs(name, tensor, encoding).items()}
-    specs.update({key: (values.dtype, tuple(values.shape)) for key, values in columns})
-    header, size = _layout(specs)
+    encoded, plain = _groups(records), _groups(columns)
+    specs = {key: spec for members in encoded for name, tensor in members for key, spec in stored_specs(name, tensor, encoding).items()}
+    specs.update({name: (tensor.dtype, tuple(tensor.shape)) for members in plain for name, tensor in members})
+    header, size = _layout(specs)  # a group's tensors of each stored role lie next to each other
     data_section = (buffer or ShardBuffer()).take(size)  # (bytes,)
-    views = {key: data_section[begin:end].view(specs[key][0]).view(specs[key][1]) for key, (begin, end) in header.items()}
-    for name, tensor in records:
-        encode_into(name, tensor, encoding, views)
-    for key, values in columns:
-        views[key].copy_(values)
+    with torch.no_grad():
+        for members in encoded:  # one call per group
+            joined = _joined(members)
+            encode_into("", joined, encoding, _slots(data_section, header, members, stored_specs("", joined, encoding)))
+        for members in plain:
+            joined = _joined(members)
+            _slots(data_section, header, members, {"": (joined.dtype, tuple(joined.shape))})[""].copy_(joined)
     head = _header_bytes(header, specs, metadata)
     data = data_section.numpy().data
     digest = hashlib.sha256(head)
@@ -88,25 +96,59 @@ def write_shard(
     return len(head) + size, digest.hexdigest()
 
 
+def _groups(records: Sequence[tuple[str, Tensor]]) -> list[list[tuple[str, Tensor]]]:
+    """Tensors in groups written with one call: small ones by dtype and row shape (a shard of a
+    small MLP holds thousands), large ones alone (joining them would copy them once more). Every
+    encoding works row by row, so the stored values are the same either way."""
+    groups: dict[Any, list[tuple[str, Tensor]]] = {}
+    for name, tensor in records:
+        key = (tensor.dtype, tuple(tensor.shape[1:])) if tensor.numel() < _GROUPED_NUMEL else name
+        groups.setdefault(key, []).append((name, tensor))
+    return list(groups.values())
+
+
+def _joined(members: list[tuple[str, Tensor]]) -> Tensor:
+    return members[0][1] if len(members) == 1 else torch.cat([tensor for _, tensor in members])
+
+
+def _slots(
+    section: Tensor, ranges: Mapping[str, tuple[int, int]], members: list[tuple[str, Tensor]], roles: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+) -> dict[str, Tensor]:
+    """For each stored role (``""``: data, ``".scale"``), the members' slots of ``section`` as one tensor of the given shape."""
+    out = {}
+    for role, (dtype, shape) in roles.items():
+        begin, end = ranges[members[0][0] + role][0], ranges[members[-1][0] + role][1]
+        out[role] = section[begin:end].view(dtype).view(shape)
+    return out
+
+
 def _layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, tuple[int, int]], int]:
-    """Byte range of each tensor in the data section (largest element size first), and its size."""
-    ranges: dict[str, tuple[int, int]] = {}
-    offset = 0
-    for key in sorted(specs, key=lambda k: -specs[k][0].itemsize):  # stable: keys keep their order within a size
-        dtype, shape = specs[key]
+    """Byte range of each tensor in the data section (largest element size first, keys in their
+    order within a size), and the section's size."""
+    by_size: dict[int, list[str]] = {8: [], 4: [], 2: [], 1: []}
+    for key, (dtype, _) in specs.items():
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"{key}: dtype {dtype} cannot be stored in a shard; use one of {sorted(map(str, _DTYPE_NAMES))}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        ranges[key] = (offset, offset + nbytes)
-        offset += nbytes
+        by_size[_ITEMSIZE[dtype]].append(key)
+    ranges: dict[str, tuple[int, int]] = {}
+    offset = 0
+    for itemsize, keys in by_size.items():
+        for key in keys:
+            nbytes = math.prod(specs[key][1]) * itemsize
+            ranges[key] = (offset, offset + nbytes)
+            offset += nbytes
     return ranges, offset
 
 
 def _header_bytes(ranges: Mapping[str, tuple[int, int]], specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
-    """The length prefix and the JSON header, padded with spaces to a multiple of 8."""
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    """The length prefix and the JSON header, padded with spaces to a multiple of 8.
+
+    Written as text: thousands of small dicts would cost more in the garbage collector's passes
+    over a process full of objects than in the encoding itself."""
+    entries = [json.dumps({"__metadata__": metadata})[1:-1]] if metadata else []
     for key, (begin, end) in ranges.items():
-        header[key] = {"dtype": _DTYPE_NAMES[specs[key][0]], "shape": list(specs[key][1]), "data_offsets": [begin, end]}
-    text = json.dumps(header, separators=(",", ":")).encode()
+        dtype, shape = specs[key]
+        entries.append(f'{json.dumps(key)}:{{"dtype":"{_DTYPE_NAMES[dtype]}","shape":[{",".join(map(str, shape))}],"data_offsets":[{begin},{end}]}}')
+    text = ("{" + ",".join(entries) + "}").encode()
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text
