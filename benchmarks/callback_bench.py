@@ -5,7 +5,8 @@ fresh process per variant, round-robin (every variant once per round, so that lo
 jobs hits them alike), reads the training time each example measures itself (``result.json``:
 ``Trainer.fit`` / ``Trainer.train``, reports included when they are built), and writes
 ``benchmarks/results/callbacks.json`` and the section of ``docs/benchmarks.md`` between the
-``callbacks`` markers.
+``callbacks`` markers. With ``--only``, the other examples keep their rows of the previous run
+(from the JSON), each example stating when it was measured.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def run_once(script: str, extra: list[str]) -> float:
 
 
 def measure(examples: list[str], rounds: int) -> dict[str, Any]:
+    started = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {rounds} round(s)"
     times: dict[str, dict[str, list[float]]] = {name: {v: [] for v in EXAMPLES[name][1]} for name in examples}
     for _ in range(rounds):
         for name in examples:
@@ -58,6 +60,7 @@ def measure(examples: list[str], rounds: int) -> dict[str, Any]:
         base = statistics.median(next(iter(by_variant.values())))
         results[name] = {
             "script": EXAMPLES[name][0],
+            "measured": started,
             "variants": {v: {"median_s": statistics.median(t), "times_s": t, "ratio": statistics.median(t) / base}
                          for v, t in by_variant.items()},
         }
@@ -65,8 +68,9 @@ def measure(examples: list[str], rounds: int) -> dict[str, Any]:
 
 
 def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
-    lines = [f"### {meta['started']}, {meta['rounds']} round(s), {meta['machine']}", "",
-             "| example | variant | median training time | ratio to no callback | all runs |", "|---|---|---|---|---|"]
+    lines = [f"### {meta['machine']}", ""]
+    lines += [f"- `{entry['script']}`: {entry.get('measured', '?')}" for entry in results.values()]
+    lines += ["", "| example | variant | median training time | ratio to no callback | all runs |", "|---|---|---|---|---|"]
     for name, entry in results.items():
         for variant, row in entry["variants"].items():
             runs = ", ".join(f"{t:.2f}" for t in row["times_s"])
@@ -93,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     from .__main__ import _machine  # the harness's machine description
 
     results = measure(args.only or list(EXAMPLES), args.rounds)
-    meta = {"started": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rounds": args.rounds,
-            "machine": f"{_machine()}, {os.cpu_count()} CPUs visible"}
+    if args.only and args.out.exists():  # keep the other examples' rows of the previous run
+        previous = json.loads(args.out.read_text()).get("results", {})
+        results = {name: results.get(name, previous.get(name)) for name in EXAMPLES if name in results or name in previous}
+    meta = {"machine": f"{_machine()}, {os.cpu_count()} CPUs visible"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     write_section(args.doc, markdown(results, meta))

@@ -34,7 +34,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.core.loss_scale import MeasuredLossScale, per_sample_weight
-from metastore_plugins.core.reports.tables import check_outlier_source
+from metastore_plugins.core.options import CallbackOptions
 from metastore_plugins.core.run import (
     CheckpointSchedule,
     LabelsFn,
@@ -101,21 +101,12 @@ class MetaStoreTrainerCallback(TrainerCallback):
         outliers_from: str = "checkpoints",
         tensorboard_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        if isinstance(modules, str):
-            raise ValueError(f"MetaStoreTrainerCallback(modules=...) takes a list of module paths; write [{modules!r}]")
-        check_outlier_source(outliers_from, capture_train_steps, "MetaStoreTrainerCallback")
         self.dirpath = None if dirpath is None else Path(dirpath)
-        self.per_sample_loss = per_sample_loss
-        self.labels = labels
-        self.encoding = encoding
-        self.modules = None if modules is None else list(modules)
-        self.unsupported = unsupported
-        self.capture_train_steps = capture_train_steps
+        self.options = CallbackOptions(
+            "MetaStoreTrainerCallback", per_sample_loss, labels, encoding, modules, unsupported, capture_train_steps,
+            checkpoint_val_samples, reports, report_k, outliers_from,
+        )
         self.schedule = CheckpointSchedule(checkpoint_every_n_evals, checkpoint_train_samples, seed)
-        self.checkpoint_val_samples = checkpoint_val_samples
-        self.reports = reports
-        self.report_k = report_k
-        self.outliers_from = outliers_from
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
         self.run: RunCapture | None = None
         self.report_result: dict[str, Any] | None = None
@@ -136,15 +127,9 @@ class MetaStoreTrainerCallback(TrainerCallback):
         if self.dirpath is None:
             self.dirpath = Path(args.output_dir or ".") / "metastore"
         check_writable(self.dirpath, "MetaStoreTrainerCallback(dirpath=...) or TrainingArguments(output_dir=...)")
-        if self.modules is not None:
-            unknown = sorted(set(self.modules) - {name for name, _ in model.named_modules()})
-            if unknown:
-                raise ValueError(
-                    f"MetaStoreTrainerCallback(modules=...) names modules that {type(model).__name__} does not have: "
-                    f"{unknown}; use paths from model.named_modules()"
-                )
-        _check_capturable(model, self.modules)
-        if self.capture_train_steps:
+        self.options.check_model(model)
+        _check_capturable(model, self.options.modules)
+        if self.options.capture_train_steps:
             loader = kwargs.get("train_dataloader")  # accelerate's DataLoaderShard iterates the DataLoader it wraps
             self._sampler = record_sampler_ids(getattr(loader, "base_dataloader", loader))
             if self._sampler is None:
@@ -159,11 +144,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
             "gradient_accumulation_steps": args.gradient_accumulation_steps, "seed": self.schedule.seed,
             "loss_scale": "measured from the gradient reaching the model's loss",
         }
-        options = {"unsupported": self.unsupported, **({"modules": self.modules} if self.modules else {})}
-        self.run = RunCapture(
-            self.dirpath, rank=args.process_index, loss_reduction="mean", per_sample_loss=self.per_sample_loss,
-            labels=self.labels, encoding=self.encoding, config=config, session_options=options,
-        )
+        self.run = self.options.run_capture(self.dirpath, rank=args.process_index, loss_reduction="mean", config=config)
         self._state, self._optimizer, self._started = state, kwargs.get("optimizer"), time.time()
         self._epoch, self._evals, self.passes = int(state.epoch or 0), 0, []
         self._hooks = [
@@ -252,7 +233,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         train_loader, eval_loader = kwargs.get("train_dataloader"), kwargs.get("eval_dataloader")
         passes = [("train", train_loader, args.per_device_train_batch_size, self.schedule.train_subset(len(train_loader.dataset)))]
         if eval_loader is not None and hasattr(eval_loader.dataset, "__len__"):
-            count = min(len(eval_loader.dataset), self.checkpoint_val_samples)
+            count = min(len(eval_loader.dataset), self.options.checkpoint_val_samples)
             passes.append(("val", eval_loader, args.per_device_eval_batch_size, list(range(count))))
         device = next(model.parameters()).device
         self._pending = None
@@ -282,7 +263,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self._close()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
-        if not (self.reports and state.is_world_process_zero and self.dirpath is not None):
+        if not (self.options.reports and state.is_world_process_zero and self.dirpath is not None):
             return
         from metastore_plugins.core.reports.tensorboard import report_run, summary_writer
 
@@ -293,8 +274,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
         render = _text_renderer(kwargs.get("processing_class"), kwargs.get("train_dataloader"), kwargs.get("eval_dataloader"))
         try:
             self.report_result = report_run(
-                self.dirpath, self.dirpath / "reports", writers, step=state.global_step, k=self.report_k, render=render,
-                outliers_from=self.outliers_from,
+                self.dirpath, self.dirpath / "reports", writers, step=state.global_step, k=self.options.report_k, render=render,
+                outliers_from=self.options.outliers_from,
             )
         except (KeyError, ValueError) as exc:  # e.g. no class predictions for a regression model: the store is intact
             warnings.warn(f"MetaStoreTrainerCallback could not build the reports ({exc!r}); the store {self.dirpath} is "

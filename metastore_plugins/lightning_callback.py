@@ -30,7 +30,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
-from metastore_plugins.core.reports.tables import check_outlier_source
+from metastore_plugins.core.options import CallbackOptions
 from metastore_plugins.core.run import (
     SAMPLE_ID_KEYS,
     CheckpointSchedule,
@@ -98,22 +98,13 @@ class MetaStoreCallback(Callback):
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"MetaStoreCallback(loss_reduction=...) must be 'mean' or 'sum', got {loss_reduction!r}")
-        if isinstance(modules, str):
-            raise ValueError(f"MetaStoreCallback(modules=...) takes a list of module paths; write [{modules!r}]")
-        check_outlier_source(outliers_from, capture_train_steps, "MetaStoreCallback")
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.loss_reduction = loss_reduction
-        self.per_sample_loss = per_sample_loss
-        self.labels = labels
-        self.encoding = encoding
-        self.modules = None if modules is None else list(modules)
-        self.unsupported = unsupported
-        self.capture_train_steps = capture_train_steps
+        self.options = CallbackOptions(
+            "MetaStoreCallback", per_sample_loss, labels, encoding, modules, unsupported, capture_train_steps,
+            checkpoint_val_samples, reports, report_k, outliers_from,
+        )
         self.schedule = CheckpointSchedule(checkpoint_every_n_epochs, checkpoint_train_samples, seed)
-        self.checkpoint_val_samples = checkpoint_val_samples
-        self.reports = reports
-        self.report_k = report_k
-        self.outliers_from = outliers_from
         self.run: RunCapture | None = None
         self.report_result: dict[str, Any] | None = None
         self._ids: Tensor | None = None
@@ -130,13 +121,7 @@ class MetaStoreCallback(Callback):
                 "MetaStoreCallback needs to know where to put the store: pass dirpath=... to MetaStoreCallback, "
                 "or give the Trainer a logger (logger=TensorBoardLogger(...))"
             )
-        if self.modules is not None:
-            unknown = sorted(set(self.modules) - {name for name, _ in pl_module.named_modules()})
-            if unknown:
-                raise ValueError(
-                    f"MetaStoreCallback(modules=...) names modules that {type(pl_module).__name__} does not have: "
-                    f"{unknown}; use paths from model.named_modules()"
-                )
+        self.options.check_model(pl_module)
         if not pl_module.automatic_optimization:
             raise ValueError(
                 f"MetaStoreCallback supports automatic optimization only; {type(pl_module).__name__} sets "
@@ -152,11 +137,7 @@ class MetaStoreCallback(Callback):
             "accumulate_grad_batches": trainer.accumulate_grad_batches, "world_size": trainer.world_size,
             "module": type(pl_module).__name__, "seed": self.schedule.seed,
         }
-        options = {"unsupported": self.unsupported, **({"modules": self.modules} if self.modules else {})}
-        self.run = RunCapture(
-            self.dirpath, rank=trainer.global_rank, loss_reduction=self.loss_reduction, per_sample_loss=self.per_sample_loss,
-            labels=self.labels, encoding=self.encoding, config=config, session_options=options,
-        )
+        self.run = self.options.run_capture(self.dirpath, rank=trainer.global_rank, loss_reduction=self.loss_reduction, config=config)
         self._record_sampler(trainer)
         dataset = getattr(trainer.train_dataloader, "dataset", None)
         if self._sampler is None and not isinstance(dataset, (IndexedDataset, IterableDataset)) and hasattr(dataset, "__len__"):
@@ -177,7 +158,7 @@ class MetaStoreCallback(Callback):
             raise missing_ids_error("training")
         self._ids = (ids if ids is not None else derived).detach().cpu()  # type: ignore[union-attr]
         self._step, self._step_lr = trainer.global_step, self._lr(trainer)  # the step this (micro-)batch contributes to
-        if self.run is not None and self.capture_train_steps:
+        if self.run is not None and self.options.capture_train_steps:
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             self.run.begin_step(pl_module, loss_scale=1.0 / trainer.accumulate_grad_batches, grad_scaler=scaler)
 
@@ -186,7 +167,7 @@ class MetaStoreCallback(Callback):
             self.run.end_backward()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.run is None or not self.capture_train_steps:
+        if self.run is None or not self.options.capture_train_steps:
             return
         accumulate = trainer.accumulate_grad_batches
         self.run.finish_step(
@@ -214,7 +195,7 @@ class MetaStoreCallback(Callback):
         val_loader = val_loaders[0] if isinstance(val_loaders, (list, tuple)) and val_loaders else val_loaders
         passes = [("train", train_loader, self.schedule.train_subset(len(train_loader.dataset)))]
         if val_loader is not None and hasattr(val_loader, "dataset"):
-            passes.append(("val", val_loader, list(range(min(len(val_loader.dataset), self.checkpoint_val_samples)))))
+            passes.append(("val", val_loader, list(range(min(len(val_loader.dataset), self.options.checkpoint_val_samples)))))
         pl_module.log = pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]  # a pass must not log
         try:
             for split, loader, indices in passes:
@@ -234,7 +215,7 @@ class MetaStoreCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
         trainer.strategy.barrier("metastore-reports")
-        if self.reports and trainer.is_global_zero and self.dirpath is not None:
+        if self.options.reports and trainer.is_global_zero and self.dirpath is not None:
             from metastore_plugins.core.reports.render import dataset_lookup
             from metastore_plugins.core.reports.tensorboard import report_run
 
@@ -244,7 +225,7 @@ class MetaStoreCallback(Callback):
                                       "val": getattr(val_loader, "dataset", None)})  # thumbnails where samples are images
             try:
                 self.report_result = report_run(self.dirpath, self.dirpath / "reports", experiments, step=trainer.global_step,
-                                                k=self.report_k, samples=samples, outliers_from=self.outliers_from)
+                                                k=self.options.report_k, samples=samples, outliers_from=self.options.outliers_from)
             except (KeyError, ValueError) as exc:  # e.g. no class predictions for a regression model: the store is intact
                 warnings.warn(f"MetaStoreCallback could not build the reports ({exc!r}); the store {self.dirpath} is complete. "
                               "Pass reports=False to skip them", stacklevel=2)

@@ -18,6 +18,9 @@ pytest.importorskip("sklearn")
 
 def test_lightning_variants_run_and_the_doc_section_is_rewritten(tmp_path: Path) -> None:
     doc, out = tmp_path / "benchmarks.md", tmp_path / "callbacks.json"
+    earlier = {"script": "examples/finetune_bert.py", "measured": "2026-01-01 00:00 UTC, 2 round(s)",
+               "variants": {"no callback": {"median_s": 20.0, "times_s": [20.0], "ratio": 1.0}}}
+    out.write_text(json.dumps({"results": {"hf": earlier}}))  # an earlier run of the other example
     doc.write_text("# hand-written\n\n<!-- callbacks:start -->\nold table\n<!-- callbacks:end -->\n\nkept below\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
@@ -33,3 +36,6 @@ def test_lightning_variants_run_and_the_doc_section_is_rewritten(tmp_path: Path)
     text = doc.read_text()
     assert text.startswith("# hand-written") and text.rstrip().endswith("kept below") and "old table" not in text
     assert "| `examples/lightning_digits.py` | + reports (the example) |" in text
+    assert json.loads(out.read_text())["results"]["hf"] == earlier  # kept, with when it was measured
+    assert "| `examples/finetune_bert.py` | no callback | 20.00 s | 1.00x | 20.00 |" in text
+    assert "- `examples/finetune_bert.py`: 2026-01-01 00:00 UTC, 2 round(s)" in text

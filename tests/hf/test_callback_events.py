@@ -176,6 +176,10 @@ def test_outlier_source_is_checked_when_the_callback_is_made() -> None:
         MetaStoreTrainerCallback(outliers_from="steps")
     with pytest.raises(ValueError, match="capture_train_steps=True"):
         MetaStoreTrainerCallback(outliers_from="training", capture_train_steps=False)
+    with pytest.raises(ValueError, match=r"MetaStoreTrainerCallback\(encoding=\.\.\.\) must be one of"):
+        MetaStoreTrainerCallback(encoding="half")
+    with pytest.raises(ValueError, match=r"MetaStoreTrainerCallback\(modules=\.\.\.\) takes a list"):
+        MetaStoreTrainerCallback(modules="bert")
 
 
 def test_unknown_modules_fail_before_training(tmp_path: Path) -> None:

@@ -84,6 +84,12 @@ def test_wrong_settings_fail_at_setup_naming_the_setting(tmp_path: Path) -> None
         fit(tmp_path, manual, train, None, [MetaStoreCallback()], max_epochs=1)
     with pytest.raises(ValueError, match="loss_reduction"):
         MetaStoreCallback(loss_reduction="none")
+    with pytest.raises(ValueError, match=r"MetaStoreCallback\(encoding=\.\.\.\) must be one of fp32, fp16, bf16, int8; got 'float16'"):
+        MetaStoreCallback(encoding="float16")
+    with pytest.raises(ValueError, match=r"MetaStoreCallback\(unsupported=\.\.\.\) must be one of warn, error, skip"):
+        MetaStoreCallback(unsupported="ignore")
+    with pytest.raises(ValueError, match=r"MetaStoreCallback\(modules=\.\.\.\) takes a list of module paths; write \['net'\]"):
+        MetaStoreCallback(modules="net")
 
 
 def test_checkpoint_passes_do_not_log_and_evaluation_loops_see_plain_items(tmp_path: Path) -> None:
