@@ -18,6 +18,7 @@ Run::
     python examples/finetune_bert.py                        # 500 reviews, 3 epochs: a few minutes on 2 cores
     python examples/finetune_bert.py --no-callback          # the same training without the callback (timing)
     python examples/finetune_bert.py --no-passes            # the callback capturing training steps only (timing)
+    python examples/finetune_bert.py --outliers-from training --last-layers 2   # a smaller store (docs/hf.md)
     tensorboard --logdir runs/finetune-bert/runs            # the Trainer's curves and the reports
 """
 
@@ -115,6 +116,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--flip", type=float, default=0.1, help="fraction of training labels flipped")
     parser.add_argument("--checkpoint-train-samples", type=int, default=None,
                         help="training samples in each checkpoint pass (default: all, so that every sample is ranked)")
+    parser.add_argument("--outliers-from", choices=("checkpoints", "training"), default="checkpoints",
+                        help="rank by checkpoint passes over every training sample, or by the training steps "
+                             "(then the passes cover the callback's default 256-sample subset)")
+    parser.add_argument("--last-layers", type=int, default=None,
+                        help="capture only the last N encoder layers, the pooler and the classifier (default: every layer)")
     parser.add_argument("--no-callback", action="store_true", help="train without the callback (for timing)")
     parser.add_argument("--no-passes", action="store_true", help="callback without checkpoint passes and reports (for timing)")
     args = parser.parse_args(argv)
@@ -135,9 +141,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         use_cpu=True, seed=0, disable_tqdm=True,
     )
     top = max(1, len(train) // 10)
+    every = len(train) if args.outliers_from == "checkpoints" else 256  # every sample in each pass, or a subset
+    layers = model.config.num_hidden_layers
+    modules = None if args.last_layers is None else [
+        *(f"bert.encoder.layer.{i}" for i in range(layers - args.last_layers, layers)), "bert.pooler", "classifier"]
     callback = MetaStoreTrainerCallback(
-        checkpoint_train_samples=args.checkpoint_train_samples or len(train), report_k=top,
-        checkpoint_every_n_evals=0 if args.no_passes else 1, reports=not args.no_passes,
+        checkpoint_train_samples=args.checkpoint_train_samples or every, report_k=top, modules=modules,
+        checkpoint_every_n_evals=0 if args.no_passes else 1, reports=not args.no_passes, outliers_from=args.outliers_from,
     )
     trainer = Trainer(model=model, args=training, train_dataset=train, eval_dataset=val, processing_class=tokenizer,
                       data_collator=DataCollatorWithPadding(tokenizer), callbacks=[] if args.no_callback else [callback])
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "reports": not (args.no_callback or args.no_passes)}
     print(f"fine-tuned all-MiniLM-L6-v2 for {args.epochs} epochs on {len(train)} reviews in {seconds:.1f} s "
           f"({'without' if args.no_callback else 'with'} the callback); validation accuracy {accuracy:.3f}")
+    if not args.no_callback:
+        result["store_bytes"] = sum(f.stat().st_size for f in (out / "metastore").rglob("*") if f.is_file())
     if result["reports"]:
         result.update(flagged_precision(out / "metastore", set(flipped), top, len(train)))
         print(f"top 10% ({top} samples) by self-influence holds {result['found']} of the {len(flipped)} flipped labels: "
