@@ -5,9 +5,9 @@ tensor's ``dtype``, ``shape`` and ``data_offsets`` (plus ``__metadata__``), padd
 to a multiple of 8, then the tensors' bytes back to back. Tensors are laid out by element
 size, largest first, so that each starts at a multiple of its own size.
 
-A shard holds thousands of small tensors. Encoding each one into its place in a single
-buffer, writing that buffer once and hashing it in memory costs a third of encoding into
-separate tensors, serializing them and reading the file back for its checksum.
+Encoding each tensor into its place in a single buffer, then writing that buffer once and
+hashing it in memory, takes about half the CPU of encoding into separate tensors, serializing
+them and reading the file back for its checksum (one BERT step's shard, see docs/store.md).
 """
 
 from __future__ import annotations
