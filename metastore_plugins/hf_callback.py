@@ -103,8 +103,9 @@ class MetaStoreTrainerCallback(TrainerCallback):
     ) -> None:
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.options = CallbackOptions(
-            "MetaStoreTrainerCallback", per_sample_loss, labels, encoding, modules, unsupported, capture_train_steps,
-            checkpoint_val_samples, reports, report_k, outliers_from,
+            "MetaStoreTrainerCallback", per_sample_loss=per_sample_loss, labels=labels, encoding=encoding, modules=modules,
+            unsupported=unsupported, capture_train_steps=capture_train_steps, checkpoint_val_samples=checkpoint_val_samples,
+            reports=reports, report_k=report_k, outliers_from=outliers_from,
         )
         self.schedule = CheckpointSchedule(checkpoint_every_n_evals, checkpoint_train_samples, seed)
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)

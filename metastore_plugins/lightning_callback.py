@@ -101,8 +101,9 @@ class MetaStoreCallback(Callback):
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.loss_reduction = loss_reduction
         self.options = CallbackOptions(
-            "MetaStoreCallback", per_sample_loss, labels, encoding, modules, unsupported, capture_train_steps,
-            checkpoint_val_samples, reports, report_k, outliers_from,
+            "MetaStoreCallback", per_sample_loss=per_sample_loss, labels=labels, encoding=encoding, modules=modules,
+            unsupported=unsupported, capture_train_steps=capture_train_steps, checkpoint_val_samples=checkpoint_val_samples,
+            reports=reports, report_k=report_k, outliers_from=outliers_from,
         )
         self.schedule = CheckpointSchedule(checkpoint_every_n_epochs, checkpoint_train_samples, seed)
         self.run: RunCapture | None = None
