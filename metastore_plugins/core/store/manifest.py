@@ -89,7 +89,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    atomic_write_bytes(directory / manifest_name(manifest["rank"]), json.dumps(manifest, indent=1).encode())
+    """Rewrite the rank's manifest atomically. Compact JSON: it is rewritten after every shard, and
+    the indented form (Python's pure encoder) took 66 ms for a 54-shard BERT store, the compact
+    one (the C encoder) 12 ms."""
+    text = json.dumps(manifest, separators=(",", ":"))
+    atomic_write_bytes(directory / manifest_name(manifest["rank"]), text.encode())
 
 
 def file_sha256(path: Path) -> str:
