@@ -9,11 +9,10 @@ from typing import Any
 
 from torch import nn
 
+from metastore_plugins.core.capture.session import UNSUPPORTED_POLICIES
 from metastore_plugins.core.reports.tables import check_outlier_source
 from metastore_plugins.core.run import LabelsFn, PerSampleLossFn, RunCapture
 from metastore_plugins.core.store.encoding import ENCODINGS
-
-UNSUPPORTED_POLICIES = ("warn", "error", "skip")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from metastore_plugins.core.ops import (
     batch_gradient,
     entry_gradients,
     exceed_fraction,
+    step_exceed_fractions,
     top_contributors,
     weight_exceed_fraction,
 )
@@ -94,3 +95,12 @@ def test_exceed_fractions(case: Case) -> None:
     restored = batch_gradient([record])
     one_entry = 1.0 / sum(g.numel() for g in grads.values())  # rounding may move an entry at the limit
     assert weight_exceed_fraction(restored, limit) == pytest.approx(expected, abs=one_entry)
+
+
+def test_step_exceed_fractions_count_per_step_in_step_order() -> None:
+    norms = torch.tensor([0.5, 3.0, 2.0, 0.1, 4.0, 2.5])
+    steps = torch.tensor([7, 2, 7, 2, 9, 7])
+    stored, fractions = step_exceed_fractions(norms, steps, threshold=1.0)
+    expected = {s: sum(n > 1.0 for n, t in zip(norms.tolist(), steps.tolist()) if t == s) / steps.tolist().count(s) for s in (2, 7, 9)}
+    assert stored.tolist() == [2, 7, 9]
+    assert fractions.tolist() == [expected[2], expected[7], expected[9]]  # 1/2, 2/3, 1

@@ -15,7 +15,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -25,6 +25,7 @@ from metastore_plugins.core.capture.registry import CaptureRule, RecordsFn, find
 
 LossReduction = Literal["mean", "sum"]
 UnsupportedPolicy = Literal["warn", "error", "skip"]
+UNSUPPORTED_POLICIES: tuple[str, ...] = get_args(UnsupportedPolicy)
 
 
 class UnsupportedLayerError(RuntimeError):
@@ -117,7 +118,7 @@ class CaptureSession:
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if unsupported not in ("warn", "error", "skip"):
+        if unsupported not in UNSUPPORTED_POLICIES:
             raise ValueError(f"unsupported must be 'warn', 'error' or 'skip', got {unsupported!r}")
         if isinstance(modules, str):
             raise ValueError(f"modules must be a list of module paths, got the string {modules!r}; write [{modules!r}]")

@@ -14,7 +14,7 @@ tensors derived from them; the store streams records chunk by chunk into them.
   drawn matrices over a pass), :func:`kmeans` on them;
 - :func:`zscore_by_class`, :func:`rank_outliers`;
 - :func:`batch_gradient`, :func:`abs_grad_accumulate`, :func:`entry_gradients`,
-  :func:`top_contributors`, :func:`exceed_fraction`, :func:`weight_exceed_fraction`.
+  :func:`top_contributors`, :func:`exceed_fraction`, :func:`step_exceed_fractions`, :func:`weight_exceed_fraction`.
 """
 
 from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES
@@ -35,6 +35,7 @@ from metastore_plugins.core.ops.dynamics import (
     batch_gradient,
     entry_gradients,
     exceed_fraction,
+    step_exceed_fractions,
     top_contributors,
     weight_exceed_fraction,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "dots",
     "entry_gradients",
     "exceed_fraction",
+    "step_exceed_fractions",
     "influence_scores",
     "kmeans",
     "plan_dots",

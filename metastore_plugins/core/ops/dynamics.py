@@ -201,6 +201,17 @@ def exceed_fraction(record: LayerRecord, threshold: float, params: Collection[st
     return float((norms > threshold).double().mean())
 
 
+def step_exceed_fractions(norms: Tensor, steps: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
+    """Per distinct step, ascending, the fraction of per-sample ``norms (N,)`` above ``threshold``.
+
+    ``steps (N,)`` is each sample's step. Returns ``(steps, fractions)``, both ``(S,)``.
+    """
+    unique, inverse = torch.unique(steps, return_inverse=True)  # (S,), (N,)
+    above = torch.zeros(len(unique), dtype=torch.float64).index_add_(0, inverse, (norms > threshold).double())  # (S,)
+    seen = torch.bincount(inverse, minlength=len(unique))  # (S,)
+    return unique, above / seen
+
+
 def weight_exceed_fraction(grads: dict[str, Tensor], threshold: float) -> float:
     """Fraction of entries of ``grads`` (e.g. from :func:`batch_gradient`) with ``|g| > threshold``."""
     total = sum(g.numel() for g in grads.values())

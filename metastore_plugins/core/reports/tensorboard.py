@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
+from metastore_plugins.core import ops
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, write_reports
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table
 from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid
@@ -146,8 +148,9 @@ def write_dynamics(
     for epoch in np.unique(epochs):
         writer.add_histogram(f"{prefix}/grad_norm_per_epoch", total[epochs == epoch], int(epoch))
     threshold = explode_factor * float(np.median(total)) if len(total) else 0.0
-    for step in np.unique(steps):  # as store.exceed_fractions(threshold, capture_point), from the norms at hand
-        writer.add_scalar(f"{prefix}/exploding_fraction", float((total[steps == step] > threshold).mean()), int(step))
+    fractions = ops.step_exceed_fractions(torch.from_numpy(total), torch.from_numpy(np.asarray(steps, dtype=np.int64)), threshold)  # from the norms at hand
+    for step, fraction in zip(*fractions):
+        writer.add_scalar(f"{prefix}/exploding_fraction", float(fraction), int(step))
     return [*tags, f"{prefix}/grad_norm_per_epoch", f"{prefix}/exploding_fraction"]
 
 

@@ -260,17 +260,16 @@ class DynamicsMixin:
             stored = sorted({ref.step for ref in self.select(capture_point, steps=steps).refs})
             grads = (self.batch_gradient(step, capture_point, layers=layers) for step in stored)
             return np.array(stored, dtype=np.int64), np.array([ops.weight_exceed_fraction(g, threshold) for g in grads])
-        above: dict[int, int] = {}
-        seen: dict[int, int] = {}
+        norms, at = [], []
         for batch in self.select(capture_point, steps=steps, layers=layers).batches():
-            step = batch.ref.step
             if not batch.records:
-                raise ValueError(f"the batch at step {step} holds no records of the selected layers {layers}")
-            norms = ops.total_sq_norms(batch.records).clamp_min(0).sqrt()  # (B,)
-            above[step] = above.get(step, 0) + int((norms > threshold).sum())
-            seen[step] = seen.get(step, 0) + batch.size
-        ordered = sorted(seen)
-        return np.array(ordered, dtype=np.int64), np.array([above[s] / seen[s] for s in ordered])
+                raise ValueError(f"the batch at step {batch.ref.step} holds no records of the selected layers {layers}")
+            norms.append(ops.total_sq_norms(batch.records).clamp_min(0).sqrt())  # (B,)
+            at.append(torch.full((batch.size,), batch.ref.step, dtype=torch.int64))
+        if not norms:
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        stored, fractions = ops.step_exceed_fractions(torch.cat(norms), torch.cat(at), threshold)
+        return stored.numpy(), fractions.numpy()
 
     def spikes(
         self: GradientStore,

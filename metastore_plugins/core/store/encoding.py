@@ -38,13 +38,13 @@ def check_encoding(encoding: str) -> Encoding:
 
 
 def _row_scale(x: Tensor, top: float) -> Tensor:
-    """``(R,)`` float32 per-row scale ``max |x_row| / top``; 1 for all-zero rows.
+    """``(R,)`` float32 per-row scale ``max |x_row| / top``; 1 for all-zero rows and rows holding NaN.
 
     ``max(max x, -min x)``: two reductions that allocate nothing (``|x|`` would copy ``x``).
     """
     if x.numel():
         rows = x.reshape(x.shape[0], -1)  # (R, n)
-        peak = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg())  # (R,); NaN rows stay NaN
+        peak = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg())  # (R,); NaN where a row holds NaN
     else:
         peak = x.new_zeros(x.shape[0])
     peak = peak.float() / top
