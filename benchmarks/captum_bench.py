@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from metastore_plugins.core import ops
-from metastore_plugins.core.store import open_store
+from metastore_plugins.core.analysis import open_store
 
 from .analytics_bench import write_store
 from .models import Workload

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from metastore_plugins.core import ops
-from metastore_plugins.core.store import GradientStore
+from metastore_plugins.core.analysis import GradientStore
 
 from .scaling_bench import measure
 

@@ -80,7 +80,7 @@ def worker(store_path: str, n_train: int, repeats: int, method: str, threads: in
     import torch
 
     torch.set_num_threads(threads)
-    from metastore_plugins.core.store import open_store
+    from metastore_plugins.core.analysis import open_store
 
     from .analytics_bench import rebuild_pass
 

@@ -23,7 +23,8 @@ from typing import Any
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table, write_reports
 from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.tables import influence_rows, outlier_rows
-from metastore_plugins.core.store import GradientStore, StoreError, open_store
+from metastore_plugins.core.analysis import GradientStore, open_store
+from metastore_plugins.core.store import StoreError
 
 
 def _ids(text: str) -> list[int]:

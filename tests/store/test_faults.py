@@ -96,7 +96,7 @@ def test_reading_a_truncated_shard_names_the_file(store4: tuple) -> None:
     victim.write_bytes(victim.read_bytes()[:-10])
     for checksums in (True, False):  # the size is checked even without checksums
         store = open_store(path, checksums=checksums)
-        with pytest.raises(StoreError, match=rf"{re.escape(victim.name)}: checksum mismatch, \d+ bytes on disk but \d+ in the manifest"):
+        with pytest.raises(StoreError, match=rf"{re.escape(victim.name)}: size mismatch, \d+ bytes on disk but \d+ in the manifest"):
             store.restore(9)
         _check(store, _ids_of(expected, 3))
 

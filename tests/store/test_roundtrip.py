@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
-from metastore_plugins.core.store import GradientStore, StoreError
+from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.store import StoreError
 from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
 from storecases import PooledTagger, flat, per_sample_losses, rel_err, tagger_batch, tagger_loss
 

@@ -24,8 +24,8 @@ from torch import Tensor
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.passes import capture_step
-from metastore_plugins.core.store import GradientStore
-from metastore_plugins.core.store import sketches as sketches_module
+from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis import sketches as sketches_module
 from metastore_plugins.testing import reference_per_sample_gradients
 from runcases import Run, expected_sketch, loss_fn, make_data, make_model, occurrences, per_sample_ce, sum_by_id, train
 

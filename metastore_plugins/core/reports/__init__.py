@@ -11,7 +11,7 @@ import numpy as np
 
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table, write_table
 from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows, outlier_points, outlier_rows
-from metastore_plugins.core.store.reader import GradientStore
+from metastore_plugins.core.analysis import GradientStore
 
 OUTLIER_COLUMNS = ("rank", "sample_id", "label", "prediction", "loss", "self_influence", "class_zscore")
 #: test samples in the influence report by default (those with the smallest ids)

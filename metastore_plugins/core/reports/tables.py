@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from metastore_plugins.core import ops
-from metastore_plugins.core.store.reader import GradientStore
+from metastore_plugins.core.analysis import GradientStore
 
 
 def checkpoint_points(store: GradientStore, split: str) -> list[str]:

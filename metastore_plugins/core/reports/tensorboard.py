@@ -29,7 +29,7 @@ from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, write_repo
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table
 from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid
 from metastore_plugins.core.reports.tables import _last_metadata, checkpoint_points, outlier_points, self_influence_of
-from metastore_plugins.core.store.reader import GradientStore, open_store
+from metastore_plugins.core.analysis import GradientStore, open_store
 
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
            (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]  # fmt: skip

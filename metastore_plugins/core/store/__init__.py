@@ -1,26 +1,28 @@
-"""The gradient store: sharded safetensors written on a background thread, a manifest, a reader.
+"""The storage engine: sharded safetensors written on a background thread, manifests, a reader.
 
 - :class:`StoreWriter` queues records and per-sample metadata and writes whole shards;
-- :func:`open_store` returns a :class:`GradientStore` that lists, selects, restores,
-  verifies and answers queries (norms, influence, similarity, ...).
+- :class:`StoreReader` lists, selects, restores and verifies what a run directory holds.
+
+It knows bytes, not questions: queries (norms, influence, dynamics, sketches) live in
+:mod:`metastore_plugins.core.analysis`, whose ``open_store`` returns a ``GradientStore``
+(a ``StoreReader`` with the query methods). Nothing here imports from above ``core.store``.
 """
 
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
-from metastore_plugins.core.store.queries import Scores
-from metastore_plugins.core.store.reader import GradientStore, StoreError, open_store
-from metastore_plugins.core.store.selection import Selection, StoredBatch
+from metastore_plugins.core.store.reader import StoreError, StoreReader, find_store_dir
+from metastore_plugins.core.store.selection import BatchRef, Selection, StoredBatch
 from metastore_plugins.core.store.writer import StoreWriter, WriterStats
 
 __all__ = [
     "DEFAULT_ENCODING",
     "ENCODINGS",
+    "BatchRef",
     "Encoding",
-    "GradientStore",
-    "Scores",
     "Selection",
     "StoreError",
+    "StoreReader",
     "StoreWriter",
     "StoredBatch",
     "WriterStats",
-    "open_store",
+    "find_store_dir",
 ]

@@ -104,6 +104,27 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def shard_problem(path: Path, entry: dict[str, Any], checksums: bool = True) -> str | None:
+    """What is wrong with a listed shard on disk, in words, or ``None`` when it matches its manifest entry.
+
+    Checks, in order: a plain file inside the run directory (no link), present, ``entry["bytes"]``
+    long, and (with ``checksums``) hashing to ``entry["sha256"]``. The one check both the reader
+    (which raises) and ``verify`` (which lists) use.
+    """
+    if path.is_symlink() or path.resolve().parent != path.parent.resolve():
+        return "is a link or leads outside the run directory; not read"
+    if not path.is_file():
+        return "listed in the manifest but missing on disk"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"size mismatch, {size} bytes on disk but {entry['bytes']} in the manifest (truncated or rewritten)"
+    if checksums:
+        actual = file_sha256(path)
+        if actual != entry["sha256"]:
+            return f"checksum mismatch, sha256 {actual} on disk but {entry['sha256']} in the manifest (the file is damaged)"
+    return None
+
+
 def load_manifest(path: Path) -> dict[str, Any]:
     """Read and check one manifest; raise ``ValueError`` naming the file and the problem."""
     try:

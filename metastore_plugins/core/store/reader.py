@@ -1,12 +1,17 @@
-"""``open_store`` and ``GradientStore``: the one reader every query, report and command uses.
+"""``StoreReader``: the storage engine's read side, which every query, report and command builds on.
+
+It lists what a run directory holds, selects stored batches, restores per-sample gradients
+and checks shards; it answers no question about them (that is
+:mod:`metastore_plugins.core.analysis`, whose ``open_store`` returns a ``GradientStore``
+built on this class).
 
 Example::
 
-    store = open_store("runs/demo/store")
-    store.capture_points()                      # ['epoch-0/train', 'epoch-0/val', 'train']
-    ids = store.sample_ids("epoch-0/val")       # aligned with every per-sample result
-    grads = store.restore(ids[0], capture_point="epoch-0/val", layer="classifier")
-    assert store.verify() == []
+    reader = StoreReader(find_store_dir("runs/demo"))
+    reader.capture_points()                     # ['epoch-0/train', 'epoch-0/val', 'train']
+    ids = reader.sample_ids("epoch-0/val")      # aligned with every per-sample result
+    grads = reader.restore(ids[0], capture_point="epoch-0/val", layer="classifier")
+    assert reader.verify() == []
 """
 
 from __future__ import annotations
@@ -24,10 +29,7 @@ from torch import Tensor
 from metastore_plugins.core.capture.records import restore_all
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.manifest import StoreError
-from metastore_plugins.core.store.dynamics import DynamicsMixin
-from metastore_plugins.core.store.queries import QueryMixin
 from metastore_plugins.core.store.selection import BatchRef, Selection, ShardFiles
-from metastore_plugins.core.store.sketches import SketchMixin
 
 
 def _as_range(steps: int | tuple[int, int] | None) -> tuple[int, int] | None:
@@ -39,7 +41,7 @@ def _as_range(steps: int | tuple[int, int] | None) -> tuple[int, int] | None:
     return int(lo), int(hi)
 
 
-class GradientStore(QueryMixin, DynamicsMixin, SketchMixin):
+class StoreReader:
     """A read-only view of a run directory: the union of every rank's manifest.
 
     Per-sample results follow *selection order*: batches by (step, micro-batch, rank),
@@ -90,10 +92,10 @@ class GradientStore(QueryMixin, DynamicsMixin, SketchMixin):
         return sorted({ref.capture_point for ref in self._refs})
 
     def steps(self, capture_point: str | None = None) -> list[int]:
-        return sorted({ref.step for ref in self._select_refs(capture_point)})
+        return sorted({ref.step for ref in self.batch_refs(capture_point)})
 
     def epochs(self, capture_point: str | None = None) -> list[int]:
-        return sorted({int(ref.info["epoch"]) for ref in self._select_refs(capture_point)})
+        return sorted({int(ref.info["epoch"]) for ref in self.batch_refs(capture_point)})
 
     def ranks(self) -> list[int]:
         return sorted(int(m["rank"]) for m in self.manifests)
@@ -103,7 +105,7 @@ class GradientStore(QueryMixin, DynamicsMixin, SketchMixin):
 
     def layer_info(self, layer: str) -> dict[str, Any]:
         """Parameters, shapes and layout of a layer, and how its records are represented."""
-        self._check_layers([layer])
+        self.check_layers([layer])
         kinds: dict[str, int] = {}
         for ref in self._refs:
             for entry in ref.info["records"]:
@@ -117,6 +119,15 @@ class GradientStore(QueryMixin, DynamicsMixin, SketchMixin):
             name: tuple(info["param_shapes"][role]) for info in self._layers.values() for role, name in info["params"].items()
         }
 
+    def layer_params(self, layer: str) -> dict[str, str]:
+        """A layer's captured parameters: role (``"weight"``, ``"bias"``, ...) -> parameter name."""
+        self.check_layers([layer])
+        return dict(self._layers[layer]["params"])
+
+    def shard_sha256(self, file_name: str) -> str:
+        """The sha256 the manifests list for a shard file (``BatchRef.file.name``)."""
+        return str(self._files.entries[file_name]["sha256"])
+
     def sample_ids(self, capture_point: str | None = None, **where: Any) -> np.ndarray:
         """``(N,)`` dataset indices in selection order; see :meth:`select` for ``where``."""
         return self.select(capture_point, **where).sample_ids()
@@ -127,7 +138,7 @@ class GradientStore(QueryMixin, DynamicsMixin, SketchMixin):
 
     def learning_rate(self, capture_point: str) -> float | None:
         """The learning rate recorded with a capture point (its last batch's)."""
-        refs = self._select_refs(capture_point)
+        refs = self.batch_refs(capture_point)
         return refs[-1].lr if refs else None
 
     # -- selection -----------------------------------------------------------------------
@@ -146,7 +157,7 @@ class GradientStore(QueryMixin, DynamicsMixin, SketchMixin):
         Raises:
             StoreError: naming an unknown capture point or layer.
         """
-        refs = self._select_refs(capture_point)
+        refs = self.batch_refs(capture_point)
         window = _as_range(steps)
         if window is not None:
             refs = [r for r in refs if window[0] <= r.step <= window[1]]
@@ -155,11 +166,16 @@ class GradientStore(QueryMixin, DynamicsMixin, SketchMixin):
             refs = [r for r in refs if int(r.info["epoch"]) in wanted]
         if layers is not None:
             layers = [layers] if isinstance(layers, str) else list(layers)
-            self._check_layers(layers)
+            self.check_layers(layers)
         ids = None if sample_ids is None else frozenset(int(i) for i in np.asarray(list(sample_ids)).reshape(-1))
         return Selection(tuple(refs), ids, None if layers is None else tuple(layers))
 
-    def _select_refs(self, capture_point: str | None) -> list[BatchRef]:
+    def batch_refs(self, capture_point: str | None = None) -> list[BatchRef]:
+        """The stored batches of a capture point (all when ``None``), in selection order.
+
+        Raises:
+            StoreError: naming an unknown capture point.
+        """
         if capture_point is None:
             return list(self._refs)
         refs = [r for r in self._refs if r.capture_point == capture_point]
@@ -169,7 +185,8 @@ class GradientStore(QueryMixin, DynamicsMixin, SketchMixin):
             )
         return refs
 
-    def _check_layers(self, layers: Iterable[str]) -> None:
+    def check_layers(self, layers: Iterable[str]) -> None:
+        """Raise :class:`StoreError` naming any layer the store does not hold."""
         unknown = [layer for layer in layers if layer not in self._layers]
         if unknown:
             raise StoreError(f"unknown layer(s) {', '.join(map(repr, unknown))}; the store has: {', '.join(self._layers)}")
@@ -228,7 +245,7 @@ class GradientStore(QueryMixin, DynamicsMixin, SketchMixin):
             "ranks": self.ranks(),
             "shards": len(shards),
             "samples": sum(ref.size for ref in self._refs),
-            "capture_points": {cp: len(self._select_refs(cp)) for cp in self.capture_points()},
+            "capture_points": {cp: len(self.batch_refs(cp)) for cp in self.capture_points()},
             "steps": len({ref.step for ref in self._refs}),
             "layers": len(self._layers),
             "encodings": sorted({s["encoding"] for s in shards}),
@@ -240,15 +257,9 @@ class GradientStore(QueryMixin, DynamicsMixin, SketchMixin):
 
 def _check_shard(path: Path, shard: dict[str, Any], checksums: bool) -> list[str]:
     name = shard["file"]
-    if path.is_symlink():
-        return [f"{name}: a link, not a file of the run directory; not read"]
-    if not path.exists():
-        return [f"{name}: listed in the manifest but missing on disk"]
-    size = path.stat().st_size
-    if size != shard["bytes"]:
-        return [f"{name}: {size} bytes on disk, the manifest says {shard['bytes']} (truncated or rewritten)"]
-    if checksums and mf.file_sha256(path) != shard["sha256"]:
-        return [f"{name}: sha256 differs from the manifest (the file is damaged)"]
+    problem = mf.shard_problem(path, shard, checksums)
+    if problem is not None:
+        return [f"{name}: {problem}"]
     try:
         with safe_open(str(path), framework="pt") as handle:
             keys = set(handle.keys())
@@ -258,17 +269,12 @@ def _check_shard(path: Path, shard: dict[str, Any], checksums: bool) -> list[str
     return [f"{name}: batches {', '.join(missing)} have no sample ids"] if missing else []
 
 
-def open_store(path: str | os.PathLike[str], *, checksums: bool = True) -> GradientStore:
-    """Open a run's gradient store (the directory holding ``manifest-rank*.json``).
-
-    A run directory whose ``store/`` subdirectory holds the manifests is accepted too.
-    ``checksums=False`` skips the sha256 check of each shard on its first read (sizes are
-    still checked).
-    """
+def find_store_dir(path: str | os.PathLike[str]) -> Path:
+    """The store directory of ``path``: itself, or its ``store/`` subdirectory when only that holds manifests."""
     path = Path(path)
     if not mf.find_manifests(path) and mf.find_manifests(path / "store"):
-        path = path / "store"
-    return GradientStore(path, checksums=checksums)
+        return path / "store"
+    return path
 
 
-__all__ = ["GradientStore", "StoreError", "open_store"]
+__all__ = ["StoreError", "StoreReader", "find_store_dir"]

@@ -20,10 +20,10 @@ from safetensors import safe_open
 from torch import Tensor
 
 from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.progress import progress
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import decode, is_scale_key
 from metastore_plugins.core.store.manifest import StoreError
-from metastore_plugins.core.store.progress import progress
 
 #: Metadata columns every selection returns (missing values: -1 for ids/labels, NaN for floats).
 BATCH_COLUMNS = ("step", "epoch", "micro_batch", "rank")
@@ -52,20 +52,11 @@ class ShardFiles:
             entry = self.entries.get(name)
             if entry is None or path.parent != self.directory:
                 raise StoreError(f"{path} is not a shard listed in the manifests of {self.directory}; not read")
-            if path.is_symlink() or path.resolve().parent != self.directory.resolve():
-                raise StoreError(f"{path} leads outside the run directory {self.directory}; not read")
-            if not path.is_file():
-                raise StoreError(f"{path}: listed in the manifest but missing on disk")
-            size = path.stat().st_size
-            if size != entry["bytes"]:
-                raise StoreError(f"{path}: checksum mismatch, {size} bytes on disk but {entry['bytes']} in the manifest (truncated or rewritten)")
-            if self.checksums:
-                actual = mf.file_sha256(path)
-                if actual != entry["sha256"]:
-                    raise StoreError(
-                        f"{path}: checksum mismatch, sha256 {actual} on disk but {entry['sha256']} in the manifest "
-                        "(the file is damaged); other shards stay readable, store.verify() lists all damage"
-                    )
+            problem = mf.shard_problem(path, entry, self.checksums)
+            if problem is not None:
+                raise StoreError(
+                    f"{path}: {problem}; other shards stay readable, store.verify() lists all damage"
+                )
             self._sound.add(name)
 
     def open(self, path: Path) -> OpenShard:
@@ -202,6 +193,12 @@ class BatchRef:
     @property
     def lr(self) -> float | None:
         return self.info.get("lr")
+
+    @property
+    def lr_weight(self) -> float:
+        """The recorded learning rate, 1 where none was: the weight of this batch in TracIn sums."""
+        lr = self.info.get("lr")
+        return 1.0 if lr is None else float(lr)
 
     def order_key(self) -> tuple[int, int, int, str, int]:
         info = self.info

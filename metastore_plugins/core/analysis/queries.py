@@ -1,0 +1,198 @@
+"""Norm, influence and similarity queries: the ops of :mod:`metastore_plugins.core.ops` streamed over selections.
+
+Every function takes a :class:`~metastore_plugins.core.store.StoreReader` first and is also a
+method of :class:`~metastore_plugins.core.analysis.GradientStore` (``store.influence(...)``).
+Every per-sample result is aligned with ``store.sample_ids(capture_point, ...)`` for the
+same arguments. Memory stays within ``max_bytes`` of records (plus the result matrix).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from metastore_plugins.core import ops
+from metastore_plugins.core.analysis.results import Scores
+from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
+from metastore_plugins.core.store import Selection, StoredBatch, StoreReader
+
+
+def _sq_norms(batch: StoredBatch, by_layer: bool) -> dict[str, Tensor]:
+    if not by_layer:
+        return {"total": ops.total_sq_norms(batch.records)}
+    layers: dict[str, list] = {}
+    for record in batch.records:
+        layers.setdefault(record.layer, []).append(record)
+    return {layer: ops.total_sq_norms(records) for layer, records in layers.items()}
+
+
+def sq_norms(selection: Selection, by_layer: bool = False) -> dict[str, np.ndarray]:
+    """Squared per-sample gradient norms (key ``"total"``, or one key per layer), in selection order."""
+    parts: list[dict[str, Tensor]] = []
+    for batch in selection.batches():
+        if not batch.records:
+            raise ValueError(f"the batch at step {batch.ref.step} holds no records of the selected layers")
+        parts.append(_sq_norms(batch, by_layer))
+    keys = list(dict.fromkeys(key for part in parts for key in part))
+    sizes = [next(iter(p.values())).shape[0] for p in parts]
+    return {
+        key: np.concatenate([p[key].double().numpy() if key in p else np.zeros(n) for p, n in zip(parts, sizes)])
+        if parts
+        else np.zeros(0)
+        for key in keys
+    }
+
+
+def dot_matrix(rows: Selection, cols: Selection, weighted: bool = False, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
+    """``(N, M)`` gradient inner products between two selections (times each row batch's lr if ``weighted``)."""
+    col_parts = []
+    for col_chunk in cols.chunks(max_bytes // 2):
+        row_parts = []
+        for row_batch in rows.batches():
+            factor = row_batch.ref.lr_weight if weighted else 1.0
+            block = [factor * ops.total_dots(row_batch.records, c.records) for c in col_chunk]  # (n, m_c) each
+            row_parts.append(torch.cat(block, 1))
+        col_parts.append(torch.cat(row_parts, 0) if row_parts else torch.zeros(0, sum(c.size for c in col_chunk)))
+    if not col_parts:
+        return np.zeros((len(rows), 0))
+    return torch.cat(col_parts, 1).double().numpy()
+
+
+def _union(id_lists: Sequence[np.ndarray], what: str) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Sample ids seen in any list (first-seen order) and, per list, the position of each entry in them."""
+    union = list(dict.fromkeys(int(v) for ids in id_lists for v in ids.tolist()))
+    index = {v: k for k, v in enumerate(union)}
+    if len(id_lists) > 1 and any(len(set(ids.tolist())) != len(union) for ids in id_lists):
+        warnings.warn(
+            f"the {what} capture points hold different samples; each sample's score sums the capture points "
+            "it appears in",
+            stacklevel=3,
+        )
+    return np.array(union, dtype=np.int64), [np.array([index[int(v)] for v in ids], dtype=np.int64) for ids in id_lists]
+
+
+def paired_points(train: str | Sequence[str], test: str | Sequence[str]) -> list[tuple[str, str]]:
+    """Train and test capture points paired one to one (a single name is a list of one)."""
+    trains = [train] if isinstance(train, str) else list(train)
+    tests = [test] if isinstance(test, str) else list(test)
+    if len(trains) != len(tests) or not trains:
+        raise ValueError(f"pair train and test capture points one to one; got {trains} and {tests}")
+    return list(zip(trains, tests))
+
+
+def summed_scores(
+    row_parts: Sequence[tuple[np.ndarray, np.ndarray]], col_parts: Sequence[tuple[np.ndarray, np.ndarray]]
+) -> Scores:
+    """Sum score matrices ``(ids_rows_c, ids_cols_c, matrix_c)`` into one matrix over unique ids."""
+    row_ids, row_pos = _union([ids for ids, _ in row_parts], "train")
+    col_ids, col_pos = _union([ids for ids, _ in col_parts], "test")
+    total = np.zeros((len(row_ids), len(col_ids)))
+    for (_, matrix), r, c in zip(row_parts, row_pos, col_pos):
+        np.add.at(total, (r[:, None], c[None, :]), matrix)
+    return Scores(total, row_ids, col_ids)
+
+
+
+def norms(store: StoreReader, capture_point: str | None = None, *, by_layer: bool = False, **where: Any) -> Any:
+    """Per-sample gradient norms ``||g_i||`` (whole model, or ``{layer: (N,)}`` with ``by_layer``)."""
+    result = sq_norms(store.select(capture_point, **where), by_layer)
+    roots = {key: np.sqrt(np.clip(value, 0, None)) for key, value in result.items()}
+    return roots if by_layer else roots.get("total", np.zeros(0))
+
+def self_influence(store: StoreReader, capture_point: str | Sequence[str] | None = None, **where: Any) -> np.ndarray:
+    """TracIn self-influence ``sum_c lr_c ||g_i(w_c)||^2``, aligned with ``sample_ids`` of the first capture point.
+
+    Several capture points (checkpoint passes) are summed per sample id; ``lr`` is the
+    one recorded with each batch (1 when none was).
+    """
+    points = [capture_point] if capture_point is None or isinstance(capture_point, str) else list(capture_point)
+    parts = []
+    for point in points:
+        selection = store.select(point, **where)
+        values = [
+            b.ref.lr_weight * ops.total_sq_norms(b.records).double().numpy() for b in selection.batches()
+        ]
+        parts.append((selection.sample_ids(), np.concatenate(values) if values else np.zeros(0)))
+    if len(parts) == 1:
+        return parts[0][1]
+    ids, positions = _union([ids for ids, _ in parts], "train")
+    total = np.zeros(len(ids))
+    for (_, values), pos in zip(parts, positions):
+        np.add.at(total, pos, values)
+    return total
+
+def self_influence_ids(store: StoreReader, capture_points: Sequence[str], **where: Any) -> np.ndarray:
+    """The sample ids :meth:`self_influence` of several capture points is aligned with."""
+    return _union([store.sample_ids(cp, **where) for cp in capture_points], "train")[0]
+
+def influence(
+    store: StoreReader,
+    train: str | Sequence[str],
+    test: str | Sequence[str],
+    *,
+    layers: Sequence[str] | None = None,
+    train_ids: Sequence[int] | None = None,
+    test_ids: Sequence[int] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Scores:
+    """TracIn scores ``sum_c lr_c <g_train_i(w_c), g_test_j(w_c)>`` over paired checkpoint passes.
+
+    Args:
+        train, test: capture points, paired in order (``["epoch-0/train", "epoch-1/train"]``
+            with ``["epoch-0/val", "epoch-1/val"]``): train and test gradients of a pair
+            were taken at the same weights. ``lr_c`` is the one recorded with the train pass.
+        layers: restrict to these layers (all by default).
+        train_ids, test_ids: restrict to these samples.
+    """
+    row_parts, col_parts = [], []
+    for train_cp, test_cp in paired_points(train, test):
+        rows = store.select(train_cp, sample_ids=train_ids, layers=layers)
+        cols = store.select(test_cp, sample_ids=test_ids, layers=layers)
+        matrix = dot_matrix(rows, cols, weighted=True, max_bytes=max_bytes)
+        row_parts.append((rows.sample_ids(), matrix))
+        col_parts.append((cols.sample_ids(), matrix))
+    return summed_scores(row_parts, col_parts)
+
+def in_run_influence(
+    store: StoreReader,
+    test: str,
+    *,
+    train: str = "train",
+    steps: int | tuple[int, int] | None = None,
+    layers: Sequence[str] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Scores:
+    """In-run TracIn: ``sum_t lr_t <g_i(w_t), g_test_j>`` over the gradients recorded *while training*.
+
+    An approximation, named as such: the train gradients ``g_i(w_t)`` were taken at the
+    weights of each step, the test gradients at the weights of the ``test`` pass. Rows
+    are the train sample ids (occurrences at several steps are summed).
+    """
+    rows = store.select(train, steps=steps, layers=layers)
+    cols = store.select(test, layers=layers)
+    matrix = dot_matrix(rows, cols, weighted=True, max_bytes=max_bytes)
+    return summed_scores([(rows.sample_ids(), matrix)], [(cols.sample_ids(), matrix)])
+
+def similar(
+    store: StoreReader,
+    query: str,
+    candidates: str,
+    *,
+    query_ids: Sequence[int] | None = None,
+    cosine: bool = True,
+    layers: Sequence[str] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Scores:
+    """Cosine (or dot) similarity of gradients: rows are candidates, columns the query samples."""
+    rows = store.select(candidates, layers=layers)
+    cols = store.select(query, sample_ids=query_ids, layers=layers)
+    matrix = dot_matrix(rows, cols, max_bytes=max_bytes)
+    if cosine:
+        row_sq, col_sq = sq_norms(rows)["total"], sq_norms(cols)["total"]
+        matrix = ops.cosine(torch.from_numpy(matrix), torch.from_numpy(row_sq), torch.from_numpy(col_sq)).numpy()
+    return Scores(matrix, rows.sample_ids(), cols.sample_ids())

@@ -1,0 +1,93 @@
+"""The run profile behind ``GradientStore.compare``: one pass over a capture point of each run."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from metastore_plugins.core import ops
+from metastore_plugins.core.analysis.results import LayerComparison, RunComparison
+from metastore_plugins.core.store import StoreReader
+
+
+@dataclass
+class Profile:
+    layer_norm: dict[str, float]  # sum over occurrences of the layer's per-sample norm
+    layer_count: dict[str, int]
+    step_norm: dict[int, float]  # sum of whole-model per-sample norms
+    step_count: dict[int, int]
+    step_loss: dict[int, float]
+    loss_count: dict[int, int]
+    update: dict[str, Tensor]  # layer -> flattened sum_t lr_t g_t (float64)
+
+    def mean_norm(self, layer: str) -> float:
+        count = self.layer_count.get(layer, 0)
+        return self.layer_norm.get(layer, 0.0) / count if count else math.nan
+
+    def per_step(self, steps: list[int], sums: dict[int, float], counts: dict[int, int] | None = None) -> np.ndarray:
+        counts = self.step_count if counts is None else counts
+        return np.array([sums[s] / counts[s] if counts.get(s) else math.nan for s in steps])
+
+
+def run_profile(store: StoreReader, capture_point: str, layers: list[str]) -> Profile:
+    """One pass over a capture point: per-layer and per-step norms, losses, cumulative updates."""
+    selection = store.select(capture_point, layers=layers)
+    step_size = Counter()
+    for ref in selection.refs:
+        step_size[ref.step] += ref.size
+    profile = Profile({}, {}, {}, {}, {}, {}, {})
+    updates: dict[str, dict[str, Tensor]] = {layer: {} for layer in layers}
+    for batch in selection.batches():
+        step, lr = batch.ref.step, batch.ref.lr_weight
+        by_layer: dict[str, list] = {}
+        for record in batch.records:
+            by_layer.setdefault(record.layer, []).append(record)
+        for layer, records in by_layer.items():
+            norms = ops.total_sq_norms(records).double().clamp_min(0).sqrt()  # (B,)
+            profile.layer_norm[layer] = profile.layer_norm.get(layer, 0.0) + float(norms.sum())
+            profile.layer_count[layer] = profile.layer_count.get(layer, 0) + batch.size
+            for name, grad in ops.batch_gradient(records, "sum").items():
+                part = grad.double() * (lr / step_size[step])
+                updates[layer][name] = updates[layer][name] + part if name in updates[layer] else part
+        if batch.records:
+            total = ops.total_sq_norms(batch.records).double().clamp_min(0).sqrt()  # (B,)
+            profile.step_norm[step] = profile.step_norm.get(step, 0.0) + float(total.sum())
+            profile.step_count[step] = profile.step_count.get(step, 0) + batch.size
+        loss = batch.meta.get("loss")
+        if loss is not None:
+            profile.step_loss[step] = profile.step_loss.get(step, 0.0) + float(loss.double().sum())
+            profile.loss_count[step] = profile.loss_count.get(step, 0) + batch.size
+    for layer, grads in updates.items():
+        if grads:
+            profile.update[layer] = torch.cat([grads[name].reshape(-1) for name in sorted(grads)])
+    return profile
+
+
+def compare_profiles(mine: Profile, theirs: Profile) -> RunComparison:
+    """The :class:`RunComparison` of two runs' profiles over the same layers."""
+    rows = []
+    for layer in mine.layer_norm:
+        a, b = mine.mean_norm(layer), theirs.mean_norm(layer)
+        ratio = a / b if b > 0 else (math.inf if a > 0 else math.nan)
+        rows.append(LayerComparison(layer, a, b, ratio, _cosine(mine.update.get(layer), theirs.update.get(layer))))
+    steps = sorted(set(mine.step_count) | set(theirs.step_count))
+    return RunComparison(
+        rows,
+        np.array(steps, dtype=np.int64),
+        mine.per_step(steps, mine.step_norm),
+        theirs.per_step(steps, theirs.step_norm),
+        mine.per_step(steps, mine.step_loss, mine.loss_count),
+        theirs.per_step(steps, theirs.step_loss, theirs.loss_count),
+    )
+
+
+def _cosine(a: Tensor | None, b: Tensor | None) -> float:
+    if a is None or b is None:
+        return math.nan
+    denominator = float(a.norm() * b.norm())
+    return float(a @ b) / denominator if denominator > 0 else math.nan

@@ -1,0 +1,191 @@
+"""Sketch queries of a store: Kronecker sketches, kept on disk once computed, and what uses them.
+
+``<sketch_i, sketch_j>`` estimates ``<g_i, g_j>`` without bias (error in
+:mod:`metastore_plugins.core.ops.sketch`). Summed sketches of a whole capture point are
+cached under ``<store>/sketches/`` (:mod:`~metastore_plugins.core.analysis.sketch_cache`), so
+that sketched influence costs one ``(N, k) x (k, M)`` product once they are built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from metastore_plugins.core import ops
+from metastore_plugins.core.analysis import sketch_cache
+from metastore_plugins.core.analysis.per_batch import positive_int
+from metastore_plugins.core.analysis.queries import paired_points, summed_scores
+from metastore_plugins.core.analysis.results import Clusters, Scores
+from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
+from metastore_plugins.core.store import Selection, StoreReader
+
+Combine = Literal["sum", "concat"]
+
+
+def compute_sketches(
+    selection: Selection, order: Sequence[str], dim: int, seed: int, combine: Combine, max_bytes: int
+) -> tuple[np.ndarray, Tensor]:
+    """``(sample ids (N,), sketches)`` of a selection: ``(N, dim^2)`` summed, or ``(N, L dim^2)`` side by side.
+
+    The projections are drawn once for the pass (:class:`~metastore_plugins.core.ops.Projections`).
+    """
+    k, draw = dim * dim, ops.Projections()
+    ids, parts = [], []
+    for batch in selection.batches():
+        block = torch.zeros(batch.size, 1 if combine == "sum" else len(order), k)  # (B, 1 or L, k)
+        for record in batch.records:
+            slot = 0 if combine == "sum" else order.index(record.layer)
+            block[:, slot] += ops.sketch(record, dim, dim, seed, max_bytes=max_bytes, projections=draw).cpu()  # (B, k)
+        parts.append(block.reshape(batch.size, -1))
+        ids.append(batch.meta["sample_id"].numpy())
+    width = k if combine == "sum" else len(order) * k
+    if not parts:
+        return np.zeros(0, dtype=np.int64), torch.zeros(0, width)
+    return np.concatenate(ids), torch.cat(parts)
+
+
+def _seed(seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    return int(seed)
+
+
+
+def _sketch_layers(store: StoreReader, layers: Sequence[str] | str | None) -> list[str]:
+    order = list(store.layers()) if layers is None else ([layers] if isinstance(layers, str) else list(layers))
+    store.check_layers(order)
+    return order
+
+def _sketch_key(store: StoreReader, capture_point: str, dim: int, seed: int, layers: Sequence[str]) -> sketch_cache.SketchKey:
+    refs = store.batch_refs(capture_point)
+    batches = [(ref.file.name, ref.batch, store.shard_sha256(ref.file.name)) for ref in refs]
+    return sketch_cache.SketchKey(
+        capture_point, dim, seed, tuple(sorted(set(layers))), sketch_cache.binding(batches), sum(r.size for r in refs)
+    )
+
+def _summed_sketches(
+    store: StoreReader, capture_point: str, dim: int, seed: int, layers: Sequence[str] | str | None, cache: bool, max_bytes: int
+) -> tuple[np.ndarray, Tensor]:
+    """``(sample ids (N,), summed sketches (N, dim^2) float32)`` of a whole capture point, from the cache if sound."""
+    order = _sketch_layers(store, layers)
+    key = _sketch_key(store, capture_point, dim, seed, order) if cache else None
+    found = sketch_cache.load(store.path, key) if key is not None else None
+    if found is not None:
+        return found
+    ids, summed = compute_sketches(store.select(capture_point, layers=order), order, dim, seed, "sum", max_bytes)
+    if key is not None:
+        sketch_cache.save(store.path, key, ids, summed)
+    return ids, summed
+
+def sketches(
+    store: StoreReader,
+    capture_point: str,
+    dim: int = 16,
+    seed: int = 0,
+    layers: Sequence[str] | None = None,
+    *,
+    combine: Combine = "sum",
+    cache: bool = True,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    **where: Any,
+) -> np.ndarray:
+    """Kronecker sketches of per-sample gradients, aligned with ``sample_ids(capture_point, **where)``.
+
+    Each layer's sketch has ``k = dim * dim`` entries (``P_out G P_in^T`` with ``dim x dim``
+    Gaussian projections, see :mod:`metastore_plugins.core.ops.sketch`). ``combine="sum"``
+    adds the layers' sketches: ``(N, k)``; ``"concat"`` puts them side by side in the order
+    of ``layers`` (``store.layers()`` by default): ``(N, L k)``. Both give unbiased
+    estimates of whole-model inner products.
+
+    Summed sketches of a whole capture point (no ``where``) are read from, or written to,
+    the store's sketch cache unless ``cache=False`` (see :meth:`build_sketches`).
+    """
+    dim, seed = positive_int("dim", dim), _seed(seed)
+    if combine not in ("sum", "concat"):
+        raise ValueError(f"combine must be 'sum' or 'concat', got {combine!r}")
+    where = {name: value for name, value in where.items() if value is not None}
+    if combine == "sum" and not where:
+        return _summed_sketches(store, capture_point, dim, seed, layers, cache, max_bytes)[1].double().numpy()
+    order = _sketch_layers(store, layers)
+    selection = store.select(capture_point, layers=order, **where)
+    return compute_sketches(selection, order, dim, seed, combine, max_bytes)[1].double().numpy()
+
+def build_sketches(
+    store: StoreReader,
+    capture_point: str,
+    dim: int = 64,
+    seed: int = 0,
+    layers: Sequence[str] | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Path | None:
+    """Compute the summed sketches of a capture point once and keep them in ``<store>/sketches/``.
+
+    Later :meth:`sketches` and :meth:`sketched_influence` calls with the same capture point,
+    ``dim``, ``seed`` and layer set read them instead of the shards, until the capture
+    point's shards change (then they are recomputed). A sound cache file is kept as it is.
+
+    Returns:
+        The cache file, or ``None`` when the store cannot be written (queries then compute
+        the sketches each time, without error).
+    """
+    dim, seed, order = positive_int("dim", dim), _seed(seed), _sketch_layers(store, layers)
+    key = _sketch_key(store, capture_point, dim, seed, order)
+    if sketch_cache.load(store.path, key) is not None:
+        return sketch_cache.cache_path(store.path, key)
+    ids, summed = compute_sketches(store.select(capture_point, layers=order), order, dim, seed, "sum", max_bytes)
+    return sketch_cache.save(store.path, key, ids, summed)
+
+def sketched_influence(
+    store: StoreReader,
+    train: str | Sequence[str],
+    test: str | Sequence[str],
+    *,
+    dim: int = 64,
+    seed: int = 0,
+    layers: Sequence[str] | None = None,
+    cache: bool = True,
+) -> Scores:
+    """TracIn on Kronecker sketches (``dim * dim`` numbers per sample): fast, unbiased, approximate.
+
+    ``sum_c lr_c <sketch_i, sketch_j>`` estimates the exact :meth:`influence` without bias
+    (``docs/queries.md`` gives its error); capture points pair and ``lr_c`` is taken as in
+    :meth:`influence`. Sketches come from the cache (built on first use) unless ``cache=False``.
+    """
+    dim, seed = positive_int("dim", dim), _seed(seed)
+    row_parts, col_parts = [], []
+    for train_cp, test_cp in paired_points(train, test):
+        row_ids, rows = _summed_sketches(store, train_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES)  # (N,), (N, k)
+        col_ids, cols = _summed_sketches(store, test_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES)  # (M,), (M, k)
+        lr = torch.from_numpy(_learning_rates(store, train_cp))  # (N,)
+        matrix = ((lr[:, None] * rows.double()) @ cols.double().T).numpy()  # (N, M)
+        row_parts.append((row_ids, matrix))
+        col_parts.append((col_ids, matrix))
+    return summed_scores(row_parts, col_parts)
+
+def _learning_rates(store: StoreReader, capture_point: str) -> np.ndarray:
+    """``(N,)`` the learning rate recorded with each sample's batch (1 where none was), from the manifests."""
+    refs = store.batch_refs(capture_point)
+    return np.concatenate([np.full(ref.size, ref.lr_weight) for ref in refs])
+
+def clusters(
+    store: StoreReader,
+    capture_point: str,
+    k: int,
+    *,
+    dim: int = 16,
+    seed: int = 0,
+    layers: Sequence[str] | None = None,
+    iters: int = 50,
+    **where: Any,
+) -> Clusters:
+    """k-means (:func:`~metastore_plugins.core.ops.kmeans`, seeded) on :meth:`sketches`."""
+    points = sketches(store, capture_point, dim, seed, layers, **where)
+    result = ops.kmeans(torch.from_numpy(points), positive_int("k", k), seed=seed, iters=iters)
+    ids = store.sample_ids(capture_point, **where)
+    return Clusters(ids, result.labels.numpy(), result.centroids.numpy(), result.inertia)

@@ -1,0 +1,121 @@
+"""The package's layering, read from its source: no import cycle, and the storage engine imports nothing above it.
+
+Every ``import`` statement counts, wherever it stands: at module level, inside a function,
+or under ``if TYPE_CHECKING:``. ``from package import name`` is an edge to the submodule
+``package.name`` when that is a module of the package, and to ``package`` otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import metastore_plugins
+
+ROOT = Path(metastore_plugins.__file__).parent
+PACKAGE = "metastore_plugins"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports, anywhere in its source."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                child = f"{source}.{alias.name}"
+                found.add(child if child in known else source)
+    return {target for target in found if target in known and target != name}
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    known = set(found)
+    return {name: imports_of(name, path, known) for name, path in found.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(edges[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_sees_every_kind_of_import() -> None:
+    edges = graph()
+    assert "metastore_plugins.core.analysis.gradient_store" in edges["metastore_plugins.core.analysis"]
+    # a function-level import counts (the package's lazy callback import)
+    assert "metastore_plugins.lightning_callback" in edges["metastore_plugins"]
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle() -> None:
+    assert cycles(graph()) == []
+
+
+def test_the_store_imports_nothing_above_it() -> None:
+    allowed = ("metastore_plugins.core.store", "metastore_plugins.core.capture.records", "metastore_plugins.core.progress")
+    edges = graph()
+    store_modules = [name for name in edges if name.startswith("metastore_plugins.core.store")]
+    assert len(store_modules) >= 6
+    above = {
+        name: sorted(target for target in edges[name] if not target.startswith(allowed)) for name in store_modules
+    }
+    assert {name: targets for name, targets in above.items() if targets} == {}
+
+
+def test_core_imports_no_framework_adapter() -> None:
+    adapters = {f"{PACKAGE}.lightning_callback", f"{PACKAGE}.hf_callback", f"{PACKAGE}.cli"}
+    edges = graph()
+    leaks = {name: sorted(edges[name] & adapters) for name in edges if name.startswith(f"{PACKAGE}.core")}
+    assert {name: targets for name, targets in leaks.items() if targets} == {}
