@@ -15,21 +15,55 @@ from typing import Any
 
 import torch
 
-from . import analytics_bench, capture_bench, captum_bench, report, scaling_bench, storage_bench
+from . import analytics_bench, captum_bench, capture_bench, report, scaling_bench, storage_bench
 from .models import bert_workload, cnn_workload
 
 REPO = Path(__file__).resolve().parent.parent
 
 #: sizes per mode; "smoke" is the smallest, for the CI test (not a measurement)
 PROFILES: dict[str, dict[str, Any]] = {
-    "smoke": {"bert_layers": 1, "tokens": [16], "bert_batch": 4, "cnn_batch": 8, "repeats": 1, "warmup": 0,
-              "n_train": 16, "n_test": 4, "analytics_repeats": 1, "scaling": [16, 32], "scaling_repeats": 1, "matmul": 512},
-    "quick": {"bert_layers": 2, "tokens": [64, 128], "bert_batch": 16, "cnn_batch": 64, "repeats": 5, "warmup": 1,
-              "n_train": 256, "n_test": 32, "analytics_repeats": 2, "scaling": [256, 1024, 4096], "scaling_repeats": 3,
-              "matmul": 4096},
-    "full": {"bert_layers": 6, "tokens": [64, 128], "bert_batch": 16, "cnn_batch": 64, "repeats": 7, "warmup": 2,
-             "n_train": 256, "n_test": 32, "analytics_repeats": 3, "scaling": [256, 1024, 4096], "scaling_repeats": 5,
-             "matmul": 4096},
+    "smoke": {
+        "bert_layers": 1,
+        "tokens": [16],
+        "bert_batch": 4,
+        "cnn_batch": 8,
+        "repeats": 1,
+        "warmup": 0,
+        "n_train": 16,
+        "n_test": 4,
+        "analytics_repeats": 1,
+        "scaling": [16, 32],
+        "scaling_repeats": 1,
+        "matmul": 512,
+    },
+    "quick": {
+        "bert_layers": 2,
+        "tokens": [64, 128],
+        "bert_batch": 16,
+        "cnn_batch": 64,
+        "repeats": 5,
+        "warmup": 1,
+        "n_train": 256,
+        "n_test": 32,
+        "analytics_repeats": 2,
+        "scaling": [256, 1024, 4096],
+        "scaling_repeats": 3,
+        "matmul": 4096,
+    },
+    "full": {
+        "bert_layers": 6,
+        "tokens": [64, 128],
+        "bert_batch": 16,
+        "cnn_batch": 64,
+        "repeats": 7,
+        "warmup": 2,
+        "n_train": 256,
+        "n_test": 32,
+        "analytics_repeats": 3,
+        "scaling": [256, 1024, 4096],
+        "scaling_repeats": 5,
+        "matmul": 4096,
+    },
 }
 
 INTRO = """# Benchmarks
@@ -65,20 +99,39 @@ def _checks(results: dict[str, Any]) -> list[dict[str, Any]]:
     checks = []
     for r in results["analytics"]:
         a = r["agreement"]
-        worst = max(a["norms_store_fp32"], a["influence_store_fp32"], a["influence_rebuild_fp32"], a["norms_rebuild_fp32"])
-        checks.append({"name": f"{r['workload']}: fp32 store and rebuild agree with torch.func", "passed": worst < 1e-3,
-                       "detail": f"max relative error {worst:.1e} < 1e-3"})
+        worst = max(
+            a["norms_store_fp32"], a["influence_store_fp32"], a["influence_rebuild_fp32"], a["norms_rebuild_fp32"]
+        )
+        checks.append(
+            {
+                "name": f"{r['workload']}: fp32 store and rebuild agree with torch.func",
+                "passed": worst < 1e-3,
+                "detail": f"max relative error {worst:.1e} < 1e-3",
+            }
+        )
         half = max(a["influence_store_fp16"], a["norms_store_fp16"])
-        checks.append({"name": f"{r['workload']}: fp16 store (lossy) stays close to torch.func", "passed": half < 2e-2,
-                       "detail": f"max relative error {half:.1e} < 2e-2"})
+        checks.append(
+            {
+                "name": f"{r['workload']}: fp16 store (lossy) stays close to torch.func",
+                "passed": half < 2e-2,
+                "detail": f"max relative error {half:.1e} < 2e-2",
+            }
+        )
     captum = results["captum"]
     if captum["status"] == "ok":
         err = captum["agreement_weight_only"]
-        checks.append({"name": f"{captum['workload']}: store last-layer dots agree with Captum TracInCPFast",
-                       "passed": err < 1e-3, "detail": f"max relative error {err:.1e} < 1e-3"})
+        checks.append(
+            {
+                "name": f"{captum['workload']}: store last-layer dots agree with Captum TracInCPFast",
+                "passed": err < 1e-3,
+                "detail": f"max relative error {err:.1e} < 1e-3",
+            }
+        )
     for r in results["capture"]:
         m = r["methods"]["capture+store"]
-        checks.append({"name": f"{r['workload']}: capture+store ran", "passed": m["status"] == "ok", "detail": m["status"]})
+        checks.append(
+            {"name": f"{r['workload']}: capture+store ran", "passed": m["status"] == "ok", "detail": m["status"]}
+        )
     return checks
 
 
@@ -96,7 +149,8 @@ def run(mode: str, out: Path, doc: Path, threads: int) -> dict[str, Any]:
         f"BERT: hidden 384, 12 heads, FFN 1536, vocab 30522, {p['bert_layers']} layer(s)"
         + ("" if p["bert_layers"] == 6 else " (fewer than MiniLM's 6 to fit the time budget)")
         + ", random weights, eager attention, dropout 0, half of every sequence is padding",
-        f"median of {p['repeats']} rounds after {p['warmup']} warm-up round(s); the store is written with fp16 in the capture step",
+        f"median of {p['repeats']} rounds after {p['warmup']} warm-up round(s); "
+        "the store is written with fp16 in the capture step",
         "torch.func on BERT gets a ready additive (B,1,1,T) attention mask: transformers' 2-D mask path "
         "branches on the mask's content, which vmap cannot trace",
         "analytics on BERT freeze the word embeddings (a 47 MB dense per-sample gradient) for every method, "
@@ -149,12 +203,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     cmd = sub.add_parser("run", help="run the benchmarks, write JSON and docs/benchmarks.md")
     size = cmd.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_const", const="quick", dest="mode", help="fewer layers and repeats (< 10 min on 2 cores)")
+    size.add_argument(
+        "--quick",
+        action="store_const",
+        const="quick",
+        dest="mode",
+        help="fewer layers and repeats (< 10 min on 2 cores)",
+    )
     size.add_argument("--full", action="store_const", const="full", dest="mode", help="the sizes of issue 8")
     size.add_argument("--smoke", action="store_const", const="smoke", dest="mode", help="tiny sizes, for CI only")
     cmd.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="folder of <mode>.json")
     cmd.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md", help="markdown file to (re)write")
-    cmd.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads (default: min(2, CPUs))")
+    cmd.add_argument(
+        "--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads (default: min(2, CPUs))"
+    )
     args = parser.parse_args(argv)
     results = run(args.mode or "quick", args.out, args.doc, args.threads)
     failed = [c["name"] for c in results["checks"] if not c["passed"]]

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from metastore_plugins.core.analysis import open_store
 from metastore_plugins.core.capture.records import restore_all
 from metastore_plugins.core.passes import capture_step
-from metastore_plugins.core.analysis import open_store
 from metastore_plugins.core.store import StoreWriter
 
 from .capture_bench import func_per_sample_grads, per_sample_ce
@@ -46,7 +46,9 @@ def freeze_word_embeddings(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def write_store(path: Path, model: torch.nn.Module, workload: Workload, n_train: int, n_test: int, encoding: str) -> None:
+def write_store(
+    path: Path, model: torch.nn.Module, workload: Workload, n_train: int, n_test: int, encoding: str
+) -> None:
     """Capture ``n_train`` train and ``n_test`` test samples at the same weights (model left unchanged)."""
     with StoreWriter(path, encoding=encoding) as writer:
         for point, count, seed, offset in (("train", n_train, 100, 0), ("test", n_test, 200, TEST_ID_OFFSET)):
@@ -54,8 +56,14 @@ def write_store(path: Path, model: torch.nn.Module, workload: Workload, n_train:
                 size = min(workload.batch_size, count - lo)
                 batch = workload.batch(size, seed + k)
                 capture_step(
-                    model, lambda: workload.forward(model, batch), batch["labels"], torch.arange(lo, lo + size) + offset,
-                    per_sample_ce, writer, step=0, capture_point=point,
+                    model,
+                    lambda batch=batch: workload.forward(model, batch),
+                    batch["labels"],
+                    torch.arange(lo, lo + size) + offset,
+                    per_sample_ce,
+                    writer,
+                    step=0,
+                    capture_point=point,
                 )
     model.zero_grad(set_to_none=True)
 
@@ -159,7 +167,9 @@ def run(workload: Workload, n_train: int, n_test: int, repeats: int, matmul_size
         half_norms, half_scores = half.norms("train"), half.influence("train", "test").scores
         store_bytes = sum(p.stat().st_size for p in paths["fp16"].glob("*.safetensors"))
         threads = torch.get_num_threads()
-        memory = {enc: influence_memory(path, threads) for enc, path in paths.items()} if workload.kind == "text" else {}
+        memory = (
+            {enc: influence_memory(path, threads) for enc, path in paths.items()} if workload.kind == "text" else {}
+        )
     ref = func_runs[-1]
     func_norm_t = [r["times"]["grads_train"] + r["times"]["norms"] for r in func_runs]
     func_infl_t = [r["times"]["grads_train"] + r["times"]["grads_test"] + r["times"]["matmul"] for r in func_runs]
@@ -233,6 +243,7 @@ def mean_spearman(approx: np.ndarray, exact: Any) -> float:
 def agreement_ok(result: dict[str, Any]) -> bool:
     """fp32 results must match torch.func to float rounding."""
     a = result["agreement"]
-    return max(a["norms_store_fp32"], a["influence_store_fp32"], a["influence_rebuild_fp32"]) < 1e-3 and np.isfinite(
-        list(a.values())
-    ).all()
+    return (
+        max(a["norms_store_fp32"], a["influence_store_fp32"], a["influence_rebuild_fp32"]) < 1e-3
+        and np.isfinite(list(a.values())).all()
+    )

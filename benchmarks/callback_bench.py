@@ -1,6 +1,7 @@
 """Callback overhead on the examples: training time with and without the callback, side by side.
 
-``python -m benchmarks.callback_bench [--rounds 3] [--only lightning|hf] [--doc PATH] [--out JSON]`` runs each example as a
+``python -m benchmarks.callback_bench [--rounds 3] [--only lightning|hf] [--doc PATH] [--out JSON]``
+runs each example as a
 fresh process per variant, round-robin (every variant once per round, so that load from other
 jobs hits them alike), reads the training time each example measures itself (``result.json``:
 ``Trainer.fit`` / ``Trainer.train``, reports included when they are built), and writes
@@ -27,22 +28,38 @@ START, END = "<!-- callbacks:start -->", "<!-- callbacks:end -->"
 
 #: example -> (script, {variant: extra arguments}); the first variant is the baseline
 EXAMPLES: dict[str, tuple[str, dict[str, list[str]]]] = {
-    "lightning": ("examples/lightning_digits.py", {
-        "no callback": ["--no-callback"], "training steps captured": ["--no-passes"],
-        "+ checkpoint passes": ["--no-reports"], "+ reports (the example)": [],
-        "outliers from the training steps, 256-sample passes, reports": ["--outliers-from", "training"],
-    }),
-    "hf": ("examples/finetune_bert.py", {
-        "no callback": ["--no-callback"], "training steps captured": ["--no-passes"], "+ passes + reports (the example)": [],
-    }),
+    "lightning": (
+        "examples/lightning_digits.py",
+        {
+            "no callback": ["--no-callback"],
+            "training steps captured": ["--no-passes"],
+            "+ checkpoint passes": ["--no-reports"],
+            "+ reports (the example)": [],
+            "outliers from the training steps, 256-sample passes, reports": ["--outliers-from", "training"],
+        },
+    ),
+    "hf": (
+        "examples/finetune_bert.py",
+        {
+            "no callback": ["--no-callback"],
+            "training steps captured": ["--no-passes"],
+            "+ passes + reports (the example)": [],
+        },
+    ),
 }
 
 
 def run_once(script: str, extra: list[str]) -> float:
     """Training seconds of one run of ``script`` (its ``result.json``), in a fresh process."""
     with tempfile.TemporaryDirectory(prefix="msbench-cb-") as out:
-        subprocess.run([sys.executable, str(REPO / script), "--out", out, *extra], cwd=REPO, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        subprocess.run(
+            [sys.executable, str(REPO / script), "--out", out, *extra],
+            cwd=REPO,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
         return float(json.loads((Path(out) / "result.json").read_text())["seconds"])
 
 
@@ -61,8 +78,10 @@ def measure(examples: list[str], rounds: int) -> dict[str, Any]:
         results[name] = {
             "script": EXAMPLES[name][0],
             "measured": started,
-            "variants": {v: {"median_s": statistics.median(t), "times_s": t, "ratio": statistics.median(t) / base}
-                         for v, t in by_variant.items()},
+            "variants": {
+                v: {"median_s": statistics.median(t), "times_s": t, "ratio": statistics.median(t) / base}
+                for v, t in by_variant.items()
+            },
         }
     return results
 
@@ -70,11 +89,17 @@ def measure(examples: list[str], rounds: int) -> dict[str, Any]:
 def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [f"### {meta['machine']}", ""]
     lines += [f"- `{entry['script']}`: {entry.get('measured', '?')}" for entry in results.values()]
-    lines += ["", "| example | variant | median training time | ratio to no callback | all runs |", "|---|---|---|---|---|"]
-    for name, entry in results.items():
+    lines += [
+        "",
+        "| example | variant | median training time | ratio to no callback | all runs |",
+        "|---|---|---|---|---|",
+    ]
+    for entry in results.values():
         for variant, row in entry["variants"].items():
             runs = ", ".join(f"{t:.2f}" for t in row["times_s"])
-            lines.append(f"| `{entry['script']}` | {variant} | {row['median_s']:.2f} s | {row['ratio']:.2f}x | {runs} |")
+            lines.append(
+                f"| `{entry['script']}` | {variant} | {row['median_s']:.2f} s | {row['ratio']:.2f}x | {runs} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -99,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     results = measure(args.only or list(EXAMPLES), args.rounds)
     if args.only and args.out.exists():  # keep the other examples' rows of the previous run
         previous = json.loads(args.out.read_text()).get("results", {})
-        results = {name: results.get(name, previous.get(name)) for name in EXAMPLES if name in results or name in previous}
+        results = {
+            name: results.get(name, previous.get(name)) for name in EXAMPLES if name in results or name in previous
+        }
     meta = {"machine": f"{_machine()}, {os.cpu_count()} CPUs visible"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -30,7 +30,10 @@ LAYER, WEIGHT = "fc2", "fc2.weight"
 
 def _inputs(workload: Workload, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same samples :func:`write_store` captured (batches drawn with seeds ``seed + k``)."""
-    parts = [workload.batch(min(workload.batch_size, count - lo), seed + k) for k, lo in enumerate(range(0, count, workload.batch_size))]
+    parts = [
+        workload.batch(min(workload.batch_size, count - lo), seed + k)
+        for k, lo in enumerate(range(0, count, workload.batch_size))
+    ]
     return torch.cat([p["x"] for p in parts]), torch.cat([p["labels"] for p in parts])
 
 
@@ -65,8 +68,13 @@ def run(workload: Workload, n_train: int, n_test: int, repeats: int) -> dict[str
 
         try:
             tracin = TracInCPFast(
-                model, getattr(model, LAYER), TensorDataset(x_train, y_train), [str(checkpoint)],
-                checkpoints_load_func=load, loss_fn=nn.CrossEntropyLoss(reduction="sum"), batch_size=workload.batch_size,
+                model,
+                getattr(model, LAYER),
+                TensorDataset(x_train, y_train),
+                [str(checkpoint)],
+                checkpoints_load_func=load,
+                loss_fn=nn.CrossEntropyLoss(reduction="sum"),
+                batch_size=workload.batch_size,
             )
             captum_scores = tracin.influence((x_test, y_test)).T  # (N, M)
         except Exception as exc:  # noqa: BLE001 - reported, never hidden

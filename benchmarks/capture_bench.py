@@ -184,12 +184,17 @@ def run(workload: Workload, repeats: int, warmup: int = 1) -> dict[str, Any]:
             continue
         steps[name] = step
     times = round_robin(steps, repeats, warmup)
-    for name, state in states.items():
+    for state in states.values():
         if "cleanup" in state:
             state["cleanup"]()
     plain = median(times.get("plain", []))
     for name, values in times.items():
-        methods[name] = {"status": "ok", "median_s": median(values), "times_s": values, "ratio_to_plain": median(values) / plain}
+        methods[name] = {
+            "status": "ok",
+            "median_s": median(values),
+            "times_s": values,
+            "ratio_to_plain": median(values) / plain,
+        }
     stats = states.get("capture+store", {}).get("writer")
     if stats is not None:
         methods["capture+store"]["writer_wait_s"] = stats.wait_seconds

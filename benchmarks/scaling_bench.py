@@ -96,15 +96,32 @@ def worker(store_path: str, n_train: int, repeats: int, method: str, threads: in
             else:  # rebuild dense gradients batch by batch from the factors, then matmul
                 rebuild_pass(Path(store_path), sorted(store.parameters()), train_ids=ids)
             times.append(time.perf_counter() - start)
-    return {"n_train": n_train, "method": method, "times_s": times, "rss_before_mib": before, "rss_peak_mib": _peak_mib(),
-            "anon_before_mib": anon_before, "anon_peak_mib": anon.peak,
-            "file_before_mib": file_before, "file_after_mib": _status_mib("RssFile") or 0.0}
+    return {
+        "n_train": n_train,
+        "method": method,
+        "times_s": times,
+        "rss_before_mib": before,
+        "rss_peak_mib": _peak_mib(),
+        "anon_before_mib": anon_before,
+        "anon_peak_mib": anon.peak,
+        "file_before_mib": file_before,
+        "file_after_mib": _status_mib("RssFile") or 0.0,
+    }
 
 
 def measure(store_path: Path, n_train: int, repeats: int, method: str, threads: int) -> dict[str, Any]:
     """:func:`worker` in a fresh subprocess (its own peak memory), with its median time added."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "benchmarks.scaling_bench", str(store_path), str(n_train), str(repeats), method, str(threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.scaling_bench",
+        str(store_path),
+        str(n_train),
+        str(repeats),
+        method,
+        str(threads),
+    ]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"influence worker failed (N={n_train}, {method}):\n{done.stderr[-2000:]}")
@@ -135,7 +152,8 @@ def run(workload: Any, sizes: list[int], n_test: int, repeats: int, threads: int
         "n_test": n_test,
         "parameters": params,
         "store_fp16_bytes_at_max_n": store_bytes,
-        "memory_measure": "a fresh subprocess per point; VmHWM (peak resident set) reset through /proc/self/clear_refs just before the computation, minus the resident size at the reset",
+        "memory_measure": "a fresh subprocess per point; VmHWM (peak resident set) reset through "
+        "/proc/self/clear_refs just before the computation, minus the resident size at the reset",
         "points": points,
     }
 

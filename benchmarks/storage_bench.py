@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.store import ENCODINGS, StoreWriter
 from metastore_plugins.core.store.encoding import encode
-from safetensors.torch import save_file
 
 from .models import Workload
 
@@ -91,7 +91,8 @@ def run(workload: Workload) -> dict[str, Any]:
             "store_per_sample": per_sample,
             "store_per_sample_unpruned": per_sample_unpruned,
             "ratio_dense_to_store": out["dense_fp32_per_sample"] / per_sample,
-            "ratio_dense_without_word_embeddings_to_store": out["dense_fp32_per_sample_without_word_embeddings"] / per_sample,
+            "ratio_dense_without_word_embeddings_to_store": out["dense_fp32_per_sample_without_word_embeddings"]
+            / per_sample,
             "pruning_saves": per_sample_unpruned / per_sample,
         }
     out["writer_throughput"] = writer_throughput(records, size)
@@ -108,7 +109,10 @@ def writer_throughput(records: list[LayerRecord], size: int, batches: int = 8) -
         store_s = time.perf_counter() - start
         written = writer.stats.bytes_written
         tensors = {
-            f"b{step}/r{k}/{name}": t.clone() for step in range(batches) for k, r in enumerate(records) for name, t in r.tensors.items()
+            f"b{step}/r{k}/{name}": t.clone()
+            for step in range(batches)
+            for k, r in enumerate(records)
+            for name, t in r.tensors.items()
         }
         start = time.perf_counter()
         save_file(tensors, str(Path(tmp) / "plain.safetensors"))

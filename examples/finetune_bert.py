@@ -49,14 +49,51 @@ from transformers import (  # noqa: E402
 from metastore_plugins import MetaStoreTrainerCallback, open_store  # noqa: E402
 from metastore_plugins.core.reports.tables import checkpoint_points  # noqa: E402
 
-SUBJECTS = ("the film", "this movie", "the plot", "the acting", "the soundtrack", "the ending", "the cast",
-            "the script", "the camera work", "the dialogue", "the pacing", "the story", "the lead actor")
-POSITIVE = ("was wonderful", "was a delight", "kept me hooked", "felt fresh and clever", "was beautifully done",
-            "moved me", "was brilliant", "exceeded my expectations", "was great fun", "is worth every minute",
-            "made me smile", "was touching", "stayed with me for days")
-NEGATIVE = ("was dull", "was a mess", "bored me to tears", "felt lazy and predictable", "was poorly done",
-            "left me cold", "was awful", "fell far short", "was a chore to sit through", "is a waste of time",
-            "made me cringe", "was painful", "was forgettable")
+SUBJECTS = (
+    "the film",
+    "this movie",
+    "the plot",
+    "the acting",
+    "the soundtrack",
+    "the ending",
+    "the cast",
+    "the script",
+    "the camera work",
+    "the dialogue",
+    "the pacing",
+    "the story",
+    "the lead actor",
+)
+POSITIVE = (
+    "was wonderful",
+    "was a delight",
+    "kept me hooked",
+    "felt fresh and clever",
+    "was beautifully done",
+    "moved me",
+    "was brilliant",
+    "exceeded my expectations",
+    "was great fun",
+    "is worth every minute",
+    "made me smile",
+    "was touching",
+    "stayed with me for days",
+)
+NEGATIVE = (
+    "was dull",
+    "was a mess",
+    "bored me to tears",
+    "felt lazy and predictable",
+    "was poorly done",
+    "left me cold",
+    "was awful",
+    "fell far short",
+    "was a chore to sit through",
+    "is a waste of time",
+    "made me cringe",
+    "was painful",
+    "was forgettable",
+)
 GOOD = ("good", "great", "fun", "clever", "moving", "convincing")  # negated, they say the opposite
 BAD = ("bad", "boring", "silly", "clumsy", "annoying", "forced")
 OPENERS = ("", "", "Honestly, ", "Overall, ", "In my opinion, ", "Frankly, ", "I have to say ", "To be fair, ")
@@ -114,15 +151,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--train-size", type=int, default=500)
     parser.add_argument("--flip", type=float, default=0.1, help="fraction of training labels flipped")
-    parser.add_argument("--checkpoint-train-samples", type=int, default=None,
-                        help="training samples in each checkpoint pass (default: all, so that every sample is ranked)")
-    parser.add_argument("--outliers-from", choices=("checkpoints", "training"), default="checkpoints",
-                        help="rank by checkpoint passes over every training sample, or by the training steps "
-                             "(then the passes cover the callback's default 256-sample subset)")
-    parser.add_argument("--last-layers", type=int, default=None,
-                        help="capture only the last N encoder layers, the pooler and the classifier (default: every layer)")
+    parser.add_argument(
+        "--checkpoint-train-samples",
+        type=int,
+        default=None,
+        help="training samples in each checkpoint pass (default: all, so that every sample is ranked)",
+    )
+    parser.add_argument(
+        "--outliers-from",
+        choices=("checkpoints", "training"),
+        default="checkpoints",
+        help="rank by checkpoint passes over every training sample, or by the training steps "
+        "(then the passes cover the callback's default 256-sample subset)",
+    )
+    parser.add_argument(
+        "--last-layers",
+        type=int,
+        default=None,
+        help="capture only the last N encoder layers, the pooler and the classifier (default: every layer)",
+    )
     parser.add_argument("--no-callback", action="store_true", help="train without the callback (for timing)")
-    parser.add_argument("--no-passes", action="store_true", help="callback without checkpoint passes and reports (for timing)")
+    parser.add_argument(
+        "--no-passes", action="store_true", help="callback without checkpoint passes and reports (for timing)"
+    )
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -136,37 +187,74 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train, val = train.map(tokenize, batched=True), val.map(tokenize, batched=True)
     model = BertForSequenceClassification.from_pretrained(path, num_labels=2)  # pretrained encoder, new head
     training = TrainingArguments(
-        output_dir=str(out), num_train_epochs=args.epochs, per_device_train_batch_size=32, per_device_eval_batch_size=64,
-        learning_rate=1e-4, eval_strategy="epoch", save_strategy="no", logging_steps=10, report_to=["tensorboard"],
-        use_cpu=True, seed=0, disable_tqdm=True,
+        output_dir=str(out),
+        num_train_epochs=args.epochs,
+        per_device_train_batch_size=32,
+        per_device_eval_batch_size=64,
+        learning_rate=1e-4,
+        eval_strategy="epoch",
+        save_strategy="no",
+        logging_steps=10,
+        report_to=["tensorboard"],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
     )
     top = max(1, len(train) // 10)
     every = len(train) if args.outliers_from == "checkpoints" else 256  # every sample in each pass, or a subset
     layers = model.config.num_hidden_layers
-    modules = None if args.last_layers is None else [
-        *(f"bert.encoder.layer.{i}" for i in range(layers - args.last_layers, layers)), "bert.pooler", "classifier"]
-    callback = MetaStoreTrainerCallback(
-        checkpoint_train_samples=args.checkpoint_train_samples or every, report_k=top, modules=modules,
-        checkpoint_every_n_evals=0 if args.no_passes else 1, reports=not args.no_passes, outliers_from=args.outliers_from,
+    modules = (
+        None
+        if args.last_layers is None
+        else [
+            *(f"bert.encoder.layer.{i}" for i in range(layers - args.last_layers, layers)),
+            "bert.pooler",
+            "classifier",
+        ]
     )
-    trainer = Trainer(model=model, args=training, train_dataset=train, eval_dataset=val, processing_class=tokenizer,
-                      data_collator=DataCollatorWithPadding(tokenizer), callbacks=[] if args.no_callback else [callback])
+    callback = MetaStoreTrainerCallback(
+        checkpoint_train_samples=args.checkpoint_train_samples or every,
+        report_k=top,
+        modules=modules,
+        checkpoint_every_n_evals=0 if args.no_passes else 1,
+        reports=not args.no_passes,
+        outliers_from=args.outliers_from,
+    )
+    trainer = Trainer(
+        model=model,
+        args=training,
+        train_dataset=train,
+        eval_dataset=val,
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        callbacks=[] if args.no_callback else [callback],
+    )
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
     accuracy = float((trainer.predict(val).predictions.argmax(1) == np.array(val["label"])).mean())
-    result: dict[str, Any] = {"train_size": len(train), "epochs": args.epochs, "flipped": len(flipped),
-                              "seconds": round(seconds, 1), "val_accuracy": round(accuracy, 4), "callback": not args.no_callback,
-                              "reports": not (args.no_callback or args.no_passes)}
-    print(f"fine-tuned all-MiniLM-L6-v2 for {args.epochs} epochs on {len(train)} reviews in {seconds:.1f} s "
-          f"({'without' if args.no_callback else 'with'} the callback); validation accuracy {accuracy:.3f}")
+    result: dict[str, Any] = {
+        "train_size": len(train),
+        "epochs": args.epochs,
+        "flipped": len(flipped),
+        "seconds": round(seconds, 1),
+        "val_accuracy": round(accuracy, 4),
+        "callback": not args.no_callback,
+        "reports": not (args.no_callback or args.no_passes),
+    }
+    print(
+        f"fine-tuned all-MiniLM-L6-v2 for {args.epochs} epochs on {len(train)} reviews in {seconds:.1f} s "
+        f"({'without' if args.no_callback else 'with'} the callback); validation accuracy {accuracy:.3f}"
+    )
     if not args.no_callback:
         result["store_bytes"] = sum(f.stat().st_size for f in (out / "metastore").rglob("*") if f.is_file())
     if result["reports"]:
         result.update(flagged_precision(out / "metastore", set(flipped), top, len(train)))
-        print(f"top 10% ({top} samples) by self-influence holds {result['found']} of the {len(flipped)} flipped labels: "
-              f"precision {result['precision']:.2f}; ranking by final loss: {result['loss_precision']:.2f}; "
-              f"a random pick: {result['random_precision']:.2f}")
+        print(
+            f"top 10% ({top} samples) by self-influence holds {result['found']} of the {len(flipped)} flipped labels: "
+            f"precision {result['precision']:.2f}; ranking by final loss: {result['loss_precision']:.2f}; "
+            f"a random pick: {result['random_precision']:.2f}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
@@ -180,8 +268,14 @@ def flagged_precision(store_dir: Path, flipped: set[int], top: int, size: int) -
     last = checkpoint_points(store, "train")[-1]  # the pass at the end of training
     meta = store.metadata(last)
     loss_found, loss_precision = precision_at(meta["sample_id"][np.argsort(-meta["loss"], kind="stable")], flipped, top)
-    return {"top": top, "found": found, "precision": round(precision, 4), "loss_found": loss_found,
-            "loss_precision": round(loss_precision, 4), "random_precision": round(len(flipped) / size, 4)}
+    return {
+        "top": top,
+        "found": found,
+        "precision": round(precision, 4),
+        "loss_found": loss_found,
+        "loss_precision": round(loss_precision, 4),
+        "random_precision": round(len(flipped) / size, 4),
+    }
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", *FILLER, *TOPICS[0], *TOPICS[1]]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
+    )
 
 
 def sentences(n: int, seed: int, flip: float) -> tuple[Dataset, list[int]]:
@@ -55,7 +57,9 @@ def sentences(n: int, seed: int, flip: float) -> tuple[Dataset, list[int]]:
     texts, labels, flipped = [], [], []
     for i in range(n):
         label = rng.randrange(2)
-        words = [rng.choice(TOPICS[label]) if rng.random() < 0.5 else rng.choice(FILLER) for _ in range(rng.randint(6, 24))]
+        words = [
+            rng.choice(TOPICS[label]) if rng.random() < 0.5 else rng.choice(FILLER) for _ in range(rng.randint(6, 24))
+        ]
         if rng.random() < flip:
             label, flipped = 1 - label, [*flipped, i]
         texts.append(" ".join(words))
@@ -81,33 +85,62 @@ def main() -> None:
     encode = lambda batch: tok(batch["text"], truncation=True, max_length=32)  # noqa: E731
     train, val = train.map(encode, batched=True), val.map(encode, batched=True)
     config = BertConfig(
-        vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=64, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     model = BertForSequenceClassification(config)
     training = TrainingArguments(
-        output_dir=str(out), num_train_epochs=args.epochs, per_device_train_batch_size=32, per_device_eval_batch_size=64,
-        learning_rate=1e-3, eval_strategy="epoch", save_strategy="no", logging_steps=5, report_to=["tensorboard"],
-        use_cpu=True, seed=0, disable_tqdm=True,
+        output_dir=str(out),
+        num_train_epochs=args.epochs,
+        per_device_train_batch_size=32,
+        per_device_eval_batch_size=64,
+        learning_rate=1e-3,
+        eval_strategy="epoch",
+        save_strategy="no",
+        logging_steps=5,
+        report_to=["tensorboard"],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
     )
-    callbacks = [] if args.no_callback else [
-        MetaStoreTrainerCallback(checkpoint_train_samples=len(train), report_k=max(1, len(train) // 10))
-    ]
-    trainer = Trainer(model=model, args=training, train_dataset=train, eval_dataset=val, processing_class=tok,
-                      data_collator=DataCollatorWithPadding(tok), callbacks=callbacks)
+    callbacks = (
+        []
+        if args.no_callback
+        else [MetaStoreTrainerCallback(checkpoint_train_samples=len(train), report_k=max(1, len(train) // 10))]
+    )
+    trainer = Trainer(
+        model=model,
+        args=training,
+        train_dataset=train,
+        eval_dataset=val,
+        processing_class=tok,
+        data_collator=DataCollatorWithPadding(tok),
+        callbacks=callbacks,
+    )
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
     accuracy = trainer.evaluate()
-    print(f"trained {args.epochs} epochs on {len(train)} sentences in {seconds:.1f} s "
-          f"({'without' if args.no_callback else 'with'} the callback); eval loss {accuracy['eval_loss']:.3f}")
+    print(
+        f"trained {args.epochs} epochs on {len(train)} sentences in {seconds:.1f} s "
+        f"({'without' if args.no_callback else 'with'} the callback); eval loss {accuracy['eval_loss']:.3f}"
+    )
     if args.no_callback:
         return
     outliers = json.loads((out / "metastore" / "reports" / "outliers.json").read_text())
     found = sum(row["sample_id"] in set(flipped) for row in outliers)
     result = {"flipped": len(flipped), "top": len(outliers), "found": found, "recall": found / max(1, len(flipped))}
-    print(f"top 10% by self-influence ({len(outliers)} samples) holds {found} of the {len(flipped)} flipped labels "
-          f"({result['recall']:.0%}); a random 10% would hold 10%")
+    print(
+        f"top 10% by self-influence ({len(outliers)} samples) holds {found} of the {len(flipped)} flipped labels "
+        f"({result['recall']:.0%}); a random 10% would hold 10%"
+    )
     (out / "result.json").write_text(json.dumps(result))
 
 

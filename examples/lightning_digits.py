@@ -13,7 +13,8 @@ Run (``pip install -e ".[examples]"``)::
     python examples/lightning_digits.py                                 # full: 1497 training samples, 4 epochs
     python examples/lightning_digits.py --train-size 600 --epochs 3     # fast (the test)
     python examples/lightning_digits.py --outliers-from training        # rank by the training steps; small passes
-    python examples/lightning_digits.py --no-callback | --no-passes | --no-reports    # timing (benchmarks/callback_bench.py)
+    # timing (benchmarks/callback_bench.py):
+    python examples/lightning_digits.py --no-callback | --no-passes | --no-reports
     tensorboard --logdir runs/lightning-digits/tb                       # TEXT, IMAGES, HISTOGRAMS, PROJECTOR
 
 Writes ``<out>/tb`` (TensorBoard events, with a thumbnail grid of the top outliers),
@@ -55,7 +56,9 @@ def load_digits_split(train_size: int, seed: int, flip: float) -> tuple[TensorDa
     train_rows = order[: min(train_size, len(order) - 300)]
     train_labels = labels[train_rows].clone()
     flipped = np.sort(rng.choice(len(train_rows), size=round(flip * len(train_rows)), replace=False))
-    train_labels[flipped] = (train_labels[flipped] + torch.from_numpy(rng.integers(1, 10, len(flipped)))) % 10  # another digit
+    train_labels[flipped] = (
+        train_labels[flipped] + torch.from_numpy(rng.integers(1, 10, len(flipped)))
+    ) % 10  # another digit
     return TensorDataset(images[train_rows], train_labels), TensorDataset(images[val_rows], labels[val_rows]), flipped
 
 
@@ -86,19 +89,31 @@ class DigitsMLP(L.LightningModule):
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/lightning-digits", help="run directory (its tb/ and store/ are replaced)")
+    parser.add_argument(
+        "--out", default="runs/lightning-digits", help="run directory (its tb/ and store/ are replaced)"
+    )
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--train-size", type=int, default=1497, help="training samples (at most 1497; 300 are held out)")
+    parser.add_argument(
+        "--train-size", type=int, default=1497, help="training samples (at most 1497; 300 are held out)"
+    )
     parser.add_argument("--flip", type=float, default=0.1, help="fraction of training labels flipped")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--val-samples", type=int, default=32, help="validation samples in each checkpoint pass (influence report)")
+    parser.add_argument(
+        "--val-samples", type=int, default=32, help="validation samples in each checkpoint pass (influence report)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-callback", action="store_true", help="train without MetaStoreCallback (for timing)")
     parser.add_argument("--no-reports", action="store_true", help="capture only, build no reports (for timing)")
-    parser.add_argument("--outliers-from", choices=("checkpoints", "training"), default="checkpoints",
-                        help="rank by self-influence over checkpoint passes of every training sample, or over the "
-                             "training steps (then the passes cover the callback's default 256-sample subset)")
-    parser.add_argument("--no-passes", action="store_true", help="no checkpoint passes and no reports: training steps only (for timing)")
+    parser.add_argument(
+        "--outliers-from",
+        choices=("checkpoints", "training"),
+        default="checkpoints",
+        help="rank by self-influence over checkpoint passes of every training sample, or over the "
+        "training steps (then the passes cover the callback's default 256-sample subset)",
+    )
+    parser.add_argument(
+        "--no-passes", action="store_true", help="no checkpoint passes and no reports: training steps only (for timing)"
+    )
     args = parser.parse_args(argv)
 
     out = Path(args.out)
@@ -109,7 +124,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     top = len(train) // 10  # the top 10% of the training samples
     callback = MetaStoreCallback(
         out / "store",
-        checkpoint_train_samples=len(train) if args.outliers_from == "checkpoints" else 256,  # every sample in each pass, or a subset
+        checkpoint_train_samples=len(train)
+        if args.outliers_from == "checkpoints"
+        else 256,  # every sample in each pass, or a subset
         checkpoint_val_samples=args.val_samples,  # influence rows for these validation samples
         checkpoint_every_n_epochs=0 if args.no_passes else 1,
         report_k=top,
@@ -118,9 +135,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         outliers_from=args.outliers_from,
     )
     trainer = L.Trainer(
-        max_epochs=args.epochs, accelerator="cpu", devices=1, logger=TensorBoardLogger(out, name="tb", version=0),
+        max_epochs=args.epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(out, name="tb", version=0),
         callbacks=[] if args.no_callback else [callback],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=10,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=10,
     )
     model = DigitsMLP()
     start = time.perf_counter()
@@ -133,28 +156,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     seconds = time.perf_counter() - start
     result: dict[str, Any] = {
-        "train_size": len(train), "epochs": args.epochs, "flipped": len(flipped), "seconds": round(seconds, 2),
+        "train_size": len(train),
+        "epochs": args.epochs,
+        "flipped": len(flipped),
+        "seconds": round(seconds, 2),
         "val_accuracy": round(float(trainer.callback_metrics.get("val_accuracy", float("nan"))), 4),
-        "callback": not args.no_callback, "reports": not (args.no_callback or args.no_reports or args.no_passes),
+        "callback": not args.no_callback,
+        "reports": not (args.no_callback or args.no_reports or args.no_passes),
     }
     if result["reports"]:
         reports = out / "store" / "reports"
         outliers = json.loads((reports / "outliers.json").read_text())  # the top 10% by self-influence, ranked
         flipped_ids = set(flipped.tolist())
         found = sum(row["sample_id"] in flipped_ids for row in outliers)
-        result.update({
-            "top": len(outliers), "found": found, "recall": round(found / max(1, len(flipped_ids)), 4),
-            "precision": round(found / max(1, len(outliers)), 4), "random_baseline": round(len(outliers) / len(train), 4),
-            "tb_tags": (callback.report_result or {}).get("tags", []),
-        })
-        print(f"trained {args.epochs} epochs on {len(train)} digits ({len(flipped)} labels flipped) in {seconds:.1f} s "
-              f"with MetaStoreCallback; val accuracy {result['val_accuracy']:.3f}")
-        print(f"top 10% by self-influence ({len(outliers)} samples) holds {found} of the {len(flipped_ids)} flipped labels "
-              f"({100 * result['recall']:.0f}%); a random 10% would hold {100 * result['random_baseline']:.0f}%")
+        result.update(
+            {
+                "top": len(outliers),
+                "found": found,
+                "recall": round(found / max(1, len(flipped_ids)), 4),
+                "precision": round(found / max(1, len(outliers)), 4),
+                "random_baseline": round(len(outliers) / len(train), 4),
+                "tb_tags": (callback.report_result or {}).get("tags", []),
+            }
+        )
+        print(
+            f"trained {args.epochs} epochs on {len(train)} digits ({len(flipped)} labels flipped) in {seconds:.1f} s "
+            f"with MetaStoreCallback; val accuracy {result['val_accuracy']:.3f}"
+        )
+        print(
+            f"top 10% by self-influence ({len(outliers)} samples) "
+            f"holds {found} of the {len(flipped_ids)} flipped labels "
+            f"({100 * result['recall']:.0f}%); a random 10% would hold {100 * result['random_baseline']:.0f}%"
+        )
         print(f"reports: {reports} (outliers.md, outliers.png); TensorBoard: tensorboard --logdir {out / 'tb'}")
     else:
-        how = ("without the callback" if args.no_callback else "with MetaStoreCallback, no checkpoint passes or reports"
-               if args.no_passes else "with MetaStoreCallback(reports=False)")
+        how = (
+            "without the callback"
+            if args.no_callback
+            else "with MetaStoreCallback, no checkpoint passes or reports"
+            if args.no_passes
+            else "with MetaStoreCallback(reports=False)"
+        )
         print(f"trained {args.epochs} epochs on {len(train)} digits in {seconds:.1f} s {how}")
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result

@@ -100,7 +100,16 @@ def main() -> None:
                 "val": (val_ids, val_mask, val_labels),
             }.items():
                 passes = batches(model, ids, mask, labels, torch.arange(len(labels)), 64)
-                checkpoint_pass(model, passes, per_sample_ce, writer, capture_point=f"epoch-{epoch}/{split}", step=step, epoch=epoch, lr=lr)
+                checkpoint_pass(
+                    model,
+                    passes,
+                    per_sample_ce,
+                    writer,
+                    capture_point=f"epoch-{epoch}/{split}",
+                    step=step,
+                    epoch=epoch,
+                    lr=lr,
+                )
             with torch.no_grad():
                 accuracy = (model(val_ids, val_mask).argmax(1) == val_labels).float().mean()
             print(f"epoch {epoch}: last train loss {float(loss):.3f}, val accuracy {float(accuracy):.3f}")
@@ -116,7 +125,9 @@ def main() -> None:
         f"store: {summary['bytes_on_disk'] / 2**20:.2f} MiB on disk for {summary['samples']} stored samples "
         f"({summary['dense_bytes'] / 2**20:.1f} MiB as dense fp32 per-sample gradients), problems: {store.verify()}"
     )
-    print(f"flipped labels among the top {len(reports['outliers'])} self-influence samples: {found} of {len(flipped_ids)}")
+    print(
+        f"flipped labels among the top {len(reports['outliers'])} self-influence samples: {found} of {len(flipped_ids)}"
+    )
     print("reports:", ", ".join(reports["files"]))
     (out / "reports" / "flipped.json").write_text(json.dumps(sorted(flipped_ids)))
 

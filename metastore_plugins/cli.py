@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table, write_reports
 from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.tables import influence_rows, outlier_rows
-from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.store import StoreError
 
 
@@ -52,7 +52,10 @@ def _json_default(value: Any) -> Any:
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, indent=1, default=_json_default) if args.json else text, end="" if text.endswith("\n") else "\n")
+    print(
+        json.dumps(data, indent=1, default=_json_default) if args.json else text,
+        end="" if text.endswith("\n") else "\n",
+    )
 
 
 def _train_points(store: GradientStore, given: Sequence[str] | None) -> list[str]:
@@ -67,16 +70,25 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
     summary = store.summary()
     layers = {name: store.layer_info(name) for name in store.layers()}
     problems = store.verify(checksums=not args.no_checksums)
-    data = {**summary, "capture_points_detail": {cp: store.steps(cp) for cp in store.capture_points()}, "layers_detail": layers, "problems": problems}
+    data = {
+        **summary,
+        "capture_points_detail": {cp: store.steps(cp) for cp in store.capture_points()},
+        "layers_detail": layers,
+        "problems": problems,
+    }
     ratio = summary["compression"]
     lines = [
         f"store      {summary['path']}",
         f"ranks      {summary['ranks']}   shards {summary['shards']}   encodings {', '.join(summary['encodings'])}",
         f"samples    {summary['samples']} stored over {summary['steps']} steps",
-        f"bytes      {summary['bytes_on_disk']:,} on disk vs {summary['dense_bytes']:,} as dense fp32 per-sample gradients"
+        f"bytes      {summary['bytes_on_disk']:,} on disk "
+        f"vs {summary['dense_bytes']:,} as dense fp32 per-sample gradients"
         + (f" ({ratio:.1f}x smaller)" if ratio else ""),
         "capture points:",
-        *(f"  {cp:<20} {n} batches, steps {store.steps(cp)[0]}..{store.steps(cp)[-1]}" for cp, n in summary["capture_points"].items()),
+        *(
+            f"  {cp:<20} {n} batches, steps {store.steps(cp)[0]}..{store.steps(cp)[-1]}"
+            for cp, n in summary["capture_points"].items()
+        ),
         "layers:",
         *(f"  {name:<40} {', '.join(f'{k}:{v}' for k, v in info['kinds'].items())}" for name, info in layers.items()),
         "problems: " + ("none" if not problems else ""),
@@ -166,7 +178,11 @@ def cmd_restore(args: argparse.Namespace, store: GradientStore) -> None:
     grads = store.restore(args.sample, capture_point=args.capture_point, step=args.step, layer=args.layer)
     save_file({name: g.contiguous() for name, g in grads.items()}, args.out)
     shapes = {name: list(g.shape) for name, g in grads.items()}
-    _emit(args, {"file": args.out, "tensors": shapes}, f"wrote {args.out}: " + ", ".join(f"{n} {s}" for n, s in shapes.items()))
+    _emit(
+        args,
+        {"file": args.out, "tensors": shapes},
+        f"wrote {args.out}: " + ", ".join(f"{n} {s}" for n, s in shapes.items()),
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,7 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-point", help="where the sample is stored (default: the last train pass)")
     p.add_argument("--candidates", help="capture point to search (default: the sample's)")
     p.add_argument("-k", type=int, default=10)
-    p = add("query", cmd_query, "training dynamics: weights that changed most, their top contributors, spikes, run comparison")
+    p = add(
+        "query",
+        cmd_query,
+        "training dynamics: weights that changed most, their top contributors, spikes, run comparison",
+    )
     p.add_argument("question", choices=["changed", "contributors", "spikes", "compare"])
     p.add_argument("--layer", help="layer name (changed: all layers by default)")
     p.add_argument("--steps", help="inclusive step range LO:HI (default: all)")

@@ -103,9 +103,17 @@ class MetaStoreTrainerCallback(TrainerCallback):
     ) -> None:
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.options = CallbackOptions(
-            "MetaStoreTrainerCallback", per_sample_loss=per_sample_loss, labels=labels, encoding=encoding, modules=modules,
-            unsupported=unsupported, capture_train_steps=capture_train_steps, checkpoint_val_samples=checkpoint_val_samples,
-            reports=reports, report_k=report_k, outliers_from=outliers_from,
+            "MetaStoreTrainerCallback",
+            per_sample_loss=per_sample_loss,
+            labels=labels,
+            encoding=encoding,
+            modules=modules,
+            unsupported=unsupported,
+            capture_train_steps=capture_train_steps,
+            checkpoint_val_samples=checkpoint_val_samples,
+            reports=reports,
+            report_k=report_k,
+            outliers_from=outliers_from,
         )
         self.schedule = CheckpointSchedule(checkpoint_every_n_evals, checkpoint_train_samples, seed)
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
@@ -123,7 +131,9 @@ class MetaStoreTrainerCallback(TrainerCallback):
 
     # -- start ---------------------------------------------------------------------------
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         model: nn.Module = kwargs["model"]
         if self.dirpath is None:
             self.dirpath = Path(args.output_dir or ".") / "metastore"
@@ -141,8 +151,11 @@ class MetaStoreTrainerCallback(TrainerCallback):
                 )
             self._skip = _resumed_batches(args, state, loader)
         config = {
-            "framework": "transformers", "model": type(model).__name__, "world_size": args.world_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps, "seed": self.schedule.seed,
+            "framework": "transformers",
+            "model": type(model).__name__,
+            "world_size": args.world_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "seed": self.schedule.seed,
             "loss_scale": "measured from the gradient reaching the model's loss",
         }
         self.run = self.options.run_capture(self.dirpath, rank=args.process_index, loss_reduction="mean", config=config)
@@ -153,10 +166,14 @@ class MetaStoreTrainerCallback(TrainerCallback):
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
 
-    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._epoch = int(state.epoch or 0)
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._micro = 0
 
     # -- one micro-batch: forward hooks, then the event after its backward -----------------
@@ -177,8 +194,13 @@ class MetaStoreTrainerCallback(TrainerCallback):
         ids = self._sampler.next_ids(batch_size_of(batch))
         state = self._state
         self._pending = {
-            "batch": batch, "ids": ids, "step": state.global_step if state else 0, "micro_batch": self._micro,
-            "epoch": self._epoch, "lr": _lr(self._optimizer), "watched": False,
+            "batch": batch,
+            "ids": ids,
+            "step": state.global_step if state else 0,
+            "micro_batch": self._micro,
+            "epoch": self._epoch,
+            "lr": _lr(self._optimizer),
+            "watched": False,
         }
         self._micro += 1
         self.run.begin_step(module, grad_scaler=self._scale)
@@ -200,10 +222,14 @@ class MetaStoreTrainerCallback(TrainerCallback):
         weight = per_sample_weight(loss.detach(), losses, pending["batch"].get("num_items_in_batch"))
         self._scale.watch(loss, weight, len(losses))
 
-    def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._finish()
 
-    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._finish()
 
     def _finish(self) -> None:
@@ -212,8 +238,12 @@ class MetaStoreTrainerCallback(TrainerCallback):
             return
         self.run.end_backward()
         self.run.finish_step(
-            pending["batch"], pending["ids"], step=pending["step"], epoch=pending["epoch"],
-            micro_batch=pending["micro_batch"], lr=pending["lr"],
+            pending["batch"],
+            pending["ids"],
+            step=pending["step"],
+            epoch=pending["epoch"],
+            micro_batch=pending["micro_batch"],
+            lr=pending["lr"],
         )
 
     # -- checkpoint passes ---------------------------------------------------------------
@@ -232,7 +262,14 @@ class MetaStoreTrainerCallback(TrainerCallback):
         else:
             name = f"step-{state.global_step}"
         train_loader, eval_loader = kwargs.get("train_dataloader"), kwargs.get("eval_dataloader")
-        passes = [("train", train_loader, args.per_device_train_batch_size, self.schedule.train_subset(len(train_loader.dataset)))]
+        passes = [
+            (
+                "train",
+                train_loader,
+                args.per_device_train_batch_size,
+                self.schedule.train_subset(len(train_loader.dataset)),
+            )
+        ]
         if eval_loader is not None and hasattr(eval_loader.dataset, "__len__"):
             count = min(len(eval_loader.dataset), self.options.checkpoint_val_samples)
             passes.append(("val", eval_loader, args.per_device_eval_batch_size, list(range(count))))
@@ -242,8 +279,13 @@ class MetaStoreTrainerCallback(TrainerCallback):
             share = rank_share(indices, args.process_index, args.world_size)
             batches = indexed_batches(loader.dataset, share, batch_size, loader.collate_fn)
             self.run.checkpoint_pass(  # type: ignore[union-attr]
-                model, ((ids, _to(batch, device)) for ids, batch in batches), lambda batch, k: self._mean_loss(model, batch),
-                capture_point=f"{name}/{split}", step=state.global_step, epoch=self._epoch, lr=_lr(self._optimizer),
+                model,
+                ((ids, _to(batch, device)) for ids, batch in batches),
+                lambda batch, k: self._mean_loss(model, batch),
+                capture_point=f"{name}/{split}",
+                step=state.global_step,
+                epoch=self._epoch,
+                lr=_lr(self._optimizer),
             )
         self.passes.append(name)
 
@@ -252,14 +294,23 @@ class MetaStoreTrainerCallback(TrainerCallback):
         output = model(**batch)
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if not isinstance(loss, Tensor):
-            raise ValueError(f"{type(model).__name__} returned no loss for a checkpoint-pass batch; the batches need `labels`")
+            raise ValueError(
+                f"{type(model).__name__} returned no loss for a checkpoint-pass batch; the batches need `labels`"
+            )
         _, losses = self.run.losses(output, batch)  # type: ignore[union-attr]
         return loss / (per_sample_weight(loss.detach(), losses) * len(losses))
 
     # -- end of training -----------------------------------------------------------------
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if self.run is not None and not self.passes and self.schedule.every_n_epochs > 0 and kwargs.get("train_dataloader") is not None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if (
+            self.run is not None
+            and not self.passes
+            and self.schedule.every_n_epochs > 0
+            and kwargs.get("train_dataloader") is not None
+        ):
             self._checkpoint_pass(args, state, kwargs)  # no evaluation ran during training
         self._close()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -272,15 +323,25 @@ class MetaStoreTrainerCallback(TrainerCallback):
         writers = []
         if "tensorboard" in report_to or "all" in report_to:
             writers.append(summary_writer(self.tensorboard_dir or _trainer_tensorboard_dir(args, self._started)))
-        render = _text_renderer(kwargs.get("processing_class"), kwargs.get("train_dataloader"), kwargs.get("eval_dataloader"))
+        render = _text_renderer(
+            kwargs.get("processing_class"), kwargs.get("train_dataloader"), kwargs.get("eval_dataloader")
+        )
         try:
             self.report_result = report_run(
-                self.dirpath, self.dirpath / "reports", writers, step=state.global_step, k=self.options.report_k, render=render,
+                self.dirpath,
+                self.dirpath / "reports",
+                writers,
+                step=state.global_step,
+                k=self.options.report_k,
+                render=render,
                 outliers_from=self.options.outliers_from,
             )
         except (KeyError, ValueError) as exc:  # e.g. no class predictions for a regression model: the store is intact
-            warnings.warn(f"MetaStoreTrainerCallback could not build the reports ({exc!r}); the store {self.dirpath} is "
-                          "complete. Pass reports=False to skip them", stacklevel=2)
+            warnings.warn(
+                f"MetaStoreTrainerCallback could not build the reports ({exc!r}); the store {self.dirpath} is "
+                "complete. Pass reports=False to skip them",
+                stacklevel=2,
+            )
         finally:
             for writer in writers:
                 writer.close()
@@ -330,14 +391,16 @@ def _check_capturable(model: nn.Module, modules: Sequence[str] | None) -> None:
         )
 
 
-
-
 def _trainer_tensorboard_dir(args: TrainingArguments, started: float) -> Path:
     """The directory of the Trainer's own TensorBoard writer (created at the start of training)."""
     if os.getenv("TENSORBOARD_LOGGING_DIR"):
         return Path(os.path.expanduser(os.environ["TENSORBOARD_LOGGING_DIR"]))
     runs = Path(args.output_dir or ".") / "runs"
-    found = [d for d in runs.glob("*") if d.is_dir() and any(f.stat().st_mtime >= started - 60 for f in d.glob("events.out.tfevents.*"))]
+    found = [
+        d
+        for d in runs.glob("*")
+        if d.is_dir() and any(f.stat().st_mtime >= started - 60 for f in d.glob("events.out.tfevents.*"))
+    ]
     return max(found, key=lambda d: d.stat().st_mtime) if found else runs / "metastore"
 
 

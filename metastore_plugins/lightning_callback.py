@@ -101,9 +101,17 @@ class MetaStoreCallback(Callback):
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.loss_reduction = loss_reduction
         self.options = CallbackOptions(
-            "MetaStoreCallback", per_sample_loss=per_sample_loss, labels=labels, encoding=encoding, modules=modules,
-            unsupported=unsupported, capture_train_steps=capture_train_steps, checkpoint_val_samples=checkpoint_val_samples,
-            reports=reports, report_k=report_k, outliers_from=outliers_from,
+            "MetaStoreCallback",
+            per_sample_loss=per_sample_loss,
+            labels=labels,
+            encoding=encoding,
+            modules=modules,
+            unsupported=unsupported,
+            capture_train_steps=capture_train_steps,
+            checkpoint_val_samples=checkpoint_val_samples,
+            reports=reports,
+            report_k=report_k,
+            outliers_from=outliers_from,
         )
         self.schedule = CheckpointSchedule(checkpoint_every_n_epochs, checkpoint_train_samples, seed)
         self.run: RunCapture | None = None
@@ -134,14 +142,24 @@ class MetaStoreCallback(Callback):
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "metastore"
         check_writable(self.dirpath, "MetaStoreCallback(dirpath=...)")
         config = {
-            "framework": "lightning", "loss_reduction": self.loss_reduction, "precision": str(trainer.precision),
-            "accumulate_grad_batches": trainer.accumulate_grad_batches, "world_size": trainer.world_size,
-            "module": type(pl_module).__name__, "seed": self.schedule.seed,
+            "framework": "lightning",
+            "loss_reduction": self.loss_reduction,
+            "precision": str(trainer.precision),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "world_size": trainer.world_size,
+            "module": type(pl_module).__name__,
+            "seed": self.schedule.seed,
         }
-        self.run = self.options.run_capture(self.dirpath, rank=trainer.global_rank, loss_reduction=self.loss_reduction, config=config)
+        self.run = self.options.run_capture(
+            self.dirpath, rank=trainer.global_rank, loss_reduction=self.loss_reduction, config=config
+        )
         self._record_sampler(trainer)
         dataset = getattr(trainer.train_dataloader, "dataset", None)
-        if self._sampler is None and not isinstance(dataset, (IndexedDataset, IterableDataset)) and hasattr(dataset, "__len__"):
+        if (
+            self._sampler is None
+            and not isinstance(dataset, (IndexedDataset, IterableDataset))
+            and hasattr(dataset, "__len__")
+        ):
             first = dataset[0]  # type: ignore[index]  # fail before training when no id can come
             if not (isinstance(first, Mapping) and any(key in first for key in SAMPLE_ID_KEYS)):
                 raise missing_ids_error("training")
@@ -151,7 +169,9 @@ class MetaStoreCallback(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._record_sampler(trainer)  # Lightning may have reloaded the train dataloader
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         loader = trainer.train_dataloader
         ids = take_sample_ids(batch, strip=isinstance(getattr(loader, "dataset", None), IndexedDataset))
         derived = self._sampler.next_ids(batch_size_of(batch)) if self._sampler is not None else None
@@ -167,22 +187,35 @@ class MetaStoreCallback(Callback):
         if self.run is not None:
             self.run.end_backward()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.run is None or not self.options.capture_train_steps:
             return
         accumulate = trainer.accumulate_grad_batches
         self.run.finish_step(
-            batch, self._ids, step=self._step, epoch=trainer.current_epoch, micro_batch=batch_idx % accumulate, lr=self._step_lr,
+            batch,
+            self._ids,
+            step=self._step,
+            epoch=trainer.current_epoch,
+            micro_batch=batch_idx % accumulate,
+            lr=self._step_lr,
             output=outputs.get("logits") if isinstance(outputs, dict) and "logits" in outputs else None,
         )
 
-    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         _strip_index(trainer.val_dataloaders, batch, dataloader_idx)
 
-    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         _strip_index(trainer.test_dataloaders, batch, dataloader_idx)
 
-    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         _strip_index(trainer.predict_dataloaders, batch, dataloader_idx)
 
     # -- checkpoint passes ---------------------------------------------------------------
@@ -196,17 +229,23 @@ class MetaStoreCallback(Callback):
         val_loader = val_loaders[0] if isinstance(val_loaders, (list, tuple)) and val_loaders else val_loaders
         passes = [("train", train_loader, self.schedule.train_subset(len(train_loader.dataset)))]
         if val_loader is not None and hasattr(val_loader, "dataset"):
-            passes.append(("val", val_loader, list(range(min(len(val_loader.dataset), self.options.checkpoint_val_samples)))))
+            passes.append(
+                ("val", val_loader, list(range(min(len(val_loader.dataset), self.options.checkpoint_val_samples))))
+            )
         pl_module.log = pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]  # a pass must not log
         try:
             for split, loader, indices in passes:
                 share = rank_share(indices, trainer.global_rank, trainer.world_size)
                 batches = indexed_batches(loader.dataset, share, loader.batch_size or 32, loader.collate_fn)
                 self.run.checkpoint_pass(
-                    pl_module, ((ids, move_data_to_device(b, pl_module.device)) for ids, b in batches),
+                    pl_module,
+                    ((ids, move_data_to_device(b, pl_module.device)) for ids, b in batches),
                     lambda batch, k: _loss(pl_module.training_step(batch, k)),
-                    capture_point=f"epoch-{epoch}/{split}", step=trainer.global_step, epoch=epoch,
-                    lr=self._lr(trainer), context=trainer.precision_plugin.train_step_context,
+                    capture_point=f"epoch-{epoch}/{split}",
+                    step=trainer.global_step,
+                    epoch=epoch,
+                    lr=self._lr(trainer),
+                    context=trainer.precision_plugin.train_step_context,
                 )
         finally:
             del pl_module.log, pl_module.log_dict  # the class's methods show through again
@@ -222,14 +261,31 @@ class MetaStoreCallback(Callback):
 
             experiments = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
             val_loader = _first(trainer.val_dataloaders)
-            samples = dataset_lookup({"train": getattr(trainer.train_dataloader, "dataset", None),
-                                      "val": getattr(val_loader, "dataset", None)})  # thumbnails where samples are images
+            samples = dataset_lookup(
+                {
+                    "train": getattr(trainer.train_dataloader, "dataset", None),
+                    "val": getattr(val_loader, "dataset", None),
+                }
+            )  # thumbnails where samples are images
             try:
-                self.report_result = report_run(self.dirpath, self.dirpath / "reports", experiments, step=trainer.global_step,
-                                                k=self.options.report_k, samples=samples, outliers_from=self.options.outliers_from)
-            except (KeyError, ValueError) as exc:  # e.g. no class predictions for a regression model: the store is intact
-                warnings.warn(f"MetaStoreCallback could not build the reports ({exc!r}); the store {self.dirpath} is complete. "
-                              "Pass reports=False to skip them", stacklevel=2)
+                self.report_result = report_run(
+                    self.dirpath,
+                    self.dirpath / "reports",
+                    experiments,
+                    step=trainer.global_step,
+                    k=self.options.report_k,
+                    samples=samples,
+                    outliers_from=self.options.outliers_from,
+                )
+            except (
+                KeyError,
+                ValueError,
+            ) as exc:  # e.g. no class predictions for a regression model: the store is intact
+                warnings.warn(
+                    f"MetaStoreCallback could not build the reports ({exc!r}); the store {self.dirpath} is complete. "
+                    "Pass reports=False to skip them",
+                    stacklevel=2,
+                )
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()
@@ -240,7 +296,10 @@ class MetaStoreCallback(Callback):
     # -- resuming ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"dirpath": None if self.dirpath is None else str(self.dirpath), "train_indices": self.schedule.train_indices}
+        return {
+            "dirpath": None if self.dirpath is None else str(self.dirpath),
+            "train_indices": self.schedule.train_indices,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("dirpath"):

@@ -34,7 +34,13 @@ class LossScaleError(ValueError):
     """The loss a trainer back-propagated cannot be related to the per-sample losses exactly."""
 
 
-def per_sample_weight(loss: Tensor | float, per_sample_losses: Tensor, num_items: Tensor | int | float | None = None, *, rtol: float = 1e-3) -> float:
+def per_sample_weight(
+    loss: Tensor | float,
+    per_sample_losses: Tensor,
+    num_items: Tensor | int | float | None = None,
+    *,
+    rtol: float = 1e-3,
+) -> float:
     """The weight ``c`` with ``loss == c * sum(per_sample_losses)``: ``1/B``, ``1/num_items`` or ``1``.
 
     Args:

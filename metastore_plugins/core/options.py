@@ -36,7 +36,10 @@ class CallbackOptions:
         if isinstance(self.modules, str):
             raise ValueError(f"{self.owner}(modules=...) takes a list of module paths; write [{self.modules!r}]")
         object.__setattr__(self, "modules", None if self.modules is None else tuple(self.modules))
-        for setting, value, choices in (("encoding", self.encoding, ENCODINGS), ("unsupported", self.unsupported, UNSUPPORTED_POLICIES)):
+        for setting, value, choices in (
+            ("encoding", self.encoding, ENCODINGS),
+            ("unsupported", self.unsupported, UNSUPPORTED_POLICIES),
+        ):
             if value not in choices:
                 raise ValueError(f"{self.owner}({setting}=...) must be one of {', '.join(choices)}; got {value!r}")
         check_outlier_source(self.outliers_from, self.capture_train_steps, self.owner)
@@ -50,10 +53,18 @@ class CallbackOptions:
                 f"{unknown}; use paths from model.named_modules()"
             )
 
-    def run_capture(self, path: str | os.PathLike[str], *, rank: int, loss_reduction: str, config: dict[str, Any]) -> RunCapture:
+    def run_capture(
+        self, path: str | os.PathLike[str], *, rank: int, loss_reduction: str, config: dict[str, Any]
+    ) -> RunCapture:
         """The :class:`RunCapture` of one process rank, with these settings."""
         session = {"unsupported": self.unsupported, **({"modules": list(self.modules)} if self.modules else {})}
         return RunCapture(
-            path, rank=rank, loss_reduction=loss_reduction, per_sample_loss=self.per_sample_loss, labels=self.labels,
-            encoding=self.encoding, config=config, session_options=session,
+            path,
+            rank=rank,
+            loss_reduction=loss_reduction,
+            per_sample_loss=self.per_sample_loss,
+            labels=self.labels,
+            encoding=self.encoding,
+            config=config,
+            session_options=session,
         )

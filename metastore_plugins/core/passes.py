@@ -107,7 +107,16 @@ def checkpoint_pass(
     with weights_untouched(model):
         for k, (ids, forward, labels) in enumerate(batches):
             capture_step(
-                model, forward, labels, ids, per_sample_loss, writer,
-                step=step, capture_point=capture_point, epoch=epoch, micro_batch=k, lr=lr,
+                model,
+                forward,
+                labels,
+                ids,
+                per_sample_loss,
+                writer,
+                step=step,
+                capture_point=capture_point,
+                epoch=epoch,
+                micro_batch=k,
+                lr=lr,
                 session_options=session_options,
             )

@@ -77,7 +77,9 @@ def default_labels(batch: Any) -> Tensor:
         for key in LABEL_KEYS:
             if key in batch:
                 return batch[key]
-        raise ValueError(f"the dict batch has no labels under {LABEL_KEYS} (keys: {list(batch)}); pass labels=callable(batch)")
+        raise ValueError(
+            f"the dict batch has no labels under {LABEL_KEYS} (keys: {list(batch)}); pass labels=callable(batch)"
+        )
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[1]
     raise ValueError(
@@ -157,7 +159,9 @@ def indexed_batches(
 ) -> Iterator[tuple[Tensor, Any]]:
     """``(ids, batch)`` over ``dataset[indices]`` in order: exact ids for any map-style dataset."""
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-        raise SampleIdError(f"checkpoint passes need a map-style dataset (__getitem__, __len__); got {type(dataset).__name__}")
+        raise SampleIdError(
+            f"checkpoint passes need a map-style dataset (__getitem__, __len__); got {type(dataset).__name__}"
+        )
     collate = collate_fn or torch.utils.data.default_collate
 
     def both(items: list[tuple[Any, int]]) -> tuple[Tensor, Any]:
@@ -172,7 +176,9 @@ def check_writable(path: str | os.PathLike[str], setting: str) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"cannot create the store directory {path} ({exc}); set {setting} to a writable directory") from exc
+        raise ValueError(
+            f"cannot create the store directory {path} ({exc}); set {setting} to a writable directory"
+        ) from exc
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"the store directory {path} is not writable; set {setting} to a writable directory")
     return path
@@ -244,8 +250,16 @@ class RunCapture:
             self._pause()
 
     def finish_step(
-        self, batch: Any, sample_ids: Tensor, *, step: int, capture_point: str = "train", epoch: int = 0,
-        micro_batch: int = 0, lr: float | None = None, output: Any = None,
+        self,
+        batch: Any,
+        sample_ids: Tensor,
+        *,
+        step: int,
+        capture_point: str = "train",
+        epoch: int = 0,
+        micro_batch: int = 0,
+        lr: float | None = None,
+        output: Any = None,
     ) -> None:
         """Queue the step's records with ids, labels, per-sample losses and predictions."""
         self._pause()
@@ -256,8 +270,16 @@ class RunCapture:
             return
         labels, losses = self.losses(forward_output, batch)
         self.writer.write(
-            records, sample_ids=sample_ids, step=step, capture_point=capture_point, epoch=epoch,
-            micro_batch=micro_batch, labels=labels, losses=losses, predictions=predictions_of(logits_of(forward_output)), lr=lr,
+            records,
+            sample_ids=sample_ids,
+            step=step,
+            capture_point=capture_point,
+            epoch=epoch,
+            micro_batch=micro_batch,
+            labels=labels,
+            losses=losses,
+            predictions=predictions_of(logits_of(forward_output)),
+            lr=lr,
         )
 
     def abort_step(self) -> None:
@@ -279,7 +301,9 @@ class RunCapture:
             losses = default_per_sample_loss(output, labels)
         losses = torch.as_tensor(losses).detach().float().reshape(-1)
         if losses.shape[0] != labels.reshape(len(labels), -1).shape[0]:
-            raise ValueError(f"per_sample_loss returned {losses.shape[0]} values for {len(labels)} samples; return one per sample")
+            raise ValueError(
+                f"per_sample_loss returned {losses.shape[0]} values for {len(labels)} samples; return one per sample"
+            )
         return labels.cpu(), losses.cpu()
 
     # -- checkpoint passes ---------------------------------------------------------------
@@ -310,7 +334,9 @@ class RunCapture:
                         loss = loss_of(batch, k)
                     loss.backward()
                     self.end_backward()
-                    self.finish_step(batch, ids, step=step, capture_point=capture_point, epoch=epoch, micro_batch=k, lr=lr)
+                    self.finish_step(
+                        batch, ids, step=step, capture_point=capture_point, epoch=epoch, micro_batch=k, lr=lr
+                    )
                     count += len(ids)
             finally:
                 self.abort_step()
@@ -355,6 +381,12 @@ def _finite(records: Sequence[LayerRecord]) -> bool:
     An overflowed fp16 backward shows in the gradients; an overflowed forward makes the loss,
     and so the gradients, non-finite too.
     """
-    extremes = [t.amax() if bound else t.amin() for r in records for key in r.gradient_keys()
-                for t in (r.tensors[key],) if t.numel() for bound in (True, False)]
+    extremes = [
+        t.amax() if bound else t.amin()
+        for r in records
+        for key in r.gradient_keys()
+        for t in (r.tensors[key],)
+        if t.numel()
+        for bound in (True, False)
+    ]
     return not extremes or bool(torch.isfinite(torch.stack(extremes)).all())

@@ -37,7 +37,9 @@ class IndexedDataset(Dataset):
 
     def __init__(self, dataset: Any) -> None:
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-            raise TypeError(f"IndexedDataset needs a map-style dataset (__getitem__ and __len__); got {type(dataset).__name__}")
+            raise TypeError(
+                f"IndexedDataset needs a map-style dataset (__getitem__ and __len__); got {type(dataset).__name__}"
+            )
         self.dataset = dataset
 
     def __len__(self) -> int:

@@ -28,7 +28,11 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "run", "--smoke", "--out", str(out), "--doc", str(doc), "--threads", "1"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((out / "smoke.json").read_text()), doc
@@ -44,7 +48,10 @@ def test_result_structure(smoke_run: tuple[dict, Path]) -> None:
         assert list(case["methods"]) == METHODS
         for name, method in case["methods"].items():
             status = method["status"]
-            assert status == "ok" or status == "skipped (not installed)" or status.startswith("failed: "), (name, status)
+            assert status == "ok" or status == "skipped (not installed)" or status.startswith("failed: "), (
+                name,
+                status,
+            )
             if status == "ok":
                 assert method["median_s"] > 0 and method["ratio_to_plain"] > 0
         assert case["methods"]["plain"]["status"] == "ok"
@@ -85,8 +92,16 @@ def test_markdown_and_plot_written(smoke_run: tuple[dict, Path]) -> None:
 
     _, doc = smoke_run
     text = doc.read_text()
-    for heading in ("Capture", "Storage", "Analytics", "Exact store influence", "Sketched influence", "Issue 4 targets",
-                    "Scaling", "Checks"):
+    for heading in (
+        "Capture",
+        "Storage",
+        "Analytics",
+        "Exact store influence",
+        "Sketched influence",
+        "Issue 4 targets",
+        "Scaling",
+        "Checks",
+    ):
         assert f"#### {heading}" in text
     assert "<!-- results:start -->" in text and "<!-- results:end -->" in text
     with Image.open(doc.parent / "benchmarks-scaling-smoke.png") as image:

@@ -88,7 +88,7 @@ def reference_per_sample_gradients_loop(
     batch_size = _leaves(batch)[0].shape[0]
     per_sample: list[tuple[Tensor, ...]] = []
     for i in range(batch_size):
-        sample = tree_map(lambda t: t[i : i + 1] if isinstance(t, Tensor) else t, batch)
+        sample = tree_map(lambda t, i=i: t[i : i + 1] if isinstance(t, Tensor) else t, batch)
         per_sample.append(torch.autograd.grad(loss_fn(reference, sample), list(params.values()), allow_unused=True))
     return {
         name: torch.stack([g[k] if g[k] is not None else torch.zeros_like(p) for g in per_sample])

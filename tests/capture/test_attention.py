@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from capturecases import TOLERANCE, assert_exact
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from capturecases import TOLERANCE, assert_exact
 from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
 
@@ -139,9 +139,7 @@ class EncoderClassifier(nn.Module):
         super().__init__()
         self.batch_first = batch_first
         self.embed = nn.Embedding(vocab, dim)
-        layer = nn.TransformerEncoderLayer(
-            dim, 2, 16, dropout=0.0, batch_first=batch_first, norm_first=norm_first
-        )
+        layer = nn.TransformerEncoderLayer(dim, 2, 16, dropout=0.0, batch_first=batch_first, norm_first=norm_first)
         self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(dim), enable_nested_tensor=False)
         self.head = nn.Linear(dim, 3)
 

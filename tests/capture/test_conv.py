@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 import torch
+from capturecases import assert_exact, cross_entropy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-
-from capturecases import assert_exact, cross_entropy
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,9 @@ def test_conv_is_exact(case: ConvCase) -> None:
     dilation=st.integers(1, 2),
     size=st.integers(5, 8),
 )
-def test_conv2d_shapes(batch: int, groups: int, kernel: int, stride: int, padding: int, dilation: int, size: int) -> None:
+def test_conv2d_shapes(
+    batch: int, groups: int, kernel: int, stride: int, padding: int, dilation: int, size: int
+) -> None:
     torch.manual_seed(kernel * 100 + stride * 10 + padding)
     conv = nn.Conv2d(2 * groups, 2 * groups, kernel, stride=stride, padding=padding, dilation=dilation, groups=groups)
     model = nn.Sequential(conv, nn.Flatten(), nn.LazyLinear(2))
@@ -77,7 +78,9 @@ def test_conv2d_shapes(batch: int, groups: int, kernel: int, stride: int, paddin
 def test_factored_and_direct_dense_convolution_records_are_both_exact(groups: int, size: int, kind: str) -> None:
     """A 5x5 kernel over a 5x5 image has one position (factors are smaller); over 16x16, 144 (dense is)."""
     torch.manual_seed(size + groups)
-    model = nn.Sequential(nn.Conv2d(2 * groups, 2 * groups, 5, groups=groups), nn.Tanh(), nn.Flatten(), nn.LazyLinear(3))
+    model = nn.Sequential(
+        nn.Conv2d(2 * groups, 2 * groups, 5, groups=groups), nn.Tanh(), nn.Flatten(), nn.LazyLinear(3)
+    )
     x = torch.randn(3, 2 * groups, size, size)
     model(x)
     session = assert_exact(model, cross_entropy, (x, torch.randint(0, 3, (3,))))
@@ -85,8 +88,12 @@ def test_factored_and_direct_dense_convolution_records_are_both_exact(groups: in
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize(("kernel", "stride", "padding", "dilation"), [(1, 1, 0, 1), (3, 2, 1, 2), (2, 1, 2, 1), (3, 3, 0, 1)])
-def test_strided_patches_equal_f_unfold(kernel: int, stride: int, padding: int, dilation: int, channels_last: bool) -> None:
+@pytest.mark.parametrize(
+    ("kernel", "stride", "padding", "dilation"), [(1, 1, 0, 1), (3, 2, 1, 2), (2, 1, 2, 1), (3, 3, 0, 1)]
+)
+def test_strided_patches_equal_f_unfold(
+    kernel: int, stride: int, padding: int, dilation: int, channels_last: bool
+) -> None:
     import torch.nn.functional as F
 
     from metastore_plugins.core.capture.layers.conv import unfold_patches

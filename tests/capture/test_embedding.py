@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from capturecases import assert_exact
 from torch import Tensor, nn
 
-from capturecases import assert_exact
 from metastore_plugins.core.capture import CaptureSession
 
 

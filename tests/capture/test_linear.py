@@ -6,11 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from capturecases import assert_exact, cross_entropy, squared_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-
-from capturecases import assert_exact, cross_entropy, squared_error
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
-
 from capturecases import (
     TOLERANCE,
     Reference,
@@ -22,6 +20,8 @@ from capturecases import (
     cross_entropy,
     reference_per_sample_gradients_loop,
 )
+from torch import Tensor, nn
+
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
 

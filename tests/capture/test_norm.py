@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from capturecases import assert_exact, cross_entropy
 from torch import nn
 
-from capturecases import assert_exact, cross_entropy
 from metastore_plugins.core.capture import CaptureSession
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from capturecases import TOLERANCE, assert_exact, cross_entropy, squared_error
 from torch import Tensor, nn
 
-from capturecases import TOLERANCE, assert_exact, cross_entropy, squared_error
 from metastore_plugins.core.capture import (
     CaptureSession,
     UnsupportedLayerError,

@@ -22,15 +22,29 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "run"
     subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_text_classifier.py"), "--out", str(out), "--epochs", "2",
-         "--train-size", "128", "--encoding", "fp32"],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_text_classifier.py"),
+            "--out",
+            str(out),
+            "--epochs",
+            "2",
+            "--train-size",
+            "128",
+            "--encoding",
+            "fp32",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     return out
 
 
 def metastore(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "metastore_plugins.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "metastore_plugins.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def json_of(*args: str) -> object:
@@ -83,11 +97,28 @@ def test_similar_and_restore(run_dir: Path, tmp_path: Path) -> None:
     "args, message",
     [
         (["inspect", "{tmp}/not-a-store"], "is not a metastore store"),
-        (["restore", "{run}", "--sample", "99999", "--capture-point", "epoch-1/val", "--out", "{tmp}/x.safetensors"], "is not stored"),
+        (
+            ["restore", "{run}", "--sample", "99999", "--capture-point", "epoch-1/val", "--out", "{tmp}/x.safetensors"],
+            "is not stored",
+        ),
         (["similar", "{run}", "--sample", "99999"], "is not stored"),
         (["influence", "{run}", "--test", "99999"], "are not stored"),
         (["outliers", "{run}", "--capture-point", "nope"], "unknown capture point"),
-        (["restore", "{run}", "--sample", "1", "--capture-point", "epoch-1/val", "--layer", "nope", "--out", "{tmp}/x"], "unknown layer"),
+        (
+            [
+                "restore",
+                "{run}",
+                "--sample",
+                "1",
+                "--capture-point",
+                "epoch-1/val",
+                "--layer",
+                "nope",
+                "--out",
+                "{tmp}/x",
+            ],
+            "unknown layer",
+        ),
     ],
 )
 def test_user_mistakes_are_one_line_errors(run_dir: Path, tmp_path: Path, args: list[str], message: str) -> None:
@@ -116,7 +147,9 @@ def test_query_changed_and_contributors_match_the_python_api(run_dir: Path) -> N
     assert [r["value"] for r in rows] == pytest.approx([c.value for c in expected], rel=1e-6)
     rows = json_of("query", str(run_dir), "contributors", "--layer", "head", "-k", "2", "--steps", "0:5")
     expected = store.top_contributors("head", 2, steps=(0, 5)).rows()
-    assert [[list(c) for c in r["contributors"]] for r in rows] == [[list(c) for c in e["contributors"]] for e in expected]
+    assert [[list(c) for c in r["contributors"]] for r in rows] == [
+        [list(c) for c in e["contributors"]] for e in expected
+    ]
 
 
 def test_query_spikes_and_compare(run_dir: Path) -> None:

@@ -44,19 +44,33 @@ def _wait_until_serving(port: int, server: subprocess.Popen[bytes], seconds: flo
 def test_reports_render_in_a_real_tensorboard(tmp_path: Path) -> None:
     run = tmp_path / "run"
     subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_text_classifier.py"), "--out", str(run), "--epochs", "2", "--train-size", "128"],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_text_classifier.py"),
+            "--out",
+            str(run),
+            "--epochs",
+            "2",
+            "--train-size",
+            "128",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     logdir = tmp_path / "tb"
     done = subprocess.run(
         [sys.executable, "-m", "metastore_plugins.cli", "report", str(run), "--logdir", str(logdir)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         _wait_until_serving(port, server)
@@ -65,7 +79,7 @@ def test_reports_render_in_a_real_tensorboard(tmp_path: Path) -> None:
         while not _get(port, "/data/plugin/text/tags") and time.monotonic() < deadline:
             time.sleep(0.5)
         text_tags = _get(port, "/data/plugin/text/tags")  # {run: [tags]}
-        (run_name, tags), = text_tags.items()
+        ((run_name, tags),) = text_tags.items()
         outlier_tag = next(tag for tag in tags if "outlier" in tag)
         table = _get(port, "/data/plugin/text/text", run=run_name, tag=outlier_tag)
         rendered = table[-1]["text"]

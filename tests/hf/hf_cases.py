@@ -69,27 +69,55 @@ class TorchDataset(torch.utils.data.Dataset):
 def make_model(seed: int = 0, cls: type = BertForSequenceClassification) -> Any:
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=CLASSES,
+        vocab_size=len(VOCAB),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=CLASSES,
     )
     config._attn_implementation = "eager"
     return cls(config)
 
 
 def train(
-    tmp_path: Path, model: Any, train_set: Any, val_set: Any, callbacks: list[Any], *, tokenizer: Any = None, **arguments: Any
+    tmp_path: Path,
+    model: Any,
+    train_set: Any,
+    val_set: Any,
+    callbacks: list[Any],
+    *,
+    tokenizer: Any = None,
+    **arguments: Any,
 ) -> Any:
     """Run a real ``Trainer`` (CPU, no checkpoints) and return it."""
     defaults: dict[str, Any] = {
-        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8,
-        "learning_rate": 0.0, "num_train_epochs": 2, "eval_strategy": "epoch", "save_strategy": "no",
-        "report_to": ["tensorboard"], "use_cpu": True, "logging_steps": 1, "disable_tqdm": True, "seed": 3,
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 8,
+        "learning_rate": 0.0,
+        "num_train_epochs": 2,
+        "eval_strategy": "epoch",
+        "save_strategy": "no",
+        "report_to": ["tensorboard"],
+        "use_cpu": True,
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "seed": 3,
     }
     defaults.update(arguments)
     tokenizer = tokenizer or make_tokenizer(tmp_path / "tok")
     trainer = Trainer(
-        model=model, args=TrainingArguments(**defaults), train_dataset=train_set, eval_dataset=val_set,
-        data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer, callbacks=callbacks,
+        model=model,
+        args=TrainingArguments(**defaults),
+        train_dataset=train_set,
+        eval_dataset=val_set,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        callbacks=callbacks,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -151,10 +179,24 @@ class MeanBert(BertForSequenceClassification):
 
 
 def simulate_train(
-    tmp_path: Path, model: Any, train_set: Any, val_set: Any, callbacks: list[Any], *, tokenizer: Any = None,
-    batch_size: int = 4, eval_batch_size: int = 8, epochs: int = 2, accumulation: int = 1, lr: float = 0.0,
-    report_to: tuple[str, ...] = ("tensorboard",), seed: int = 3, rank: int = 0, world_size: int = 1,
-    evaluate: bool = True, resume_step: int = 0,
+    tmp_path: Path,
+    model: Any,
+    train_set: Any,
+    val_set: Any,
+    callbacks: list[Any],
+    *,
+    tokenizer: Any = None,
+    batch_size: int = 4,
+    eval_batch_size: int = 8,
+    epochs: int = 2,
+    accumulation: int = 1,
+    lr: float = 0.0,
+    report_to: tuple[str, ...] = ("tensorboard",),
+    seed: int = 3,
+    rank: int = 0,
+    world_size: int = 1,
+    evaluate: bool = True,
+    resume_step: int = 0,
 ) -> Any:
     """Trainer.train()'s event sequence and loss scaling (transformers 5.23 ``_run_epoch``), for a machine without
     accelerate: shuffled loader, windows of ``accumulation`` prefetched micro-batches, ``num_items_in_batch`` for
@@ -168,13 +210,20 @@ def simulate_train(
     tokenizer = tokenizer or make_tokenizer(tmp_path / "tok")
     output_dir = tmp_path / "out"
     args = SimpleNamespace(
-        output_dir=str(output_dir), process_index=rank, world_size=world_size, gradient_accumulation_steps=accumulation,
-        eval_strategy="epoch" if evaluate else "no", per_device_train_batch_size=batch_size, per_device_eval_batch_size=eval_batch_size,
+        output_dir=str(output_dir),
+        process_index=rank,
+        world_size=world_size,
+        gradient_accumulation_steps=accumulation,
+        eval_strategy="epoch" if evaluate else "no",
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=eval_batch_size,
         report_to=list(report_to),
     )
     accepts = getattr(model, "accepts_loss_kwargs", None)
     if accepts is None:
-        accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+        accepts = any(
+            p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()
+        )
     keep = set(inspect.signature(model.forward).parameters) | {"label", "labels"}
 
     collator = DataCollatorWithPadding(tokenizer)
@@ -186,7 +235,9 @@ def simulate_train(
     shuffle = not isinstance(train_set, torch.utils.data.IterableDataset)
     sampler = None
     if world_size > 1:  # what accelerate's BatchSamplerShard amounts to: each rank its own share of every epoch
-        sampler = torch.utils.data.DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+        sampler = torch.utils.data.DistributedSampler(
+            train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed
+        )
         shuffle = False
     train_loader = torch.utils.data.DataLoader(
         train_set, batch_size=batch_size, shuffle=shuffle, sampler=sampler, collate_fn=collate, generator=g
@@ -256,7 +307,9 @@ def simulate_train(
                 model(**inputs)
         handler.on_evaluate(args, state, control, metrics={})
     handler.on_train_end(args, state, control)
-    return SimpleNamespace(args=args, state=state, model=model, train_loader=train_loader, log_dir=output_dir / "runs" / "trainer")
+    return SimpleNamespace(
+        args=args, state=state, model=model, train_loader=train_loader, log_dir=output_dir / "runs" / "trainer"
+    )
 
 
 def _prefetching(iterator: Any) -> Any:

@@ -24,8 +24,16 @@ def run(rank: int, out: str) -> None:
         from metastore_plugins.hf_callback import MetaStoreTrainerCallback
 
         callback = MetaStoreTrainerCallback(encoding="fp32", checkpoint_train_samples=12)
-        simulate_train(Path(out), make_model(), make_dataset(20, 1), make_dataset(10, 2), [callback],
-                       accumulation=2, rank=rank, world_size=2)
+        simulate_train(
+            Path(out),
+            make_model(),
+            make_dataset(20, 1),
+            make_dataset(10, 2),
+            [callback],
+            accumulation=2,
+            rank=rank,
+            world_size=2,
+        )
     finally:
         dist.destroy_process_group()
 

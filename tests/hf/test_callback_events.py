@@ -94,7 +94,9 @@ def test_stored_losses_and_predictions(accumulated) -> None:
     sid = int(meta["sample_id"][0])
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([train_set[sid]["input_ids"]])).logits
-    assert meta["loss"][0] == pytest.approx(float(F.cross_entropy(logits, torch.tensor([train_set[sid]["label"]]))), rel=1e-5)
+    assert meta["loss"][0] == pytest.approx(
+        float(F.cross_entropy(logits, torch.tensor([train_set[sid]["label"]]))), rel=1e-5
+    )
     assert meta["prediction"][0] == int(logits.argmax())
 
 
@@ -143,7 +145,9 @@ def test_reports_in_the_trainers_tensorboard_dir_and_as_files(learning_run) -> N
     assert "| text |" in (reports / "outliers.md").read_text().splitlines()[0] + "|"
     influence = callback.report_result["influence"]
     assert influence and influence[0]["test_text"]
-    events = EventAccumulator(str(run.log_dir), size_guidance={"tensors": 0, "histograms": 0, "images": 0, "scalars": 0}).Reload()
+    events = EventAccumulator(
+        str(run.log_dir), size_guidance={"tensors": 0, "histograms": 0, "images": 0, "scalars": 0}
+    ).Reload()
     tags = events.Tags()
     assert "train/loss" in tags["scalars"]  # the Trainer's own curve, next to ours
     assert {"metastore/outliers/text_summary", "metastore/influence/text_summary"} <= set(tags["tensors"])
@@ -156,7 +160,9 @@ def test_reports_in_the_trainers_tensorboard_dir_and_as_files(learning_run) -> N
 
 def test_no_tensorboard_reports_files_only(tmp_path: Path) -> None:
     callback = MetaStoreTrainerCallback(dirpath=tmp_path / "store", capture_train_steps=False)
-    run = simulate_train(tmp_path, make_model(), make_dataset(8, 1), make_dataset(4, 2), [callback], epochs=1, lr=0.1, report_to=())
+    run = simulate_train(
+        tmp_path, make_model(), make_dataset(8, 1), make_dataset(4, 2), [callback], epochs=1, lr=0.1, report_to=()
+    )
     assert callback.dirpath == tmp_path / "store"
     assert open_store(callback.dirpath).capture_points() == ["epoch-0/train", "epoch-0/val"]
     assert (callback.dirpath / "reports" / "outliers.json").is_file()
@@ -267,8 +273,17 @@ def test_resuming_mid_epoch_skips_the_batches_the_trainer_skips(tmp_path: Path) 
     train_set = make_dataset(N_TRAIN, 1)
     full, resumed = MetaStoreTrainerCallback(reports=False), MetaStoreTrainerCallback(reports=False)
     simulate_train(tmp_path / "full", make_model(), train_set, None, [full], epochs=1, accumulation=2, evaluate=False)
-    simulate_train(tmp_path / "resumed", make_model(), train_set, None, [resumed], epochs=1, accumulation=2,
-                   evaluate=False, resume_step=1)
+    simulate_train(
+        tmp_path / "resumed",
+        make_model(),
+        train_set,
+        None,
+        [resumed],
+        epochs=1,
+        accumulation=2,
+        evaluate=False,
+        resume_step=1,
+    )
     a, b = open_store(full.dirpath).metadata("train"), open_store(resumed.dirpath).metadata("train")
     assert sorted(set(b["step"].tolist())) == [1, 2]
     assert b["sample_id"].tolist() == a["sample_id"][a["step"] >= 1].tolist()

@@ -16,7 +16,9 @@ def test_hf_example_finds_flipped_labels(tmp_path: Path) -> None:
     out = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "hf_text_classifier.py"), "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())

@@ -30,7 +30,11 @@ from metastore_plugins import MetaStoreTrainerCallback, open_store  # noqa: E402
 
 N_TRAIN, N_VAL = 18, 10
 
-MODELS = {"num_items_in_batch": SumOverItemsBert, "divided_by_window": MeanBert, "kwargs_mean": BertForSequenceClassification}
+MODELS = {
+    "num_items_in_batch": SumOverItemsBert,
+    "divided_by_window": MeanBert,
+    "kwargs_mean": BertForSequenceClassification,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -75,12 +79,22 @@ def test_checkpoint_passes_at_evaluation(accumulated) -> None:
 
 def test_reports_next_to_the_trainers_curves(tmp_path: Path) -> None:
     callback = MetaStoreTrainerCallback()
-    trainer = train(tmp_path, make_model(), TorchDataset(N_TRAIN, 1), TorchDataset(N_VAL, 2), [callback],
-                    learning_rate=0.5, optim="sgd", remove_unused_columns=False)
+    trainer = train(
+        tmp_path,
+        make_model(),
+        TorchDataset(N_TRAIN, 1),
+        TorchDataset(N_VAL, 2),
+        [callback],
+        learning_rate=0.5,
+        optim="sgd",
+        remove_unused_columns=False,
+    )
     assert (callback.dirpath / "reports" / "outliers.md").is_file()
     runs = [d for d in (Path(trainer.args.output_dir) / "runs").iterdir() if d.is_dir()]
     assert len(runs) == 1  # the Trainer's own run directory, not one of ours
-    events = EventAccumulator(str(runs[0]), size_guidance={"tensors": 0, "histograms": 0, "images": 0, "scalars": 0}).Reload()
+    events = EventAccumulator(
+        str(runs[0]), size_guidance={"tensors": 0, "histograms": 0, "images": 0, "scalars": 0}
+    ).Reload()
     tags = events.Tags()
     assert "train/loss" in tags["scalars"]
     assert {"metastore/outliers/text_summary", "metastore/influence/text_summary"} <= set(tags["tensors"])
@@ -91,8 +105,17 @@ def test_reports_next_to_the_trainers_curves(tmp_path: Path) -> None:
 
 def test_steps_eval_strategy_names_passes_by_step(tmp_path: Path) -> None:
     callback = MetaStoreTrainerCallback(capture_train_steps=False)
-    train(tmp_path, make_model(), make_dataset(N_TRAIN, 1), make_dataset(N_VAL, 2), [callback],
-          eval_strategy="steps", eval_steps=2, max_steps=4, report_to="none")
+    train(
+        tmp_path,
+        make_model(),
+        make_dataset(N_TRAIN, 1),
+        make_dataset(N_VAL, 2),
+        [callback],
+        eval_strategy="steps",
+        eval_steps=2,
+        max_steps=4,
+        report_to="none",
+    )
     assert open_store(callback.dirpath).capture_points() == ["step-2/train", "step-2/val", "step-4/train", "step-4/val"]
 
 
@@ -102,8 +125,16 @@ def test_torchrun_two_processes(tmp_path: Path) -> None:
     import sys
 
     worker = Path(__file__).parent / "trainer_ddp_worker.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               f"--master_port={29000 + os.getpid() % 500}", str(worker), str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        f"--master_port={29000 + os.getpid() % 500}",
+        str(worker),
+        str(tmp_path),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     store = open_store(tmp_path / "out" / "metastore")

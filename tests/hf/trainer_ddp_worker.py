@@ -16,5 +16,13 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     out = Path(sys.argv[1])
     callback = MetaStoreTrainerCallback(encoding="fp32", checkpoint_train_samples=12)
-    train(out, make_model(), make_dataset(20, 1), make_dataset(10, 2), [callback], gradient_accumulation_steps=2,
-          ddp_backend="gloo", tokenizer=None)
+    train(
+        out,
+        make_model(),
+        make_dataset(20, 1),
+        make_dataset(10, 2),
+        [callback],
+        gradient_accumulation_steps=2,
+        ddp_backend="gloo",
+        tokenizer=None,
+    )

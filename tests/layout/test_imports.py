@@ -104,13 +104,15 @@ def test_no_import_cycle() -> None:
 
 
 def test_the_store_imports_nothing_above_it() -> None:
-    allowed = ("metastore_plugins.core.store", "metastore_plugins.core.capture.records", "metastore_plugins.core.progress")
+    allowed = (
+        "metastore_plugins.core.store",
+        "metastore_plugins.core.capture.records",
+        "metastore_plugins.core.progress",
+    )
     edges = graph()
     store_modules = [name for name in edges if name.startswith("metastore_plugins.core.store")]
     assert len(store_modules) >= 6
-    above = {
-        name: sorted(target for target in edges[name] if not target.startswith(allowed)) for name in store_modules
-    }
+    above = {name: sorted(target for target in edges[name] if not target.startswith(allowed)) for name in store_modules}
     assert {name: targets for name, targets in above.items() if targets} == {}
 
 

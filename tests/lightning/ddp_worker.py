@@ -21,8 +21,14 @@ if __name__ == "__main__":
     _, val = loaders(40, 10, 5)
     train = DataLoader(make_data(40, 1), batch_size=5, shuffle=True)  # plain: ids from the DistributedSampler
     trainer = L.Trainer(
-        max_epochs=2, accelerator="cpu", devices=2, strategy="ddp", logger=TensorBoardLogger(out),
+        max_epochs=2,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        logger=TensorBoardLogger(out),
         callbacks=[MetaStoreCallback(encoding="fp32", checkpoint_train_samples=16)],
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
     )
     trainer.fit(Classifier(lr=0.0), train, val)

@@ -93,8 +93,15 @@ class Recorder(Callback):
 
 
 def fit(tmp_path: Path, module: Any, train: Any, val: Any, callbacks: list[Any], **trainer_kwargs: Any) -> Any:
-    options = {"max_epochs": 2, "logger": TensorBoardLogger(tmp_path), "enable_progress_bar": False,
-               "enable_model_summary": False, "enable_checkpointing": False, "log_every_n_steps": 1, **trainer_kwargs}
+    options = {
+        "max_epochs": 2,
+        "logger": TensorBoardLogger(tmp_path),
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "log_every_n_steps": 1,
+        **trainer_kwargs,
+    }
     trainer = L.Trainer(callbacks=callbacks, **options)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*(does not have many workers|smaller than the logging interval|LeafSpec).*")

@@ -44,14 +44,18 @@ def test_store_goes_under_the_log_dir_and_reports_are_written(accumulated_run) -
     assert store.verify() == []
     for name in ("outliers.json", "outliers.csv", "outliers.md", "influence.json", "influence.md", "summary.json"):
         assert (callback.dirpath / "reports" / name).is_file()
-    events = EventAccumulator(str(trainer.log_dir), size_guidance={"tensors": 0, "histograms": 0, "images": 0, "scalars": 0}).Reload()
+    events = EventAccumulator(
+        str(trainer.log_dir), size_guidance={"tensors": 0, "histograms": 0, "images": 0, "scalars": 0}
+    ).Reload()
     tags = events.Tags()
     assert {"metastore/outliers/text_summary", "metastore/influence/text_summary"} <= set(tags["tensors"])
     assert any(t.startswith("metastore/self_influence/class_") for t in tags["histograms"])
     assert tags["images"] == ["metastore/loss_vs_self_influence"]
     text = events.Tensors("metastore/outliers/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| rank | sample_id |" in text
-    assert {"metastore/grad_norm/net.0", "metastore/grad_norm/net.2", "metastore/exploding_fraction"} <= set(tags["scalars"])
+    assert {"metastore/grad_norm/net.0", "metastore/grad_norm/net.2", "metastore/exploding_fraction"} <= set(
+        tags["scalars"]
+    )
     assert [e.step for e in events.Scalars("metastore/grad_norm/net.2")] == [0, 1, 2, 3, 4, 5]
     assert "metastore/grad_norm_per_epoch" in tags["histograms"]
     projector = (Path(trainer.log_dir) / "projector_config.pbtxt").read_text()
@@ -87,7 +91,9 @@ def test_accumulated_steps_store_each_samples_own_gradient(accumulated_run) -> N
             torch.testing.assert_close(got, want[torch.as_tensor(ids)], rtol=1e-5, atol=1e-6)
         # Lightning divides each micro-batch loss by accumulate_grad_batches=2, also in the last, partial window
         for name, grad in recorder.grads[step].items():
-            micro = [store.sample_ids("train", steps=step)[meta["micro_batch"][meta["step"] == step] == k] for k in (0, 1)]
+            micro = [
+                store.sample_ids("train", steps=step)[meta["micro_batch"][meta["step"] == step] == k] for k in (0, 1)
+            ]
             batch_grad = sum(expected[name][torch.as_tensor(m)].mean(0) / 2 for m in micro if len(m))
             torch.testing.assert_close(grad, batch_grad, rtol=1e-5, atol=1e-6)
     losses = F.cross_entropy(module(x), y, reduction="none").detach()
@@ -106,7 +112,9 @@ def test_checkpoint_pass_gradients_are_exact_and_leave_training_alone(accumulate
 
 
 def test_bf16_mixed_runs_and_stores_gradients(tmp_path: Path) -> None:
-    """bf16 autocast: the stored factors are the bf16 computation's, so compare at 5e-2 relative to the fp32 reference."""
+    """bf16 autocast: the stored factors are the bf16 computation's.
+
+    So compare at 5e-2 relative to the fp32 reference."""
     callback = MetaStoreCallback(encoding="fp32")
     module = Classifier(lr=0.0)
     train, val = loaders(N_TRAIN, 12, BATCH)
@@ -166,16 +174,22 @@ def test_16_mixed_with_a_cpu_grad_scaler_undoes_the_scale_of_each_step(tmp_path:
 
 
 def test_in_run_outliers_rank_every_trained_sample_not_only_the_checkpoint_subset(tmp_path: Path) -> None:
-    callback = MetaStoreCallback(checkpoint_train_samples=8, outliers_from="training", report_k=N_TRAIN, encoding="fp32")
+    callback = MetaStoreCallback(
+        checkpoint_train_samples=8, outliers_from="training", report_k=N_TRAIN, encoding="fp32"
+    )
     train, val = loaders(N_TRAIN, 12, BATCH)
     fit(tmp_path, Classifier(), train, val, [callback])
     store = open_store(callback.dirpath)
     subset = set(store.sample_ids("epoch-0/train").tolist())
     rows = callback.report_result["outliers"]
-    assert len(subset) == 8 and {row["sample_id"] for row in rows} == set(range(N_TRAIN))  # all 44, not the 8 of the passes
+    assert len(subset) == 8 and {row["sample_id"] for row in rows} == set(
+        range(N_TRAIN)
+    )  # all 44, not the 8 of the passes
     ids, values = store.sample_ids("train"), store.self_influence("train")  # per occurrence: once per epoch
     by_id = {int(i): float(values[ids == i].sum()) for i in np.unique(ids)}
-    assert all(abs(row["self_influence"] - by_id[row["sample_id"]]) <= 1e-6 * max(1.0, by_id[row["sample_id"]]) for row in rows)
+    assert all(
+        abs(row["self_influence"] - by_id[row["sample_id"]]) <= 1e-6 * max(1.0, by_id[row["sample_id"]]) for row in rows
+    )
     with pytest.raises(ValueError, match="outliers_from"):
         MetaStoreCallback(outliers_from="steps")
     with pytest.raises(ValueError, match="capture_train_steps=True"):

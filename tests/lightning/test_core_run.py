@@ -26,7 +26,9 @@ from metastore_plugins.core.run import (  # noqa: E402
 
 def test_indexed_dataset_items_carry_the_index_and_lose_it_again() -> None:
     data = TensorDataset(torch.arange(10.0)[:, None], torch.arange(10) % 3)
-    batch = next(iter(DataLoader(IndexedDataset(data), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))))
+    batch = next(
+        iter(DataLoader(IndexedDataset(data), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0)))
+    )
     ids = take_sample_ids(batch, strip=True)
     assert len(batch) == 2 and torch.equal(batch[0][:, 0].long(), ids) and torch.equal(batch[1], ids % 3)
     dicts = [{"x": torch.tensor([float(i)]), "labels": i % 2} for i in range(6)]
@@ -79,12 +81,20 @@ class FakeWriter:
 def test_tensorboard_sink_writes_tables_histograms_and_a_scatter(tmp_path: Path) -> None:
     image = scatter_image(np.array([0.1, 2.0, 1.0]), np.array([1.0, 3.0, np.nan]), np.array([0, 1, 1]), title="t")
     assert image.shape == (360, 480, 3) and (image != 255).any()
-    table = {"sample_id": np.arange(4), "self_influence": np.array([1.0, 2, 3, 4]), "label": np.array([0, 0, 1, 1]),
-             "loss": np.array([0.1, 0.2, 0.3, 0.4])}
+    table = {
+        "sample_id": np.arange(4),
+        "self_influence": np.array([1.0, 2, 3, 4]),
+        "label": np.array([0, 0, 1, 1]),
+        "loss": np.array([0.1, 0.2, 0.3, 0.4]),
+    }
     writer = FakeWriter()
     tags = write_tensorboard(writer, {"outliers": [{"rank": 1, "sample_id": 3}], "influence": []}, table, step=5)
-    assert tags == ["metastore/outliers", "metastore/self_influence/class_0", "metastore/self_influence/class_1",
-                    "metastore/loss_vs_self_influence"]
+    assert tags == [
+        "metastore/outliers",
+        "metastore/self_influence/class_0",
+        "metastore/self_influence/class_1",
+        "metastore/loss_vs_self_influence",
+    ]
     real = summary_writer(tmp_path)
     write_tensorboard(real, {"outliers": [{"rank": 1}]}, table)
     real.close()
@@ -107,7 +117,9 @@ def test_run_capture_skips_overflowed_fp16_steps_and_writes_the_rest(tmp_path: P
             x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
             run.begin_step(model, grad_scaler=_Scaler())
             logits = model(x)
-            loss = torch.nn.functional.cross_entropy(logits * (1e38 if blow_up else 1.0), y) * (1e38 if blow_up else 1.0)
+            loss = torch.nn.functional.cross_entropy(logits * (1e38 if blow_up else 1.0), y) * (
+                1e38 if blow_up else 1.0
+            )
             loss.backward()
             run.end_backward()
             run.finish_step((x, y), torch.arange(4) + 10 * step, step=step)
@@ -141,8 +153,12 @@ def test_run_capture_hooks_once_ignores_forwards_between_steps_and_unhooks_on_cl
     store = open_store(tmp_path)
     assert store.steps("train") == [0, 1, 2] and len(store.sample_ids("train")) == 12
     for step, (x, y) in enumerate(batches[-1:], start=2):
-        expected = reference_per_sample_gradients(model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), (x, y))
+        expected = reference_per_sample_gradients(
+            model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), (x, y)
+        )
         # the weights did not change (no optimizer step), so every step's gradients are those of the same model
-        restored = {name: torch.stack([store.restore(10 * step + i, capture_point="train", step=step)[name] for i in range(4)])
-                    for name in expected}
+        restored = {
+            name: torch.stack([store.restore(10 * step + i, capture_point="train", step=step)[name] for i in range(4)])
+            for name in expected
+        }
         assert max_relative_error(restored, expected) <= 1e-5

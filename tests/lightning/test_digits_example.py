@@ -26,8 +26,13 @@ FAST = ["--train-size", "600", "--epochs", "3"]  # measured: 53 of the 60 flippe
 def test_digits_example_finds_flipped_labels(tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
     out = tmp_path / "digits"
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_digits.py"), "--out", str(out), *FAST],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "lightning_digits.py"), "--out", str(out), *FAST],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((out / "result.json").read_text())
     assert result["train_size"] == 600 and result["flipped"] == 60 and result["top"] == 60
@@ -37,7 +42,9 @@ def test_digits_example_finds_flipped_labels(tmp_path: Path) -> None:
 
     outliers = json.loads((out / "store" / "reports" / "outliers.json").read_text())
     assert [row["rank"] for row in outliers] == list(range(1, 61))
-    assert (out / "store" / "reports" / "outliers.png").is_file() and (out / "store" / "reports" / "influence.png").is_file()
+    assert (out / "store" / "reports" / "outliers.png").is_file() and (
+        out / "store" / "reports" / "influence.png"
+    ).is_file()
     events = EventAccumulator(str(out / "tb" / "version_0"), size_guidance={"images": 0, "tensors": 0}).Reload()
     images = set(events.Tags()["images"])
     assert {"metastore/outlier_samples", "metastore/influence_samples", "metastore/loss_vs_self_influence"} <= images
@@ -62,7 +69,9 @@ def test_as_image_accepts_small_images_only() -> None:
 def test_sample_input_and_grid() -> None:
     x = torch.rand(1, 8, 8)
     assert sample_input((x, 3)) is x and sample_input({"pixel_values": x, "labels": 1}) is x and sample_input(x) is x
-    lookup = dataset_lookup({"train": torch.utils.data.TensorDataset(torch.rand(5, 1, 8, 8), torch.arange(5)), "val": None})
+    lookup = dataset_lookup(
+        {"train": torch.utils.data.TensorDataset(torch.rand(5, 1, 8, 8), torch.arange(5)), "val": None}
+    )
     rows = [{"rank": r + 1, "sample_id": i, "label": i, "prediction": 0} for r, i in enumerate([4, 1, 2])]
     grid = outlier_grid(rows, lookup, cell=20, columns=2)
     assert grid is not None and grid.dtype == np.uint8 and grid.shape[1] == 2 * 24 + 4

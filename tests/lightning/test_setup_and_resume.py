@@ -40,7 +40,9 @@ def test_plain_datasets_get_their_ids_from_the_sampler(tmp_path: Path, workers: 
     """No wrapper: ids come from the index lists the loader's sampler drew (workers prefetch ahead)."""
     base = make_data(30, 1)
     train = DataLoader(base, batch_size=4, shuffle=True, drop_last=True, num_workers=workers)
-    callback = MetaStoreCallback(dirpath=tmp_path / "store", encoding="fp32", reports=False, checkpoint_every_n_epochs=0)
+    callback = MetaStoreCallback(
+        dirpath=tmp_path / "store", encoding="fp32", reports=False, checkpoint_every_n_epochs=0
+    )
     module = Classifier(lr=0.0)
     fit(tmp_path, module, train, None, [callback], max_epochs=2)
     store = open_store(tmp_path / "store")
@@ -77,18 +79,29 @@ def test_wrong_settings_fail_at_setup_naming_the_setting(tmp_path: Path) -> None
         fit(tmp_path, Classifier(), train, None, [MetaStoreCallback(modules=["nope"])], max_epochs=1)
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ValueError, match=r"dirpath"):
-        fit(tmp_path, Classifier(), train, None, [MetaStoreCallback(dirpath=tmp_path / "a-file" / "store")], max_epochs=1)
+        fit(
+            tmp_path,
+            Classifier(),
+            train,
+            None,
+            [MetaStoreCallback(dirpath=tmp_path / "a-file" / "store")],
+            max_epochs=1,
+        )
     manual = Classifier()
     manual.automatic_optimization = False
     with pytest.raises(ValueError, match="automatic_optimization"):
         fit(tmp_path, manual, train, None, [MetaStoreCallback()], max_epochs=1)
     with pytest.raises(ValueError, match="loss_reduction"):
         MetaStoreCallback(loss_reduction="none")
-    with pytest.raises(ValueError, match=r"MetaStoreCallback\(encoding=\.\.\.\) must be one of fp32, fp16, bf16, int8; got 'float16'"):
+    with pytest.raises(
+        ValueError, match=r"MetaStoreCallback\(encoding=\.\.\.\) must be one of fp32, fp16, bf16, int8; got 'float16'"
+    ):
         MetaStoreCallback(encoding="float16")
     with pytest.raises(ValueError, match=r"MetaStoreCallback\(unsupported=\.\.\.\) must be one of warn, error, skip"):
         MetaStoreCallback(unsupported="ignore")
-    with pytest.raises(ValueError, match=r"MetaStoreCallback\(modules=\.\.\.\) takes a list of module paths; write \['net'\]"):
+    with pytest.raises(
+        ValueError, match=r"MetaStoreCallback\(modules=\.\.\.\) takes a list of module paths; write \['net'\]"
+    ):
         MetaStoreCallback(modules="net")
 
 
@@ -108,8 +121,11 @@ def test_resuming_from_a_checkpoint_continues_the_same_store(tmp_path: Path) -> 
     fit(tmp_path, Classifier(), train, val, [first, saver], max_epochs=1, enable_checkpointing=True)
     second = MetaStoreCallback(checkpoint_train_samples=10, seed=99)  # state from the checkpoint wins
     trainer = L.Trainer(
-        max_epochs=2, callbacks=[second, ModelCheckpoint(dirpath=tmp_path / "ckpt")], logger=TensorBoardLogger(tmp_path),
-        enable_progress_bar=False, enable_model_summary=False,
+        max_epochs=2,
+        callbacks=[second, ModelCheckpoint(dirpath=tmp_path / "ckpt")],
+        logger=TensorBoardLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(Classifier(), train, val, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert Path(trainer.log_dir) != first.dirpath.parent  # a new logger version ...

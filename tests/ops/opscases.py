@@ -208,7 +208,7 @@ BUILDERS: dict[str, Callable[[], Case]] = {name: functools.partial(_build, name)
 CASE_NAMES = [name for name in BUILDERS if not name.startswith("tied")]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_case(name: str) -> Case:
     torch.manual_seed(sum(map(ord, name)))
     return BUILDERS[name]()

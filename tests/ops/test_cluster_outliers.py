@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from metastore_plugins.core.ops import kmeans, rank_outliers, zscore_by_class, sq_norms_by_param
 from opscases import Case, flat_reference, rel_err
+
+from metastore_plugins.core.ops import kmeans, rank_outliers, sq_norms_by_param, zscore_by_class
 
 
 def _blobs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,11 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from opscases import TOLERANCE, Case, capture, flat_reference, rel_err
 
 from metastore_plugins.core.capture.records import LayerRecord, outer_record, to_dense
 from metastore_plugins.core.ops import dots, plan_dots
 from metastore_plugins.testing import reference_per_sample_gradients
-from opscases import TOLERANCE, Case, capture, flat_reference, rel_err
 
 
 def _expected(a: LayerRecord, ref_a: dict[str, torch.Tensor], ref_b: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -18,7 +18,9 @@ def _expected(a: LayerRecord, ref_a: dict[str, torch.Tensor], ref_b: dict[str, t
     return flat_reference(ref_a, names) @ flat_reference(ref_b, names).T  # (B_a, B_b)
 
 
-def _dot_err(actual: torch.Tensor, a: LayerRecord, ref_a: dict[str, torch.Tensor], ref_b: dict[str, torch.Tensor]) -> float:
+def _dot_err(
+    actual: torch.Tensor, a: LayerRecord, ref_a: dict[str, torch.Tensor], ref_b: dict[str, torch.Tensor]
+) -> float:
     """Error of a dot matrix relative to ``||g_a|| ||g_b||``, the scale fp32 factors are exact to.
 
     A single dot of two nearly orthogonal gradients is tiny; its fp32 rounding error is
@@ -109,8 +111,10 @@ def test_plan_flops_count_the_matrix_products_dots_runs() -> None:
     per Hadamard element to its products; the dense plan counts the bias rebuild as products too."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    for (a, b), method in (((_linear_record(6, 3, 32, 32), _linear_record(5, 2, 32, 32)), "factored"),
-                           ((_linear_record(6, 40, 8, 8), _linear_record(5, 40, 8, 8)), "dense")):
+    for (a, b), method in (
+        ((_linear_record(6, 3, 32, 32), _linear_record(5, 2, 32, 32)), "factored"),
+        ((_linear_record(6, 40, 8, 8), _linear_record(5, 40, 8, 8)), "dense"),
+    ):
         plan = plan_dots(a, b, method=method)
         with FlopCounterMode(display=False) as counter:
             dots(a, b, method=method)

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from opscases import TOLERANCE, Case, flat_reference, rel_err
 
 from metastore_plugins.core.capture.records import to_dense
 from metastore_plugins.core.ops import (
@@ -17,7 +18,6 @@ from metastore_plugins.core.ops import (
     top_contributors,
     weight_exceed_fraction,
 )
-from opscases import TOLERANCE, Case, flat_reference, rel_err
 
 
 def test_batch_gradient_equals_what_the_optimizer_saw(case: Case) -> None:
@@ -101,6 +101,9 @@ def test_step_exceed_fractions_count_per_step_in_step_order() -> None:
     norms = torch.tensor([0.5, 3.0, 2.0, 0.1, 4.0, 2.5])
     steps = torch.tensor([7, 2, 7, 2, 9, 7])
     stored, fractions = step_exceed_fractions(norms, steps, threshold=1.0)
-    expected = {s: sum(n > 1.0 for n, t in zip(norms.tolist(), steps.tolist()) if t == s) / steps.tolist().count(s) for s in (2, 7, 9)}
+    expected = {
+        s: sum(n > 1.0 for n, t in zip(norms.tolist(), steps.tolist()) if t == s) / steps.tolist().count(s)
+        for s in (2, 7, 9)
+    }
     assert stored.tolist() == [2, 7, 9]
     assert fractions.tolist() == [expected[2], expected[7], expected[9]]  # 1/2, 2/3, 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from opscases import TOLERANCE, Case, MaskedSequence, _sequence_batch, capture, cross_entropy, flat_reference, rel_err
 
 from metastore_plugins.core.capture.records import to_dense
 from metastore_plugins.core.ops import (
@@ -15,7 +16,6 @@ from metastore_plugins.core.ops import (
     total_sq_norms,
 )
 from metastore_plugins.testing import reference_per_sample_gradients
-from opscases import TOLERANCE, Case, MaskedSequence, _sequence_batch, capture, cross_entropy, flat_reference, rel_err
 
 
 def _all(ref: dict[str, torch.Tensor]) -> torch.Tensor:

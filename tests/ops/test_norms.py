@@ -6,11 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from opscases import TOLERANCE, Case, capture, flat_reference, rel_err
 
 from metastore_plugins.core.capture.records import LayerRecord, to_dense
 from metastore_plugins.core.ops import plan_norms, sq_norms, sq_norms_by_param, total_sq_norms
 from metastore_plugins.testing import reference_per_sample_gradients
-from opscases import TOLERANCE, Case, capture, flat_reference, rel_err
 
 
 def _expected(record: LayerRecord, ref: dict[str, torch.Tensor]) -> torch.Tensor:

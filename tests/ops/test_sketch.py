@@ -16,10 +16,10 @@ import sys
 
 import pytest
 import torch
+from opscases import Case, rel_err
 
 from metastore_plugins.core.capture.records import LayerRecord, outer_record, to_dense
 from metastore_plugins.core.ops import kmeans, projection, sketch
-from opscases import Case, rel_err
 
 K_OUT, K_IN = 4, 3
 

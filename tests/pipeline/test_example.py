@@ -16,8 +16,19 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_example_run_produces_a_sound_store_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_text_classifier.py"), "--out", str(out), "--epochs", "2", "--train-size", "256"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_text_classifier.py"),
+            "--out",
+            str(out),
+            "--epochs",
+            "2",
+            "--train-size",
+            "256",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     store = open_store(out / "store")

@@ -38,8 +38,16 @@ def test_accumulated_micro_batches_store_own_gradients_and_leave_grad_as_plain_t
     with StoreWriter(tmp_path, encoding="fp32") as writer:
         for k, rows in enumerate((slice(0, 4), slice(4, 8))):  # 2 micro-batches, loss divided by 2
             capture_step(
-                model, lambda r=rows: model(x[r]), y[rows], ids[rows], _per_sample_ce, writer,
-                step=0, micro_batch=k, lr=0.5, loss_scale=0.5,
+                model,
+                lambda r=rows: model(x[r]),
+                y[rows],
+                ids[rows],
+                _per_sample_ce,
+                writer,
+                step=0,
+                micro_batch=k,
+                lr=0.5,
+                loss_scale=0.5,
             )
     accumulated = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -64,7 +72,10 @@ def test_checkpoint_pass_changes_neither_weights_nor_grad_nor_mode(tmp_path: Pat
     F.cross_entropy(model(x), y).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    batches = [(torch.arange(3) + 100, lambda: model(x[:3]), y[:3]), (torch.arange(3) + 103, lambda: model(x[3:]), y[3:])]
+    batches = [
+        (torch.arange(3) + 100, lambda: model(x[:3]), y[:3]),
+        (torch.arange(3) + 103, lambda: model(x[3:]), y[3:]),
+    ]
     with StoreWriter(tmp_path, encoding="fp32") as writer:
         checkpoint_pass(model, batches, _per_sample_ce, writer, capture_point="epoch-0/val", step=7)
     assert model.training

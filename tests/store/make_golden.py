@@ -87,19 +87,34 @@ def build(directory: Path) -> dict[str, Any]:
         with CaptureSession(model) as session:
             loss_fn(model, batch).backward()
         writers[rank].write(
-            session.factors(), sample_ids=ids, step=step, capture_point=cp, micro_batch=micro_batch,
-            labels=batch["y"], losses=losses, predictions=logits.argmax(1), lr=0.5,
+            session.factors(),
+            sample_ids=ids,
+            step=step,
+            capture_point=cp,
+            micro_batch=micro_batch,
+            labels=batch["y"],
+            losses=losses,
+            predictions=logits.argmax(1),
+            lr=0.5,
         )
         if train:
             optimizer.step()
         optimizer.zero_grad()
         for pos, sample in enumerate(ids):
-            expected["samples"].append({
-                "capture_point": cp, "step": step, "micro_batch": micro_batch, "rank": rank, "sample_id": sample,
-                "label": int(batch["y"][pos]), "loss": float(losses[pos]), "prediction": int(logits[pos].argmax()),
-                "encoding": writers[rank].encoding,
-                "grads": {name: _rounded(g[pos]) for name, g in sorted(reference.items())},
-            })
+            expected["samples"].append(
+                {
+                    "capture_point": cp,
+                    "step": step,
+                    "micro_batch": micro_batch,
+                    "rank": rank,
+                    "sample_id": sample,
+                    "label": int(batch["y"][pos]),
+                    "loss": float(losses[pos]),
+                    "prediction": int(logits[pos].argmax()),
+                    "encoding": writers[rank].encoding,
+                    "grads": {name: _rounded(g[pos]) for name, g in sorted(reference.items())},
+                }
+            )
 
     capture(1, [6, 7, 8], "train", step=0, micro_batch=1)  # rank 1 first: it sees the step-0 weights
     capture(0, [0, 1, 2], "train", step=0, train=True)

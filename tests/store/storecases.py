@@ -54,14 +54,18 @@ def tagger_batch(sample_ids: Tensor, generator: torch.Generator) -> dict[str, Te
     return {"ids": ids, "mask": mask, "y": torch.randint(0, CLASSES, (size,), generator=generator)}
 
 
-def per_sample_losses(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor], batch: dict[str, Tensor]) -> Tensor:
+def per_sample_losses(
+    model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor], batch: dict[str, Tensor]
+) -> Tensor:
     """``(B,)`` each sample's own loss, one forward per sample."""
     size = next(iter(batch.values())).shape[0]
     with torch.no_grad():
         return torch.stack([loss_fn(model, {k: v[i : i + 1] for k, v in batch.items()}) for i in range(size)])
 
 
-def reference_loop(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor], batch: dict[str, Tensor]) -> dict[str, Tensor]:
+def reference_loop(
+    model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor], batch: dict[str, Tensor]
+) -> dict[str, Tensor]:
     """``torch.func.grad`` of each sample's own loss, one sample at a time.
 
     For models whose forward ``vmap`` cannot run (BERT's data-dependent masking).
@@ -104,7 +108,9 @@ def rel_err(actual: Any, expected: Any) -> float:
 # -- synthetic records with known gradients (for writer tests and the crash subprocess) ---------
 
 
-def synthetic_batch(seed: int, size: int = 4, d_in: int = 6, d_out: int = 5) -> tuple[list[LayerRecord], dict[str, Tensor]]:
+def synthetic_batch(
+    seed: int, size: int = 4, d_in: int = 6, d_out: int = 5
+) -> tuple[list[LayerRecord], dict[str, Tensor]]:
     """An outer record (2 rows per sample) and a dense record, with their gradients by einsum.
 
     Returns:

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from storecases import flat, reference_loop, rel_err
 from torch import Tensor, nn
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.capture.records import LayerRecord, dense_record
 from metastore_plugins.core.store import DEFAULT_ENCODING, ENCODINGS
 from metastore_plugins.core.store.encoding import encoded_nbytes
-from storecases import flat, reference_loop, rel_err
 
 pytest.importorskip("transformers")
 
@@ -100,7 +100,10 @@ def test_encoding_error_on_tiny_bert(bert_run: tuple, tmp_path: Path, encoding: 
     np.testing.assert_array_equal(scores.row_ids, np.arange(8))
     norm_err, dot_err = rel_err(norms, ref_norms), rel_err(scores.scores, ref_dots)
     label = used + (" (default)" if encoding is None else "")
-    print(f"\n[{label}] norms rel err {norm_err:.2e}, dots rel err {dot_err:.2e}, bytes {store.summary()['bytes_on_disk']}")
+    print(
+        f"\n[{label}] norms rel err {norm_err:.2e}, dots rel err {dot_err:.2e}, "
+        f"bytes {store.summary()['bytes_on_disk']}"
+    )
     norm_bound, dot_bound = BOUNDS[used]
     assert norm_err <= norm_bound and dot_err <= dot_bound
     if used != "fp32":  # lossy encodings are not secretly exact
@@ -213,16 +216,44 @@ def test_a_shard_file_holds_each_encoded_tensor_and_its_checksum(tmp_path: Path,
     from metastore_plugins.core.store.shardfile import write_shard
 
     torch.manual_seed(0)
-    first = LayerRecord("fc", "outer", 3, {"weight": "fc.weight"}, {"weight": (4, 3)}, {
-        "prefix": torch.randn(5, 1, 3), "suffix": torch.randn(5, 1, 4) * 1e-8,
-        "sample": torch.tensor([0, 0, 1, 2, 2]), "position": torch.arange(5)})
-    empty = LayerRecord("fc", "outer", 2, {"weight": "fc.weight"}, {"weight": (4, 3)}, {
-        "prefix": torch.randn(0, 1, 3), "suffix": torch.randn(0, 1, 4), "sample": torch.zeros(0, dtype=torch.long),
-        "position": torch.zeros(0, dtype=torch.long)})
-    dense = LayerRecord("ln", "dense", 2, {"weight": "ln.weight"}, {"weight": (4,)}, {
-        "grad.weight": torch.cat([torch.zeros(1, 4), torch.randn(1, 4).half().float()])})
-    batches = [([first], {"sample_id": torch.tensor([7, 8, 9]), "loss": torch.rand(3, dtype=torch.float64)}),
-               ([empty, dense], {"sample_id": torch.tensor([1, 2]), "label": torch.tensor([True, False])})]
+    first = LayerRecord(
+        "fc",
+        "outer",
+        3,
+        {"weight": "fc.weight"},
+        {"weight": (4, 3)},
+        {
+            "prefix": torch.randn(5, 1, 3),
+            "suffix": torch.randn(5, 1, 4) * 1e-8,
+            "sample": torch.tensor([0, 0, 1, 2, 2]),
+            "position": torch.arange(5),
+        },
+    )
+    empty = LayerRecord(
+        "fc",
+        "outer",
+        2,
+        {"weight": "fc.weight"},
+        {"weight": (4, 3)},
+        {
+            "prefix": torch.randn(0, 1, 3),
+            "suffix": torch.randn(0, 1, 4),
+            "sample": torch.zeros(0, dtype=torch.long),
+            "position": torch.zeros(0, dtype=torch.long),
+        },
+    )
+    dense = LayerRecord(
+        "ln",
+        "dense",
+        2,
+        {"weight": "ln.weight"},
+        {"weight": (4,)},
+        {"grad.weight": torch.cat([torch.zeros(1, 4), torch.randn(1, 4).half().float()])},
+    )
+    batches = [
+        ([first], {"sample_id": torch.tensor([7, 8, 9]), "loss": torch.rand(3, dtype=torch.float64)}),
+        ([empty, dense], {"sample_id": torch.tensor([1, 2]), "label": torch.tensor([True, False])}),
+    ]
     before = [{k: t.clone() for k, t in r.tensors.items()} for records, _ in batches for r in records]
     size, sha256 = write_shard(tmp_path / "s.safetensors", batches, encoding, {"format": "x"})
 
@@ -246,4 +277,6 @@ def test_a_shard_file_holds_each_encoded_tensor_and_its_checksum(tmp_path: Path,
     assert all(torch.equal(a[k], b[k]) for a, b in zip(after, before) for k in a)  # the records are only read
     for tensors in before:
         for tensor in tensors.values():
-            assert encoded_nbytes(tensor, encoding) == sum(v.numel() * v.element_size() for v in _reference_encoding(tensor, encoding).values())
+            assert encoded_nbytes(tensor, encoding) == sum(
+                v.numel() * v.element_size() for v in _reference_encoding(tensor, encoding).values()
+            )

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from storecases import synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.store import StoreError
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store import writer as writer_module
-from storecases import synthetic_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,9 @@ def test_reading_a_shard_with_flipped_bytes_names_the_file_and_the_checksum(stor
     data[-5] ^= 0x40  # inside tensor data: safetensors itself would not notice
     victim.write_bytes(bytes(data))
     store = open_store(path)
-    with pytest.raises(StoreError, match=rf"{re.escape(victim.name)}: checksum mismatch, sha256 [0-9a-f]{{64}} on disk"):
+    with pytest.raises(
+        StoreError, match=rf"{re.escape(victim.name)}: checksum mismatch, sha256 [0-9a-f]{{64}} on disk"
+    ):
         store.restore(5)
     with pytest.raises(StoreError, match="checksum mismatch"):  # every read, not just the first
         store.sample_ids()
@@ -96,7 +98,9 @@ def test_reading_a_truncated_shard_names_the_file(store4: tuple) -> None:
     victim.write_bytes(victim.read_bytes()[:-10])
     for checksums in (True, False):  # the size is checked even without checksums
         store = open_store(path, checksums=checksums)
-        with pytest.raises(StoreError, match=rf"{re.escape(victim.name)}: size mismatch, \d+ bytes on disk but \d+ in the manifest"):
+        with pytest.raises(
+            StoreError, match=rf"{re.escape(victim.name)}: size mismatch, \d+ bytes on disk but \d+ in the manifest"
+        ):
             store.restore(9)
         _check(store, _ids_of(expected, 3))
 
@@ -192,7 +196,9 @@ def test_a_full_disk_can_raise_instead(tmp_path: Path, monkeypatch: pytest.Monke
     assert store.verify() == [] and store.sample_ids().tolist() == sorted(expected)
 
 
-def test_a_full_disk_while_writing_the_manifest_keeps_the_last_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_disk_while_writing_the_manifest_keeps_the_last_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     writer = StoreWriter(tmp_path, encoding="fp32", shard_bytes=1)
     expected = _write(writer, range(2))
     writer.flush()
@@ -234,9 +240,20 @@ def test_a_new_writer_removes_a_stale_manifest_tmp(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["../outside.safetensors", "/tmp/outside.safetensors", "sub/rank0-000000.safetensors", "..", ".hidden.safetensors", "x.json", 7, None],
+    [
+        "../outside.safetensors",
+        "/tmp/outside.safetensors",
+        "sub/rank0-000000.safetensors",
+        "..",
+        ".hidden.safetensors",
+        "x.json",
+        7,
+        None,
+    ],
 )
-def test_shard_paths_outside_the_run_directory_are_refused(store4: tuple, name: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shard_paths_outside_the_run_directory_are_refused(
+    store4: tuple, name: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, _ = store4
     manifest = _manifest(path)
     manifest["shards"][0]["file"] = name
@@ -248,7 +265,9 @@ def test_shard_paths_outside_the_run_directory_are_refused(store4: tuple, name: 
     assert opened == []
 
 
-def test_a_shard_that_links_outside_the_run_directory_is_not_read(store4: tuple, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_shard_that_links_outside_the_run_directory_is_not_read(
+    store4: tuple, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     path, expected = store4
     outside = tmp_path_factory.mktemp("outside") / "secret.safetensors"
     victim = _shard(path, 0)
@@ -270,16 +289,28 @@ def test_a_shard_that_links_outside_the_run_directory_is_not_read(store4: tuple,
         (lambda m: m.update(rank=-1), '"rank" must be a non-negative integer'),
         (lambda m: m.update(layers=[]), '"layers" must be an object'),
         (lambda m: m.update(shards={}), '"shards" must be a list'),
-        (lambda m: m["layers"]["fc"]["param_shapes"].update(weight=[5, "6"]), r"param_shapes\['weight'\] must be a list of sizes"),
+        (
+            lambda m: m["layers"]["fc"]["param_shapes"].update(weight=[5, "6"]),
+            r"param_shapes\['weight'\] must be a list of sizes",
+        ),
         (lambda m: m["layers"]["fc"].update(layout="sideways"), '"layout" must be one of'),
         (lambda m: m["shards"][1].update(bytes="12"), r"shards\[1\].bytes must be a byte count"),
         (lambda m: m["shards"][1].update(sha256="../../etc"), r"shards\[1\].sha256 must be 64 hex digits"),
         (lambda m: m["shards"][1].update(encoding="pickle"), r"shards\[1\].encoding must be one of"),
-        (lambda m: m["shards"][2]["batches"][0].update(step="0"), r"shards\[2\].batches\[0\].step must be an integer; got '0'"),
+        (
+            lambda m: m["shards"][2]["batches"][0].update(step="0"),
+            r"shards\[2\].batches\[0\].step must be an integer; got '0'",
+        ),
         (lambda m: m["shards"][2]["batches"][0].update(size=-3), r"batches\[0\].size must be non-negative"),
         (lambda m: m["shards"][2]["batches"][0].update(lr="fast"), r"batches\[0\].lr must be a number or null"),
-        (lambda m: m["shards"][2]["batches"][0]["records"][0].update(layer="nope"), r"records\[0\].layer 'nope' is not in"),
-        (lambda m: m["shards"][2]["batches"][0]["records"][1].update(kind="sparse"), r"records\[1\].kind must be one of"),
+        (
+            lambda m: m["shards"][2]["batches"][0]["records"][0].update(layer="nope"),
+            r"records\[0\].layer 'nope' is not in",
+        ),
+        (
+            lambda m: m["shards"][2]["batches"][0]["records"][1].update(kind="sparse"),
+            r"records\[1\].kind must be one of",
+        ),
         (lambda m: m["shards"].append(dict(m["shards"][0])), "listed twice"),
     ],
 )
@@ -336,7 +367,8 @@ def _header(text: bytes) -> bytes:
     "data",
     [
         struct.pack("<Q", 2**62) + b"{}",  # a header "larger than the file system"
-        _header(b'{"a": {"dtype": "F32", "shape": [1000000000], "data_offsets": [0, 4000000000]}}') + bytes(16),  # beyond the file
+        _header(b'{"a": {"dtype": "F32", "shape": [1000000000], "data_offsets": [0, 4000000000]}}')
+        + bytes(16),  # beyond the file
         _header(b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}') + bytes(8),  # bad JSON header
         b"abc",
         b"",
@@ -356,7 +388,10 @@ def test_absurd_safetensors_headers_raise_a_clear_error(store4: tuple, data: byt
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"b0__meta__sample_id": torch.arange(4).float()}, r"b0/meta/sample_id must be \(4,\) integer sample ids; got torch.float32"),
+        (
+            {"b0__meta__sample_id": torch.arange(4).float()},
+            r"b0/meta/sample_id must be \(4,\) integer sample ids; got torch.float32",
+        ),
         ({"b0__meta__sample_id": torch.arange(8)}, r"b0/meta/sample_id must be \(4,\) integer sample ids"),
         ({"b0__meta__sample_id": None}, r"b0/meta/sample_id must be .* got nothing"),
         ({"b0__meta__label": torch.arange(3)}, r"b0/meta/label must have 4 rows"),

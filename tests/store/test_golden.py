@@ -25,7 +25,13 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 STORE = GOLDEN / "store"
 EXPECTED = json.loads((GOLDEN / "expected.json").read_text())
 TOLERANCE = {"fp32": 1e-5, "int8": 2e-2}  # max |store - torch.func| / max |torch.func|, per parameter
-FILES = ["manifest-rank0.json", "manifest-rank1.json", "rank0-000000.safetensors", "rank0-000001.safetensors", "rank1-000000.safetensors"]
+FILES = [
+    "manifest-rank0.json",
+    "manifest-rank1.json",
+    "rank0-000000.safetensors",
+    "rank0-000001.safetensors",
+    "rank1-000000.safetensors",
+]
 
 
 def _rows(cp: str) -> list[dict[str, Any]]:
@@ -48,7 +54,10 @@ def test_listing() -> None:
     assert sorted(store.layers()) == ["emb", "enc", "head", "norm"]
     assert {name: list(shape) for name, shape in store.parameters().items()} == EXPECTED["parameters"]
     assert {layer: sorted(store.layer_info(layer)["kinds"]) for layer in store.layers()} == {
-        "emb": ["embedding"], "enc": ["outer"], "head": ["outer"], "norm": ["dense"]
+        "emb": ["embedding"],
+        "enc": ["outer"],
+        "head": ["outer"],
+        "norm": ["dense"],
     }
     assert store.config == {"golden": True, "seed": 0}
     summary = store.summary()
@@ -70,7 +79,9 @@ def test_metadata(cp: str) -> None:
     assert list(meta["capture_point"]) == [cp] * len(rows)
 
 
-@pytest.mark.parametrize("row", EXPECTED["samples"], ids=lambda r: f"{r['capture_point']}-{r['sample_id']}-{r['encoding']}")
+@pytest.mark.parametrize(
+    "row", EXPECTED["samples"], ids=lambda r: f"{r['capture_point']}-{r['sample_id']}-{r['encoding']}"
+)
 def test_restored_gradients_match_torch_func(row: dict[str, Any]) -> None:
     store = open_store(STORE)
     restored = store.restore(row["sample_id"], capture_point=row["capture_point"], step=row["step"])
@@ -86,7 +97,10 @@ def test_restored_gradients_match_torch_func(row: dict[str, Any]) -> None:
 # -- the format itself -------------------------------------------------------------------------
 
 _FLOAT = {"fp32": (torch.float32,), "int8": (torch.int8,)}
-_RECORD_KEYS = {"outer": {"prefix", "suffix", "sample", "position"}, "embedding": {"ids", "suffix", "sample", "position"}}
+_RECORD_KEYS = {
+    "outer": {"prefix", "suffix", "sample", "position"},
+    "embedding": {"ids", "suffix", "sample", "position"},
+}
 
 
 def _layout(directory: Path) -> dict[str, Any]:
@@ -102,7 +116,10 @@ def _layout(directory: Path) -> dict[str, Any]:
             with safe_open(str(path), framework="pt") as handle:
                 out[path.name] = {
                     "metadata": handle.metadata(),
-                    "keys": {key: (str(handle.get_tensor(key).dtype), tuple(handle.get_tensor(key).shape)) for key in handle.keys()},
+                    "keys": {
+                        key: (str(handle.get_tensor(key).dtype), tuple(handle.get_tensor(key).shape))
+                        for key in handle.keys()
+                    },
                 }
     return out
 
@@ -123,11 +140,16 @@ def test_keys_and_dtypes_follow_the_documented_format() -> None:
             for j, batch in enumerate(shard["batches"]):
                 assert set(batch) == {"capture_point", "step", "epoch", "micro_batch", "rank", "size", "lr", "records"}
                 meta = {f"b{j}/meta/{c}" for c in ("sample_id", "label", "loss", "prediction")}
-                assert stored[f"b{j}/meta/sample_id"].dtype == torch.int64 and stored[f"b{j}/meta/loss"].dtype == torch.float32
+                assert (
+                    stored[f"b{j}/meta/sample_id"].dtype == torch.int64
+                    and stored[f"b{j}/meta/loss"].dtype == torch.float32
+                )
                 expected_keys |= meta
                 for k, record in enumerate(batch["records"]):
                     assert set(record) == {"layer", "kind", "rows", "bytes", "dense_bytes"}
-                    names = _RECORD_KEYS.get(record["kind"]) or {f"grad.{role}" for role in manifest["layers"][record["layer"]]["params"]}
+                    names = _RECORD_KEYS.get(record["kind"]) or {
+                        f"grad.{role}" for role in manifest["layers"][record["layer"]]["params"]
+                    }
                     for name in names:
                         key = f"b{j}/r{k}/{name}"
                         expected_keys.add(key)
@@ -154,6 +176,9 @@ def test_todays_writer_writes_the_golden_format(tmp_path: Path) -> None:
         assert today[name] == golden[name], name
     # fp32 shards hold the same numbers (up to float rounding across torch versions)
     for name in ("rank0-000000.safetensors", "rank0-000001.safetensors"):
-        with safe_open(str(STORE / name), framework="pt") as old, safe_open(str(tmp_path / name), framework="pt") as new:
+        with (
+            safe_open(str(STORE / name), framework="pt") as old,
+            safe_open(str(tmp_path / name), framework="pt") as new,
+        ):
             for key in old.keys():
                 torch.testing.assert_close(new.get_tensor(key), old.get_tensor(key), rtol=1e-5, atol=1e-7)

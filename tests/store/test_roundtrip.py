@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from storecases import PooledTagger, flat, per_sample_losses, rel_err, tagger_batch, tagger_loss
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.store import StoreError
 from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
-from storecases import PooledTagger, flat, per_sample_losses, rel_err, tagger_batch, tagger_loss
 
 TOL = 1e-5
 TRAIN, TEST_IDS = 24, torch.arange(100, 105)
@@ -60,7 +60,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     train_data, test_data = tagger_batch(torch.arange(TRAIN), gen), tagger_batch(TEST_IDS, gen)
     out = Run(tmp_path_factory.mktemp("roundtrip") / "store")
     out.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    writers = {r: StoreWriter(out.path, rank=r, encoding="fp32", shard_bytes=SHARD_BYTES, config={"seed": 0}) for r in (1, 0)}
+    writers = {
+        r: StoreWriter(out.path, rank=r, encoding="fp32", shard_bytes=SHARD_BYTES, config={"seed": 0}) for r in (1, 0)
+    }
 
     def capture(cp: str, ids: torch.Tensor, batch: dict[str, torch.Tensor], rank: int, **where: Any) -> None:
         expected = reference_per_sample_gradients(model, tagger_loss, batch)
@@ -112,7 +114,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     p -= lr * p.grad
             step += 1
         train_ids = torch.tensor(CHECKPOINT_TRAIN_IDS[epoch])
-        capture(f"ckpt{epoch}/train", train_ids, _subset(train_data, train_ids), 0, step=step - 1, epoch=epoch, lr=0.5 / step)
+        capture(
+            f"ckpt{epoch}/train",
+            train_ids,
+            _subset(train_data, train_ids),
+            0,
+            step=step - 1,
+            epoch=epoch,
+            lr=0.5 / step,
+        )
         capture(f"ckpt{epoch}/test", TEST_IDS, _subset(test_data, TEST_IDS - 100), 1, step=step - 1, epoch=epoch)
         model.zero_grad()
     for writer in writers.values():
@@ -170,7 +180,10 @@ def test_restore_equals_torch_func_reference(run: Run, store: GradientStore) -> 
     head = store.restore(102, capture_point="ckpt0/test", layer="head")
     assert max_relative_error(head, {k: v for k, v in expected.items() if k.startswith("head.")}) <= TOL
     step = store.metadata("train", sample_ids=[5])["step"][0]  # a numpy integer
-    assert max_relative_error(store.restore(5, capture_point="train", step=step), run.grads[("train", int(step), 5)]) <= TOL
+    assert (
+        max_relative_error(store.restore(5, capture_point="train", step=step), run.grads[("train", int(step), 5)])
+        <= TOL
+    )
     # unique in a checkpoint pass: no step needed
     assert max_relative_error(store.restore(102, capture_point="ckpt0/test"), expected) <= TOL
 
@@ -192,10 +205,15 @@ def test_select_by_steps_epochs_samples(run: Run, store: GradientStore) -> None:
         ({"sample_ids": [17, 3, 5]}, [r for r in rows if r["sample_id"] in (3, 5, 17)]),
         ({"sample_ids": np.array([5]), "epochs": 1}, [r for r in rows if r["sample_id"] == 5 and r["epoch"] == 1]),
         ({"steps": (7, 9)}, []),
-        ({"steps": np.int64(2), "epochs": np.int64(1)}, [r for r in rows if r["step"] == 2]),  # as metadata() gives them
+        (
+            {"steps": np.int64(2), "epochs": np.int64(1)},
+            [r for r in rows if r["step"] == 2],
+        ),  # as metadata() gives them
     ]
     for where, expected in cases:
-        np.testing.assert_array_equal(store.sample_ids("train", **where), [r["sample_id"] for r in expected], err_msg=str(where))
+        np.testing.assert_array_equal(
+            store.sample_ids("train", **where), [r["sample_id"] for r in expected], err_msg=str(where)
+        )
         meta = store.metadata("train", **where)
         if expected:
             np.testing.assert_array_equal(meta["step"], [r["step"] for r in expected])
@@ -257,7 +275,9 @@ def test_norms_equal_reference(run: Run, store: GradientStore) -> None:
         by_layer = store.norms(cp, by_layer=True)
         assert sorted(by_layer) == ["emb", "enc", "head", "norm"]
         names = ["norm.bias", "norm.weight"]
-        np.testing.assert_allclose(by_layer["norm"], [float(flat(run.grad(cp, r), names).norm()) for r in rows], rtol=TOL)
+        np.testing.assert_allclose(
+            by_layer["norm"], [float(flat(run.grad(cp, r), names).norm()) for r in rows], rtol=TOL
+        )
 
 
 def _dot(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -311,7 +331,9 @@ def test_in_run_influence_sums_train_occurrences(run: Run, store: GradientStore)
     expected = np.zeros((len(position), 5))
     for r in rows:
         for j, test in enumerate(TEST_IDS.tolist()):
-            expected[position[r["sample_id"]], j] += r["lr"] * _dot(run.grad("train", r), run.grads[("ckpt1/test", 3, test)])
+            expected[position[r["sample_id"]], j] += r["lr"] * _dot(
+                run.grad("train", r), run.grads[("ckpt1/test", 3, test)]
+            )
     assert rel_err(scores.scores, expected) <= TOL
 
 

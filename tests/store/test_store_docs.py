@@ -12,7 +12,9 @@ import pytest
 DOC = Path(__file__).resolve().parents[2] / "docs" / "store.md"
 
 
-def test_store_doc_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_store_doc_examples_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(tmp_path)
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.S)
     assert len(blocks) == 3

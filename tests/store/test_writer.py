@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from storecases import synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.store import StoreError
 from metastore_plugins.core.store import writer as writer_module
-from storecases import synthetic_batch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -121,7 +120,11 @@ def test_no_tmp_files_and_checksums_match_the_manifest(sound_store: tuple) -> No
     path, _ = sound_store
     assert not list(path.glob("*.tmp"))
     listed = _listed(path)
-    assert [s["file"] for s in listed] == [p.name for p in _shards(path)] == [f"rank0-{i:06d}.safetensors" for i in range(4)]
+    assert (
+        [s["file"] for s in listed]
+        == [p.name for p in _shards(path)]
+        == [f"rank0-{i:06d}.safetensors" for i in range(4)]
+    )
     for shard in listed:
         file = path / shard["file"]
         assert shard["sha256"] == _sha(file)
@@ -328,7 +331,9 @@ def test_new_layers_while_the_manifest_is_being_written(tmp_path: Path, monkeypa
     monkeypatch.setattr(mf, "write_manifest", slow_write)
     with StoreWriter(tmp_path, encoding="fp32", shard_bytes=1) as writer:
         for i in range(20):
-            record = LayerRecord(f"l{i}", "dense", 1, {"w": f"l{i}.w"}, {"w": (1,)}, {"grad.w": torch.full((1, 1), float(i))})
+            record = LayerRecord(
+                f"l{i}", "dense", 1, {"w": f"l{i}.w"}, {"w": (1,)}, {"grad.w": torch.full((1, 1), float(i))}
+            )
             writer.write([record], sample_ids=[i], step=i)
     store = open_store(tmp_path)
     assert len(store.layers()) == 20 and store.verify() == []

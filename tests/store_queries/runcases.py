@@ -112,8 +112,17 @@ def train(
                 for m, part in enumerate(torch.split(ids, sizes)):
                     x, y = x_all[part], y_all[part]
                     capture_step(
-                        model, lambda x=x: model(x), y, part, per_sample_ce, writer,
-                        step=step, epoch=epoch, micro_batch=m, lr=rate, loss_scale=1.0 / len(sizes),
+                        model,
+                        lambda x=x: model(x),
+                        y,
+                        part,
+                        per_sample_ce,
+                        writer,
+                        step=step,
+                        epoch=epoch,
+                        micro_batch=m,
+                        lr=rate,
+                        loss_scale=1.0 / len(sizes),
                     )
                 run.grads.append({n: p.grad.detach().clone() for n, p in params.items()})
                 with torch.no_grad():

@@ -11,13 +11,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from runcases import Run, expected_sketch, make_data, occurrences, per_sample_ce
 from torch import Tensor
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core import ops
 from metastore_plugins.core.passes import capture_step
 from metastore_plugins.core.store import StoreError
-from runcases import Run, expected_sketch, make_data, occurrences, per_sample_ce
 
 TOL = 1e-5
 LAYERS = ("3", "2", "0")  # store.layers(): the order records come in (backward order)

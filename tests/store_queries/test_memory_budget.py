@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from runcases import Run
 
 from metastore_plugins.core.store import selection as selection_module
-from runcases import Run
 
 
 class LiveRecordBytes:
@@ -54,7 +54,10 @@ def test_influence_streams_under_the_budget(run_a: Run, live_bytes: LiveRecordBy
     budget = 3 * batch_bytes  # the store holds 8 batches: 2.7x the budget
     small = store.influence("train", "train", max_bytes=budget)
     assert live_bytes.total > budget  # the query read more than its budget in all ...
-    assert live_bytes.peak <= budget + 2 * batch_bytes, (live_bytes.peak, budget)  # ... never more than budget + a batch or two
+    assert live_bytes.peak <= budget + 2 * batch_bytes, (
+        live_bytes.peak,
+        budget,
+    )  # ... never more than budget + a batch or two
     np.testing.assert_allclose(small.scores, whole.scores, rtol=1e-6, atol=1e-12)
     flat = torch.cat([torch.cat([g.reshape(g.shape[0], -1) for g in ref.values()], 1) for ref in run_a.refs]).double()
     lrs = torch.cat([torch.full((len(i),), lr, dtype=torch.float64) for i, lr in zip(run_a.ids, run_a.lrs)])

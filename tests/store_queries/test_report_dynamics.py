@@ -6,9 +6,9 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
+from runcases import Run, occurrences
 
 from metastore_plugins.core.reports.tensorboard import write_dynamics
-from runcases import Run, occurrences
 
 
 class RecordingWriter:
@@ -34,13 +34,17 @@ def test_dynamics_scalars_equal_the_norm_and_exceed_queries(run_a: Run) -> None:
     np.testing.assert_allclose([writer.scalars["metastore/exploding_fraction"][int(s)] for s in steps], fractions)
     for layer, norms in store.norms("train", by_layer=True).items():
         expected = {int(s): norms[meta["step"] == s].mean() for s in np.unique(meta["step"])}
-        np.testing.assert_allclose([writer.scalars[f"metastore/grad_norm/{layer}"][s] for s in expected], list(expected.values()), rtol=1e-6)
+        np.testing.assert_allclose(
+            [writer.scalars[f"metastore/grad_norm/{layer}"][s] for s in expected], list(expected.values()), rtol=1e-6
+        )
     for epoch, values in writer.histograms["metastore/grad_norm_per_epoch"].items():
         np.testing.assert_allclose(values, total[meta["epoch"] == epoch], rtol=1e-6)
 
 
 def test_in_run_outlier_scores_sum_every_training_occurrence_of_a_sample(run_a: Run) -> None:
-    """``outliers_from="training"``: ``sum_t lr_t ||g_i(w_t)||^2`` over the steps sample i was trained in (torch.func reference)."""
+    """``outliers_from="training"``: ``sum_t lr_t ||g_i(w_t)||^2`` over the steps sample i was trained in.
+
+    Against a torch.func reference."""
     from metastore_plugins.core.reports.tables import outlier_points, outlier_rows, self_influence_of
 
     expected: dict[int, float] = defaultdict(float)

@@ -18,16 +18,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from runcases import Run, expected_sketch, loss_fn, make_data, make_model, occurrences, per_sample_ce, sum_by_id, train
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.passes import capture_step
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import sketches as sketches_module
+from metastore_plugins.core.passes import capture_step
 from metastore_plugins.testing import reference_per_sample_gradients
-from runcases import Run, expected_sketch, loss_fn, make_data, make_model, occurrences, per_sample_ce, sum_by_id, train
 
 DIM, SEED, TOL = 4, 3, 1e-5
 
@@ -86,7 +86,9 @@ def test_cached_sketches_equal_fresh_ones_and_the_reference(run: Run, monkeypatc
     with safe_open(str(path), framework="pt") as handle:
         assert handle.get_tensor("sketch").dtype == torch.float32
         assert np.array_equal(handle.get_tensor("sample_id").numpy(), store.sample_ids("train"))
-        assert handle.metadata()["capture_point"] == "train" and json.loads(handle.metadata()["layers"]) == sorted(store.layers())
+        assert handle.metadata()["capture_point"] == "train" and json.loads(handle.metadata()["layers"]) == sorted(
+            store.layers()
+        )
     assert store.build_sketches("train", DIM, SEED) == path  # already sound: kept
     assert store_files(store) == before  # shards and manifests untouched
     assert store.verify() == [] and open_store(store.path).verify() == []
@@ -171,7 +173,9 @@ def _damage(path: Path, how: str, outside: Path) -> None:
         path.symlink_to(outside)
 
 
-@pytest.mark.parametrize("how", ["changed values", "truncated", "not safetensors", "float64", "wrong shape", "nan", "link"])
+@pytest.mark.parametrize(
+    "how", ["changed values", "truncated", "not safetensors", "float64", "wrong shape", "nan", "link"]
+)
 def test_a_damaged_cache_file_is_rebuilt(run: Run, how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = run.store
     expected = store.sketches("train", DIM, SEED, cache=False)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from runcases import Run, sum_by_id
 
 

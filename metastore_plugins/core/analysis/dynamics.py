@@ -36,8 +36,8 @@ Epochs = int | Iterable[int] | None
 Reduction = Literal["mean", "sum", "mean_of_batches"]
 
 
-
 # -- helpers -------------------------------------------------------------------------
+
 
 def _layer_param(store: StoreReader, layer: str, role: str) -> str:
     params = store.layer_params(layer)
@@ -50,9 +50,8 @@ def _layers_holding(store: StoreReader, names: Iterable[str]) -> list[str]:
     wanted = set(names)
     return [layer for layer in store.layers() if wanted & set(store.layer_params(layer).values())]
 
-def _nonempty(
-    store: StoreReader, capture_point: str, steps: Steps, epochs: Epochs, layers: list[str]
-) -> Selection:
+
+def _nonempty(store: StoreReader, capture_point: str, steps: Steps, epochs: Epochs, layers: list[str]) -> Selection:
     selection = store.select(capture_point, steps=steps, epochs=epochs, layers=layers)
     if not selection.refs:
         raise StoreError(
@@ -60,6 +59,7 @@ def _nonempty(
             f"stored steps: {store.steps(capture_point)[:20]}"
         )
     return selection
+
 
 def _changes(names: list[str], selection: Selection, max_bytes: int) -> dict[str, Tensor]:
     """``sum_t lr_t sum_{i in t} |g_i|`` per parameter over the selection (float64)."""
@@ -69,7 +69,9 @@ def _changes(names: list[str], selection: Selection, max_bytes: int) -> dict[str
             add_to(total, name, batch.ref.lr_weight * value.double())
     return total
 
+
 # -- queries -------------------------------------------------------------------------
+
 
 def batch_gradient(
     store: StoreReader,
@@ -115,6 +117,7 @@ def batch_gradient(
     divisor = {"mean": count, "sum": 1, "mean_of_batches": batches}[reduction]
     return {name: grad / divisor for name, grad in total.items()}
 
+
 def changed_most(
     store: StoreReader,
     layer: str | None = None,
@@ -148,6 +151,7 @@ def changed_most(
         rows = sorted(rows, key=lambda row: -row.value)[:k]
         rows = sorted(rows, key=lambda row: (names.index(row.param), -row.value))
     return rows
+
 
 def top_contributors(
     store: StoreReader,
@@ -204,6 +208,7 @@ def top_contributors(
     chosen = [tuple(e) for e in flat_entries.tolist()]
     return Contributors(name, chosen, ids.numpy(), step_of.numpy(), values.numpy())
 
+
 def exceed_fractions(
     store: StoreReader,
     threshold: float,
@@ -243,6 +248,7 @@ def exceed_fractions(
     stored, fractions = ops.step_exceed_fractions(torch.cat(norms), torch.cat(at), threshold)
     return stored.numpy(), fractions.numpy()
 
+
 def spikes(
     store: StoreReader,
     threshold: float,
@@ -271,6 +277,7 @@ def spikes(
         ids = window.sample_ids() if window is not None else np.zeros(0, dtype=np.int64)
         out.append(Spike(step, frac, found, np.array(list(dict.fromkeys(ids.tolist())), dtype=np.int64)))
     return out
+
 
 def compare(
     store: StoreReader,

@@ -48,7 +48,9 @@ def sq_norms(selection: Selection, by_layer: bool = False) -> dict[str, np.ndarr
     }
 
 
-def dot_matrix(rows: Selection, cols: Selection, weighted: bool = False, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
+def dot_matrix(
+    rows: Selection, cols: Selection, weighted: bool = False, max_bytes: int = DEFAULT_MAX_BYTES
+) -> np.ndarray:
     """``(N, M)`` gradient inner products between two selections (times each row batch's lr if ``weighted``)."""
     col_parts = []
     for col_chunk in cols.chunks(max_bytes // 2):
@@ -97,12 +99,12 @@ def summed_scores(
     return Scores(total, row_ids, col_ids)
 
 
-
 def norms(store: StoreReader, capture_point: str | None = None, *, by_layer: bool = False, **where: Any) -> Any:
     """Per-sample gradient norms ``||g_i||`` (whole model, or ``{layer: (N,)}`` with ``by_layer``)."""
     result = sq_norms(store.select(capture_point, **where), by_layer)
     roots = {key: np.sqrt(np.clip(value, 0, None)) for key, value in result.items()}
     return roots if by_layer else roots.get("total", np.zeros(0))
+
 
 def self_influence(store: StoreReader, capture_point: str | Sequence[str] | None = None, **where: Any) -> np.ndarray:
     """TracIn self-influence ``sum_c lr_c ||g_i(w_c)||^2``, aligned with ``sample_ids`` of the first capture point.
@@ -114,9 +116,7 @@ def self_influence(store: StoreReader, capture_point: str | Sequence[str] | None
     parts = []
     for point in points:
         selection = store.select(point, **where)
-        values = [
-            b.ref.lr_weight * ops.total_sq_norms(b.records).double().numpy() for b in selection.batches()
-        ]
+        values = [b.ref.lr_weight * ops.total_sq_norms(b.records).double().numpy() for b in selection.batches()]
         parts.append((selection.sample_ids(), np.concatenate(values) if values else np.zeros(0)))
     if len(parts) == 1:
         return parts[0][1]
@@ -126,9 +126,11 @@ def self_influence(store: StoreReader, capture_point: str | Sequence[str] | None
         np.add.at(total, pos, values)
     return total
 
+
 def self_influence_ids(store: StoreReader, capture_points: Sequence[str], **where: Any) -> np.ndarray:
     """The sample ids :meth:`self_influence` of several capture points is aligned with."""
     return _union([store.sample_ids(cp, **where) for cp in capture_points], "train")[0]
+
 
 def influence(
     store: StoreReader,
@@ -158,6 +160,7 @@ def influence(
         col_parts.append((cols.sample_ids(), matrix))
     return summed_scores(row_parts, col_parts)
 
+
 def in_run_influence(
     store: StoreReader,
     test: str,
@@ -177,6 +180,7 @@ def in_run_influence(
     cols = store.select(test, layers=layers)
     matrix = dot_matrix(rows, cols, weighted=True, max_bytes=max_bytes)
     return summed_scores([(rows.sample_ids(), matrix)], [(cols.sample_ids(), matrix)])
+
 
 def similar(
     store: StoreReader,

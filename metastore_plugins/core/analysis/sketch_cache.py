@@ -114,7 +114,10 @@ def load(store_dir: Path, key: SketchKey) -> tuple[np.ndarray, Tensor] | None:
             return None
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata() or {}
-            if set(handle.keys()) != {"sketch", "sample_id"} or {k: meta.get(k) for k in key.metadata()} != key.metadata():
+            if (
+                set(handle.keys()) != {"sketch", "sample_id"}
+                or {k: meta.get(k) for k in key.metadata()} != key.metadata()
+            ):
                 return None
             sketch, ids = handle.get_tensor("sketch").clone(), handle.get_tensor("sample_id").clone()
     except (OSError, SafetensorError, ValueError, RuntimeError):  # unreadable: rebuilt by the caller
@@ -143,7 +146,9 @@ def save(store_dir: Path, key: SketchKey, sample_ids: np.ndarray, sketch: Tensor
         fd, name = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
         os.close(fd)
         tmp = Path(name)
-        save_file({"sketch": sketch, "sample_id": ids}, name, metadata={**key.metadata(), "checksum": _checksum(ids, sketch)})
+        save_file(
+            {"sketch": sketch, "sample_id": ids}, name, metadata={**key.metadata(), "checksum": _checksum(ids, sketch)}
+        )
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -55,21 +55,30 @@ def _seed(seed: int) -> int:
     return int(seed)
 
 
-
 def _sketch_layers(store: StoreReader, layers: Sequence[str] | str | None) -> list[str]:
     order = list(store.layers()) if layers is None else ([layers] if isinstance(layers, str) else list(layers))
     store.check_layers(order)
     return order
 
-def _sketch_key(store: StoreReader, capture_point: str, dim: int, seed: int, layers: Sequence[str]) -> sketch_cache.SketchKey:
+
+def _sketch_key(
+    store: StoreReader, capture_point: str, dim: int, seed: int, layers: Sequence[str]
+) -> sketch_cache.SketchKey:
     refs = store.batch_refs(capture_point)
     batches = [(ref.file.name, ref.batch, store.shard_sha256(ref.file.name)) for ref in refs]
     return sketch_cache.SketchKey(
         capture_point, dim, seed, tuple(sorted(set(layers))), sketch_cache.binding(batches), sum(r.size for r in refs)
     )
 
+
 def _summed_sketches(
-    store: StoreReader, capture_point: str, dim: int, seed: int, layers: Sequence[str] | str | None, cache: bool, max_bytes: int
+    store: StoreReader,
+    capture_point: str,
+    dim: int,
+    seed: int,
+    layers: Sequence[str] | str | None,
+    cache: bool,
+    max_bytes: int,
 ) -> tuple[np.ndarray, Tensor]:
     """``(sample ids (N,), summed sketches (N, dim^2) float32)`` of a whole capture point, from the cache if sound."""
     order = _sketch_layers(store, layers)
@@ -81,6 +90,7 @@ def _summed_sketches(
     if key is not None:
         sketch_cache.save(store.path, key, ids, summed)
     return ids, summed
+
 
 def sketches(
     store: StoreReader,
@@ -115,6 +125,7 @@ def sketches(
     selection = store.select(capture_point, layers=order, **where)
     return compute_sketches(selection, order, dim, seed, combine, max_bytes)[1].double().numpy()
 
+
 def build_sketches(
     store: StoreReader,
     capture_point: str,
@@ -140,6 +151,7 @@ def build_sketches(
         return sketch_cache.cache_path(store.path, key)
     ids, summed = compute_sketches(store.select(capture_point, layers=order), order, dim, seed, "sum", max_bytes)
     return sketch_cache.save(store.path, key, ids, summed)
+
 
 def sketched_influence(
     store: StoreReader,
@@ -168,10 +180,12 @@ def sketched_influence(
         col_parts.append((col_ids, matrix))
     return summed_scores(row_parts, col_parts)
 
+
 def _learning_rates(store: StoreReader, capture_point: str) -> np.ndarray:
     """``(N,)`` the learning rate recorded with each sample's batch (1 where none was), from the manifests."""
     refs = store.batch_refs(capture_point)
     return np.concatenate([np.full(ref.size, ref.lr_weight) for ref in refs])
+
 
 def clusters(
     store: StoreReader,

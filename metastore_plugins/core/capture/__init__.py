@@ -3,6 +3,8 @@
 Pure maths and hooks, no I/O. See ``docs/capture.md`` for the formulas and conventions.
 """
 
+from metastore_plugins.core.capture import layers  # noqa: F401  (imported for its effect: the built-in rules register)
+from metastore_plugins.core.capture.layers.norm import capture_with_vmap
 from metastore_plugins.core.capture.records import LayerRecord, restore_all
 from metastore_plugins.core.capture.registry import (
     CaptureRule,
@@ -13,8 +15,6 @@ from metastore_plugins.core.capture.registry import (
     unregister_capture,
 )
 from metastore_plugins.core.capture.session import CaptureSession, UnsupportedLayerError
-from metastore_plugins.core.capture import layers  # noqa: E402  (built-in rules register on import)
-from metastore_plugins.core.capture.layers.norm import capture_with_vmap
 
 __all__ = [
     "CaptureRule",

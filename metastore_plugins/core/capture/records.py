@@ -90,7 +90,9 @@ class LayerRecord:
         if factor == 1.0:
             return self
         scaled = set(self.gradient_keys())
-        return replace(self, tensors={key: value * factor if key in scaled else value for key, value in self.tensors.items()})
+        return replace(
+            self, tensors={key: value * factor if key in scaled else value for key, value in self.tensors.items()}
+        )
 
     def restore(self) -> dict[str, Tensor]:
         """Rebuild the dense per-sample gradients: parameter name -> ``(B, *shape)``."""
@@ -186,7 +188,9 @@ def outer_record(
     flat_prefix = prefix.reshape(batch * tokens, groups, d_in)  # (B*T, G, d_in)
     flat_suffix = suffix.reshape(batch * tokens, groups, d_out)  # (B*T, G, d_out)
     rows = kept_rows(flat_suffix)  # (R,)
-    if choose_smaller and dense_is_smaller(rows.numel(), groups, d_in, d_out, batch, param_shapes):  # before copying rows
+    if choose_smaller and dense_is_smaller(
+        rows.numel(), groups, d_in, d_out, batch, param_shapes
+    ):  # before copying rows
         return _dense_from_factors(layer, prefix, suffix, params, param_shapes, layout)
     return LayerRecord(
         layer=layer,

@@ -119,8 +119,12 @@ def register_capture(
 
     def decorate(forward: ForwardFn) -> ForwardFn:
         for module_type in module_types:
-            if not (isinstance(module_type, str) or (isinstance(module_type, type) and issubclass(module_type, nn.Module))):
-                raise TypeError(f"register_capture expects nn.Module subclasses or qualified names, got {module_type!r}")
+            if not (
+                isinstance(module_type, str) or (isinstance(module_type, type) and issubclass(module_type, nn.Module))
+            ):
+                raise TypeError(
+                    f"register_capture expects nn.Module subclasses or qualified names, got {module_type!r}"
+                )
             _RULES[module_type] = CaptureRule(module_type, forward, tuple(params), covers_children)
         return forward
 

@@ -30,7 +30,7 @@ from metastore_plugins.core.ops.cost import (
 )
 from metastore_plugins.core.ops.dots import dots
 from metastore_plugins.core.ops.dynamics import (
-    Contributors,
+    BatchContributors,
     abs_grad_accumulate,
     batch_gradient,
     entry_gradients,
@@ -56,7 +56,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "ELEMENTWISE_COST",
     "REBUILD_ELEMENT_COST",
-    "Contributors",
+    "BatchContributors",
     "KMeansResult",
     "Method",
     "Plan",

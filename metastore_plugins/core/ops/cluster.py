@@ -74,7 +74,8 @@ def kmeans(x: Tensor, k: int, seed: int = 0, iters: int = 50, tol: float = 1e-7)
     scale = float(x.pow(2).sum(1).mean().sqrt()) or 1.0
     labels = torch.zeros(n, dtype=torch.long, device=x.device)
     iteration = 0
-    for iteration in range(1, iters + 1):
+    for _ in range(iters):
+        iteration += 1
         distances = _sq_distances(x, centroids)  # (N, k)
         labels = distances.argmin(1)  # (N,)
         counts = torch.bincount(labels, minlength=k)  # (k,)

@@ -131,9 +131,7 @@ def _decide(factored: Work, dense: Work, method: Method) -> Plan:
     return Plan(method, factored.cost, dense.cost, chosen.flops + chosen.touched)
 
 
-def plan_dots(
-    a: LayerRecord, b: LayerRecord, params: Collection[str] | None = None, method: Method = "auto"
-) -> Plan:
+def plan_dots(a: LayerRecord, b: LayerRecord, params: Collection[str] | None = None, method: Method = "auto") -> Plan:
     """Choose how :func:`~metastore_plugins.core.ops.dots` computes ``<g_a_i, g_b_j>``.
 
     Args:

@@ -126,9 +126,7 @@ def _flat_entries(entries: Entries, shape: tuple[int, ...]) -> Tensor:
     return (index * strides).sum(1)  # (E,)
 
 
-def entry_gradients(
-    record: LayerRecord, role: str, entries: Entries, max_bytes: int = DEFAULT_MAX_BYTES
-) -> Tensor:
+def entry_gradients(record: LayerRecord, role: str, entries: Entries, max_bytes: int = DEFAULT_MAX_BYTES) -> Tensor:
     """Per-sample gradient of chosen entries of one parameter, ``(B, E)``, from the factors.
 
     Args:
@@ -171,8 +169,8 @@ def entry_gradients(
 
 
 @dataclass(frozen=True)
-class Contributors:
-    """Per entry, the samples whose gradient on it is largest in magnitude.
+class BatchContributors:
+    """Per entry, the samples of one batch whose gradient on it is largest in magnitude.
 
     Attributes:
         indices: ``(E, k)`` batch-local sample indices, largest ``|g|`` first.
@@ -185,12 +183,12 @@ class Contributors:
 
 def top_contributors(
     record: LayerRecord, role: str, entries: Entries, k: int, max_bytes: int = DEFAULT_MAX_BYTES
-) -> Contributors:
+) -> BatchContributors:
     """The ``k`` samples with the largest ``|grad_s[entry]|`` for each entry (see :func:`entry_gradients`)."""
     values = entry_gradients(record, role, entries, max_bytes).T  # (E, B)
     k = max(0, min(int(k), record.batch_size))
     order = torch.sort(values.abs(), dim=1, descending=True, stable=True).indices[:, :k]  # (E, k)
-    return Contributors(order, values.gather(1, order))
+    return BatchContributors(order, values.gather(1, order))
 
 
 def exceed_fraction(record: LayerRecord, threshold: float, params: Collection[str] | None = None) -> float:

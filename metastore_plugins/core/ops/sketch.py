@@ -214,7 +214,9 @@ def _dense_sketch(record: LayerRecord, roles: dict[str, str], out: Tensor, seed:
         rest.pop("weight")
         rows, cols = matrix.shape[1], matrix.shape[2]
         p_out = draw("out", record.layer, seed, (k_out, rows), k_out, out.device)  # (k_out, rows)
-        p_in = _in_projection(draw, record.layer, seed, cols, k_in, True, bias is not None, out.device)  # (k_in, cols [+1])
+        p_in = _in_projection(
+            draw, record.layer, seed, cols, k_in, True, bias is not None, out.device
+        )  # (k_in, cols [+1])
         out += p_out @ matrix @ p_in[:, :cols].T  # (B, k_out, k_in)
         if bias is not None:
             rest.pop("bias")

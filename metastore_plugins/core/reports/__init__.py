@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table, write_table
 from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows, outlier_points, outlier_rows
-from metastore_plugins.core.analysis import GradientStore
 
 OUTLIER_COLUMNS = ("rank", "sample_id", "label", "prediction", "loss", "self_influence", "class_zscore")
 #: test samples in the influence report by default (those with the smallest ids)
@@ -23,9 +23,16 @@ RenderFn = Callable[[str, int], "str | None"]
 
 
 def write_reports(
-    store: GradientStore, directory: str | Path, *, train_split: str = "train", test_split: str = "val", k: int = 20,
-    render: RenderFn | None = None, scores: tuple[np.ndarray, np.ndarray] | None = None,
-    influence_samples: int | None = INFLUENCE_SAMPLES, outliers_from: str = "checkpoints",
+    store: GradientStore,
+    directory: str | Path,
+    *,
+    train_split: str = "train",
+    test_split: str = "val",
+    k: int = 20,
+    render: RenderFn | None = None,
+    scores: tuple[np.ndarray, np.ndarray] | None = None,
+    influence_samples: int | None = INFLUENCE_SAMPLES,
+    outliers_from: str = "checkpoints",
 ) -> dict[str, Any]:
     """Build the outlier and influence reports from the checkpoint passes and write them to ``directory``.
 
@@ -70,4 +77,13 @@ def write_reports(
     return {"outliers": outliers, "influence": influence, "files": [str(p) for p in files], "outlier_columns": columns}
 
 
-__all__ = ["INFLUENCE_SAMPLES", "OUTLIER_COLUMNS", "RenderFn", "checkpoint_points", "influence_rows", "markdown_table", "outlier_rows", "write_reports"]
+__all__ = [
+    "INFLUENCE_SAMPLES",
+    "OUTLIER_COLUMNS",
+    "RenderFn",
+    "checkpoint_points",
+    "influence_rows",
+    "markdown_table",
+    "outlier_rows",
+    "write_reports",
+]

@@ -38,8 +38,11 @@ def write_table(directory: Path, name: str, rows: Sequence[dict[str, Any]], colu
 def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """One line per test sample: its label and prediction, then its top proponents and opponents."""
     text = any("test_text" in row for row in rows)
-    lines = ["| test id | label | prediction | proponents (id:label) | opponents (id:label) |" + (" test text |" if text else ""),
-             "|---|---|---|---|---|" + ("---|" if text else "")]
+    lines = [
+        "| test id | label | prediction | proponents (id:label) | opponents (id:label) |"
+        + (" test text |" if text else ""),
+        "|---|---|---|---|---|" + ("---|" if text else ""),
+    ]
     for row in rows:
         pro = ", ".join(f"{p['sample_id']}:{p['label']}" for p in row["proponents"])
         opp = ", ".join(f"{p['sample_id']}:{p['label']}" for p in row["opponents"])

@@ -58,7 +58,11 @@ def as_image(value: Any) -> np.ndarray | None:
     if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":
         return None
     array = value.astype(np.float64)
-    if array.ndim == 3 and array.shape[0] in (1, 3, 4) and (array.shape[-1] not in (1, 3, 4) or array.shape[0] <= array.shape[-1]):
+    if (
+        array.ndim == 3
+        and array.shape[0] in (1, 3, 4)
+        and (array.shape[-1] not in (1, 3, 4) or array.shape[0] <= array.shape[-1])
+    ):
         array = np.moveaxis(array, 0, -1)  # CHW -> HWC (PyTorch's layout wins where both ends could be channels)
     if array.ndim == 3 and array.shape[-1] in (1, 3, 4):
         array = array[..., :3] if array.shape[-1] >= 3 else np.repeat(array, 3, axis=-1)
@@ -78,8 +82,13 @@ def as_image(value: Any) -> np.ndarray | None:
 
 
 def thumbnail_grid(
-    images: Sequence[np.ndarray], captions: Sequence[Sequence[str]], *, cell: int = 56, columns: int = 8,
-    title: str = "", highlight: Sequence[bool] | None = None,
+    images: Sequence[np.ndarray],
+    captions: Sequence[Sequence[str]],
+    *,
+    cell: int = 56,
+    columns: int = 8,
+    title: str = "",
+    highlight: Sequence[bool] | None = None,
 ) -> np.ndarray:
     """A grid of ``images`` (each ``(h, w, 3)`` uint8), scaled to ``cell`` pixels, each with caption lines.
 
@@ -112,7 +121,12 @@ def thumbnail_grid(
 
 
 def outlier_grid(
-    rows: Sequence[Mapping[str, Any]], lookup: SampleLookup, *, split: str = "train", limit: int = 32, cell: int = 56,
+    rows: Sequence[Mapping[str, Any]],
+    lookup: SampleLookup,
+    *,
+    split: str = "train",
+    limit: int = 32,
+    cell: int = 56,
     columns: int = 8,
 ) -> np.ndarray | None:
     """Thumbnails of the top outlier rows with ``#rank id``, ``y label p prediction``; ``None`` if they are not images.
@@ -127,18 +141,34 @@ def outlier_grid(
                 return None  # not image data: no grid
             continue
         images.append(image)
-        captions.append([f"#{row.get('rank', len(images))} id {row['sample_id']}",
-                         f"y {_short(row.get('label'))} p {_short(row.get('prediction'))}"])
+        captions.append(
+            [
+                f"#{row.get('rank', len(images))} id {row['sample_id']}",
+                f"y {_short(row.get('label'))} p {_short(row.get('prediction'))}",
+            ]
+        )
         frames.append(row.get("label") != row.get("prediction"))
     if not images:
         return None
-    return thumbnail_grid(images, captions, cell=cell, columns=columns, highlight=frames,
-                          title="most self-influential training samples (y: label, p: prediction; red: y != p)")
+    return thumbnail_grid(
+        images,
+        captions,
+        cell=cell,
+        columns=columns,
+        highlight=frames,
+        title="most self-influential training samples (y: label, p: prediction; red: y != p)",
+    )
 
 
 def influence_grid(
-    rows: Sequence[Mapping[str, Any]], lookup: SampleLookup, *, train_split: str = "train", test_split: str = "val",
-    limit: int = 8, per_side: int = 5, cell: int = 40,
+    rows: Sequence[Mapping[str, Any]],
+    lookup: SampleLookup,
+    *,
+    train_split: str = "train",
+    test_split: str = "val",
+    limit: int = 8,
+    per_side: int = 5,
+    cell: int = 40,
 ) -> np.ndarray | None:
     """One line per test sample: the test image, then its top proponents and opponents; ``None`` if not images."""
     images, captions = [], []
@@ -150,20 +180,29 @@ def influence_grid(
             return None
         blank = np.full_like(test, 255) if blank is None else blank
         images.append(test)
-        captions.append([f"test {row['test_id']}", f"y {_short(row.get('test_label'))} p {_short(row.get('test_prediction'))}"])
+        captions.append(
+            [f"test {row['test_id']}", f"y {_short(row.get('test_label'))} p {_short(row.get('test_prediction'))}"]
+        )
         for kind in ("proponents", "opponents"):
             entries = list(row.get(kind, []))[:per_side]
             for entry in entries:
                 image = _lookup_image(lookup, train_split, int(entry["sample_id"]))
                 images.append(image if image is not None else blank)
-                captions.append([f"{'+' if kind == 'proponents' else '-'} {entry['sample_id']}", f"y {_short(entry.get('label'))}"])
+                captions.append(
+                    [f"{'+' if kind == 'proponents' else '-'} {entry['sample_id']}", f"y {_short(entry.get('label'))}"]
+                )
             for _ in range(per_side - len(entries)):
                 images.append(np.full((2, 2, 3), 255, np.uint8))
                 captions.append(["", ""])
     if not images:
         return None
-    return thumbnail_grid(images, captions, cell=cell, columns=width,
-                          title=f"validation sample | {per_side} proponents (+) | {per_side} opponents (-)")
+    return thumbnail_grid(
+        images,
+        captions,
+        cell=cell,
+        columns=width,
+        title=f"validation sample | {per_side} proponents (+) | {per_side} opponents (-)",
+    )
 
 
 def dataset_lookup(datasets: Mapping[str, Any]) -> SampleLookup | None:
@@ -188,7 +227,9 @@ def _lookup_image(lookup: SampleLookup, split: str, sample_id: int) -> np.ndarra
     try:
         item = lookup(split, sample_id)
     except Exception as exc:  # noqa: BLE001 - a rendering must never fail the reports
-        warnings.warn(f"sample lookup failed for {split} sample {sample_id} ({exc!r}); no thumbnail drawn", stacklevel=3)
+        warnings.warn(
+            f"sample lookup failed for {split} sample {sample_id} ({exc!r}); no thumbnail drawn", stacklevel=3
+        )
         return None
     return as_image(sample_input(item))
 
@@ -202,4 +243,12 @@ def _short(value: Any) -> str:
     return text if len(text) <= 6 else text[:5] + "~"
 
 
-__all__ = ["SampleLookup", "as_image", "dataset_lookup", "influence_grid", "outlier_grid", "sample_input", "thumbnail_grid"]
+__all__ = [
+    "SampleLookup",
+    "as_image",
+    "dataset_lookup",
+    "influence_grid",
+    "outlier_grid",
+    "sample_input",
+    "thumbnail_grid",
+]

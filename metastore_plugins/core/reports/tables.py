@@ -54,7 +54,9 @@ def check_outlier_source(outliers_from: str, training_steps: bool, owner: str) -
     if outliers_from not in OUTLIER_SOURCES:
         raise ValueError(f"{owner}(outliers_from=...) must be one of {OUTLIER_SOURCES}, got {outliers_from!r}")
     if outliers_from == "training" and not training_steps:
-        raise ValueError(f"{owner}(outliers_from='training') ranks the captured training steps; keep capture_train_steps=True")
+        raise ValueError(
+            f"{owner}(outliers_from='training') ranks the captured training steps; keep capture_train_steps=True"
+        )
 
 
 def outlier_points(store: GradientStore, checkpoints: Sequence[str], outliers_from: str) -> list[str]:
@@ -136,8 +138,12 @@ def influence_rows(
             {
                 "test_id": sid,
                 **{f"test_{key}": value for key, value in test_meta[sid].items()},
-                "proponents": [{"sample_id": i, "score": s, "label": train_meta[i]["label"]} for i, s in entry["proponents"]],
-                "opponents": [{"sample_id": i, "score": s, "label": train_meta[i]["label"]} for i, s in entry["opponents"]],
+                "proponents": [
+                    {"sample_id": i, "score": s, "label": train_meta[i]["label"]} for i, s in entry["proponents"]
+                ],
+                "opponents": [
+                    {"sample_id": i, "score": s, "label": train_meta[i]["label"]} for i, s in entry["opponents"]
+                ],
             }
         )
     return rows

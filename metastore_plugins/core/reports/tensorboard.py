@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from metastore_plugins.core import ops
+from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, write_reports
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table
 from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid
 from metastore_plugins.core.reports.tables import _last_metadata, checkpoint_points, outlier_points, self_influence_of
-from metastore_plugins.core.analysis import GradientStore, open_store
 
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
            (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]  # fmt: skip
@@ -38,7 +38,9 @@ PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 1
 class SummaryWriterLike(Protocol):
     def add_text(self, tag: str, text_string: str, global_step: int | None = None) -> None: ...
     def add_histogram(self, tag: str, values: Any, global_step: int | None = None) -> None: ...
-    def add_image(self, tag: str, img_tensor: Any, global_step: int | None = None, dataformats: str = "CHW") -> None: ...
+    def add_image(
+        self, tag: str, img_tensor: Any, global_step: int | None = None, dataformats: str = "CHW"
+    ) -> None: ...
 
 
 def summary_writer(log_dir: str | os.PathLike[str]) -> Any:
@@ -65,7 +67,13 @@ def self_influence_table(
 
 
 def scatter_image(
-    x: np.ndarray, y: np.ndarray, classes: np.ndarray, *, title: str = "", x_label: str = "", y_label: str = "",
+    x: np.ndarray,
+    y: np.ndarray,
+    classes: np.ndarray,
+    *,
+    title: str = "",
+    x_label: str = "",
+    y_label: str = "",
     size: tuple[int, int] = (480, 360),
 ) -> np.ndarray:
     """A scatter plot as an ``(H, W, 3)`` uint8 image, one colour per class (drawn with PIL)."""
@@ -79,7 +87,10 @@ def scatter_image(
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     finite = np.isfinite(x) & np.isfinite(y)
     if finite.any():
-        (x0, x1), (y0, y1) = (float(x[finite].min()), float(x[finite].max())), (float(y[finite].min()), float(y[finite].max()))
+        (x0, x1), (y0, y1) = (
+            (float(x[finite].min()), float(x[finite].max())),
+            (float(y[finite].min()), float(y[finite].max())),
+        )
         x1, y1 = (x1 if x1 > x0 else x0 + 1.0), (y1 if y1 > y0 else y0 + 1.0)
         px = left + (x[finite] - x0) / (x1 - x0) * (width - left - right)
         py = height - bottom - (y[finite] - y0) / (y1 - y0) * (height - top - bottom)
@@ -97,8 +108,12 @@ def scatter_image(
 
 
 def write_tensorboard(
-    writer: SummaryWriterLike, reports: dict[str, Any], table: dict[str, np.ndarray] | None = None, *,
-    step: int = 0, prefix: str = "metastore",
+    writer: SummaryWriterLike,
+    reports: dict[str, Any],
+    table: dict[str, np.ndarray] | None = None,
+    *,
+    step: int = 0,
+    prefix: str = "metastore",
 ) -> list[str]:
     """Write the outlier and influence tables, histograms and scatter; returns the tags written."""
     tags = []
@@ -115,8 +130,12 @@ def write_tensorboard(
             writer.add_histogram(f"{prefix}/self_influence/class_{int(label)}", values, step)
             tags.append(f"{prefix}/self_influence/class_{int(label)}")
         image = scatter_image(
-            table["loss"], np.log10(np.clip(table["self_influence"], 1e-12, None)), table["label"],
-            title="training samples, coloured by label", x_label="loss", y_label="log10 self-influence",
+            table["loss"],
+            np.log10(np.clip(table["self_influence"], 1e-12, None)),
+            table["label"],
+            title="training samples, coloured by label",
+            x_label="loss",
+            y_label="log10 self-influence",
         )
         writer.add_image(f"{prefix}/loss_vs_self_influence", image, step, dataformats="HWC")
         tags.append(f"{prefix}/loss_vs_self_influence")
@@ -127,7 +146,12 @@ def write_tensorboard(
 
 
 def write_dynamics(
-    writer: Any, store: GradientStore, *, capture_point: str = "train", prefix: str = "metastore", explode_factor: float = 10.0
+    writer: Any,
+    store: GradientStore,
+    *,
+    capture_point: str = "train",
+    prefix: str = "metastore",
+    explode_factor: float = 10.0,
 ) -> list[str]:
     """Gradient-norm scalars per layer and step, norm histograms per epoch, and exploding fractions.
 
@@ -148,7 +172,9 @@ def write_dynamics(
     for epoch in np.unique(epochs):
         writer.add_histogram(f"{prefix}/grad_norm_per_epoch", total[epochs == epoch], int(epoch))
     threshold = explode_factor * float(np.median(total)) if len(total) else 0.0
-    fractions = ops.step_exceed_fractions(torch.from_numpy(total), torch.from_numpy(np.asarray(steps, dtype=np.int64)), threshold)  # from the norms at hand
+    fractions = ops.step_exceed_fractions(
+        torch.from_numpy(total), torch.from_numpy(np.asarray(steps, dtype=np.int64)), threshold
+    )  # from the norms at hand
     for step, fraction in zip(*fractions):
         writer.add_scalar(f"{prefix}/exploding_fraction", float(fraction), int(step))
     return [*tags, f"{prefix}/grad_norm_per_epoch", f"{prefix}/exploding_fraction"]
@@ -162,7 +188,9 @@ def write_projector(
     meta = store.metadata(capture_point)
     labels = [[str(int(i)), str(label)] for i, label in zip(meta["sample_id"], meta["label"].tolist())]
     tag = f"{prefix}/gradient_sketches"
-    writer.add_embedding(sketches.astype(np.float32), metadata=labels, metadata_header=["sample_id", "label"], tag=tag, global_step=step)
+    writer.add_embedding(
+        sketches.astype(np.float32), metadata=labels, metadata_header=["sample_id", "label"], tag=tag, global_step=step
+    )
     return [tag]
 
 
@@ -170,15 +198,23 @@ GRID_TAGS = {"outliers": "outlier_samples", "influence": "influence_samples"}
 
 
 def sample_grids(
-    reports: dict[str, Any], samples: SampleLookup | None, directory: Path | None = None, *, train_split: str = "train",
+    reports: dict[str, Any],
+    samples: SampleLookup | None,
+    directory: Path | None = None,
+    *,
+    train_split: str = "train",
     test_split: str = "val",
 ) -> dict[str, np.ndarray]:
-    """Thumbnail grids ``{"outliers": image, "influence": image}`` of image samples (none for other data), saved as PNGs."""
+    """Thumbnail grids ``{"outliers": image, "influence": image}`` of image samples, saved as PNGs.
+
+    None for other data."""
     if samples is None:
         return {}
     grids = {
         "outliers": outlier_grid(reports.get("outliers") or [], samples, split=train_split),
-        "influence": influence_grid(reports.get("influence") or [], samples, train_split=train_split, test_split=test_split),
+        "influence": influence_grid(
+            reports.get("influence") or [], samples, train_split=train_split, test_split=test_split
+        ),
     }
     grids = {name: grid for name, grid in grids.items() if grid is not None}
     if directory is not None and grids:
@@ -191,9 +227,18 @@ def sample_grids(
 
 
 def report_run(
-    store_dir: str | os.PathLike[str], reports_dir: str | os.PathLike[str], writers: Sequence[SummaryWriterLike] = (),
-    *, step: int = 0, k: int = 20, train_split: str = "train", test_split: str = "val", dynamics: bool = True,
-    projector: bool = True, render: RenderFn | None = None, samples: SampleLookup | None = None,
+    store_dir: str | os.PathLike[str],
+    reports_dir: str | os.PathLike[str],
+    writers: Sequence[SummaryWriterLike] = (),
+    *,
+    step: int = 0,
+    k: int = 20,
+    train_split: str = "train",
+    test_split: str = "val",
+    dynamics: bool = True,
+    projector: bool = True,
+    render: RenderFn | None = None,
+    samples: SampleLookup | None = None,
     outliers_from: str = "checkpoints",
 ) -> dict[str, Any] | None:
     """Files via :func:`write_reports` into ``reports_dir``, and the same reports to each writer.
@@ -219,8 +264,16 @@ def report_run(
         return None
     sources = outlier_points(store, points, outliers_from)
     scores = self_influence_of(store, sources)  # read once, for the table and the histograms
-    result = write_reports(store, Path(reports_dir), train_split=train_split, test_split=test_split, k=k, render=render,
-                           scores=scores, outliers_from=outliers_from)
+    result = write_reports(
+        store,
+        Path(reports_dir),
+        train_split=train_split,
+        test_split=test_split,
+        k=k,
+        render=render,
+        scores=scores,
+        outliers_from=outliers_from,
+    )
     table = self_influence_table(store, sources, scores) if writers else None
     grids = sample_grids(result, samples, Path(reports_dir), train_split=train_split, test_split=test_split)
     result["files"] += [str(Path(reports_dir) / f"{name}.png") for name in grids]

@@ -82,7 +82,10 @@ def encode_into(key: str, tensor: Tensor, encoding: Encoding, out: Mapping[str, 
 
 def encode(key: str, tensor: Tensor, encoding: Encoding) -> dict[str, Tensor]:
     """Stored tensors of one record tensor: ``{key: data}`` plus ``{key.scale: (R,)}`` when scaled."""
-    out = {name: torch.empty(shape, dtype=dtype, device=tensor.device) for name, (dtype, shape) in stored_specs(key, tensor, encoding).items()}
+    out = {
+        name: torch.empty(shape, dtype=dtype, device=tensor.device)
+        for name, (dtype, shape) in stored_specs(key, tensor, encoding).items()
+    }
     encode_into(key, tensor, encoding, out)
     return out
 

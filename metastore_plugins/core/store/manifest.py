@@ -55,7 +55,14 @@ def meta_key(batch: int, column: str) -> str:
 
 
 def new_manifest(rank: int, config: dict[str, Any]) -> dict[str, Any]:
-    return {"format": FORMAT, "schema_version": SCHEMA_VERSION, "rank": rank, "config": config, "layers": {}, "shards": []}
+    return {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "rank": rank,
+        "config": config,
+        "layers": {},
+        "shards": [],
+    }
 
 
 def fsync_dir(directory: Path) -> None:
@@ -121,7 +128,8 @@ def shard_problem(path: Path, entry: dict[str, Any], checksums: bool = True) -> 
     if checksums:
         actual = file_sha256(path)
         if actual != entry["sha256"]:
-            return f"checksum mismatch, sha256 {actual} on disk but {entry['sha256']} in the manifest (the file is damaged)"
+            expected = entry["sha256"]
+            return f"checksum mismatch, sha256 {actual} on disk but {expected} in the manifest (the file is damaged)"
     return None
 
 
@@ -132,7 +140,7 @@ def load_manifest(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"cannot read manifest {path}: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a metastore manifest (no \"format\": \"{FORMAT}\")")
+        raise ValueError(f'{path} is not a metastore manifest (no "format": "{FORMAT}")')
     version = manifest.get("schema_version")
     if not _is_int(version) or version < 1:
         raise ValueError(f"{path} has an invalid schema version {version!r} (a positive integer is expected)")
@@ -187,8 +195,18 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
         where = f"layers[{name!r}]"
         _need(isinstance(layer, dict), path, where, "must be an object")
         params, shapes = layer.get("params"), layer.get("param_shapes")
-        _need(isinstance(params, dict) and all(isinstance(v, str) for v in params.values()), path, where, '"params" must map roles to names')
-        _need(isinstance(shapes, dict) and set(shapes) == set(params), path, where, '"param_shapes" must give a shape per role')
+        _need(
+            isinstance(params, dict) and all(isinstance(v, str) for v in params.values()),
+            path,
+            where,
+            '"params" must map roles to names',
+        )
+        _need(
+            isinstance(shapes, dict) and set(shapes) == set(params),
+            path,
+            where,
+            '"param_shapes" must give a shape per role',
+        )
         for role, shape in shapes.items():
             good = isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
             _need(good, path, f"{where}.param_shapes[{role!r}]", f"must be a list of sizes; got {shape!r}")
@@ -201,7 +219,12 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
         check_shard_file(shard.get("file"), path, f"{where}.file")
         _need(_is_int(shard.get("bytes")) and shard["bytes"] >= 0, path, f"{where}.bytes", "must be a byte count")
         sha = shard.get("sha256")
-        _need(isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha) is not None, path, f"{where}.sha256", "must be 64 hex digits")
+        _need(
+            isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha) is not None,
+            path,
+            f"{where}.sha256",
+            "must be 64 hex digits",
+        )
         _need(shard.get("encoding") in ENCODING_NAMES, path, f"{where}.encoding", f"must be one of {ENCODING_NAMES}")
         batches = shard.get("batches")
         _need(isinstance(batches, list), path, f"{where}.batches", "must be a list")
@@ -221,7 +244,7 @@ def _check_batch(batch: Any, layers: dict[str, Any], path: Path, where: str) -> 
     for k, record in enumerate(records):
         at = f"{where}.records[{k}]"
         _need(isinstance(record, dict), path, at, "must be an object")
-        _need(record.get("layer") in layers, path, f"{at}.layer", f"{record.get('layer')!r} is not in \"layers\"")
+        _need(record.get("layer") in layers, path, f"{at}.layer", f'{record.get("layer")!r} is not in "layers"')
         _need(record.get("kind") in KINDS, path, f"{at}.kind", f"must be one of {KINDS}")
         for key in ("rows", "bytes", "dense_bytes"):
             _need(_is_int(record.get(key, 0)), path, f"{at}.{key}", "must be an integer")

@@ -116,7 +116,9 @@ class StoreReader:
     def parameters(self) -> dict[str, tuple[int, ...]]:
         """Captured parameter name -> shape."""
         return {
-            name: tuple(info["param_shapes"][role]) for info in self._layers.values() for role, name in info["params"].items()
+            name: tuple(info["param_shapes"][role])
+            for info in self._layers.values()
+            for role, name in info["params"].items()
         }
 
     def layer_params(self, layer: str) -> dict[str, str]:
@@ -133,7 +135,10 @@ class StoreReader:
         return self.select(capture_point, **where).sample_ids()
 
     def metadata(self, capture_point: str | None = None, **where: Any) -> dict[str, np.ndarray]:
-        """Per-sample columns (sample_id, label, loss, prediction, step, epoch, micro_batch, rank, lr, capture_point)."""
+        """Per-sample columns.
+
+        sample_id, label, loss, prediction, step, epoch, micro_batch, rank, lr, capture_point.
+        """
         return self.select(capture_point, **where).metadata()
 
     def learning_rate(self, capture_point: str) -> float | None:
@@ -181,7 +186,8 @@ class StoreReader:
         refs = [r for r in self._refs if r.capture_point == capture_point]
         if not refs:
             raise StoreError(
-                f"unknown capture point {capture_point!r} in {self.path}; it has: {', '.join(self.capture_points()) or 'none'}"
+                f"unknown capture point {capture_point!r} in {self.path}; "
+                f"it has: {', '.join(self.capture_points()) or 'none'}"
             )
         return refs
 
@@ -189,7 +195,9 @@ class StoreReader:
         """Raise :class:`StoreError` naming any layer the store does not hold."""
         unknown = [layer for layer in layers if layer not in self._layers]
         if unknown:
-            raise StoreError(f"unknown layer(s) {', '.join(map(repr, unknown))}; the store has: {', '.join(self._layers)}")
+            raise StoreError(
+                f"unknown layer(s) {', '.join(map(repr, unknown))}; the store has: {', '.join(self._layers)}"
+            )
 
     # -- restoring -----------------------------------------------------------------------
 
@@ -207,7 +215,9 @@ class StoreReader:
             StoreError: if the sample is not stored there, or is stored at several
                 (capture point, step) pairs and they were not given.
         """
-        selection = self.select(capture_point, steps=step, sample_ids=[sample_id], layers=None if layer is None else [layer])
+        selection = self.select(
+            capture_point, steps=step, sample_ids=[sample_id], layers=None if layer is None else [layer]
+        )
         found = list(selection.batches())
         if not found:
             where = f" at capture point {capture_point!r}" if capture_point else ""
@@ -232,7 +242,9 @@ class StoreReader:
                 problems.extend(_check_shard(self.path / shard["file"], shard, checksums))
         for path in sorted(self.path.glob("*.safetensors")):
             if path.name not in listed:
-                problems.append(f"{path.name}: not listed in any manifest (a shard in flight when the run stopped?); ignored")
+                problems.append(
+                    f"{path.name}: not listed in any manifest (a shard in flight when the run stopped?); ignored"
+                )
         return problems
 
     def summary(self) -> dict[str, Any]:

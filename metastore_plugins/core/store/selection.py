@@ -54,9 +54,7 @@ class ShardFiles:
                 raise StoreError(f"{path} is not a shard listed in the manifests of {self.directory}; not read")
             problem = mf.shard_problem(path, entry, self.checksums)
             if problem is not None:
-                raise StoreError(
-                    f"{path}: {problem}; other shards stay readable, store.verify() lists all damage"
-                )
+                raise StoreError(f"{path}: {problem}; other shards stay readable, store.verify() lists all damage")
             self._sound.add(name)
 
     def open(self, path: Path) -> OpenShard:
@@ -102,7 +100,11 @@ class OpenShard:
 
     def read(self, batch: int, prefix: str) -> dict[str, Tensor]:
         """The tensors of stored batch ``batch`` whose names start with ``prefix``, without it."""
-        return {key[len(prefix) :]: _get(self.handle, key, self.path) for key in self.keys.get(f"b{batch}", ()) if key.startswith(prefix)}
+        return {
+            key[len(prefix) :]: _get(self.handle, key, self.path)
+            for key in self.keys.get(f"b{batch}", ())
+            if key.startswith(prefix)
+        }
 
 
 def _get(handle: Any, key: str, path: Path) -> Tensor:
@@ -116,7 +118,15 @@ _INTEGER_KEYS = ("sample", "position", "ids")
 _KIND_KEYS = {"outer": ("prefix", "suffix", "sample", "position"), "embedding": ("ids", "suffix", "sample", "position")}
 
 
-def _check_record(path: Path, where: str, entry: dict[str, Any], layer: dict[str, Any], size: int, raw: dict[str, Tensor], tensors: dict[str, Tensor]) -> None:
+def _check_record(
+    path: Path,
+    where: str,
+    entry: dict[str, Any],
+    layer: dict[str, Any],
+    size: int,
+    raw: dict[str, Tensor],
+    tensors: dict[str, Tensor],
+) -> None:
     """Check dtypes, ranks and shapes of one decoded record against its manifest entry."""
 
     def need(ok: bool, key: str, what: str) -> None:
@@ -126,41 +136,75 @@ def _check_record(path: Path, where: str, entry: dict[str, Any], layer: dict[str
     for key, value in raw.items():  # row scales: float, one per row of the tensor they scale
         if is_scale_key(key, raw):
             data = raw[key[: -len(".scale")]]
-            need(value.is_floating_point() and value.dim() == 1 and data.dim() >= 1 and value.shape[0] == data.shape[0],
-                 key, f"must be a float (R,) row scale; got {value.dtype} {tuple(value.shape)}")
+            need(
+                value.is_floating_point() and value.dim() == 1 and data.dim() >= 1 and value.shape[0] == data.shape[0],
+                key,
+                f"must be a float (R,) row scale; got {value.dtype} {tuple(value.shape)}",
+            )
     kind, shapes = entry["kind"], {role: tuple(shape) for role, shape in layer["param_shapes"].items()}
     if kind == "dense":
         for role in layer["params"]:
             key, value = "grad." + role, tensors.get("grad." + role)
             need(value is not None, key, "is missing")
-            need(value.is_floating_point() and tuple(value.shape) == (size, *shapes[role]), key,
-                 f"must be float {(size, *shapes[role])}; got {value.dtype} {tuple(value.shape)}")
+            need(
+                value.is_floating_point() and tuple(value.shape) == (size, *shapes[role]),
+                key,
+                f"must be float {(size, *shapes[role])}; got {value.dtype} {tuple(value.shape)}",
+            )
         return
     for key in _KIND_KEYS[kind]:
         need(key in tensors, key, "is missing")
     for key in _KIND_KEYS[kind]:
         value = tensors[key]
         if key in _INTEGER_KEYS:
-            need(not value.is_floating_point() and value.dim() == 1, key, f"must be a 1-d integer tensor; got {value.dtype} {tuple(value.shape)}")
+            need(
+                not value.is_floating_point() and value.dim() == 1,
+                key,
+                f"must be a 1-d integer tensor; got {value.dtype} {tuple(value.shape)}",
+            )
         else:
             need(value.is_floating_point(), key, f"must be a float tensor; got {value.dtype}")
-        need(value.shape[0] == tensors["suffix"].shape[0], key, f"has {value.shape[0]} rows, suffix has {tensors['suffix'].shape[0]}")
+        need(
+            value.shape[0] == tensors["suffix"].shape[0],
+            key,
+            f"has {value.shape[0]} rows, suffix has {tensors['suffix'].shape[0]}",
+        )
     sample = tensors["sample"]
-    need(sample.numel() == 0 or (int(sample.min()) >= 0 and int(sample.max()) < size), "sample", f"holds samples outside 0..{size - 1}")
+    need(
+        sample.numel() == 0 or (int(sample.min()) >= 0 and int(sample.max()) < size),
+        "sample",
+        f"holds samples outside 0..{size - 1}",
+    )
     need(bool((sample[1:] >= sample[:-1]).all()), "sample", "is not grouped by sample in ascending order")
     suffix = tensors["suffix"]
     if kind == "embedding":
         vocab, dim = (shapes.get("weight", ()) + (0, 0))[:2]
-        need(suffix.dim() == 2 and suffix.shape[1] == dim and len(shapes.get("weight", ())) == 2, "suffix", f"must be (R, {dim}); got {tuple(suffix.shape)}")
+        need(
+            suffix.dim() == 2 and suffix.shape[1] == dim and len(shapes.get("weight", ())) == 2,
+            "suffix",
+            f"must be (R, {dim}); got {tuple(suffix.shape)}",
+        )
         ids = tensors["ids"]
-        need(ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab), "ids", f"holds token ids outside 0..{vocab - 1}")
+        need(
+            ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab),
+            "ids",
+            f"holds token ids outside 0..{vocab - 1}",
+        )
         return
     prefix = tensors["prefix"]
     need(prefix.dim() == 3, "prefix", f"must be (R, G, d_in); got {tuple(prefix.shape)}")
-    need(suffix.dim() == 3 and suffix.shape[1] == prefix.shape[1], "suffix", f"must be (R, G, d_out); got {tuple(suffix.shape)}")
+    need(
+        suffix.dim() == 3 and suffix.shape[1] == prefix.shape[1],
+        "suffix",
+        f"must be (R, G, d_out); got {tuple(suffix.shape)}",
+    )
     groups, d_in, d_out = prefix.shape[1], prefix.shape[2], suffix.shape[2]
     if "weight" in shapes:
-        need(groups * d_out * d_in == math.prod(shapes["weight"]), "prefix", f"and suffix do not make a weight of shape {shapes['weight']}")
+        need(
+            groups * d_out * d_in == math.prod(shapes["weight"]),
+            "prefix",
+            f"and suffix do not make a weight of shape {shapes['weight']}",
+        )
     if "bias" in shapes:
         need(groups * d_out == math.prod(shapes["bias"]), "suffix", f"does not make a bias of shape {shapes['bias']}")
 
@@ -217,7 +261,9 @@ class BatchRef:
         key = (self.file.name, self.batch)
         cached = self.files.meta.get(key) if self.files is not None else None
         if cached is None:
-            cached = {column: value.clone() for column, value in self._read_meta().items()}  # not views of the mapped file
+            cached = {
+                column: value.clone() for column, value in self._read_meta().items()
+            }  # not views of the mapped file
             if self.files is not None:
                 self.files.meta[key] = cached
         return dict(cached)
@@ -226,12 +272,22 @@ class BatchRef:
         prefix = f"b{self.batch}/meta/"
         meta = self._shard().read(self.batch, prefix)
         ids = meta.get("sample_id")
-        if ids is None or ids.is_floating_point() or ids.dtype == torch.bool or ids.dim() != 1 or ids.shape[0] != self.size:
+        if (
+            ids is None
+            or ids.is_floating_point()
+            or ids.dtype == torch.bool
+            or ids.dim() != 1
+            or ids.shape[0] != self.size
+        ):
             got = "nothing" if ids is None else f"{ids.dtype} {tuple(ids.shape)}"
-            raise StoreError(f"{self.file}: tensor {prefix}sample_id must be ({self.size},) integer sample ids; got {got}")
+            raise StoreError(
+                f"{self.file}: tensor {prefix}sample_id must be ({self.size},) integer sample ids; got {got}"
+            )
         for column, value in meta.items():
             if value.dim() == 0 or value.shape[0] != self.size:
-                raise StoreError(f"{self.file}: tensor {prefix}{column} must have {self.size} rows; got {tuple(value.shape)}")
+                raise StoreError(
+                    f"{self.file}: tensor {prefix}{column} must have {self.size} rows; got {tuple(value.shape)}"
+                )
         meta["sample_id"] = ids.long()
         return meta
 
@@ -241,7 +297,10 @@ class BatchRef:
         if not wanted:
             return []
         shard = self._shard()
-        return [self._record(entry, shard.read(self.batch, f"b{self.batch}/r{k}/"), f"b{self.batch}/r{k}/") for k, entry in wanted]
+        return [
+            self._record(entry, shard.read(self.batch, f"b{self.batch}/r{k}/"), f"b{self.batch}/r{k}/")
+            for k, entry in wanted
+        ]
 
     def _record(self, entry: dict[str, Any], stored: dict[str, Tensor], prefix: str = "") -> LayerRecord:
         layer = self.layers[entry["layer"]]

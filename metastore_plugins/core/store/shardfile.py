@@ -28,8 +28,16 @@ from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import Encoding, encode_into, stored_specs
 
 _DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 _ITEMSIZE = {dtype: dtype.itemsize for dtype in _DTYPE_NAMES}
 
@@ -55,7 +63,11 @@ class ShardBuffer:
 
 
 def write_shard(
-    path: str | os.PathLike[str], batches: Batches, encoding: Encoding, metadata: dict[str, str], buffer: ShardBuffer | None = None
+    path: str | os.PathLike[str],
+    batches: Batches,
+    encoding: Encoding,
+    metadata: dict[str, str],
+    buffer: ShardBuffer | None = None,
 ) -> tuple[int, str]:
     """Write ``(records, metadata columns)`` batches as one safetensors file, synced to disk.
 
@@ -71,9 +83,18 @@ def write_shard(
         for k, record in enumerate(batch_records)
         for name, tensor in record.tensors.items()
     ]
-    columns = [(mf.meta_key(index, column), values) for index, (_, meta) in enumerate(batches) for column, values in meta.items()]
+    columns = [
+        (mf.meta_key(index, column), values)
+        for index, (_, meta) in enumerate(batches)
+        for column, values in meta.items()
+    ]
     encoded, plain = _groups(records), _groups(columns)
-    specs = {key: spec for members in encoded for name, tensor in members for key, spec in stored_specs(name, tensor, encoding).items()}
+    specs = {
+        key: spec
+        for members in encoded
+        for name, tensor in members
+        for key, spec in stored_specs(name, tensor, encoding).items()
+    }
     specs.update({name: (tensor.dtype, tuple(tensor.shape)) for members in plain for name, tensor in members})
     header, size = _layout(specs)  # a group's tensors of each stored role lie next to each other
     data_section = (buffer or ShardBuffer()).take(size)  # (bytes,)
@@ -112,9 +133,14 @@ def _joined(members: list[tuple[str, Tensor]]) -> Tensor:
 
 
 def _slots(
-    section: Tensor, ranges: Mapping[str, tuple[int, int]], members: list[tuple[str, Tensor]], roles: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+    section: Tensor,
+    ranges: Mapping[str, tuple[int, int]],
+    members: list[tuple[str, Tensor]],
+    roles: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
 ) -> dict[str, Tensor]:
-    """For each stored role (``""``: data, ``".scale"``), the members' slots of ``section`` as one tensor of the given shape."""
+    """For each stored role (``""``: data, ``".scale"``), the members' slots of ``section``.
+
+    As one tensor of the given shape."""
     out = {}
     for role, (dtype, shape) in roles.items():
         begin, end = ranges[members[0][0] + role][0], ranges[members[-1][0] + role][1]
@@ -128,7 +154,9 @@ def _layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[d
     by_size: dict[int, list[str]] = {8: [], 4: [], 2: [], 1: []}
     for key, (dtype, _) in specs.items():
         if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"{key}: dtype {dtype} cannot be stored in a shard; use one of {sorted(map(str, _DTYPE_NAMES))}")
+            raise ValueError(
+                f"{key}: dtype {dtype} cannot be stored in a shard; use one of {sorted(map(str, _DTYPE_NAMES))}"
+            )
         by_size[_ITEMSIZE[dtype]].append(key)
     ranges: dict[str, tuple[int, int]] = {}
     offset = 0
@@ -140,7 +168,11 @@ def _layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[d
     return ranges, offset
 
 
-def _header_bytes(ranges: Mapping[str, tuple[int, int]], specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+def _header_bytes(
+    ranges: Mapping[str, tuple[int, int]],
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    metadata: dict[str, str],
+) -> bytes:
     """The length prefix and the JSON header, padded with spaces to a multiple of 8.
 
     Written as text: thousands of small dicts would cost more in the garbage collector's passes
@@ -148,7 +180,10 @@ def _header_bytes(ranges: Mapping[str, tuple[int, int]], specs: Mapping[str, tup
     entries = [json.dumps({"__metadata__": metadata})[1:-1]] if metadata else []
     for key, (begin, end) in ranges.items():
         dtype, shape = specs[key]
-        entries.append(f'{json.dumps(key)}:{{"dtype":"{_DTYPE_NAMES[dtype]}","shape":[{",".join(map(str, shape))}],"data_offsets":[{begin},{end}]}}')
+        entries.append(
+            f'{json.dumps(key)}:{{"dtype":"{_DTYPE_NAMES[dtype]}","shape":[{",".join(map(str, shape))}],'
+            f'"data_offsets":[{begin},{end}]}}'
+        )
     text = ("{" + ",".join(entries) + "}").encode()
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text

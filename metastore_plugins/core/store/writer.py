@@ -164,7 +164,11 @@ class StoreWriter:
         ids = torch.as_tensor(sample_ids).detach().cpu().long().reshape(-1).clone()
         size = ids.shape[0]
         meta = {"sample_id": ids}
-        columns = (("label", "labels", labels, None), ("loss", "losses", losses, torch.float32), ("prediction", "predictions", predictions, None))
+        columns = (
+            ("label", "labels", labels, None),
+            ("loss", "losses", losses, torch.float32),
+            ("prediction", "predictions", predictions, None),
+        )
         for name, argument, values, dtype in columns:
             column = _column(argument, values, size, dtype)
             if column is not None:
@@ -217,7 +221,11 @@ class StoreWriter:
                     f"record of layer '{record.layer}' holds {record.batch_size} samples but {size} sample ids "
                     "were given; pass one id per sample of the batch"
                 )
-            layer = {"params": dict(record.params), "param_shapes": {k: list(v) for k, v in record.param_shapes.items()}, "layout": record.layout}
+            layer = {
+                "params": dict(record.params),
+                "param_shapes": {k: list(v) for k, v in record.param_shapes.items()},
+                "layout": record.layout,
+            }
             known = self._manifest["layers"].get(record.layer) or new.setdefault(record.layer, layer)
             if known != layer:
                 raise ValueError(
@@ -238,7 +246,8 @@ class StoreWriter:
             self._queued_bytes += nbytes
             self.stats.peak_queued_bytes = max(self.stats.peak_queued_bytes, self._queued_bytes)
             if not isinstance(item, _Batch) or self._queued_bytes >= min(self.shard_bytes, self.queue_bytes // 2):
-                self._cond.notify_all()  # batches wait for a shard's worth: waking the thread per batch costs training time
+                # batches wait for a shard's worth: waking the thread per batch costs training time
+                self._cond.notify_all()
         self.stats.wait_seconds += time.perf_counter() - start
         self._raise_if_failed()
 
@@ -313,7 +322,13 @@ class StoreWriter:
     @staticmethod
     def _record_info(record: LayerRecord) -> dict[str, Any]:
         rows = record.batch_size if record.kind == "dense" else int(record.tensors["sample"].shape[0])
-        return {"layer": record.layer, "kind": record.kind, "rows": rows, "bytes": record.nbytes, "dense_bytes": record.dense_nbytes}
+        return {
+            "layer": record.layer,
+            "kind": record.kind,
+            "rows": rows,
+            "bytes": record.nbytes,
+            "dense_bytes": record.dense_nbytes,
+        }
 
     def _write_shard(self, pending: list[_Batch], buffer: ShardBuffer) -> None:
         batches = [b.info | {"records": [self._record_info(r) for r in b.records]} for b in pending]
@@ -339,7 +354,11 @@ class StoreWriter:
             "batches": batches,
         }
         with self._cond:  # the training thread may be registering new layers
-            manifest = {**self._manifest, "layers": dict(self._manifest["layers"]), "shards": [*self._manifest["shards"], entry]}
+            manifest = {
+                **self._manifest,
+                "layers": dict(self._manifest["layers"]),
+                "shards": [*self._manifest["shards"], entry],
+            }
         try:
             mf.fsync_dir(self.path)
             mf.write_manifest(self.path, manifest)
@@ -358,7 +377,9 @@ class StoreWriter:
     def _listed_on_disk(self, name: str) -> bool:
         """Whether the rank's manifest on disk lists ``name`` (True when it cannot be read: keep the file)."""
         try:
-            return any(s.get("file") == name for s in mf.load_manifest(self.path / mf.manifest_name(self.rank))["shards"])
+            return any(
+                s.get("file") == name for s in mf.load_manifest(self.path / mf.manifest_name(self.rank))["shards"]
+            )
         except Exception:  # noqa: BLE001 - in doubt, keep the shard
             return True
 
@@ -379,4 +400,3 @@ class StoreWriter:
     def _first_free_shard_index(self) -> int:
         used = [int(p.name.split("-")[1].split(".")[0]) for p in self.path.glob(f"rank{self.rank}-*.safetensors")]
         return max(used, default=-1) + 1
-

@@ -22,8 +22,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.capture.layers.linear import linear_records
+from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.capture.registry import LayerContext, register_capture
 
 _MATMUL_NODES = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}
@@ -62,9 +62,16 @@ def _sequence_to_batch(rows: Tensor, batch: int) -> Tensor:
 
 
 def _projection_records(
-    layer: str, prefix_rows: Tensor, grad_rows: Tensor, batch: int, params: dict[str, str], shapes: dict[str, tuple[int, ...]]
+    layer: str,
+    prefix_rows: Tensor,
+    grad_rows: Tensor,
+    batch: int,
+    params: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
 ) -> list[LayerRecord]:
-    return linear_records(layer, _sequence_to_batch(prefix_rows, batch), _sequence_to_batch(grad_rows, batch), params, shapes)
+    return linear_records(
+        layer, _sequence_to_batch(prefix_rows, batch), _sequence_to_batch(grad_rows, batch), params, shapes
+    )
 
 
 @register_capture(
@@ -112,7 +119,8 @@ def capture_multihead_attention(
         in_shapes = {role: tuple(module.get_parameter(f"in_proj_{role}").shape) for role in in_params}
         x_rows = x.transpose(0, 1).reshape(-1, x.shape[-1])  # (L*B, E)
         ctx.on_node_grad(
-            nodes["in"], lambda grad: _projection_records(ctx.name + ".in_proj", x_rows, grad, batch, in_params, in_shapes)
+            nodes["in"],
+            lambda grad: _projection_records(ctx.name + ".in_proj", x_rows, grad, batch, in_params, in_shapes),
         )
     if out_params:
         out_shapes = {role: tuple(getattr(module.out_proj, role).shape) for role in out_params}

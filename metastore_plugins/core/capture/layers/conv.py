@@ -12,7 +12,13 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from metastore_plugins.core.capture.records import LayerRecord, dense_is_smaller, dense_record, nonzero_rows, outer_record
+from metastore_plugins.core.capture.records import (
+    LayerRecord,
+    dense_is_smaller,
+    dense_record,
+    nonzero_rows,
+    outer_record,
+)
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
 
 
@@ -56,7 +62,9 @@ def unfold_patches(conv: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
 
 
 def estimated_kept_rows(grad: Tensor, probes: int = 8) -> int:
-    """(sample, position) pairs of ``grad (B, C_out, L)`` with a gradient, counted in the first ``probes`` samples and scaled to ``B``.
+    """(sample, position) pairs of ``grad (B, C_out, L)`` with a gradient.
+
+    Counted in the first ``probes`` samples and scaled to ``B``.
 
     It only chooses between the factored and the dense representation (both exact), so an
     estimate will do; counting every sample cost as much as a tenth of the capture.
@@ -84,7 +92,9 @@ def conv_records(
     if dense_is_smaller(kept, groups, d_in, d_out, batch, shapes):
         grads = {}
         if "weight" in params:
-            per_group = grad.reshape(batch, groups, d_out, -1) @ patches.reshape(batch, groups, d_in, -1).transpose(2, 3)
+            per_group = grad.reshape(batch, groups, d_out, -1) @ patches.reshape(batch, groups, d_in, -1).transpose(
+                2, 3
+            )
             grads["weight"] = per_group.reshape(batch, *shapes["weight"])  # (B, G, d_out, d_in) -> (B, *weight)
         if "bias" in params:
             grads["bias"] = grad.sum(2)  # (B, C_out)
@@ -95,7 +105,9 @@ def conv_records(
 
 
 @register_capture(nn.Conv1d, nn.Conv2d)
-def capture_conv(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext) -> None:
+def capture_conv(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext
+) -> None:
     """Hook body for ``nn.Conv1d`` and ``nn.Conv2d`` (stride, padding, dilation, groups, padding modes)."""
     x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, C_in, *spatial)
     params = ctx.param_names(module)

@@ -30,7 +30,9 @@ def _shapes(module: nn.Module, params: dict[str, str]) -> dict[str, tuple[int, .
 
 
 @register_capture(nn.Linear)
-def capture_linear(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext) -> None:
+def capture_linear(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext
+) -> None:
     """Hook body for ``nn.Linear`` (any number of leading dimensions)."""
     x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, ..., d_in)
     params = ctx.param_names(module)

@@ -48,7 +48,9 @@ def capture_layer_norm(
     ctx.on_output_grad(output, lambda grad: layer_norm_records(module, ctx.name, x, grad, params))  # type: ignore[arg-type]
 
 
-def vmap_records(module: nn.Module, layer: str, x: Tensor, grad_output: Tensor, params: dict[str, str]) -> list[LayerRecord]:
+def vmap_records(
+    module: nn.Module, layer: str, x: Tensor, grad_output: Tensor, params: dict[str, str]
+) -> list[LayerRecord]:
     """Dense per-sample gradients of ``module``'s own parameters, one sample at a time.
 
     Exact for any module whose output for sample i depends only on input i.
