@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,91 +30,51 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from typing_extensions import Unpack
 
 from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.core.loss_scale import MeasuredLossScale, per_sample_weight
-from metastore_plugins.core.options import CallbackOptions
+from metastore_plugins.core.options import CallbackOptions, CaptureSettings, with_settings_doc
 from metastore_plugins.core.run import (
-    CheckpointSchedule,
-    LabelsFn,
-    PerSampleLossFn,
     RecordingBatchSampler,
     RunCapture,
     SampleIdError,
     batch_size_of,
     check_writable,
-    indexed_batches,
-    rank_share,
     record_sampler_ids,
 )
 
 
+@with_settings_doc
 class MetaStoreTrainerCallback(TrainerCallback):
     """Stores per-sample gradient factors of every training micro-batch, checkpoint passes, and reports.
 
     Args:
         dirpath: the store directory; default ``<args.output_dir>/metastore``.
-        per_sample_loss: ``(model output, batch) -> (B,)`` per-sample losses, where ``batch`` is
-            the dict of tensors the model received. Default: cross-entropy of the ``(B, C)``
-            logits on ``batch["labels"]`` (sequence classification).
-        labels: ``batch -> (B,)``; default ``batch["labels"]``.
-        encoding: ``"fp16"`` (default), ``"fp32"``, ``"bf16"`` or ``"int8"``.
-        modules: capture only these module paths of the model (all by default).
-        unsupported: ``"warn"``, ``"error"`` or ``"skip"`` for parameters no capture rule covers.
-        capture_train_steps: capture every training micro-batch (capture point ``"train"``).
         checkpoint_every_n_evals: a checkpoint pass at every n-th evaluation during training
             (``epoch-{e}/val`` and ``epoch-{e}/train`` with ``eval_strategy="epoch"``,
             ``step-{global_step}/...`` otherwise); 0 turns them off. Without any evaluation
             during training, one pass runs at the end of training.
-        checkpoint_train_samples: the most training samples in each pass (a seeded, fixed subset).
-        checkpoint_val_samples: the most evaluation samples in each pass.
-        seed: the seed of the training subset.
-        reports: build reports at the end of training (files, and TensorBoard when ``report_to``
-            includes it).
-        report_k: rows of the outlier table.
-        outliers_from: ``"checkpoints"`` (default): the outlier table ranks the training samples of the
-            checkpoint passes by self-influence at the passes' weights; ``"training"``: it ranks every
-            trained sample by its in-run self-influence ``sum_t lr_t ||g_i(w_t)||^2`` over the captured
-            training steps (no pass over the whole training set needed).
         tensorboard_dir: where the TensorBoard reports go; default the directory of the
             Trainer's own TensorBoard writer (``$TENSORBOARD_LOGGING_DIR`` or the newest
             ``<output_dir>/runs/*``).
+        {settings}
+
+    ``per_sample_loss`` receives the dict of tensors the model received as its batch, and its
+    default reads ``batch["labels"]`` (sequence classification).
     """
 
     def __init__(
         self,
         dirpath: str | os.PathLike[str] | None = None,
         *,
-        per_sample_loss: PerSampleLossFn | None = None,
-        labels: LabelsFn | None = None,
-        encoding: str = "fp16",
-        modules: Sequence[str] | None = None,
-        unsupported: str = "warn",
-        capture_train_steps: bool = True,
         checkpoint_every_n_evals: int = 1,
-        checkpoint_train_samples: int = 256,
-        checkpoint_val_samples: int = 256,
-        seed: int = 0,
-        reports: bool = True,
-        report_k: int = 20,
-        outliers_from: str = "checkpoints",
         tensorboard_dir: str | os.PathLike[str] | None = None,
+        **settings: Unpack[CaptureSettings],
     ) -> None:
         self.dirpath = None if dirpath is None else Path(dirpath)
-        self.options = CallbackOptions(
-            "MetaStoreTrainerCallback",
-            per_sample_loss=per_sample_loss,
-            labels=labels,
-            encoding=encoding,
-            modules=modules,
-            unsupported=unsupported,
-            capture_train_steps=capture_train_steps,
-            checkpoint_val_samples=checkpoint_val_samples,
-            reports=reports,
-            report_k=report_k,
-            outliers_from=outliers_from,
-        )
-        self.schedule = CheckpointSchedule(checkpoint_every_n_evals, checkpoint_train_samples, seed)
+        self.options = CallbackOptions.of("MetaStoreTrainerCallback", settings)
+        self.schedule = self.options.schedule(checkpoint_every_n_evals)
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
         self.run: RunCapture | None = None
         self.report_result: dict[str, Any] | None = None
@@ -261,32 +220,26 @@ class MetaStoreTrainerCallback(TrainerCallback):
             name = f"epoch-{max(0, math.ceil(state.epoch or 0) - 1)}"
         else:
             name = f"step-{state.global_step}"
-        train_loader, eval_loader = kwargs.get("train_dataloader"), kwargs.get("eval_dataloader")
-        passes = [
-            (
-                "train",
-                train_loader,
-                args.per_device_train_batch_size,
-                self.schedule.train_subset(len(train_loader.dataset)),
-            )
-        ]
-        if eval_loader is not None and hasattr(eval_loader.dataset, "__len__"):
-            count = min(len(eval_loader.dataset), self.options.checkpoint_val_samples)
-            passes.append(("val", eval_loader, args.per_device_eval_batch_size, list(range(count))))
+        sources = self.schedule.sources(
+            kwargs.get("train_dataloader"),
+            kwargs.get("eval_dataloader"),
+            train_batch_size=args.per_device_train_batch_size,
+            val_batch_size=args.per_device_eval_batch_size,
+        )
         device = next(model.parameters()).device
         self._pending = None
-        for split, loader, batch_size, indices in passes:
-            share = rank_share(indices, args.process_index, args.world_size)
-            batches = indexed_batches(loader.dataset, share, batch_size, loader.collate_fn)
-            self.run.checkpoint_pass(  # type: ignore[union-attr]
-                model,
-                ((ids, _to(batch, device)) for ids, batch in batches),
-                lambda batch, k: self._mean_loss(model, batch),
-                capture_point=f"{name}/{split}",
-                step=state.global_step,
-                epoch=self._epoch,
-                lr=_lr(self._optimizer),
-            )
+        self.run.checkpoint_passes(  # type: ignore[union-attr]
+            model,
+            sources,
+            lambda batch, k: self._mean_loss(model, batch),
+            name=name,
+            rank=args.process_index,
+            world_size=args.world_size,
+            to_device=lambda batch: _to(batch, device),
+            step=state.global_step,
+            epoch=self._epoch,
+            lr=_lr(self._optimizer),
+        )
         self.passes.append(name)
 
     def _mean_loss(self, model: nn.Module, batch: Any) -> Tensor:
@@ -317,7 +270,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
             torch.distributed.barrier()
         if not (self.options.reports and state.is_world_process_zero and self.dirpath is not None):
             return
-        from metastore_plugins.core.reports.tensorboard import report_run, summary_writer
+        from metastore_plugins.core.reports.tensorboard import summary_writer
 
         report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
         writers = []
@@ -327,20 +280,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
             kwargs.get("processing_class"), kwargs.get("train_dataloader"), kwargs.get("eval_dataloader")
         )
         try:
-            self.report_result = report_run(
-                self.dirpath,
-                self.dirpath / "reports",
-                writers,
-                step=state.global_step,
-                k=self.options.report_k,
-                render=render,
-                outliers_from=self.options.outliers_from,
-            )
-        except (KeyError, ValueError) as exc:  # e.g. no class predictions for a regression model: the store is intact
-            warnings.warn(
-                f"MetaStoreTrainerCallback could not build the reports ({exc!r}); the store {self.dirpath} is "
-                "complete. Pass reports=False to skip them",
-                stacklevel=2,
+            self.report_result = self.options.build_reports(
+                self.dirpath, writers, step=state.global_step, render=render
             )
         finally:
             for writer in writers:

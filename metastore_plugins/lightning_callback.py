@@ -18,8 +18,7 @@ See ``docs/lightning.md`` for defaults, sample ids, loss reduction and the repor
 from __future__ import annotations
 
 import os
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,26 +28,24 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from torch.utils.data import IterableDataset
+from typing_extensions import Unpack
 
-from metastore_plugins.core.options import CallbackOptions
+from metastore_plugins.core.options import CallbackOptions, CaptureSettings, with_settings_doc
 from metastore_plugins.core.run import (
     SAMPLE_ID_KEYS,
-    CheckpointSchedule,
     IndexedDataset,
-    LabelsFn,
-    PerSampleLossFn,
+    LossReduction,
     RecordingBatchSampler,
     RunCapture,
     batch_size_of,
     check_writable,
-    indexed_batches,
     missing_ids_error,
-    rank_share,
     record_sampler_ids,
     take_sample_ids,
 )
 
 
+@with_settings_doc
 class MetaStoreCallback(Callback):
     """Stores per-sample gradient factors of every training step, checkpoint passes, and reports.
 
@@ -57,63 +54,25 @@ class MetaStoreCallback(Callback):
         loss_reduction: how ``training_step``'s loss combines per-sample losses: ``"mean"``
             (default) or ``"sum"``. Undone, with Lightning's division by
             ``accumulate_grad_batches`` and the 16-mixed GradScaler's scale.
-        per_sample_loss: ``(forward output, batch) -> (B,)`` per-sample losses (recorded with
-            the factors). Default: cross-entropy of the module's ``(B, C)`` logits on the labels.
-        labels: ``batch -> (B,)``; default: ``y`` of ``(x, y)`` batches, ``batch["labels"]`` of dicts.
-        encoding: ``"fp16"`` (default), ``"fp32"``, ``"bf16"`` or ``"int8"``.
-        modules: capture only these module paths of the LightningModule (all by default).
-        unsupported: ``"warn"``, ``"error"`` or ``"skip"`` for parameters no capture rule covers.
-        capture_train_steps: capture every training step (capture point ``"train"``).
         checkpoint_every_n_epochs: checkpoint passes (``epoch-{e}/val``, ``epoch-{e}/train``) at
             the end of every n-th epoch; 0 turns them off.
-        checkpoint_train_samples: the most training samples in each pass (a seeded, fixed subset).
-        checkpoint_val_samples: the most validation samples in each pass.
-        seed: the seed of the training subset.
-        reports: build reports at the end of ``fit`` (files, and TensorBoard when the logger is one).
-        report_k: rows of the outlier table.
-        outliers_from: ``"checkpoints"`` (default): the outlier table ranks the training samples of the
-            checkpoint passes by self-influence at the passes' weights; ``"training"``: it ranks every
-            trained sample by its in-run self-influence ``sum_t lr_t ||g_i(w_t)||^2`` over the captured
-            training steps (no pass over the whole training set needed).
+        {settings}
     """
 
     def __init__(
         self,
         dirpath: str | os.PathLike[str] | None = None,
         *,
-        loss_reduction: str = "mean",
-        per_sample_loss: PerSampleLossFn | None = None,
-        labels: LabelsFn | None = None,
-        encoding: str = "fp16",
-        modules: Sequence[str] | None = None,
-        unsupported: str = "warn",
-        capture_train_steps: bool = True,
+        loss_reduction: LossReduction = "mean",
         checkpoint_every_n_epochs: int = 1,
-        checkpoint_train_samples: int = 256,
-        checkpoint_val_samples: int = 256,
-        seed: int = 0,
-        reports: bool = True,
-        report_k: int = 20,
-        outliers_from: str = "checkpoints",
+        **settings: Unpack[CaptureSettings],
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"MetaStoreCallback(loss_reduction=...) must be 'mean' or 'sum', got {loss_reduction!r}")
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.loss_reduction = loss_reduction
-        self.options = CallbackOptions(
-            "MetaStoreCallback",
-            per_sample_loss=per_sample_loss,
-            labels=labels,
-            encoding=encoding,
-            modules=modules,
-            unsupported=unsupported,
-            capture_train_steps=capture_train_steps,
-            checkpoint_val_samples=checkpoint_val_samples,
-            reports=reports,
-            report_k=report_k,
-            outliers_from=outliers_from,
-        )
-        self.schedule = CheckpointSchedule(checkpoint_every_n_epochs, checkpoint_train_samples, seed)
+        self.options = CallbackOptions.of("MetaStoreCallback", settings)
+        self.schedule = self.options.schedule(checkpoint_every_n_epochs)
         self.run: RunCapture | None = None
         self.report_result: dict[str, Any] | None = None
         self._ids: Tensor | None = None
@@ -225,28 +184,26 @@ class MetaStoreCallback(Callback):
         if self.run is None or not self.schedule.due(epoch):
             return
         train_loader = trainer.train_dataloader
-        val_loaders = trainer.val_dataloaders
-        val_loader = val_loaders[0] if isinstance(val_loaders, (list, tuple)) and val_loaders else val_loaders
-        passes = [("train", train_loader, self.schedule.train_subset(len(train_loader.dataset)))]
-        if val_loader is not None and hasattr(val_loader, "dataset"):
-            passes.append(
-                ("val", val_loader, list(range(min(len(val_loader.dataset), self.options.checkpoint_val_samples))))
-            )
+        batch_size = lambda loader: getattr(loader, "batch_size", None) or 32  # noqa: E731
+        val_loader = _first(trainer.val_dataloaders)
+        sources = self.schedule.sources(
+            train_loader, val_loader, train_batch_size=batch_size(train_loader), val_batch_size=batch_size(val_loader)
+        )
         pl_module.log = pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]  # a pass must not log
         try:
-            for split, loader, indices in passes:
-                share = rank_share(indices, trainer.global_rank, trainer.world_size)
-                batches = indexed_batches(loader.dataset, share, loader.batch_size or 32, loader.collate_fn)
-                self.run.checkpoint_pass(
-                    pl_module,
-                    ((ids, move_data_to_device(b, pl_module.device)) for ids, b in batches),
-                    lambda batch, k: _loss(pl_module.training_step(batch, k)),
-                    capture_point=f"epoch-{epoch}/{split}",
-                    step=trainer.global_step,
-                    epoch=epoch,
-                    lr=self._lr(trainer),
-                    context=trainer.precision_plugin.train_step_context,
-                )
+            self.run.checkpoint_passes(
+                pl_module,
+                sources,
+                lambda batch, k: _loss(pl_module.training_step(batch, k)),
+                name=f"epoch-{epoch}",
+                rank=trainer.global_rank,
+                world_size=trainer.world_size,
+                to_device=lambda batch: move_data_to_device(batch, pl_module.device),
+                step=trainer.global_step,
+                epoch=epoch,
+                lr=self._lr(trainer),
+                context=trainer.precision_plugin.train_step_context,
+            )
         finally:
             del pl_module.log, pl_module.log_dict  # the class's methods show through again
 
@@ -257,35 +214,16 @@ class MetaStoreCallback(Callback):
         trainer.strategy.barrier("metastore-reports")
         if self.options.reports and trainer.is_global_zero and self.dirpath is not None:
             from metastore_plugins.core.reports.render import dataset_lookup
-            from metastore_plugins.core.reports.tensorboard import report_run
 
             experiments = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-            val_loader = _first(trainer.val_dataloaders)
-            samples = dataset_lookup(
-                {
-                    "train": getattr(trainer.train_dataloader, "dataset", None),
-                    "val": getattr(val_loader, "dataset", None),
-                }
-            )  # thumbnails where samples are images
-            try:
-                self.report_result = report_run(
-                    self.dirpath,
-                    self.dirpath / "reports",
-                    experiments,
-                    step=trainer.global_step,
-                    k=self.options.report_k,
-                    samples=samples,
-                    outliers_from=self.options.outliers_from,
-                )
-            except (
-                KeyError,
-                ValueError,
-            ) as exc:  # e.g. no class predictions for a regression model: the store is intact
-                warnings.warn(
-                    f"MetaStoreCallback could not build the reports ({exc!r}); the store {self.dirpath} is complete. "
-                    "Pass reports=False to skip them",
-                    stacklevel=2,
-                )
+            datasets = {
+                "train": getattr(trainer.train_dataloader, "dataset", None),
+                "val": getattr(_first(trainer.val_dataloaders), "dataset", None),
+            }
+            samples = dataset_lookup(datasets)  # thumbnails where samples are images
+            self.report_result = self.options.build_reports(
+                self.dirpath, experiments, step=trainer.global_step, samples=samples
+            )
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()

@@ -1,18 +1,74 @@
-"""The settings both callbacks take, checked where they are given: the shared half of their constructors."""
+"""The settings both callbacks take, checked where they are given: the shared half of their constructors.
+
+:class:`CaptureSettings` declares them once (names, types, meaning); the callbacks take them
+as ``**settings: Unpack[CaptureSettings]`` and :class:`CallbackOptions` holds their defaults,
+checks them, and builds what both callbacks need from them: the :class:`RunCapture`, the
+:class:`CheckpointSchedule` and the end-of-training reports.
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TypedDict
 
 from torch import nn
 
-from metastore_plugins.core.capture.session import UNSUPPORTED_POLICIES
-from metastore_plugins.core.reports.tables import check_outlier_source
-from metastore_plugins.core.run import LabelsFn, PerSampleLossFn, RunCapture
-from metastore_plugins.core.store.encoding import ENCODINGS
+from metastore_plugins.core.capture.session import UNSUPPORTED_POLICIES, UnsupportedPolicy
+from metastore_plugins.core.reports.tables import OutlierSource, check_outlier_source
+from metastore_plugins.core.run import CheckpointSchedule, LabelsFn, LossReduction, PerSampleLossFn, RunCapture
+from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
+
+
+class CaptureSettings(TypedDict, total=False):
+    """The keyword settings both callbacks take (defaults in :class:`CallbackOptions`)."""
+
+    per_sample_loss: PerSampleLossFn | None
+    labels: LabelsFn | None
+    encoding: Encoding
+    modules: Sequence[str] | None
+    unsupported: UnsupportedPolicy
+    capture_train_steps: bool
+    checkpoint_train_samples: int
+    checkpoint_val_samples: int
+    seed: int
+    reports: bool
+    report_k: int
+    outliers_from: OutlierSource
+
+
+#: The ``Args:`` text of :class:`CaptureSettings`, which each callback's docstring includes at ``{settings}``.
+SETTINGS_DOC = """\
+per_sample_loss: ``(forward output, batch) -> (B,)`` per-sample losses (recorded with the
+    factors). Default: cross-entropy of the model's ``(B, C)`` logits on the labels.
+labels: ``batch -> (B,)``; default: ``y`` of ``(x, y)`` batches, ``batch["labels"]`` of dicts.
+encoding: ``"fp16"`` (default), ``"fp32"``, ``"bf16"`` or ``"int8"``.
+modules: capture only these module paths of the model (all by default).
+unsupported: ``"warn"`` (default), ``"error"`` or ``"skip"`` for parameters no capture rule covers.
+capture_train_steps: capture every training step (capture point ``"train"``; default True).
+checkpoint_train_samples: the most training samples in each checkpoint pass (a seeded,
+    fixed subset; default 256).
+checkpoint_val_samples: the most validation samples in each checkpoint pass (default 256).
+seed: the seed of the training subset (default 0).
+reports: build reports at the end of training: files, and TensorBoard where the trainer
+    logs to it (default True).
+report_k: rows of the outlier table (default 20).
+outliers_from: ``"checkpoints"`` (default): the outlier table ranks the training samples of the
+    checkpoint passes by self-influence at the passes' weights; ``"training"``: it ranks every
+    trained sample by its in-run self-influence ``sum_t lr_t ||g_i(w_t)||^2`` over the captured
+    training steps (no pass over the whole training set needed)."""
+
+
+def with_settings_doc(cls: type) -> type:
+    """Put :data:`SETTINGS_DOC` into ``cls.__doc__`` where it says ``{settings}`` (indented to match)."""
+    doc = cls.__doc__ or ""
+    line = next(line for line in doc.splitlines() if "{settings}" in line)
+    indent = line[: len(line) - len(line.lstrip())]
+    cls.__doc__ = doc.replace(line, "\n".join(indent + row if row else row for row in SETTINGS_DOC.splitlines()))
+    return cls
 
 
 @dataclass(frozen=True)
@@ -23,14 +79,28 @@ class CallbackOptions:
     owner: str
     per_sample_loss: PerSampleLossFn | None = None
     labels: LabelsFn | None = None
-    encoding: str = "fp16"
+    encoding: Encoding = DEFAULT_ENCODING
     modules: Sequence[str] | None = None
-    unsupported: str = "warn"
+    unsupported: UnsupportedPolicy = "warn"
     capture_train_steps: bool = True
+    checkpoint_train_samples: int = 256
     checkpoint_val_samples: int = 256
+    seed: int = 0
     reports: bool = True
     report_k: int = 20
-    outliers_from: str = "checkpoints"
+    outliers_from: OutlierSource = "checkpoints"
+
+    @classmethod
+    def of(cls, owner: str, settings: CaptureSettings) -> CallbackOptions:
+        """The options of ``owner``'s ``**settings``; an unknown name raises ``TypeError`` naming it."""
+        known = {f.name for f in fields(cls)} - {"owner"}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise TypeError(
+                f"{owner}() got unexpected setting(s) {', '.join(map(repr, unknown))}; "
+                f"it takes: {', '.join(sorted(known))}"
+            )
+        return cls(owner, **settings)
 
     def __post_init__(self) -> None:
         if isinstance(self.modules, str):
@@ -53,8 +123,12 @@ class CallbackOptions:
                 f"{unknown}; use paths from model.named_modules()"
             )
 
+    def schedule(self, every_n: int) -> CheckpointSchedule:
+        """The checkpoint schedule: a pass at every ``every_n``-th epoch (or evaluation), with these sizes."""
+        return CheckpointSchedule(every_n, self.checkpoint_train_samples, self.seed, self.checkpoint_val_samples)
+
     def run_capture(
-        self, path: str | os.PathLike[str], *, rank: int, loss_reduction: str, config: dict[str, Any]
+        self, path: str | os.PathLike[str], *, rank: int, loss_reduction: LossReduction, config: dict[str, Any]
     ) -> RunCapture:
         """The :class:`RunCapture` of one process rank, with these settings."""
         session = {"unsupported": self.unsupported, **({"modules": list(self.modules)} if self.modules else {})}
@@ -68,3 +142,32 @@ class CallbackOptions:
             config=config,
             session_options=session,
         )
+
+    def build_reports(
+        self, store_dir: Path, writers: Sequence[Any], *, step: int, **sources: Any
+    ) -> dict[str, Any] | None:
+        """The end-of-training reports into ``<store_dir>/reports`` and ``writers`` (see ``report_run``).
+
+        ``sources`` are ``report_run``'s ``render=`` or ``samples=``. A store the reports cannot
+        be built from (no class predictions of a regression model, say) gives a warning, not an
+        error: the store is complete, and training ended well.
+        """
+        from metastore_plugins.core.reports.tensorboard import report_run  # matplotlib and tensorboard: only now
+
+        try:
+            return report_run(
+                store_dir,
+                store_dir / "reports",
+                writers,
+                step=step,
+                k=self.report_k,
+                outliers_from=self.outliers_from,
+                **sources,
+            )
+        except (KeyError, ValueError) as exc:
+            warnings.warn(
+                f"{self.owner} could not build the reports ({exc!r}); the store {store_dir} is complete. "
+                "Pass reports=False to skip them",
+                stacklevel=3,
+            )
+            return None

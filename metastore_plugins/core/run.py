@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +55,12 @@ from metastore_plugins.core.sample_ids import (
     take_sample_ids,
     unwrap_dataset,
 )
+from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding
 from metastore_plugins.core.store.writer import StoreWriter
 
 __all__ = [
-    "SAMPLE_ID_KEYS", "CheckpointSchedule", "IndexedDataset", "RecordingBatchSampler", "RunCapture", "SampleIdError",
+    "SAMPLE_ID_KEYS", "CheckpointSchedule", "IndexedDataset", "LossReduction", "PassSource", "RecordingBatchSampler",
+    "RunCapture", "SampleIdError",
     "batch_size_of", "check_writable", "default_labels", "default_per_sample_loss", "indexed_batches", "logits_of",
     "missing_ids_error", "rank_share", "record_sampler_ids", "take_sample_ids", "unwrap_dataset",
 ]  # fmt: skip
@@ -69,6 +71,8 @@ LABEL_KEYS = ("labels", "label", "y")
 PerSampleLossFn = Callable[[Any, Any], Tensor]
 #: ``batch -> (B,)`` labels.
 LabelsFn = Callable[[Any], Tensor]
+#: How the training loss combines per-sample losses.
+LossReduction = Literal["mean", "sum"]
 
 
 def default_labels(batch: Any) -> Tensor:
@@ -109,19 +113,32 @@ def default_per_sample_loss(output: Any, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.detach().float(), labels.to(logits.device).long(), reduction="none")
 
 
+@dataclass(frozen=True)
+class PassSource:
+    """One split of a checkpoint pass: the dataset indices it covers and how to batch them."""
+
+    split: str  # "train" or "val": the capture point is "<pass name>/<split>"
+    dataset: Any
+    indices: list[int]
+    batch_size: int
+    collate_fn: Callable[[list[Any]], Any] | None = None
+
+
 @dataclass
 class CheckpointSchedule:
-    """When checkpoint passes run, and the fixed training subset they cover.
+    """When checkpoint passes run, and the fixed subsets they cover.
 
     Args:
-        every_n_epochs: a pass at the end of every n-th epoch (0: never).
+        every_n_epochs: a pass at the end of every n-th epoch (or evaluation; 0: never).
         train_samples: the most training samples in each pass (drawn once, seeded, then fixed).
         seed: the seed of that draw.
+        val_samples: the most validation samples in each pass (the first ones).
     """
 
     every_n_epochs: int = 1
     train_samples: int = 256
     seed: int = 0
+    val_samples: int = 256
     train_indices: list[int] | None = field(default=None)
 
     def due(self, epoch: int) -> bool:
@@ -136,6 +153,20 @@ class CheckpointSchedule:
                 g = torch.Generator().manual_seed(self.seed)
                 self.train_indices = sorted(torch.randperm(dataset_size, generator=g)[: self.train_samples].tolist())
         return self.train_indices
+
+    def sources(self, train: Any, val: Any | None, *, train_batch_size: int, val_batch_size: int) -> list[PassSource]:
+        """The splits of one pass over the loaders ``train`` and ``val`` (none for a ``val`` without a sized dataset).
+
+        The training subset of ``train.dataset`` (:meth:`train_subset`) and the first
+        ``val_samples`` of ``val.dataset``, batched as given, collated by each loader's ``collate_fn``.
+        """
+        dataset = train.dataset
+        found = [PassSource("train", dataset, self.train_subset(len(dataset)), train_batch_size, train.collate_fn)]
+        val_set = getattr(val, "dataset", None)
+        if val_set is not None and hasattr(val_set, "__len__"):
+            count = min(len(val_set), self.val_samples)
+            found.append(PassSource("val", val_set, list(range(count)), val_batch_size, val.collate_fn))
+        return found
 
 
 def rank_share(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
@@ -203,10 +234,10 @@ class RunCapture:
         path: str | os.PathLike[str],
         *,
         rank: int = 0,
-        loss_reduction: str = "mean",
+        loss_reduction: LossReduction = "mean",
         per_sample_loss: PerSampleLossFn | None = None,
         labels: LabelsFn | None = None,
-        encoding: str = "fp16",
+        encoding: Encoding = DEFAULT_ENCODING,
         config: dict[str, Any] | None = None,
         session_options: dict[str, Any] | None = None,
     ) -> None:
@@ -215,7 +246,7 @@ class RunCapture:
         self.per_sample_loss = per_sample_loss
         self.labels = labels or default_labels
         self.session_options = dict(session_options or {})
-        self.writer = StoreWriter(self.path, rank=rank, encoding=encoding, config=config)  # type: ignore[arg-type]
+        self.writer = StoreWriter(self.path, rank=rank, encoding=encoding, config=config)
         self._session: CaptureSession | None = None  # attached from the first step to close()
         self._output_hook: Any = None
         self._collecting = False
@@ -341,6 +372,39 @@ class RunCapture:
             finally:
                 self.abort_step()
         return count
+
+    def checkpoint_passes(
+        self,
+        model: nn.Module,
+        sources: Sequence[PassSource],
+        loss_of: Callable[[Any, int], Tensor],
+        *,
+        name: str,
+        rank: int,
+        world_size: int,
+        to_device: Callable[[Any], Any],
+        step: int,
+        epoch: int,
+        lr: float | None,
+        context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> None:
+        """One checkpoint pass: each source's share for this rank (:func:`rank_share`), as capture point ``name/split``.
+
+        ``to_device`` moves a collated batch to the model's device; the rest is :meth:`checkpoint_pass`'s.
+        """
+        for source in sources:
+            share = rank_share(source.indices, rank, world_size)
+            batches = indexed_batches(source.dataset, share, source.batch_size, source.collate_fn)
+            self.checkpoint_pass(
+                model,
+                ((ids, to_device(batch)) for ids, batch in batches),
+                loss_of,
+                capture_point=f"{name}/{source.split}",
+                step=step,
+                epoch=epoch,
+                lr=lr,
+                context=context,
+            )
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -43,7 +43,13 @@ WeightLayout = Literal["out_in", "in_out"]
 
 #: Tensor keys that are linear in the loss (and therefore scaled); all others are inputs or ids.
 _GRADIENT_KEYS = ("suffix",)
-_DENSE_PREFIX = "grad."
+#: Key prefix of a dense record's per-sample gradients: ``grad.<role>``.
+DENSE_PREFIX = "grad."
+
+
+def dense_key(role: str) -> str:
+    """The tensor key of a dense record's per-sample gradient of parameter role ``role``."""
+    return DENSE_PREFIX + role
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,10 @@ class LayerRecord:
     layout: WeightLayout = "out_in"
     meta: dict[str, str] = field(default_factory=dict)
 
+    def dense_grad(self, role: str) -> Tensor:
+        """``(B, *param_shape)`` per-sample gradient of parameter role ``role`` of a dense record."""
+        return self.tensors[dense_key(role)]
+
     @property
     def nbytes(self) -> int:
         """Bytes taken by the record's tensors."""
@@ -83,7 +93,7 @@ class LayerRecord:
 
     def gradient_keys(self) -> list[str]:
         """Keys of the tensors that carry the loss gradient (``suffix``, ``grad.*``), not activations or ids."""
-        return [key for key in self.tensors if key in _GRADIENT_KEYS or key.startswith(_DENSE_PREFIX)]
+        return [key for key in self.tensors if key in _GRADIENT_KEYS or key.startswith(DENSE_PREFIX)]
 
     def scale(self, factor: float) -> LayerRecord:
         """Return a copy whose gradient tensors are multiplied by ``factor``."""
@@ -115,7 +125,7 @@ def _restore_outer(record: LayerRecord) -> dict[str, Tensor]:
     padded_suffix[sample, position] = suffix
     params = {role: record.params[role] for role in ("weight", "bias") if role in record.params}
     dense = _dense_from_factors(record.layer, padded_prefix, padded_suffix, params, record.param_shapes, record.layout)
-    return {name: dense.tensors[_DENSE_PREFIX + role] for role, name in params.items()}
+    return {name: dense.tensors[dense_key(role)] for role, name in params.items()}
 
 
 def _restore_embedding(record: LayerRecord) -> dict[str, Tensor]:
@@ -127,7 +137,7 @@ def _restore_embedding(record: LayerRecord) -> dict[str, Tensor]:
 
 
 def _restore_dense(record: LayerRecord) -> dict[str, Tensor]:
-    return {name: record.tensors[_DENSE_PREFIX + role] for role, name in record.params.items()}
+    return {name: record.tensors[dense_key(role)] for role, name in record.params.items()}
 
 
 _RESTORERS = {"outer": _restore_outer, "embedding": _restore_embedding, "dense": _restore_dense}
@@ -238,7 +248,7 @@ def to_dense(record: LayerRecord) -> LayerRecord:
     return replace(
         record,
         kind="dense",
-        tensors={_DENSE_PREFIX + role: by_name[name] for role, name in record.params.items()},
+        tensors={dense_key(role): by_name[name] for role, name in record.params.items()},
     )
 
 
@@ -251,5 +261,5 @@ def dense_record(layer: str, grads: dict[str, Tensor], params: dict[str, str]) -
         batch_size=batch,
         params=params,
         param_shapes={role: tuple(g.shape[1:]) for role, g in grads.items()},
-        tensors={_DENSE_PREFIX + role: g.float() for role, g in grads.items()},
+        tensors={dense_key(role): g.float() for role, g in grads.items()},
     )

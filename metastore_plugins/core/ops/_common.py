@@ -17,10 +17,10 @@ from torch import Tensor
 
 from metastore_plugins.core.capture.records import LayerRecord
 
-#: Default memory budget of one operator call, in bytes (largest intermediate it builds).
-DEFAULT_MAX_BYTES = 256 * 2**20
+#: Default memory budget, in bytes, of one operator call (largest intermediate it builds) and of
+#: one store query (decoded records it holds at once); the one default every ``max_bytes`` uses.
+DEFAULT_MAX_BYTES = 512 * 2**20
 
-_DENSE_PREFIX = "grad."
 
 
 def check_kind(record: LayerRecord) -> None:
@@ -173,7 +173,7 @@ def restore_chunk(record: LayerRecord, lo: int, hi: int, names: Collection[str])
     out: dict[str, Tensor] = {}
     if record.kind == "dense":
         for role in roles:
-            out[record.params[role]] = record.tensors[_DENSE_PREFIX + role][lo:hi]
+            out[record.params[role]] = record.dense_grad(role)[lo:hi]
         return out
     sample, first, suffix = sample_slice(record, lo, hi)
     if record.kind == "embedding":

@@ -139,10 +139,10 @@ def _outer_dense(a: LayerRecord, b: LayerRecord, names: list[str], max_bytes: in
     roles_a, names_b = roles_of(a, names), {n: role for role, n in b.params.items()}
     weight = bias = None
     if "weight" in roles_a:
-        grad = b.tensors["grad." + names_b[a.params["weight"]]]
+        grad = b.dense_grad(names_b[a.params["weight"]])
         weight = weight_groups(grad, a.layout, groups, d_out, d_in)  # (B_b, G, d_out, d_in)
     if "bias" in roles_a:
-        bias = b.tensors["grad." + names_b[a.params["bias"]]].reshape(b.batch_size, groups, d_out)  # (B_b, G, d_out)
+        bias = b.dense_grad(names_b[a.params["bias"]]).reshape(b.batch_size, groups, d_out)  # (B_b, G, d_out)
     prefix, suffix = a.tensors["prefix"], a.tensors["suffix"]  # (R_a, G, d_in), (R_a, G, d_out)
     sample = a.tensors["sample"].long()  # (R_a,)
     out = suffix.new_zeros(a.batch_size, b.batch_size)  # (B_a, B_b)
@@ -196,7 +196,7 @@ def _embedding_dense(a: LayerRecord, b: LayerRecord, name: str, max_bytes: int) 
     """``sum_{r in i} D_r . H_j[id_r]``: gather the dense rows each token hit."""
     sample, ids, suffix = _grouped_embedding_rows(a)  # (U,), (U,), (U, d)
     role_b = next(role for role, n in b.params.items() if n == name)
-    dense = b.tensors["grad." + role_b]  # (B_b, V, d)
+    dense = b.dense_grad(role_b)  # (B_b, V, d)
     out = suffix.new_zeros(a.batch_size, b.batch_size)  # (B_a, B_b)
     r_a, n_b = _row_chunks(sample.numel(), b.batch_size, 8 * suffix.shape[1] + 8, max_bytes)
     for j_lo, j_hi in chunks(b.batch_size, n_b):

@@ -39,7 +39,7 @@ def _summed_gradient(record: LayerRecord, roles: dict[str, str]) -> dict[str, Te
     """``sum_i g_i`` per parameter, straight from the factors."""
     out: dict[str, Tensor] = {}
     if record.kind == "dense":
-        return {name: record.tensors["grad." + role].sum(0) for role, name in roles.items()}
+        return {name: record.dense_grad(role).sum(0) for role, name in roles.items()}
     suffix = record.tensors["suffix"]
     if record.kind == "embedding":
         vocab, dim = record.param_shapes["weight"]
@@ -142,7 +142,7 @@ def entry_gradients(record: LayerRecord, role: str, entries: Entries, max_bytes:
     shape = tuple(record.param_shapes[role])
     flat = _flat_entries(entries, shape)  # (E,)
     if record.kind == "dense":
-        grad = record.tensors["grad." + role].reshape(record.batch_size, -1)  # (B, P)
+        grad = record.dense_grad(role).reshape(record.batch_size, -1)  # (B, P)
         return grad[:, flat.to(grad.device)]
     suffix, sample = record.tensors["suffix"], record.tensors["sample"].long()
     flat = flat.to(suffix.device)

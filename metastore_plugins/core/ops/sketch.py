@@ -194,13 +194,13 @@ def _matrix_view(record: LayerRecord, roles: dict[str, str]) -> tuple[Tensor | N
     """The dense ``(B, rows, cols)`` weight matrix and ``(B, rows)`` bias of a dense record, if it has them."""
     if "weight" not in roles or len(record.param_shapes["weight"]) < 2:
         return None, None
-    grad = record.tensors["grad.weight"]  # (B, *shape)
+    grad = record.dense_grad("weight")  # (B, *shape)
     batch = grad.shape[0]
     if record.layout == "in_out":
         matrix = grad.reshape(batch, grad.shape[1], -1).transpose(1, 2)  # (B, d_out, d_in)
     else:
         matrix = grad.reshape(batch, grad.shape[1], -1)  # (B, rows, cols)
-    bias = record.tensors.get("grad.bias") if "bias" in roles else None
+    bias = record.dense_grad("bias") if "bias" in roles else None
     if bias is not None and bias.reshape(batch, -1).shape[1] != matrix.shape[1]:
         bias = None
     return matrix, None if bias is None else bias.reshape(batch, -1)
@@ -222,7 +222,7 @@ def _dense_sketch(record: LayerRecord, roles: dict[str, str], out: Tensor, seed:
             rest.pop("bias")
             out += (bias @ p_out.T).unsqueeze(2) * p_in[:, -1]  # (B, k_out, k_in)
     if rest:
-        flat = torch.cat([record.tensors["grad." + role].reshape(record.batch_size, -1) for role in sorted(rest)], 1)
+        flat = torch.cat([record.dense_grad(role).reshape(record.batch_size, -1) for role in sorted(rest)], 1)
         k = k_out * k_in
         p_vec = draw("vector:" + ",".join(sorted(rest)), record.layer, seed, (k, flat.shape[1]), k, out.device)
         out += (flat @ p_vec.T).view(-1, k_out, k_in)  # (B, k_out, k_in)

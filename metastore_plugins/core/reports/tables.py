@@ -7,7 +7,7 @@ as JSON, CSV and markdown.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -46,7 +46,8 @@ def _last_metadata(store: GradientStore, points: Sequence[str]) -> dict[int, dic
 #: the capture point of the training steps (``RunCapture.finish_step``'s default)
 TRAINING_STEPS = "train"
 #: where the outlier report takes self-influence from
-OUTLIER_SOURCES = ("checkpoints", "training")
+OutlierSource = Literal["checkpoints", "training"]
+OUTLIER_SOURCES: tuple[str, ...] = get_args(OutlierSource)
 
 
 def check_outlier_source(outliers_from: str, training_steps: bool, owner: str) -> None:

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.capture.records import LayerRecord, dense_key
 from metastore_plugins.core.progress import progress
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import decode, is_scale_key
@@ -144,7 +144,8 @@ def _check_record(
     kind, shapes = entry["kind"], {role: tuple(shape) for role, shape in layer["param_shapes"].items()}
     if kind == "dense":
         for role in layer["params"]:
-            key, value = "grad." + role, tensors.get("grad." + role)
+            key = dense_key(role)
+            value = tensors.get(key)
             need(value is not None, key, "is missing")
             need(
                 value.is_floating_point() and tuple(value.shape) == (size, *shapes[role]),
