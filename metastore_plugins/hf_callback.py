@@ -320,7 +320,7 @@ def _resumed_batches(args: TrainingArguments, state: TrainerState, loader: Any) 
 
 def _check_capturable(model: nn.Module, modules: Sequence[str] | None) -> None:
     """Fail before training when no trainable parameter of the model has a capture rule."""
-    probe = CaptureSession(model, unsupported="skip", **({"modules": modules} if modules else {}))
+    probe = CaptureSession(model, unsupported="skip", modules=list(modules) if modules else None)
     probe.attach()
     probe.close()
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]

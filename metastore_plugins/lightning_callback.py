@@ -77,7 +77,8 @@ class MetaStoreCallback(Callback):
         self.report_result: dict[str, Any] | None = None
         self._ids: Tensor | None = None
         self._sampler: RecordingBatchSampler | None = None
-        self._step, self._step_lr = 0, None
+        self._step = 0
+        self._step_lr: float | None = None
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -134,9 +135,10 @@ class MetaStoreCallback(Callback):
         loader = trainer.train_dataloader
         ids = take_sample_ids(batch, strip=isinstance(getattr(loader, "dataset", None), IndexedDataset))
         derived = self._sampler.next_ids(batch_size_of(batch)) if self._sampler is not None else None
-        if ids is None and derived is None:
+        found = ids if ids is not None else derived
+        if found is None:
             raise missing_ids_error("training")
-        self._ids = (ids if ids is not None else derived).detach().cpu()  # type: ignore[union-attr]
+        self._ids = found.detach().cpu()
         self._step, self._step_lr = trainer.global_step, self._lr(trainer)  # the step this (micro-)batch contributes to
         if self.run is not None and self.options.capture_train_steps:
             scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -149,7 +151,7 @@ class MetaStoreCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.run is None or not self.options.capture_train_steps:
+        if self.run is None or not self.options.capture_train_steps or self._ids is None:
             return
         accumulate = trainer.accumulate_grad_batches
         self.run.finish_step(
@@ -189,7 +191,9 @@ class MetaStoreCallback(Callback):
         sources = self.schedule.sources(
             train_loader, val_loader, train_batch_size=batch_size(train_loader), val_batch_size=batch_size(val_loader)
         )
-        pl_module.log = pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]  # a pass must not log
+        # a pass must not log: instance attributes hide the class's methods until the pass ends
+        pl_module.log = _no_log  # type: ignore[method-assign]
+        pl_module.log_dict = _no_log  # type: ignore[method-assign]
         try:
             self.run.checkpoint_passes(
                 pl_module,
@@ -249,10 +253,11 @@ class MetaStoreCallback(Callback):
     def _record_sampler(self, trainer: pl.Trainer) -> None:
         """Derive ids of plain datasets from the index lists the train loader's sampler draws."""
         loader = trainer.train_dataloader
+        batch_sampler = getattr(loader, "batch_sampler", None)
         if isinstance(getattr(loader, "dataset", None), IndexedDataset):
             self._sampler = None
-        elif isinstance(getattr(loader, "batch_sampler", None), RecordingBatchSampler):
-            self._sampler = loader.batch_sampler
+        elif isinstance(batch_sampler, RecordingBatchSampler):
+            self._sampler = batch_sampler
         else:
             self._sampler = record_sampler_ids(loader)
             fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
@@ -274,6 +279,10 @@ def _loss(output: Any) -> Tensor:
     if not isinstance(loss, Tensor):
         raise ValueError("training_step must return the loss (a tensor, or a dict with 'loss') for checkpoint passes")
     return loss
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """Stands in for ``LightningModule.log`` and ``log_dict`` during a checkpoint pass."""
 
 
 def _first(loaders: Any) -> Any:

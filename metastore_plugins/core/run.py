@@ -165,7 +165,9 @@ class CheckpointSchedule:
         val_set = getattr(val, "dataset", None)
         if val_set is not None and hasattr(val_set, "__len__"):
             count = min(len(val_set), self.val_samples)
-            found.append(PassSource("val", val_set, list(range(count)), val_batch_size, val.collate_fn))
+            found.append(
+                PassSource("val", val_set, list(range(count)), val_batch_size, getattr(val, "collate_fn", None))
+            )
         return found
 
 
@@ -264,7 +266,7 @@ class RunCapture:
         self.abort_step()
         if self._session is None or self._session.model is not model:
             self._close_session()
-            self._session = CaptureSession(model, loss_reduction=self.loss_reduction, **self.session_options)  # type: ignore[arg-type]
+            self._session = CaptureSession(model, loss_reduction=self.loss_reduction, **self.session_options)
             self._session.attach()
             self._output_hook = model.register_forward_hook(self._keep_output)
         self._session.rescale(loss_scale, grad_scaler)
@@ -275,9 +277,9 @@ class RunCapture:
         """Read the factors of the backward just done (before a GradScaler updates its scale)."""
         if self._session is not None and self._collecting:
             records = self._session.factors()
-            if self._session.grad_scaler is not None and not _finite(records):
-                records, self.skipped_steps = None, self.skipped_steps + 1  # the GradScaler skips this step too
-            self._records = records
+            overflowed = self._session.grad_scaler is not None and not _finite(records)
+            self.skipped_steps += overflowed  # the GradScaler skips this step too: nothing is stored
+            self._records = None if overflowed else records
             self._pause()
 
     def finish_step(

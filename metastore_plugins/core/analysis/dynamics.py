@@ -142,7 +142,7 @@ def changed_most(
     names = list(store.parameters()) if layer is None else list(store.layer_params(layer).values())
     selection = _nonempty(store, capture_point, steps, epochs, _layers_holding(store, names))
     totals = _changes(names, selection, max_bytes)
-    rows = []
+    rows: list[WeightChange] = []
     for name in names:
         if name in totals:
             index, values = top_entries(totals[name], k)
@@ -234,9 +234,9 @@ def exceed_fractions(
     if of not in ("samples", "weights"):
         raise ValueError(f"of must be 'samples' or 'weights', got {of!r}")
     if of == "weights":
-        stored = sorted({ref.step for ref in store.select(capture_point, steps=steps).refs})
-        grads = (batch_gradient(store, step, capture_point, layers=layers) for step in stored)
-        return np.array(stored, dtype=np.int64), np.array([ops.weight_exceed_fraction(g, threshold) for g in grads])
+        at_steps = sorted({ref.step for ref in store.select(capture_point, steps=steps).refs})
+        grads = (batch_gradient(store, step, capture_point, layers=layers) for step in at_steps)
+        return np.array(at_steps, dtype=np.int64), np.array([ops.weight_exceed_fraction(g, threshold) for g in grads])
     norms, at = [], []
     for batch in store.select(capture_point, steps=steps, layers=layers).batches():
         if not batch.records:

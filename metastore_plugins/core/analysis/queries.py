@@ -122,8 +122,8 @@ def self_influence(store: StoreReader, capture_point: str | Sequence[str] | None
         return parts[0][1]
     ids, positions = _union([ids for ids, _ in parts], "train")
     total = np.zeros(len(ids))
-    for (_, values), pos in zip(parts, positions):
-        np.add.at(total, pos, values)
+    for (_, part), pos in zip(parts, positions):
+        np.add.at(total, pos, part)
     return total
 
 

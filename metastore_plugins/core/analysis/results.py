@@ -34,7 +34,7 @@ class WeightChange(NamedTuple):
     """One weight entry and its aggregated ``sum_t lr_t sum_i |g_i[index]|``."""
 
     param: str
-    index: tuple[int, ...]
+    index: tuple[int, ...]  # type: ignore[assignment]  # the entry's index; shadows tuple.index on purpose
     value: float
 
 

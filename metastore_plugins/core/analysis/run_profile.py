@@ -37,7 +37,7 @@ class Profile:
 def run_profile(store: StoreReader, capture_point: str, layers: list[str]) -> Profile:
     """One pass over a capture point: per-layer and per-step norms, losses, cumulative updates."""
     selection = store.select(capture_point, layers=layers)
-    step_size = Counter()
+    step_size: Counter[int] = Counter()
     for ref in selection.refs:
         step_size[ref.step] += ref.size
     profile = Profile({}, {}, {}, {}, {}, {}, {})

@@ -94,8 +94,8 @@ def binding(batches: Sequence[tuple[str, int, str]]) -> str:
 
 
 def _checksum(sample_ids: Tensor, sketch: Tensor) -> str:
-    digest = hashlib.sha256(np.ascontiguousarray(sample_ids.numpy()))
-    digest.update(np.ascontiguousarray(sketch.numpy()))
+    digest = hashlib.sha256(np.ascontiguousarray(sample_ids.numpy()).tobytes())
+    digest.update(np.ascontiguousarray(sketch.numpy()).tobytes())
     return digest.hexdigest()
 
 

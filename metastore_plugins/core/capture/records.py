@@ -123,7 +123,7 @@ def _restore_outer(record: LayerRecord) -> dict[str, Tensor]:
     padded_suffix = suffix.new_zeros(batch, t_max, *suffix.shape[1:])  # (B, T_max, G, d_out)
     padded_prefix[sample, position] = prefix
     padded_suffix[sample, position] = suffix
-    params = {role: record.params[role] for role in ("weight", "bias") if role in record.params}
+    params: dict[str, str] = {role: record.params[role] for role in ("weight", "bias") if role in record.params}
     dense = _dense_from_factors(record.layer, padded_prefix, padded_suffix, params, record.param_shapes, record.layout)
     return {name: dense.tensors[dense_key(role)] for role, name in params.items()}
 

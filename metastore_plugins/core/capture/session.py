@@ -124,7 +124,8 @@ class CaptureSession:
             raise ValueError(f"modules must be a list of module paths, got the string {modules!r}; write [{modules!r}]")
         self.model = model
         self.loss_reduction = loss_reduction
-        self.loss_scale, self.grad_scaler = 1.0, None
+        self.loss_scale: float = 1.0
+        self.grad_scaler: _GradScalerLike | None = None
         self.rescale(loss_scale, grad_scaler)
         self.unsupported = unsupported
         self.batch_dims = dict(batch_dims or {})

@@ -22,7 +22,6 @@ from metastore_plugins.core.capture.records import LayerRecord
 DEFAULT_MAX_BYTES = 512 * 2**20
 
 
-
 def check_kind(record: LayerRecord) -> None:
     """Raise a ``ValueError`` naming the record if its kind is unknown."""
     if record.kind not in ("outer", "embedding", "dense"):

@@ -54,7 +54,7 @@ def write_reports(
             f"it has {store.capture_points()}"
         )
     outliers = outlier_rows(store, outlier_points(store, train, outliers_from), k, scores)
-    columns = OUTLIER_COLUMNS
+    columns: tuple[str, ...] = OUTLIER_COLUMNS
     if render is not None:
         for row in outliers:
             row["text"] = render(train_split, row["sample_id"])

@@ -25,8 +25,8 @@ def checkpoint_points(store: GradientStore, split: str) -> list[str]:
             return None
         return (0 if kind == "epoch" else 1, int(number))
 
-    found = [cp for cp in store.capture_points() if cp.endswith("/" + split) and key(cp) is not None]
-    return sorted(found, key=key)  # type: ignore[arg-type,return-value]
+    keyed = [(at, cp) for cp in store.capture_points() if cp.endswith("/" + split) and (at := key(cp)) is not None]
+    return [cp for _, cp in sorted(keyed)]
 
 
 def _last_metadata(store: GradientStore, points: Sequence[str]) -> dict[int, dict[str, Any]]:

@@ -141,7 +141,7 @@ def load_manifest(path: Path) -> dict[str, Any]:
         raise ValueError(f"cannot read manifest {path}: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f'{path} is not a metastore manifest (no "format": "{FORMAT}")')
-    version = manifest.get("schema_version")
+    version: Any = manifest.get("schema_version")  # JSON: checked next
     if not _is_int(version) or version < 1:
         raise ValueError(f"{path} has an invalid schema version {version!r} (a positive integer is expected)")
     if version > SCHEMA_VERSION:
@@ -189,7 +189,7 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
     """Check the types of every field a reader uses; raise ``ValueError`` naming the file and the field."""
     _need(_is_int(manifest.get("rank")) and manifest["rank"] >= 0, path, '"rank"', "must be a non-negative integer")
     _need(isinstance(manifest.get("config", {}), dict), path, '"config"', "must be an object")
-    layers = manifest.get("layers")
+    layers: Any = manifest.get("layers")  # JSON: checked next
     _need(isinstance(layers, dict), path, '"layers"', "must be an object")
     for name, layer in layers.items():
         where = f"layers[{name!r}]"
@@ -211,7 +211,7 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
             good = isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
             _need(good, path, f"{where}.param_shapes[{role!r}]", f"must be a list of sizes; got {shape!r}")
         _need(layer.get("layout", "out_in") in LAYOUTS, path, where, f'"layout" must be one of {LAYOUTS}')
-    shards = manifest.get("shards")
+    shards: Any = manifest.get("shards")
     _need(isinstance(shards, list), path, '"shards"', "must be a list")
     for i, shard in enumerate(shards):
         where = f"shards[{i}]"
@@ -226,7 +226,7 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
             "must be 64 hex digits",
         )
         _need(shard.get("encoding") in ENCODING_NAMES, path, f"{where}.encoding", f"must be one of {ENCODING_NAMES}")
-        batches = shard.get("batches")
+        batches: Any = shard.get("batches")
         _need(isinstance(batches, list), path, f"{where}.batches", "must be a list")
         for j, batch in enumerate(batches):
             _check_batch(batch, layers, path, f"{where}.batches[{j}]")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from metastore_plugins.core.store.selection import BatchRef, Selection, ShardFil
 def _as_range(steps: int | tuple[int, int] | None) -> tuple[int, int] | None:
     if steps is None:
         return None
-    if isinstance(steps, Integral):  # numpy integers too (metadata columns are numpy)
+    if isinstance(steps, (int, np.integer)):  # numpy integers too (metadata columns are numpy)
         return int(steps), int(steps)
     lo, hi = steps
     return int(lo), int(hi)
@@ -167,7 +166,7 @@ class StoreReader:
         if window is not None:
             refs = [r for r in refs if window[0] <= r.step <= window[1]]
         if epochs is not None:
-            wanted = {int(epochs)} if isinstance(epochs, Integral) else {int(e) for e in epochs}
+            wanted = {int(epochs)} if isinstance(epochs, (int, np.integer)) else {int(e) for e in epochs}
             refs = [r for r in refs if int(r.info["epoch"]) in wanted]
         if layers is not None:
             layers = [layers] if isinstance(layers, str) else list(layers)

@@ -18,7 +18,7 @@ Hugging Face attention modules need nothing of this: their projections are
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
@@ -105,9 +105,9 @@ def capture_multihead_attention(
     if not module.batch_first:
         x = x.transpose(0, 1)  # (B, L, E)
     batch = x.shape[0]
-    weights = {"in": module.in_proj_weight} if in_params else {}
+    weights: dict[str, Tensor] = {"in": cast(Tensor, module.in_proj_weight)} if in_params else {}
     if out_params:
-        weights["out"] = module.out_proj.weight
+        weights["out"] = cast(nn.Linear, module.out_proj).weight
     nodes = find_matmul_nodes(attn_output, weights, stop={query.grad_fn} if query.grad_fn is not None else set())
     if ("in" not in nodes and in_params) or ("out" not in nodes and out_params):
         ctx.unsupported(

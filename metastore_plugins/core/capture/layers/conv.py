@@ -32,7 +32,7 @@ def _explicit_padding(conv: nn.Conv1d | nn.Conv2d) -> list[int]:
         elif conv.padding == "valid":
             pads += [0, 0]
         else:
-            pads += [conv.padding[dim]] * 2  # type: ignore[index]
+            pads += [int(conv.padding[dim])] * 2
     return pads
 
 
@@ -44,11 +44,12 @@ def unfold_patches(conv: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
     """
     mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
     padded = F.pad(x, _explicit_padding(conv), mode=mode)
-    if len(conv.kernel_size) == 1:  # treat (B, C, W) as (B, C, 1, W)
+    kernel: tuple[int, ...] = tuple(conv.kernel_size)
+    dilation: tuple[int, ...] = tuple(conv.dilation)
+    stride: tuple[int, ...] = tuple(conv.stride)
+    if len(kernel) == 1:  # treat (B, C, W) as (B, C, 1, W)
         padded = padded.unsqueeze(2)
-        kernel, dilation, stride = (1, *conv.kernel_size), (1, *conv.dilation), (1, *conv.stride)
-    else:
-        kernel, dilation, stride = conv.kernel_size, conv.dilation, conv.stride
+        kernel, dilation, stride = (1, *kernel), (1, *dilation), (1, *stride)
     batch, channels, height, width = padded.shape
     out_h = (height - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
     out_w = (width - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1

@@ -60,7 +60,7 @@ def capture_embedding(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext
 ) -> None:
     """Hook body for ``nn.Embedding`` (``padding_idx`` respected)."""
-    if module.scale_grad_by_freq:  # type: ignore[union-attr]
+    if module.scale_grad_by_freq:
         ctx.unsupported(
             f"nn.Embedding '{ctx.name}' uses scale_grad_by_freq=True, which mixes samples' gradients "
             "by batch-wide token counts; per-sample gradients are not captured for it. "

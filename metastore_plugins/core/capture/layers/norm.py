@@ -58,8 +58,9 @@ def vmap_records(
     own = {local: module.get_parameter(local).detach() for local in params}
 
     def one_sample(x_i: Tensor, grad_i: Tensor) -> dict[str, Tensor]:
-        _, pullback = vjp(lambda p: functional_call(module, p, (x_i.unsqueeze(0),), strict=False), own)
-        return pullback(grad_i.unsqueeze(0).to(x_i.dtype))[0]
+        pullback = vjp(lambda p: functional_call(module, p, (x_i.unsqueeze(0),), strict=False), own)[1]
+        (grads,) = pullback(grad_i.unsqueeze(0).to(x_i.dtype))
+        return grads
 
     with torch.enable_grad():
         grads = vmap(one_sample)(x, grad_output)  # role -> (B, *shape)
