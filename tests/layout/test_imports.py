@@ -10,7 +10,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import metastore_plugins
+from metastore_plugins.core import ops
 
 ROOT = Path(metastore_plugins.__file__).parent
 PACKAGE = "metastore_plugins"
@@ -121,3 +124,9 @@ def test_core_imports_no_framework_adapter() -> None:
     edges = graph()
     leaks = {name: sorted(edges[name] & adapters) for name in edges if name.startswith(f"{PACKAGE}.core")}
     assert {name: targets for name, targets in leaks.items() if targets} == {}
+
+
+def test_a_renamed_operator_result_keeps_its_old_name_for_one_release() -> None:
+    with pytest.warns(DeprecationWarning, match="BatchContributors"):
+        old = ops.Contributors
+    assert old is ops.BatchContributors

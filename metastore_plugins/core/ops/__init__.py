@@ -88,3 +88,18 @@ __all__ = [
     "weight_exceed_fraction",
     "zscore_by_class",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Deprecated names, kept for one release with a warning."""
+    if name == "Contributors":
+        import warnings
+
+        warnings.warn(
+            "metastore_plugins.core.ops.Contributors is now BatchContributors "
+            "(metastore_plugins.core.analysis.Contributors is the store query's result); the old name goes in 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return BatchContributors
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
