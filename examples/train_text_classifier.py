@@ -5,7 +5,9 @@ The data are synthetic token sequences of two classes, padded to different lengt
 (``runs/text-classifier/store``), checkpoint passes at every epoch end over the validation
 set and the training set, and reports (``runs/text-classifier/reports``): the training
 samples with the largest self-influence (where the flipped labels should rank high) and,
-per validation sample, the training samples that drove its prediction.
+per validation sample, the training samples that drove its prediction, with the
+loss-vs-self-influence figure as a PNG; the same reports, histograms and figure go to
+TensorBoard (``runs/text-classifier/tb``).
 
 Run::
 
@@ -26,7 +28,7 @@ from torch import Tensor, nn
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.passes import capture_step, checkpoint_pass
-from metastore_plugins.core.reports import write_reports
+from metastore_plugins.core.reports.tensorboard import report_run, summary_writer
 
 VOCAB, PAD, MAX_LEN = 40, 0, 16
 
@@ -116,7 +118,13 @@ def main() -> None:
     seconds = time.perf_counter() - start
 
     store = open_store(out / "store")
-    reports = write_reports(store, out / "reports", k=25)
+    board = summary_writer(out / "tb")  # tables, histograms, the scatter figure, dynamics, projector
+    try:
+        reports = report_run(out / "store", out / "reports", [board], step=step, k=25)
+    finally:
+        board.close()
+    if reports is None:
+        raise SystemExit("no checkpoint passes were stored, so there is nothing to report on")
     flipped_ids = set(flipped.nonzero().squeeze(1).tolist())
     found = sum(row["sample_id"] in flipped_ids for row in reports["outliers"])
     summary = store.summary()
@@ -129,6 +137,7 @@ def main() -> None:
         f"flipped labels among the top {len(reports['outliers'])} self-influence samples: {found} of {len(flipped_ids)}"
     )
     print("reports:", ", ".join(reports["files"]))
+    print(f"TensorBoard: tensorboard --logdir {out / 'tb'}")
     (out / "reports" / "flipped.json").write_text(json.dumps(sorted(flipped_ids)))
 
 

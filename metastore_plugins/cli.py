@@ -115,10 +115,24 @@ def cmd_report(args: argparse.Namespace, store: GradientStore) -> None:
     _emit(args, {"files": files}, "\n".join(["wrote:", *(f"  {f}" for f in files)]))
 
 
+def step_range(text: str) -> int | tuple[int, int]:
+    """``N`` or ``LO:HI`` (inclusive), as ``--steps`` takes them; anything else is an argparse error."""
+    parts = text.split(":")
+    try:
+        values = [int(part) for part in parts]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        return values[0]
+    if len(values) == 2 and values[0] <= values[1]:
+        return values[0], values[1]
+    raise argparse.ArgumentTypeError(f"expected a step N or an inclusive range LO:HI with LO <= HI, got {text!r}")
+
+
 def cmd_query(args: argparse.Namespace, store: GradientStore) -> None:
     """The training-dynamics questions of docs/queries.md."""
     where: dict[str, Any] = {"capture_point": args.capture_point}
-    steps = None if args.steps is None else tuple(int(v) for v in args.steps.split(":"))
+    steps = args.steps
     if args.question == "changed":
         rows = [_plain(r) for r in store.changed_most(args.layer, args.k, steps=steps, **where)]
         _emit(args, rows, markdown_table(rows, ("param", "index", "value")))
@@ -223,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("question", choices=["changed", "contributors", "spikes", "compare"])
     p.add_argument("--layer", help="layer name (changed: all layers by default)")
-    p.add_argument("--steps", help="inclusive step range LO:HI (default: all)")
+    p.add_argument("--steps", type=step_range, help="one step N, or an inclusive step range LO:HI (default: all)")
     p.add_argument("--capture-point", default="train")
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--threshold", type=float, help="spikes: per-sample gradient norm threshold")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import subprocess
@@ -12,7 +13,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from matplotlib.image import imread
+
 ROOT = Path(__file__).resolve().parents[2]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SCATTER_TAG = "metastore/loss_vs_self_influence"
 
 
 def _free_port() -> int:
@@ -66,6 +71,9 @@ def test_reports_render_in_a_real_tensorboard(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
+    assert "reading store" not in done.stderr  # stderr is a pipe: no progress bar
+    scatter_file = run / "reports" / "loss_vs_self_influence.png"
+    assert str(scatter_file) in done.stdout and scatter_file.read_bytes()[:8] == PNG_SIGNATURE
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
@@ -85,8 +93,15 @@ def test_reports_render_in_a_real_tensorboard(tmp_path: Path) -> None:
         rendered = table[-1]["text"]
         assert "<table>" in rendered and "sample_id" in rendered and "self_influence" in rendered
         assert _get(port, "/data/plugin/histograms/tags")[run_name]
-        images = _get(port, "/data/plugin/images/tags")[run_name]
-        assert any("self_influence" in tag for tag in images), images
+        images = _get(port, "/data/plugin/images/tags")[run_name]  # {tag: {"samples": ..., ...}}
+        assert SCATTER_TAG in images, images
+        # the matplotlib figure, as the images dashboard fetches it: the step's blob, then its bytes
+        (entry,) = _get(port, "/data/plugin/images/images", run=run_name, tag=SCATTER_TAG)
+        png = _get(port, "/data/plugin/images/individualImage?" + entry["query"])
+        assert isinstance(png, bytes) and png[:8] == PNG_SIGNATURE, png[:40]
+        image = imread(io.BytesIO(png), format="png")  # (height, width, channels), decoded
+        assert image.shape[0] >= 300 and image.shape[1] >= 400 and image.shape[2] in (3, 4)
+        assert image[..., :3].std() > 0.05  # drawn on, not a blank canvas
         scalars = _get(port, "/data/plugin/scalars/tags")[run_name]
         assert scalars, scalars
         assert _get(port, "/data/plugin/projector/runs"), "no projector embeddings"

@@ -1,4 +1,11 @@
-"""Readable renderings of samples for the reports: thumbnail grids of small images (PIL, no matplotlib).
+"""The report figures, drawn with matplotlib: the loss-vs-self-influence scatter and thumbnail grids.
+
+Every figure is a ``matplotlib.figure.Figure`` on the non-interactive Agg canvas, made without
+``pyplot`` (no global figure registry, no display, safe off the main thread): log it with
+``SummaryWriter.add_figure`` and save it with :func:`save_png`. matplotlib is imported only
+when a figure is drawn; without it these functions raise ``ImportError`` naming the extra
+to install (:func:`~metastore_plugins.core.reports.tensorboard.report_run` then skips the
+figures with a warning and writes everything else).
 
 A *sample lookup* ``(split, sample id) -> item`` returns the dataset item behind a sample id
 (``"train"`` or ``"val"``), e.g. ``lambda split, i: train_set[i]``. Items may be ``(x, y, ...)``
@@ -9,23 +16,144 @@ images; reshape them in the dataset (and flatten in the model) to have them draw
 
 Example::
 
-    grid = outlier_grid(report["outliers"], lambda split, i: digits[i])   # (H, W, 3) uint8 or None
-    Image.fromarray(grid).save("outliers.png")
+    figure = outlier_grid(report["outliers"], lambda split, i: digits[i])   # a Figure, or None
+    save_png(figure, "outliers.png")
+    figure = scatter_figure(table, flagged=[row["sample_id"] for row in report["outliers"]])
+    writer.add_figure("metastore/loss_vs_self_influence", figure, 0)
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 #: ``(split, sample id) -> dataset item`` (split ``"train"`` or ``"val"``).
 SampleLookup = Callable[[str, int], Any]
 
 INPUT_KEYS = ("pixel_values", "image", "images", "img", "x", "input", "inputs")
 MAX_SIDE = 256
+#: pixels per inch of every figure: sizes given in pixels (``cell``) are pixels of the PNG
+DPI = 100
+#: the frame colour of thumbnails whose label differs from the prediction
+MISMATCH = "#d62728"
+#: legend entries up to this many classes; more classes get a colour bar instead
+MAX_LEGEND_CLASSES = 20
+
+MISSING_MATPLOTLIB = (
+    "report figures need matplotlib: pip install 'metastore_plugins[lightning]' (or [hf], or pip install matplotlib)"
+)
+
+
+def new_figure(width: float, height: float, *, layout: Literal["constrained"] | None = None) -> Figure:
+    """A ``width`` x ``height`` inch Figure on its own Agg canvas (no pyplot, no display needed)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError(MISSING_MATPLOTLIB) from exc
+    figure = Figure(figsize=(width, height), dpi=DPI, layout=layout)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def save_png(figure: Figure, path: str | os.PathLike[str]) -> Path:
+    """Write ``figure`` as a PNG file (its directory created) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=DPI, facecolor="white")
+    return path
+
+
+def _axis_scale(values: np.ndarray) -> str:
+    """``log`` when the positive values span two decades or more (``symlog`` if some are <= 0), else ``linear``."""
+    if not len(values):
+        return "linear"
+    positive = values[values > 0]
+    if not len(positive) or positive.max() < 100 * positive.min():
+        return "linear"
+    return "log" if len(positive) == len(values) else "symlog"
+
+
+def scatter_figure(
+    table: Mapping[str, np.ndarray],
+    flagged: Collection[int] = (),
+    *,
+    title: str = "Training samples: loss against self-influence",
+    flagged_label: str | None = None,
+) -> Figure:
+    """Loss (y) against self-influence (x) of each training sample, one colour per label.
+
+    ``table``: ``sample_id``, ``self_influence``, ``label`` (``-1``: none) and ``loss`` arrays
+    (:func:`~metastore_plugins.core.reports.tensorboard.self_influence_table`). Samples whose id
+    is in ``flagged`` (e.g. the rows of the outlier report) get a black ring, named in the
+    legend by ``flagged_label``. An axis spanning two decades or more is drawn in log scale.
+    """
+    x = np.asarray(table["self_influence"], dtype=np.float64)
+    y = np.asarray(table["loss"], dtype=np.float64)
+    labels = np.asarray(table["label"])
+    ids = np.asarray(table["sample_id"])
+    finite = np.isfinite(x) & np.isfinite(y)
+    x, y, labels, ids = x[finite], y[finite], labels[finite], ids[finite]
+    classes = [int(c) for c in np.unique(labels)]
+    figure = new_figure(8.0, 4.8, layout="constrained")
+    axes = figure.add_subplot()
+    if len(classes) <= MAX_LEGEND_CLASSES:
+        colours = _class_colours(len([c for c in classes if c >= 0]))
+        named = iter(colours)
+        for label in classes:
+            mine = labels == label
+            axes.scatter(
+                x[mine],
+                y[mine],
+                s=14,
+                alpha=0.75,
+                linewidths=0,
+                color="#7f7f7f" if label < 0 else next(named),
+                label=f"{'no label' if label < 0 else f'label {label}'} ({int(mine.sum())})",
+            )
+    else:
+        points = axes.scatter(x, y, s=14, alpha=0.75, linewidths=0, c=labels, cmap="viridis")
+        figure.colorbar(points, ax=axes, label="label")
+    ring = np.isin(ids, np.fromiter((int(i) for i in flagged), dtype=np.int64, count=len(flagged)))
+    if ring.any():
+        axes.scatter(
+            x[ring],
+            y[ring],
+            s=70,
+            facecolors="none",
+            edgecolors="black",
+            linewidths=1.1,
+            label=flagged_label or f"flagged: outlier report ({int(ring.sum())})",
+        )
+    for name, values in (("x", x), ("y", y)):
+        scale = _axis_scale(values)
+        options = {"linthresh": float(values[values > 0].min())} if scale == "symlog" else {}
+        (axes.set_xscale if name == "x" else axes.set_yscale)(scale, **options)
+    axes.set_xlabel(r"self-influence  $\sum_t \, \eta_t \, \|g_i(w_t)\|^2$  (TracIn)")
+    axes.set_ylabel("loss at the last stored pass")
+    axes.set_title(title)
+    axes.grid(True, which="major", linewidth=0.4, alpha=0.5)
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, frameon=False)
+    if not len(x):
+        axes.text(0.5, 0.5, "no samples", transform=axes.transAxes, ha="center", va="center")
+    return figure
+
+
+def _class_colours(count: int) -> list[Any]:
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10" if count <= 10 else "tab20"]
+    return [palette(i) for i in range(count)]
 
 
 def sample_input(item: Any) -> Any:
@@ -42,11 +170,8 @@ def sample_input(item: Any) -> Any:
 
 def as_image(value: Any) -> np.ndarray | None:
     """``(H, W, 3)`` uint8 of a small image (scaled to its own min..max), ``None`` for anything else."""
-    try:
-        from PIL import Image
-    except ImportError:  # pragma: no cover - pillow comes with the lightning and hf extras
-        return None
-    if isinstance(value, Image.Image):
+    pil = sys.modules.get("PIL.Image")  # a PIL image exists only where PIL is imported: no import needed here
+    if pil is not None and isinstance(value, pil.Image):
         return np.asarray(value.convert("RGB"), dtype=np.uint8)
     if hasattr(value, "detach"):  # a torch tensor, without importing torch here
         value = value.detach().float().cpu().numpy()
@@ -82,42 +207,45 @@ def as_image(value: Any) -> np.ndarray | None:
 
 
 def thumbnail_grid(
-    images: Sequence[np.ndarray],
+    images: Sequence[np.ndarray | None],
     captions: Sequence[Sequence[str]],
     *,
     cell: int = 56,
     columns: int = 8,
     title: str = "",
     highlight: Sequence[bool] | None = None,
-) -> np.ndarray:
-    """A grid of ``images`` (each ``(h, w, 3)`` uint8), scaled to ``cell`` pixels, each with caption lines.
+) -> Figure:
+    """A Figure with a grid of ``images`` (each ``(h, w, 3)`` uint8, ``None``: an empty cell).
 
-    ``highlight[i]`` draws a red frame around image ``i`` (e.g. label differs from prediction).
-    Returns an ``(H, W, 3)`` uint8 image.
+    Each image fills a ``cell`` x ``cell`` pixel box (nearest-neighbour, aspect kept) with its
+    caption lines under it; ``highlight[i]`` frames image ``i`` in red (e.g. label differs
+    from prediction).
     """
-    from PIL import Image, ImageDraw
-
-    line_height = 11
+    pad, line = 6, 10  # pixels: gap between cells, height of a caption line
     lines = max((len(c) for c in captions), default=0)
     columns = max(1, min(columns, len(images)))
-    rows = (len(images) + columns - 1) // columns
-    pad, top = 4, (16 if title else 4)
-    cell_w, cell_h = cell + pad, cell + lines * line_height + pad
-    canvas = Image.new("RGB", (columns * cell_w + pad, top + rows * cell_h + pad), "white")
-    draw = ImageDraw.Draw(canvas)
+    rows = max(1, (len(images) + columns - 1) // columns)
+    top = 22 if title else pad
+    cell_w, cell_h = cell + pad, cell + lines * line + pad
+    width, height = columns * cell_w + pad, top + rows * cell_h
+    figure = new_figure(width / DPI, height / DPI)
     if title:
-        draw.text((pad, 2), title, fill=(0, 0, 0))
+        figure.text(pad / width, 1 - 4 / height, title, ha="left", va="top", fontsize=8)
     for i, (image, caption) in enumerate(zip(images, captions)):
-        x, y = pad + (i % columns) * cell_w, top + (i // columns) * cell_h
-        h, w = image.shape[:2]
-        scale = cell / max(h, w)
-        size = (max(1, round(w * scale)), max(1, round(h * scale)))
-        canvas.paste(Image.fromarray(image).resize(size, Image.NEAREST), (x, y))
-        if highlight is not None and highlight[i]:
-            draw.rectangle([x - 1, y - 1, x + size[0], y + size[1]], outline=(214, 39, 40), width=2)
-        for j, text in enumerate(caption):
-            draw.text((x, y + cell + 1 + j * line_height), text, fill=(0, 0, 0))
-    return np.asarray(canvas, dtype=np.uint8)
+        left, upper = pad + (i % columns) * cell_w, top + (i // columns) * cell_h
+        axes = figure.add_axes((left / width, 1 - (upper + cell) / height, cell / width, cell / height))
+        axes.set_xticks([])
+        axes.set_yticks([])
+        framed = highlight is not None and bool(highlight[i])
+        for spine in axes.spines.values():
+            spine.set_visible(image is not None)
+            spine.set_edgecolor(MISMATCH if framed else "#bbbbbb")
+            spine.set_linewidth(2.0 if framed else 0.6)
+        if image is not None:
+            axes.imshow(image, interpolation="nearest")
+        if any(caption):
+            axes.text(0.5, -0.04, "\n".join(caption), transform=axes.transAxes, ha="center", va="top", fontsize=6.5)
+    return figure
 
 
 def outlier_grid(
@@ -128,12 +256,14 @@ def outlier_grid(
     limit: int = 32,
     cell: int = 56,
     columns: int = 8,
-) -> np.ndarray | None:
+) -> Figure | None:
     """Thumbnails of the top outlier rows with ``#rank id``, ``y label p prediction``; ``None`` if they are not images.
 
     Rows whose label differs from the prediction are framed in red.
     """
-    images, captions, frames = [], [], []
+    images: list[np.ndarray | None] = []
+    captions: list[list[str]] = []
+    frames: list[bool] = []
     for row in rows[:limit]:
         image = _lookup_image(lookup, split, int(row["sample_id"]))
         if image is None:
@@ -169,16 +299,15 @@ def influence_grid(
     limit: int = 8,
     per_side: int = 5,
     cell: int = 40,
-) -> np.ndarray | None:
+) -> Figure | None:
     """One line per test sample: the test image, then its top proponents and opponents; ``None`` if not images."""
-    images, captions = [], []
+    images: list[np.ndarray | None] = []
+    captions: list[list[str]] = []
     width = 1 + 2 * per_side
-    blank = None
     for row in rows[:limit]:
         test = _lookup_image(lookup, test_split, int(row["test_id"]))
         if test is None:
             return None
-        blank = np.full_like(test, 255) if blank is None else blank
         images.append(test)
         captions.append(
             [f"test {row['test_id']}", f"y {_short(row.get('test_label'))} p {_short(row.get('test_prediction'))}"]
@@ -187,12 +316,12 @@ def influence_grid(
             entries = list(row.get(kind, []))[:per_side]
             for entry in entries:
                 image = _lookup_image(lookup, train_split, int(entry["sample_id"]))
-                images.append(image if image is not None else blank)
+                images.append(image)  # None: an empty cell
                 captions.append(
                     [f"{'+' if kind == 'proponents' else '-'} {entry['sample_id']}", f"y {_short(entry.get('label'))}"]
                 )
             for _ in range(per_side - len(entries)):
-                images.append(np.full((2, 2, 3), 255, np.uint8))
+                images.append(None)
                 captions.append(["", ""])
     if not images:
         return None
@@ -244,11 +373,15 @@ def _short(value: Any) -> str:
 
 
 __all__ = [
+    "MISSING_MATPLOTLIB",
     "SampleLookup",
     "as_image",
     "dataset_lookup",
     "influence_grid",
+    "new_figure",
     "outlier_grid",
     "sample_input",
+    "save_png",
+    "scatter_figure",
     "thumbnail_grid",
 ]

@@ -2,7 +2,10 @@
 
 - markdown tables (outliers, influence) via ``add_text``;
 - self-influence of the training samples per labelled class via ``add_histogram``;
-- a loss-vs-self-influence scatter figure via ``add_image``, drawn with PIL (no matplotlib);
+- figures drawn with matplotlib (:mod:`~metastore_plugins.core.reports.render`) via ``add_figure``,
+  also saved as PNGs next to the JSON reports: the loss-vs-self-influence scatter
+  (``loss_vs_self_influence.png``) and, for image samples, thumbnail grids (``outliers.png``,
+  ``influence.png``); without matplotlib they are skipped with a warning;
 - dynamics of the training steps: per-layer gradient-norm scalars over steps, gradient-norm
   histograms per epoch, and the fraction of exploding per-sample gradients per step;
 - a projector view (``add_embedding``) of gradient sketches of the last training checkpoint pass.
@@ -17,9 +20,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -28,19 +31,23 @@ from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, write_reports
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table
-from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid
+from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid, save_png, scatter_figure
 from metastore_plugins.core.reports.tables import _last_metadata, checkpoint_points, outlier_points, self_influence_of
 
-PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-           (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]  # fmt: skip
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+#: the scatter's tag (under the prefix) and file name (``.png``)
+SCATTER = "loss_vs_self_influence"
 
 
 class SummaryWriterLike(Protocol):
+    """What the reports call on a writer: ``torch.utils.tensorboard.SummaryWriter`` (Lightning's
+    ``TensorBoardLogger.experiment``, the HF path's :func:`summary_writer`) and ``tensorboardX``'s have it."""
+
     def add_text(self, tag: str, text_string: str, global_step: int | None = None) -> None: ...
     def add_histogram(self, tag: str, values: Any, global_step: int | None = None) -> None: ...
-    def add_image(
-        self, tag: str, img_tensor: Any, global_step: int | None = None, dataformats: str = "CHW"
-    ) -> None: ...
+    def add_figure(self, tag: str, figure: Any, global_step: int | None = None, close: bool = True) -> None: ...
 
 
 def summary_writer(log_dir: str | os.PathLike[str]) -> Any:
@@ -66,45 +73,23 @@ def self_influence_table(
     return {"sample_id": np.asarray(ids), "self_influence": values, "label": labels, "loss": losses}
 
 
-def scatter_image(
-    x: np.ndarray,
-    y: np.ndarray,
-    classes: np.ndarray,
-    *,
-    title: str = "",
-    x_label: str = "",
-    y_label: str = "",
-    size: tuple[int, int] = (480, 360),
-) -> np.ndarray:
-    """A scatter plot as an ``(H, W, 3)`` uint8 image, one colour per class (drawn with PIL)."""
-    from PIL import Image, ImageDraw
+def flagged_ids(reports: Mapping[str, Any]) -> list[int]:
+    """The sample ids of the outlier report's rows (the samples the scatter rings)."""
+    return [int(row["sample_id"]) for row in reports.get("outliers") or [] if "sample_id" in row]
 
-    width, height = size
-    left, right, top, bottom = 56, 16, 28, 40
-    image = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(image)
-    draw.rectangle([left, top, width - right, height - bottom], outline=(0, 0, 0))
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    finite = np.isfinite(x) & np.isfinite(y)
-    if finite.any():
-        (x0, x1), (y0, y1) = (
-            (float(x[finite].min()), float(x[finite].max())),
-            (float(y[finite].min()), float(y[finite].max())),
-        )
-        x1, y1 = (x1 if x1 > x0 else x0 + 1.0), (y1 if y1 > y0 else y0 + 1.0)
-        px = left + (x[finite] - x0) / (x1 - x0) * (width - left - right)
-        py = height - bottom - (y[finite] - y0) / (y1 - y0) * (height - top - bottom)
-        for u, v, c in zip(px, py, np.asarray(classes)[finite]):
-            colour = PALETTE[int(c) % len(PALETTE)] if int(c) >= 0 else (0, 0, 0)
-            draw.ellipse([u - 2, v - 2, u + 2, v + 2], fill=colour)
-        draw.text((left, height - bottom + 4), f"{x0:.3g}", fill=(0, 0, 0))
-        draw.text((width - right - 40, height - bottom + 4), f"{x1:.3g}", fill=(0, 0, 0))
-        draw.text((4, height - bottom - 10), f"{y0:.3g}", fill=(0, 0, 0))
-        draw.text((4, top), f"{y1:.3g}", fill=(0, 0, 0))
-    draw.text((left, 8), title, fill=(0, 0, 0))
-    draw.text(((width - len(x_label) * 6) // 2, height - 16), x_label, fill=(0, 0, 0))
-    draw.text((4, top + 14), y_label, fill=(0, 0, 0))
-    return np.asarray(image, dtype=np.uint8)
+
+def draw_scatter(reports: Mapping[str, Any], table: Mapping[str, np.ndarray] | None) -> Figure | None:
+    """The loss-vs-self-influence scatter of ``table``, outlier rows ringed; ``None`` with no samples.
+
+    Raises ``ImportError`` (naming the extra to install) without matplotlib."""
+    if table is None or not len(table["sample_id"]):
+        return None
+    flagged = flagged_ids(reports)
+    return scatter_figure(table, flagged, flagged_label=f"flagged: top {len(flagged)} in the outlier report")
+
+
+def _no_figures(exc: ImportError) -> None:
+    warnings.warn(f"no report figures: {exc}; the tables and histograms are written", stacklevel=3)
 
 
 def write_tensorboard(
@@ -114,8 +99,13 @@ def write_tensorboard(
     *,
     step: int = 0,
     prefix: str = "metastore",
+    figures: Mapping[str, Figure] | None = None,
 ) -> list[str]:
-    """Write the outlier and influence tables, histograms and scatter; returns the tags written."""
+    """Write the outlier and influence tables, histograms and figures; returns the tags written.
+
+    ``figures``: ``{tag: Figure}`` to log under ``prefix/tag`` (as drawn by :func:`report_figures`);
+    by default the scatter of ``table`` is drawn here.
+    """
     tags = []
     if reports.get("outliers"):
         columns = reports.get("outlier_columns", OUTLIER_COLUMNS)
@@ -129,16 +119,16 @@ def write_tensorboard(
             values = table["self_influence"][table["label"] == label]
             writer.add_histogram(f"{prefix}/self_influence/class_{int(label)}", values, step)
             tags.append(f"{prefix}/self_influence/class_{int(label)}")
-        image = scatter_image(
-            table["loss"],
-            np.log10(np.clip(table["self_influence"], 1e-12, None)),
-            table["label"],
-            title="training samples, coloured by label",
-            x_label="loss",
-            y_label="log10 self-influence",
-        )
-        writer.add_image(f"{prefix}/loss_vs_self_influence", image, step, dataformats="HWC")
-        tags.append(f"{prefix}/loss_vs_self_influence")
+    if figures is None:
+        try:
+            scatter = draw_scatter(reports, table)
+        except ImportError as exc:
+            _no_figures(exc)
+            scatter = None
+        figures = {} if scatter is None else {SCATTER: scatter}
+    for name, figure in figures.items():
+        writer.add_figure(f"{prefix}/{name}", figure, step, close=False)  # our figures are not pyplot's to close
+        tags.append(f"{prefix}/{name}")
     flush = getattr(writer, "flush", None)
     if callable(flush):
         flush()
@@ -204,10 +194,10 @@ def sample_grids(
     *,
     train_split: str = "train",
     test_split: str = "val",
-) -> dict[str, np.ndarray]:
-    """Thumbnail grids ``{"outliers": image, "influence": image}`` of image samples, saved as PNGs.
+) -> dict[str, Figure]:
+    """Thumbnail grids ``{"outliers": Figure, "influence": Figure}`` of image samples, saved as PNGs.
 
-    None for other data."""
+    Empty for other data."""
     if samples is None:
         return {}
     grids = {
@@ -216,14 +206,39 @@ def sample_grids(
             reports.get("influence") or [], samples, train_split=train_split, test_split=test_split
         ),
     }
-    grids = {name: grid for name, grid in grids.items() if grid is not None}
-    if directory is not None and grids:
-        from PIL import Image
+    found = {name: grid for name, grid in grids.items() if grid is not None}
+    if directory is not None:
+        for name, grid in found.items():
+            save_png(grid, directory / f"{name}.png")
+    return found
 
-        directory.mkdir(parents=True, exist_ok=True)
-        for name, grid in grids.items():
-            Image.fromarray(grid).save(directory / f"{name}.png")
-    return grids
+
+def report_figures(
+    reports: dict[str, Any],
+    table: dict[str, np.ndarray] | None,
+    samples: SampleLookup | None,
+    directory: Path,
+    *,
+    train_split: str = "train",
+    test_split: str = "val",
+) -> tuple[dict[str, Figure], list[Path]]:
+    """The report figures ``{tag: Figure}`` and the PNG files written for them into ``directory``.
+
+    The scatter (``loss_vs_self_influence.png``) and, for image samples, the grids
+    (``outliers.png``, ``influence.png``). Without matplotlib: nothing, and a warning.
+    """
+    try:
+        scatter = draw_scatter(reports, table)
+        grids = sample_grids(reports, samples, None, train_split=train_split, test_split=test_split)
+    except ImportError as exc:
+        _no_figures(exc)
+        return {}, []
+    figures: dict[str, Figure] = {} if scatter is None else {SCATTER: scatter}
+    files = [] if scatter is None else [save_png(scatter, directory / f"{SCATTER}.png")]
+    for name, grid in grids.items():
+        figures[GRID_TAGS[name]] = grid
+        files.append(save_png(grid, directory / f"{name}.png"))
+    return figures, files
 
 
 def report_run(
@@ -246,12 +261,15 @@ def report_run(
     ``render(split, sample id)`` adds each sample's text to the tables (see :func:`write_reports`).
     ``outliers_from="training"`` ranks every trained sample by its in-run self-influence instead of
     the samples of the checkpoint passes (:func:`~metastore_plugins.core.reports.tables.outlier_points`).
-    ``samples(split, sample id)`` returns dataset items: where they are small images, thumbnail
-    grids of the top outliers and of the influence rows are written (``outliers.png``,
-    ``influence.png`` and the images ``metastore/outlier_samples``, ``metastore/influence_samples``).
+    The loss-vs-self-influence scatter is saved as ``loss_vs_self_influence.png`` and logged as
+    ``metastore/loss_vs_self_influence``. ``samples(split, sample id)`` returns dataset items:
+    where they are small images, thumbnail grids of the top outliers and of the influence rows
+    are written too (``outliers.png``, ``influence.png`` and ``metastore/outlier_samples``,
+    ``metastore/influence_samples``). Figures need matplotlib; without it they are skipped
+    with a warning and everything else is written.
 
-    Returns ``write_reports``'s result with ``"tags"`` added, or ``None`` (with a warning)
-    when the store holds no checkpoint passes to report on.
+    Returns ``write_reports``'s result with ``"figures"`` (the figure tags) and ``"tags"`` added,
+    or ``None`` (with a warning) when the store holds no checkpoint passes to report on.
     """
     store = open_store(store_dir)
     points = checkpoint_points(store, train_split)
@@ -274,21 +292,21 @@ def report_run(
         scores=scores,
         outliers_from=outliers_from,
     )
-    table = self_influence_table(store, sources, scores) if writers else None
-    grids = sample_grids(result, samples, Path(reports_dir), train_split=train_split, test_split=test_split)
-    result["files"] += [str(Path(reports_dir) / f"{name}.png") for name in grids]
-    result["grids"] = list(grids)
+    table = self_influence_table(store, sources, scores)
+    figures, pngs = report_figures(
+        result, table, samples, Path(reports_dir), train_split=train_split, test_split=test_split
+    )
+    result["files"] += [str(path) for path in pngs]
+    result["grids"] = [name for name, tag in GRID_TAGS.items() if tag in figures]
+    result["figures"] = list(figures)
     result["tags"] = []
     for writer in writers:
-        result["tags"] += write_tensorboard(writer, result, table, step=step)
-        for name, grid in grids.items():
-            tag = f"metastore/{GRID_TAGS[name]}"
-            writer.add_image(tag, grid, step, dataformats="HWC")
-            result["tags"].append(tag)
+        result["tags"] += write_tensorboard(writer, result, table, step=step, figures=figures)
         if dynamics:
             result["tags"] += write_dynamics(writer, store)
         if projector:
             result["tags"] += write_projector(writer, store, points[-1], step=step)
-        if callable(getattr(writer, "flush", None)):
-            writer.flush()
+        flush = getattr(writer, "flush", None)
+        if callable(flush):
+            flush()
     return result
