@@ -1,9 +1,5 @@
-"""Fixtures of the capture tests (helpers live in :mod:`capturecases`, importable from every test file)."""
+"""The capture tests' helpers live in :mod:`capturecases`, importable from every test file.
 
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def _seed() -> None:
-    torch.manual_seed(0)
+Each test starts from torch's global RNG seeded with 0 (``tests/conftest.py``), which the
+model initialisations and ``torch.randn`` calls here draw from.
+"""

@@ -18,6 +18,7 @@ from metastore_plugins.core.capture import (
     UnsupportedLayerError,
     find_rule,
     register_capture,
+    registered_types,
     unregister_capture,
 )
 from metastore_plugins.core.capture.records import dense_record
@@ -211,8 +212,10 @@ def test_registered_rule_captures_a_custom_module_exactly(shape: tuple[int, ...]
 
 def test_unregister_capture_cleans_up() -> None:
     register_capture(Gain, params=("gain",))(capture_gain)
-    assert find_rule(Gain(2)) is not None
-    unregister_capture(Gain)
+    try:
+        assert find_rule(Gain(2)) is not None
+    finally:  # a failure here must not leave the rule registered for the tests that run next
+        unregister_capture(Gain)
     assert find_rule(Gain(2)) is None
     with pytest.warns(UserWarning, match="Gain"):
         with CaptureSession(gain_model()) as session:
@@ -231,8 +234,13 @@ def test_docs_examples_run() -> None:
     text = (Path(__file__).parents[2] / "docs" / "capture.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert len(blocks) >= 2
-    for block in blocks:
-        exec(compile(block, "docs/capture.md", "exec"), {"__name__": "docs_capture"})
+    before = set(registered_types())
+    try:
+        for block in blocks:
+            exec(compile(block, "docs/capture.md", "exec"), {"__name__": "docs_capture"})
+    finally:  # rules the examples registered (they unregister them at the end, unless they failed first)
+        for module_type in set(registered_types()) - before:
+            unregister_capture(module_type)
 
 
 # -- scaling conventions -----------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -16,8 +15,9 @@ import torch.multiprocessing as mp  # noqa: E402
 
 def run(rank: int, out: str) -> None:
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # rendezvous through a file in the test's own directory: no TCP port to agree on (or to collide on)
+    init = (Path(out) / "dist-init").resolve().as_uri()
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         from hf_cases import make_dataset, make_model, simulate_train
 

@@ -97,7 +97,11 @@ def test_stored_losses_and_predictions(accumulated) -> None:
     assert meta["loss"][0] == pytest.approx(
         float(F.cross_entropy(logits, torch.tensor([train_set[sid]["label"]]))), rel=1e-5
     )
-    assert meta["prediction"][0] == int(logits.argmax())
+    # the stored prediction is an argmax of this sample's logits, up to fp32 round-off: it came from a padded
+    # batch, these from the sample alone, so a near-tie between two classes may resolve either way
+    prediction = int(meta["prediction"][0])
+    assert 0 <= prediction < CLASSES
+    assert float(logits[0, prediction]) >= float(logits.max()) - 1e-5 * max(1.0, float(logits.abs().max()))
 
 
 def test_checkpoint_passes_cover_the_eval_set_with_exact_gradients(accumulated) -> None:

@@ -16,7 +16,7 @@ def test_per_sample_weight_tells_the_reduction() -> None:
     losses = torch.tensor([0.5, 1.0, 2.0, 0.25])
     assert per_sample_weight(losses.mean(), losses) == pytest.approx(1 / 4)
     assert per_sample_weight(losses.sum() / 10, losses, num_items=torch.tensor(10)) == pytest.approx(1 / 10)
-    assert per_sample_weight(losses.sum(), losses) == 1.0
+    assert per_sample_weight(losses.sum(), losses) == pytest.approx(1.0)
     with pytest.raises(LossScaleError, match="per_sample_loss"):
         per_sample_weight(losses.max(), losses)
 

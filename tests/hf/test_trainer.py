@@ -120,7 +120,6 @@ def test_steps_eval_strategy_names_passes_by_step(tmp_path: Path) -> None:
 
 
 def test_torchrun_two_processes(tmp_path: Path) -> None:
-    import os
     import subprocess
     import sys
 
@@ -129,9 +128,9 @@ def test_torchrun_two_processes(tmp_path: Path) -> None:
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # rendezvous and master ports chosen free by the OS, never a fixed number
         "--nproc_per_node",
         "2",
-        f"--master_port={29000 + os.getpid() % 500}",
         str(worker),
         str(tmp_path),
     ]

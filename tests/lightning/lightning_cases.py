@@ -29,8 +29,9 @@ class Classifier(L.LightningModule):
 
     def __init__(self, lr: float = 0.1) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+        with torch.random.fork_rng(devices=[]):  # the same weights whatever ran before; the global RNG is left alone
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, CLASSES))
         self.lr = lr
 
     def forward(self, x: Tensor) -> Tensor:
@@ -73,6 +74,8 @@ class DictData(torch.utils.data.Dataset):
 
 
 def loaders(n_train: int = 40, n_val: int = 12, batch_size: int = 8, **kwargs: Any) -> tuple[DataLoader, DataLoader]:
+    """Shuffled train loader (its own seeded generator: the order does not depend on the global RNG), val loader."""
+    kwargs.setdefault("generator", torch.Generator().manual_seed(3))
     train = DataLoader(IndexedDataset(make_data(n_train, 1)), batch_size=batch_size, shuffle=True, **kwargs)
     val = DataLoader(IndexedDataset(make_data(n_val, 2)), batch_size=batch_size)
     return train, val

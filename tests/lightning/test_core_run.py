@@ -10,8 +10,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("tensorboard")
+pytest.importorskip("matplotlib")
 
-from metastore_plugins.core.reports.tensorboard import scatter_image, summary_writer, write_tensorboard  # noqa: E402
+from metastore_plugins.core.reports.render import scatter_figure  # noqa: E402
+from metastore_plugins.core.reports.tensorboard import summary_writer, write_tensorboard  # noqa: E402
 from metastore_plugins.core.run import (  # noqa: E402
     CheckpointSchedule,
     IndexedDataset,
@@ -73,14 +75,15 @@ class FakeWriter:
     def add_histogram(self, tag, values, step=None):
         self.calls.append(("histogram", tag))
 
-    def add_image(self, tag, image, step=None, dataformats="CHW"):
-        assert image.dtype == np.uint8 and image.shape == (360, 480, 3) and dataformats == "HWC"
-        self.calls.append(("image", tag))
+    def add_figure(self, tag, figure, step=None, close=True):
+        assert figure.axes and figure.axes[0].get_title()
+        self.calls.append(("figure", tag))
 
 
 def test_tensorboard_sink_writes_tables_histograms_and_a_scatter(tmp_path: Path) -> None:
-    image = scatter_image(np.array([0.1, 2.0, 1.0]), np.array([1.0, 3.0, np.nan]), np.array([0, 1, 1]), title="t")
-    assert image.shape == (360, 480, 3) and (image != 255).any()
+    points = {"sample_id": np.arange(3), "self_influence": np.array([1.0, 3.0, np.nan]), "label": np.array([0, 1, 1])}
+    figure = scatter_figure({**points, "loss": np.array([0.1, 2.0, 1.0])}, title="t")
+    assert figure.axes[0].get_title() == "t" and len(figure.axes[0].collections) == 2
     table = {
         "sample_id": np.arange(4),
         "self_influence": np.array([1.0, 2, 3, 4]),
@@ -111,12 +114,16 @@ def test_run_capture_skips_overflowed_fp16_steps_and_writes_the_rest(tmp_path: P
     from metastore_plugins.core.run import RunCapture
 
     model = torch.nn.Linear(3, 2)
+    g = torch.Generator().manual_seed(0)
     run = RunCapture(tmp_path, encoding="fp32", labels=lambda batch: batch[1])
     try:
         for step, blow_up in enumerate((False, True, False)):
-            x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+            x = torch.randn(4, 3, generator=g)
             run.begin_step(model, grad_scaler=_Scaler())
             logits = model(x)
+            # the step that overflows has every sample misclassified: its gradient, scaled by 1e38 * 1e38, is
+            # infinite whatever the data (a correctly classified sample's gradient would vanish at this scale)
+            y = 1 - logits.argmax(1) if blow_up else torch.tensor([0, 1, 1, 0])
             loss = torch.nn.functional.cross_entropy(logits * (1e38 if blow_up else 1.0), y) * (
                 1e38 if blow_up else 1.0
             )
@@ -136,7 +143,8 @@ def test_run_capture_hooks_once_ignores_forwards_between_steps_and_unhooks_on_cl
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
-    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(3)]
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(3)]
     run = RunCapture(tmp_path, encoding="fp32")
     try:
         for step, (x, y) in enumerate(batches):

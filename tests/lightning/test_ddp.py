@@ -5,6 +5,7 @@ The train set is a plain TensorDataset: ids come from what the DistributedSample
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,12 @@ from metastore_plugins.testing import reference_per_sample_gradients  # noqa: E4
 
 def test_two_cpu_processes_write_their_own_shards_with_exact_ids(tmp_path: Path) -> None:
     worker = Path(__file__).parent / "ddp_worker.py"
-    done = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    # no inherited rendezvous settings: Lightning asks the OS for a free port (never a fixed one)
+    unset = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE"}
+    env = {key: value for key, value in os.environ.items() if key not in unset}
+    done = subprocess.run(
+        [sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     store_dir = tmp_path / "lightning_logs" / "version_0" / "metastore"
     store = open_store(store_dir)

@@ -23,7 +23,7 @@ from metastore_plugins.core.run import SampleIdError  # noqa: E402
 
 def test_dict_batches_with_an_idx_field_need_no_wrapper(tmp_path: Path) -> None:
     base = make_data(20, 1)
-    train = DataLoader(DictData(base), batch_size=6, shuffle=True)
+    train = DataLoader(DictData(base), batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(3))
     callback = MetaStoreCallback(dirpath=tmp_path / "store", checkpoint_train_samples=8, reports=False)
     fit(tmp_path, DictClassifier(), train, None, [callback], max_epochs=1)
     store = open_store(tmp_path / "store")
@@ -39,7 +39,8 @@ def test_dict_batches_with_an_idx_field_need_no_wrapper(tmp_path: Path) -> None:
 def test_plain_datasets_get_their_ids_from_the_sampler(tmp_path: Path, workers: int) -> None:
     """No wrapper: ids come from the index lists the loader's sampler drew (workers prefetch ahead)."""
     base = make_data(30, 1)
-    train = DataLoader(base, batch_size=4, shuffle=True, drop_last=True, num_workers=workers)
+    order = torch.Generator().manual_seed(3)
+    train = DataLoader(base, batch_size=4, shuffle=True, drop_last=True, num_workers=workers, generator=order)
     callback = MetaStoreCallback(
         dirpath=tmp_path / "store", encoding="fp32", reports=False, checkpoint_every_n_epochs=0
     )
@@ -57,7 +58,8 @@ def test_plain_datasets_get_their_ids_from_the_sampler(tmp_path: Path, workers: 
 
 class _Stream(IterableDataset):
     def __iter__(self):
-        yield from zip(torch.randn(16, D_IN), torch.randint(0, 3, (16,)))
+        g = torch.Generator().manual_seed(0)
+        yield from zip(torch.randn(16, D_IN, generator=g), torch.randint(0, 3, (16,), generator=g))
 
 
 def test_batches_without_recoverable_ids_fail_naming_indexed_dataset(tmp_path: Path) -> None:
@@ -149,8 +151,9 @@ class _Regressor(Classifier):
 
 
 def test_a_regression_with_its_own_per_sample_loss_is_stored_and_reported(tmp_path: Path) -> None:
-    x = torch.randn(16, D_IN)
-    train = DataLoader(torch.utils.data.TensorDataset(x, x.sum(1)), batch_size=8, shuffle=True)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, D_IN, generator=g)
+    train = DataLoader(torch.utils.data.TensorDataset(x, x.sum(1)), batch_size=8, shuffle=True, generator=g)
     callback = MetaStoreCallback(per_sample_loss=lambda out, batch: (out.squeeze(1) - batch[1]) ** 2)
     fit(tmp_path, _Regressor(), train, None, [callback], max_epochs=1)
     store = open_store(callback.dirpath)

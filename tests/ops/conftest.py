@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from opscases import CASE_NAMES, Case, get_case
 
 
@@ -19,8 +18,3 @@ def case(request: pytest.FixtureRequest) -> Case:
 def tied_case(request: pytest.FixtureRequest) -> Case:
     """Records sharing parameters: a Linear called twice; an embedding tied to the output layer."""
     return get_case(request.param)
-
-
-@pytest.fixture(autouse=True)
-def _seed() -> None:
-    torch.manual_seed(0)

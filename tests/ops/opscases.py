@@ -210,13 +210,31 @@ CASE_NAMES = [name for name in BUILDERS if not name.startswith("tied")]
 
 @functools.cache
 def get_case(name: str) -> Case:
-    torch.manual_seed(sum(map(ord, name)))
-    return BUILDERS[name]()
+    """The case ``name``, built once; the same whichever test asks first (its seeds are its own)."""
+    with torch.random.fork_rng(devices=[]):  # the model's initialisation draws from the global RNG
+        torch.manual_seed(sum(map(ord, name)))
+        return BUILDERS[name]()
 
 
 def flat_reference(ref: dict[str, Tensor], names: Sequence[str]) -> Tensor:
     """``(B, P)`` float64: the reference per-sample gradients of ``names``, concatenated."""
     return torch.cat([ref[n].reshape(ref[n].shape[0], -1).double() for n in names], 1)
+
+
+def separating_thresholds(values: Tensor, margin: float) -> list[tuple[float, int]]:
+    """Thresholds strictly between consecutive distinct ``values``, none within ``margin`` of a value.
+
+    Returns ``(threshold, count of values above it)`` for the midpoint of every gap wider than
+    ``2 * margin``. A computed value within ``margin`` of its reference is then on the same side
+    of every threshold as the reference: no result depends on rounding at a threshold.
+    """
+    ordered = sorted(float(v) for v in values.flatten())
+    found = []
+    for k in range(len(ordered) - 1):
+        low, high = ordered[k], ordered[k + 1]
+        if high - low > 2 * margin:
+            found.append((0.5 * (low + high), len(ordered) - 1 - k))
+    return found
 
 
 def rel_err(actual: Tensor, expected: Tensor) -> float:

@@ -83,16 +83,17 @@ def test_records_of_different_layers_are_refused(case: Case) -> None:
         dots(a, b)
 
 
-def _linear_record(batch: int, tokens: int, d_in: int, d_out: int) -> LayerRecord:
+def _linear_record(batch: int, tokens: int, d_in: int, d_out: int, seed: int = 0) -> LayerRecord:
+    g = torch.Generator().manual_seed(seed)
     params, shapes = {"weight": "w", "bias": "b"}, {"weight": (d_out, d_in), "bias": (d_out,)}
-    prefix, suffix = torch.randn(batch, tokens, 1, d_in), torch.randn(batch, tokens, 1, d_out)
+    prefix, suffix = torch.randn(batch, tokens, 1, d_in, generator=g), torch.randn(batch, tokens, 1, d_out, generator=g)
     return outer_record("l", prefix, suffix, params, shapes, choose_smaller=False)
 
 
 def test_cost_model_branches() -> None:
     """Short rows (a classifier head) -> factored; long sequences on a narrow layer -> dense; both exact."""
-    short_a, short_b = _linear_record(6, 1, 32, 32), _linear_record(5, 1, 32, 32)
-    long_a, long_b = _linear_record(6, 40, 8, 8), _linear_record(5, 40, 8, 8)
+    short_a, short_b = _linear_record(6, 1, 32, 32, seed=1), _linear_record(5, 1, 32, 32, seed=2)
+    long_a, long_b = _linear_record(6, 40, 8, 8, seed=3), _linear_record(5, 40, 8, 8, seed=4)
     assert plan_dots(short_a, short_b).method == "factored"
     assert plan_dots(long_a, long_b).method == "dense"
     plan = plan_dots(long_a, long_b)
@@ -112,8 +113,8 @@ def test_plan_flops_count_the_matrix_products_dots_runs() -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     for (a, b), method in (
-        ((_linear_record(6, 3, 32, 32), _linear_record(5, 2, 32, 32)), "factored"),
-        ((_linear_record(6, 40, 8, 8), _linear_record(5, 40, 8, 8)), "dense"),
+        ((_linear_record(6, 3, 32, 32, seed=1), _linear_record(5, 2, 32, 32, seed=2)), "factored"),
+        ((_linear_record(6, 40, 8, 8, seed=3), _linear_record(5, 40, 8, 8, seed=4)), "dense"),
     ):
         plan = plan_dots(a, b, method=method)
         with FlopCounterMode(display=False) as counter:

@@ -59,9 +59,24 @@ def test_total_sq_norms_with_a_module_called_twice(tied_case: Case) -> None:
 def test_cost_model_prefers_factors_for_short_rows_and_dense_for_long_ones() -> None:
     from metastore_plugins.core.capture.records import outer_record
 
+    g = torch.Generator().manual_seed(0)
     params, shapes = {"weight": "w", "bias": "b"}, {"weight": (8, 6), "bias": (8,)}
-    short = outer_record("l", torch.randn(4, 1, 1, 6), torch.randn(4, 1, 1, 8), params, shapes, choose_smaller=False)
-    long = outer_record("l", torch.randn(4, 50, 1, 6), torch.randn(4, 50, 1, 8), params, shapes, choose_smaller=False)
+    short = outer_record(
+        "l",
+        torch.randn(4, 1, 1, 6, generator=g),
+        torch.randn(4, 1, 1, 8, generator=g),
+        params,
+        shapes,
+        choose_smaller=False,
+    )
+    long = outer_record(
+        "l",
+        torch.randn(4, 50, 1, 6, generator=g),
+        torch.randn(4, 50, 1, 8, generator=g),
+        params,
+        shapes,
+        choose_smaller=False,
+    )
     assert plan_norms(short).method == "factored"
     assert plan_norms(long).method == "dense"
     for record in (short, long):

@@ -107,6 +107,11 @@ def rel_err(actual: Any, expected: Any) -> float:
 
 # -- synthetic records with known gradients (for writer tests and the crash subprocess) ---------
 
+#: Restored fp32 gradients against :func:`synthetic_batch`'s einsum: both sum a sample's rows in fp32,
+#: each in the order its kernel (BLAS, vector width, threads) chooses, so they agree up to fp32 round-off
+#: (torch's float32 defaults; the values are O(1)), not bit for bit. fp16 storage (2^-11) would fail this.
+FP32_ROUNDOFF = {"rtol": 1.3e-6, "atol": 1e-5}
+
 
 def synthetic_batch(
     seed: int, size: int = 4, d_in: int = 6, d_out: int = 5

@@ -58,9 +58,10 @@ def padded_batch(lengths: list[int], tokens: int, generator: torch.Generator) ->
 @pytest.fixture(scope="module")
 def bert_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list], dict[str, Tensor]]:
     """Records and reference gradients of a train batch (8) and a test batch (4) at the same weights."""
-    torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
-    model = tiny_bert()
+    with torch.random.fork_rng(devices=[]):  # module-scoped: seed its own weights, leave the global RNG alone
+        torch.manual_seed(0)
+        model = tiny_bert()
     batches = {"train": padded_batch([9, 3, 6, 1, 9, 7, 2, 5], 9, gen), "test": padded_batch([4, 9, 2, 6], 9, gen)}
     records, reference = {}, {}
     for cp, batch in batches.items():
@@ -139,7 +140,7 @@ def test_tiny_values_and_zero_rows_round_trip(tmp_path: Path, encoding: str, bou
     """Suffix values ~1e-9 underflow in plain fp16 (smallest subnormal 6e-8); per-row scales keep them."""
     assert torch.tensor(3e-9).half().item() == 0.0  # the premise
     record, expected = _tiny_outer(0, 1e-9)
-    zero_dense = torch.randn(3, 4) * 1e-9  # (B, 4)
+    zero_dense = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)) * 1e-9  # (B, 4)
     zero_dense[1] = 0.0  # a sample whose gradient is exactly zero
     dense = dense_record("ln", {"weight": zero_dense}, {"weight": "ln.weight"})
     empty = LayerRecord(  # a layer every row of which was dropped (suffix all zero)
@@ -178,7 +179,7 @@ def test_tiny_values_and_zero_rows_round_trip(tmp_path: Path, encoding: str, bou
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_a_dense_parameter_named_scale_round_trips(tmp_path: Path, encoding: str) -> None:
     """Row scales are stored as ``<key>.scale``; a parameter called ``scale`` must not be mistaken for one."""
-    grads = torch.randn(2, 3) + 2.0  # (B, 3)
+    grads = torch.randn(2, 3, generator=torch.Generator().manual_seed(0)) + 2.0  # (B, 3)
     record = dense_record("rms", {"scale": grads}, {"scale": "rms.scale"})
     with StoreWriter(tmp_path, encoding=encoding) as writer:
         writer.write([record], sample_ids=[0, 1], step=0)

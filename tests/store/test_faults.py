@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from storecases import synthetic_batch
+from storecases import FP32_ROUNDOFF, synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.store import StoreError
@@ -41,7 +41,7 @@ def _check(store: Any, expected: dict[int, dict[str, torch.Tensor]]) -> None:
     for sample, grads in expected.items():
         restored = store.restore(sample)
         for name, value in grads.items():
-            torch.testing.assert_close(restored[name], value, rtol=0, atol=0)
+            torch.testing.assert_close(restored[name], value, **FP32_ROUNDOFF)
 
 
 def _manifest(path: Path) -> dict[str, Any]:

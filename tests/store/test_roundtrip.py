@@ -54,9 +54,10 @@ def _subset(data: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, tor
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
-    model = PooledTagger()
+    with torch.random.fork_rng(devices=[]):  # module-scoped: seed its own weights, leave the global RNG alone
+        torch.manual_seed(0)
+        model = PooledTagger()
     train_data, test_data = tagger_batch(torch.arange(TRAIN), gen), tagger_batch(TEST_IDS, gen)
     out = Run(tmp_path_factory.mktemp("roundtrip") / "store")
     out.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -303,7 +304,8 @@ def test_influence_equals_lr_weighted_reference_dots(run: Run, store: GradientSt
     one_pass = [0.125 * _dot(run.grads[("ckpt1/train", 3, i)], run.grads[("ckpt1/test", 3, 103)]) for i in (4, 9)]
     assert rel_err(part.scores[:, 0], one_pass) <= TOL
     top = part.top(1)[0]
-    assert top["sample_id"] == 103 and top["proponents"][0][0] == [4, 9][int(np.argmax(part.scores[:, 0]))]
+    assert abs(one_pass[0] - one_pass[1]) > 100 * TOL * max(map(abs, one_pass))  # no near-tie in the reference
+    assert top["sample_id"] == 103 and top["proponents"][0][0] == [4, 9][int(np.argmax(one_pass))]
 
 
 def test_self_influence_sums_per_sample_id(run: Run, store: GradientStore) -> None:

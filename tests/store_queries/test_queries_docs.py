@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,11 @@ def section_code(title: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text[start : end if end > 0 else len(text)], flags=re.S)
 
 
-def test_training_dynamics_examples_run(capsys: pytest.CaptureFixture[str]) -> None:
+def test_training_dynamics_examples_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # relative paths of the examples land in this test's directory
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # and their tempfile.mkdtemp() stores too
     blocks = section_code("Training-dynamics queries")
     assert len(blocks) == 8  # set-up, then one per method group
     namespace: dict[str, object] = {}

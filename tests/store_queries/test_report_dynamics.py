@@ -6,7 +6,7 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
-from runcases import Run, occurrences
+from runcases import Run, assert_top_ranking, occurrences
 
 from metastore_plugins.core.reports.tensorboard import write_dynamics
 
@@ -28,7 +28,10 @@ def test_dynamics_scalars_equal_the_norm_and_exceed_queries(run_a: Run) -> None:
     writer = RecordingWriter()
     write_dynamics(writer, store, explode_factor=1.2)
     meta, total = store.metadata("train"), store.norms("train")
-    threshold = 1.2 * float(np.median(total))
+    threshold = 1.2 * float(np.median(total))  # what write_dynamics uses with explode_factor=1.2
+    # no norm within 1e-4 of it (0.7% is the closest): the report's norms and these, computed apart,
+    # put every sample on the same side of the threshold
+    assert float(np.abs(total - threshold).min()) > 1e-4 * threshold
     steps, fractions = store.exceed_fractions(threshold, "train")
     assert 0 < fractions.max() < 1  # the threshold splits some steps: the comparison means something
     np.testing.assert_allclose([writer.scalars["metastore/exploding_fraction"][int(s)] for s in steps], fractions)
@@ -56,4 +59,6 @@ def test_in_run_outlier_scores_sum_every_training_occurrence_of_a_sample(run_a: 
     assert sorted(ids.tolist()) == sorted(expected)
     np.testing.assert_allclose(values, [expected[int(i)] for i in ids], rtol=1e-5)
     rows = outlier_rows(run_a.store, points, k=3)
-    assert [row["sample_id"] for row in rows] == sorted(expected, key=expected.__getitem__, reverse=True)[:3]
+    assert len(rows) == 3
+    got = [(row["sample_id"], expected[row["sample_id"]]) for row in rows]
+    assert_top_ranking(got, list(expected.items()), 1e-5 * max(expected.values()))

@@ -38,6 +38,16 @@ def rel(actual: np.ndarray | Tensor, expected: np.ndarray | Tensor) -> float:
     return float((a - e).abs().max() / e.abs().max().clamp_min(1e-30))
 
 
+def assert_recomputed(actual: np.ndarray, expected: np.ndarray) -> None:
+    """Two computations of the same sketches (or of scores from them) agree up to fp32 round-off.
+
+    Not bit for bit: that would hold only while both ran the same kernels in the same summation order
+    (BLAS, threads, memory alignment). Values read back from the cache are compared exactly, with what was
+    computed and written.
+    """
+    np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6 * float(np.abs(expected).max()))
+
+
 def reference_sketches(grads: list[dict[str, Tensor]], layers: list[str]) -> Tensor:
     """``(N, DIM^2)`` summed sketches of reference gradients."""
     return torch.stack([sum(expected_sketch(g, layer, DIM, SEED) for layer in layers) for g in grads])
@@ -82,7 +92,8 @@ def test_cached_sketches_equal_fresh_ones_and_the_reference(run: Run, monkeypatc
     first = store.sketches("train", DIM, SEED)  # computes and keeps
     (path,) = cache_files(store)
     cached = from_cache_only(open_store(store.path), monkeypatch)
-    assert rel(fresh, expected) <= TOL and np.array_equal(first, fresh) and np.array_equal(cached, fresh)
+    assert rel(fresh, expected) <= TOL and np.array_equal(cached, first)  # the cache holds what was computed
+    assert_recomputed(first, fresh)
     with safe_open(str(path), framework="pt") as handle:
         assert handle.get_tensor("sketch").dtype == torch.float32
         assert np.array_equal(handle.get_tensor("sample_id").numpy(), store.sample_ids("train"))
@@ -110,7 +121,8 @@ def test_sketched_influence_from_the_cache(run: Run, monkeypatch: pytest.MonkeyP
     with no_computing(monkeypatch):
         cached = open_store(store.path).sketched_influence("train", "train", dim=DIM, seed=SEED)
     assert cached.row_ids.tolist() == unique == uncached.row_ids.tolist() and cached.col_ids.tolist() == unique
-    assert rel(uncached.scores, expected) <= TOL and np.array_equal(cached.scores, uncached.scores)
+    assert rel(uncached.scores, expected) <= TOL
+    assert_recomputed(cached.scores, uncached.scores)
 
 
 def test_a_grown_store_recomputes(run: Run) -> None:
@@ -128,8 +140,9 @@ def test_a_grown_store_recomputes(run: Run) -> None:
     extra = reference_sketches([{n: g[i] for n, g in added.items()} for i in range(3)], grown.layers())
     new = grown.sketches("train", DIM, SEED)
     assert new.shape == (old.shape[0] + 3, DIM * DIM)
-    assert np.array_equal(new[:-3], old) and rel(new[-3:], extra) <= TOL
-    assert np.array_equal(new, grown.sketches("train", DIM, SEED, cache=False))
+    assert rel(new[-3:], extra) <= TOL
+    assert_recomputed(new[:-3], old)
+    assert_recomputed(new, grown.sketches("train", DIM, SEED, cache=False))
     assert cache_files(grown) == [path] and safe_open(str(path), framework="pt").metadata()["binding"] != binding
     assert grown.verify() == []
 
@@ -184,11 +197,12 @@ def test_a_damaged_cache_file_is_rebuilt(run: Run, how: str, tmp_path: Path, mon
     outside = tmp_path / "elsewhere.safetensors"
     _damage(path, how, outside)
     again = open_store(store.path)
-    assert np.array_equal(again.sketches("train", DIM, SEED), expected)
+    rebuilt = again.sketches("train", DIM, SEED)
+    assert_recomputed(rebuilt, expected)
     assert path.is_file() and not path.is_symlink()  # rewritten, sound
-    assert np.array_equal(from_cache_only(open_store(store.path), monkeypatch), expected)
+    assert np.array_equal(from_cache_only(open_store(store.path), monkeypatch), rebuilt)
     scores = again.sketched_influence("train", "train", dim=DIM, seed=SEED).scores
-    assert np.array_equal(scores, again.sketched_influence("train", "train", dim=DIM, seed=SEED, cache=False).scores)
+    assert_recomputed(scores, again.sketched_influence("train", "train", dim=DIM, seed=SEED, cache=False).scores)
     if how == "link":
         assert not outside.is_symlink() and outside.stat().st_size > 0  # the link was replaced, its target left alone
 
@@ -232,7 +246,7 @@ def test_a_read_only_store_still_answers(run: Run, monkeypatch: pytest.MonkeyPat
         scores = store.sketched_influence("train", "train", dim=DIM, seed=SEED).scores
         assert store.build_sketches("train", DIM, SEED) is None
         assert not (store.path / "sketches").exists()
-    assert np.array_equal(scores, store.sketched_influence("train", "train", dim=DIM, seed=SEED, cache=False).scores)
+    assert_recomputed(scores, store.sketched_influence("train", "train", dim=DIM, seed=SEED, cache=False).scores)
     path = store.build_sketches("train", DIM, SEED)
     assert path is not None
     path.write_bytes(path.read_bytes()[:100])  # damaged, and cannot be rewritten: computed in memory
