@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypedDict
 
+import numpy as np
 from torch import nn
 
 from metastore_plugins.core.capture.session import UNSUPPORTED_POLICIES, UnsupportedPolicy
@@ -113,6 +114,16 @@ class CallbackOptions:
             if value not in choices:
                 raise ValueError(f"{self.owner}({setting}=...) must be one of {', '.join(choices)}; got {value!r}")
         check_outlier_source(self.outliers_from, self.capture_train_steps, self.owner)
+        for setting, least in (("report_k", 1), ("checkpoint_train_samples", 1), ("checkpoint_val_samples", 1)):
+            self.whole_number(setting, getattr(self, setting), least)
+        self.whole_number("seed", self.seed, None)
+
+    def whole_number(self, setting: str, value: Any, least: int | None) -> int:
+        """``value`` as an int, or a ``ValueError`` naming ``owner(setting=...)`` when it is no integer ``>= least``."""
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (least is not None and value < least):
+            bound = f" >= {least}" if least is not None else ""
+            raise ValueError(f"{self.owner}({setting}=...) must be an integer{bound}; got {value!r}")
+        return int(value)
 
     def check_model(self, model: nn.Module) -> None:
         """Raise naming ``modules=`` when it lists paths that ``model`` does not have."""
@@ -123,8 +134,12 @@ class CallbackOptions:
                 f"{unknown}; use paths from model.named_modules()"
             )
 
-    def schedule(self, every_n: int) -> CheckpointSchedule:
-        """The checkpoint schedule: a pass at every ``every_n``-th epoch (or evaluation), with these sizes."""
+    def schedule(self, every_n: int, setting: str) -> CheckpointSchedule:
+        """The checkpoint schedule: a pass at every ``every_n``-th epoch (or evaluation; 0: none), with these sizes.
+
+        ``setting`` names ``every_n`` in the callback's signature, for the error message.
+        """
+        every_n = self.whole_number(setting, every_n, 0)
         return CheckpointSchedule(every_n, self.checkpoint_train_samples, self.seed, self.checkpoint_val_samples)
 
     def run_capture(
