@@ -74,7 +74,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
     ) -> None:
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.options = CallbackOptions.of("MetaStoreTrainerCallback", settings)
-        self.schedule = self.options.schedule(checkpoint_every_n_evals)
+        self.schedule = self.options.schedule(checkpoint_every_n_evals, "checkpoint_every_n_evals")
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
         self.run: RunCapture | None = None
         self.report_result: dict[str, Any] | None = None

@@ -20,6 +20,7 @@ from torch import nn
 
 from metastore_plugins.core.capture.session import UNSUPPORTED_POLICIES, UnsupportedPolicy
 from metastore_plugins.core.reports.tables import OutlierSource, check_outlier_source
+from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.run import CheckpointSchedule, LabelsFn, LossReduction, PerSampleLossFn, RunCapture
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
 
@@ -165,20 +166,22 @@ class CallbackOptions:
 
         ``sources`` are ``report_run``'s ``render=`` or ``samples=``. A store the reports cannot
         be built from (no class predictions of a regression model, say) gives a warning, not an
-        error: the store is complete, and training ended well.
+        error: the store is complete, and training ended well. Whatever building them draws from
+        the global random number generators (a dataset's augmentation, read for thumbnails) is undone.
         """
         from metastore_plugins.core.reports.tensorboard import report_run  # matplotlib and tensorboard: only now
 
         try:
-            return report_run(
-                store_dir,
-                store_dir / "reports",
-                writers,
-                step=step,
-                k=self.report_k,
-                outliers_from=self.outliers_from,
-                **sources,
-            )
+            with preserved_rng():
+                return report_run(
+                    store_dir,
+                    store_dir / "reports",
+                    writers,
+                    step=step,
+                    k=self.report_k,
+                    outliers_from=self.outliers_from,
+                    **sources,
+                )
         except (KeyError, ValueError) as exc:
             warnings.warn(
                 f"{self.owner} could not build the reports ({exc!r}); the store {store_dir} is complete. "

@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.passes import predictions_of, weights_untouched
+from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.sample_ids import (
     SAMPLE_ID_KEYS,
     IndexedDataset,
@@ -200,7 +201,9 @@ def indexed_batches(
     def both(items: list[tuple[Any, int]]) -> tuple[Tensor, Any]:
         return torch.tensor([i for _, i in items]), collate([item for item, _ in items])
 
-    yield from DataLoader(_Tagged(unwrap_dataset(dataset), indices), batch_size=max(1, batch_size), collate_fn=both)
+    tagged = _Tagged(unwrap_dataset(dataset), indices)
+    # a private generator: the loader's base seed is not drawn from torch's global one (training's)
+    yield from DataLoader(tagged, batch_size=max(1, batch_size), collate_fn=both, generator=torch.Generator())
 
 
 def check_writable(path: str | os.PathLike[str], setting: str) -> Path:
@@ -353,13 +356,15 @@ class RunCapture:
         lr: float | None,
         context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> int:
-        """Capture ``(ids, batch)`` batches at the current weights in eval mode; ``.grad`` and mode are restored.
+        """Capture ``(ids, batch)`` batches at the current weights in eval mode; ``.grad``, mode and RNGs are restored.
 
         ``loss_of(batch, k)`` runs the model and returns the batch loss (reduced as
-        ``loss_reduction`` says). Returns the number of samples captured.
+        ``loss_reduction`` says). Returns the number of samples captured. Whatever the batches
+        and ``loss_of`` draw from the global random number generators is undone
+        (:func:`~metastore_plugins.core.rng.preserved_rng`): training goes on as if no pass ran.
         """
         count = 0
-        with weights_untouched(model):
+        with weights_untouched(model), preserved_rng():
             try:
                 for k, (ids, batch) in enumerate(batches):
                     self.begin_step(model)

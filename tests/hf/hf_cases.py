@@ -66,7 +66,8 @@ class TorchDataset(torch.utils.data.Dataset):
         return {"input_ids": self.rows["input_ids"][i], "label": self.rows["label"][i]}
 
 
-def make_model(seed: int = 0, cls: type = BertForSequenceClassification) -> Any:
+def make_model(seed: int = 0, cls: type = BertForSequenceClassification, dropout: float = 0.0) -> Any:
+    """A one-layer BERT classifier of width 16; ``dropout`` is its hidden and attention dropout."""
     torch.manual_seed(seed)
     config = BertConfig(
         vocab_size=len(VOCAB),
@@ -75,8 +76,8 @@ def make_model(seed: int = 0, cls: type = BertForSequenceClassification) -> Any:
         num_attention_heads=2,
         intermediate_size=32,
         max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
         num_labels=CLASSES,
     )
     config._attn_implementation = "eager"
