@@ -158,6 +158,7 @@ class MetaStoreCallback(Callback):
         if self.run is None or not self.options.capture_train_steps or self._ids is None:
             return
         accumulate = trainer.accumulate_grad_batches
+        loss = outputs.get("loss") if isinstance(outputs, dict) else None  # divided by accumulate for backward
         self.run.finish_step(
             batch,
             self._ids,
@@ -166,6 +167,7 @@ class MetaStoreCallback(Callback):
             micro_batch=batch_idx % accumulate,
             lr=self._step_lr,
             output=outputs.get("logits") if isinstance(outputs, dict) and "logits" in outputs else None,
+            batch_loss=loss * accumulate if isinstance(loss, Tensor) else None,
         )
 
     def on_validation_batch_start(

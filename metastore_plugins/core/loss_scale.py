@@ -71,8 +71,8 @@ def per_sample_weight(
     )
 
 
-def check_loss_reduction(loss: Tensor | float, per_sample_losses: Tensor, loss_reduction: str, setting: str) -> None:
-    """Raise when ``loss`` is not the ``loss_reduction`` of ``per_sample_losses`` that ``setting`` declares.
+def check_loss_reduction(loss: Tensor | float, per_sample_losses: Tensor, loss_reduction: str, owner: str) -> None:
+    """Raise when ``loss`` is not the ``loss_reduction`` of ``per_sample_losses`` that ``owner`` was given.
 
     For trainers that take the reduction as a setting (Lightning's ``training_step`` returns a
     loss the callback cannot see built): the mean and the sum of ``B > 1`` losses differ by
@@ -80,7 +80,7 @@ def check_loss_reduction(loss: Tensor | float, per_sample_losses: Tensor, loss_r
     A loss that is neither (label smoothing, a regulariser) cannot be checked: ``LossScaleError``.
 
     Raises:
-        ValueError: naming ``setting`` and the value to pass.
+        ValueError: naming the setting and the value to pass.
         LossScaleError: when the loss is no uniform weighting of the per-sample losses.
     """
     size = per_sample_losses.numel()
@@ -92,8 +92,8 @@ def check_loss_reduction(loss: Tensor | float, per_sample_losses: Tensor, loss_r
     if measured != loss_reduction:
         raise ValueError(
             f"the training loss {float(loss):.6g} is the {measured} of the batch's {size} per-sample losses, but "
-            f"{setting}={loss_reduction!r} says {loss_reduction}: every stored gradient would be {size}x too "
-            f"{'large' if measured == 'sum' else 'small'}. Pass {setting}={measured!r}"
+            f"{owner}(loss_reduction={loss_reduction!r}) says {loss_reduction}: every stored gradient would be "
+            f"{size}x too {'large' if measured == 'sum' else 'small'}. Pass {owner}(loss_reduction={measured!r})"
         )
 
 

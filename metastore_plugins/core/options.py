@@ -157,6 +157,7 @@ class CallbackOptions:
             encoding=self.encoding,
             config=config,
             session_options=session,
+            owner=self.owner,
         )
 
     def build_reports(

@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
+from metastore_plugins.core.loss_scale import LossScaleError, check_loss_reduction
 from metastore_plugins.core.passes import predictions_of, weights_untouched
 from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.sample_ids import (
@@ -232,6 +234,7 @@ class RunCapture:
         labels: ``batch -> (B,)``; default :func:`default_labels`.
         encoding, config: passed to :class:`StoreWriter`.
         session_options: more :class:`CaptureSession` arguments (``modules``, ``unsupported``, ...).
+        owner: who runs the capture (a callback's name), for messages.
     """
 
     def __init__(
@@ -245,6 +248,7 @@ class RunCapture:
         encoding: Encoding = DEFAULT_ENCODING,
         config: dict[str, Any] | None = None,
         session_options: dict[str, Any] | None = None,
+        owner: str = "RunCapture",
     ) -> None:
         self.path = Path(path)
         self.loss_reduction = loss_reduction
@@ -258,6 +262,8 @@ class RunCapture:
         self._output: Any = None
         self._records: list[LayerRecord] | None = None
         self.skipped_steps = 0  # fp16 steps whose gradients overflowed: not stored
+        self.owner = owner
+        self._reduction_checked = False
 
     # -- one training step ---------------------------------------------------------------
 
@@ -296,8 +302,16 @@ class RunCapture:
         micro_batch: int = 0,
         lr: float | None = None,
         output: Any = None,
+        batch_loss: Tensor | None = None,
     ) -> None:
-        """Queue the step's records with ids, labels, per-sample losses and predictions."""
+        """Queue the step's records with ids, labels, per-sample losses and predictions.
+
+        ``batch_loss``: the loss the training step returned (before any division for
+        accumulation). The first one given is checked against ``loss_reduction`` of the
+        per-sample losses (:func:`~metastore_plugins.core.loss_scale.check_loss_reduction`):
+        a wrong setting raises before anything is stored; a loss that is no mean or sum of
+        them (label smoothing, a regulariser) cannot be checked, which is said once.
+        """
         self._pause()
         records, self._records = self._records, None
         forward_output = self._output if output is None else output
@@ -305,6 +319,12 @@ class RunCapture:
         if records is None:  # no backward happened (a skipped step)
             return
         labels, losses = self.losses(forward_output, batch)
+        if batch_loss is not None and not self._reduction_checked:
+            self._reduction_checked = True
+            try:
+                check_loss_reduction(batch_loss.detach().cpu(), losses, self.loss_reduction, self.owner)
+            except LossScaleError as exc:
+                warnings.warn(f"{self.owner}: the loss reduction cannot be checked ({exc})", stacklevel=3)
         self.writer.write(
             records,
             sample_ids=sample_ids,
