@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
@@ -117,6 +118,7 @@ class MetaStoreCallback(Callback):
             self.dirpath, rank=trainer.global_rank, loss_reduction=self.loss_reduction, config=config
         )
         self._record_sampler(trainer)
+        rank_zero_info(self.options.start_line(self.dirpath, self.schedule, "epoch(s)"))
         dataset = getattr(trainer.train_dataloader, "dataset", None)
         if (
             self._sampler is None
@@ -234,6 +236,9 @@ class MetaStoreCallback(Callback):
             self.report_result = self.options.build_reports(
                 self.dirpath, experiments, step=trainer.global_step, samples=samples
             )
+        if trainer.is_global_zero and self.dirpath is not None:
+            logdirs = [Path(lg.log_dir) for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+            rank_zero_info(self.options.end_line(self.dirpath, self.report_result, logdirs))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()

@@ -160,6 +160,26 @@ class CallbackOptions:
             owner=self.owner,
         )
 
+    def start_line(self, store_dir: Path, schedule: CheckpointSchedule, period: str) -> str:
+        """The one line a callback logs when training starts: where the store goes, and what it keeps."""
+        steps = "every training step" if self.capture_train_steps else "no training steps"
+        passes = (
+            f"checkpoint passes every {schedule.every_n_epochs} {period} over at most {schedule.train_samples} "
+            f"training and {schedule.val_samples} validation samples"
+            if schedule.every_n_epochs
+            else "no checkpoint passes"
+        )
+        return f"{self.owner}: per-sample gradients of {steps} and {passes} go to {store_dir} ({self.encoding})"
+
+    def end_line(self, store_dir: Path, result: dict[str, Any] | None, logdirs: Sequence[Path]) -> str:
+        """The one line a callback logs when training ends: what was written, and how to open it."""
+        how = [f"metastore inspect {store_dir}"] + [f"tensorboard --logdir {logdir}" for logdir in logdirs]
+        if result is None:
+            made = "no reports" if self.reports else "reports off"
+        else:
+            made = f"reports in {store_dir / 'reports'}"
+        return f"{self.owner}: store {store_dir} written, {made}; open with: {' | '.join(how)}"
+
     def build_reports(
         self, store_dir: Path, writers: Sequence[Any], *, step: int, **sources: Any
     ) -> dict[str, Any] | None:

@@ -199,3 +199,9 @@ def test_compare_prints_tables_and_json_only_when_asked(
 def test_copying_a_store_elsewhere_keeps_it_openable(log_dir: Path, tmp_path: Path) -> None:
     copy = shutil.copytree(log_dir / "metastore", tmp_path / "run" / "store")
     assert open_store(tmp_path / "run").path == copy
+
+
+def test_influence_without_validation_passes_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store_dir = write_run(tmp_path / "store", seed=3)
+    status, _, err = run_cli(capsys, "influence", str(store_dir), "--test-split", "test")
+    assert status == 2 and "holds no 'test' checkpoint passes" in err and "eval_strategy='epoch'" in err
