@@ -209,10 +209,10 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
     test = [cp.split("/")[0] + "/" + args.test_split for cp in train]
     if args.capture_point:
         train, test = train[-1:], [args.capture_point]
-    missing = [cp for cp in test if cp not in store.capture_points()]
-    if missing and not args.capture_point:
+    absent = [cp for cp in test if cp not in store.capture_points()]
+    if absent and not args.capture_point:
         raise StoreError(
-            f"the store holds no '{args.test_split}' checkpoint passes ({', '.join(missing)}): influence needs test "
+            f"the store holds no '{args.test_split}' checkpoint passes ({', '.join(absent)}): influence needs test "
             "gradients, which the callbacks store when evaluation runs during training (HF: eval_strategy='epoch'); "
             "pass --capture-point CP to use another capture point as the test side"
         )
