@@ -3,7 +3,8 @@
 The data are synthetic token sequences of two classes, padded to different lengths, with
 5% of the training labels flipped on purpose. The run writes a gradient store
 (``runs/text-classifier/store``), checkpoint passes at every epoch end over the validation
-set and the training set, and reports (``runs/text-classifier/reports``): the training
+set and the training set, and reports (``runs/text-classifier/store/reports``, where
+the callbacks and ``metastore report`` put them too): the training
 samples with the largest self-influence (where the flipped labels should rank high) and,
 per validation sample, the training samples that drove its prediction, with the
 loss-vs-self-influence figure as a PNG; the same reports, histograms and figure go to
@@ -120,7 +121,7 @@ def main() -> None:
     store = open_store(out / "store")
     board = summary_writer(out / "tb")  # tables, histograms, the scatter figure, dynamics, projector
     try:
-        reports = report_run(out / "store", out / "reports", [board], step=step, k=25)
+        reports = report_run(out / "store", out / "store" / "reports", [board], step=step, k=25)
     finally:
         board.close()
     if reports is None:
@@ -138,7 +139,7 @@ def main() -> None:
     )
     print("reports:", ", ".join(reports["files"]))
     print(f"TensorBoard: tensorboard --logdir {out / 'tb'}")
-    (out / "reports" / "flipped.json").write_text(json.dumps(sorted(flipped_ids)))
+    (out / "store" / "reports" / "flipped.json").write_text(json.dumps(sorted(flipped_ids)))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from metastore_plugins.core.analysis import GradientStore, open_store
-from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table, write_reports
+import numpy as np
+
+from metastore_plugins.core.analysis import GradientStore, RunComparison, open_store
+from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
 from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.tables import influence_rows, outlier_rows
 from metastore_plugins.core.store import StoreError
@@ -32,6 +34,24 @@ def _ids(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated sample ids such as 3,17,42; got {text!r}") from None
+
+
+def _whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _non_negative(text: str) -> int:
+    return _whole(text, 0)
 
 
 def _plain(value: Any) -> Any:
@@ -99,19 +119,20 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
 
 
 def cmd_report(args: argparse.Namespace, store: GradientStore) -> None:
-    """Files into --out, and TensorBoard events (tables, histograms, figures, projector) into --logdir."""
-    out = Path(args.out) if args.out else store.path.parent / "reports"
-    if args.logdir is None:
-        files = write_reports(store, out, k=args.k)["files"]
-    else:
-        from metastore_plugins.core.reports.tensorboard import report_run, summary_writer
+    """Files into --out (default ``<store>/reports``, where the callbacks write theirs), and TensorBoard
+    events (tables, histograms, figures, dynamics, projector) into --logdir."""
+    from metastore_plugins.core.reports.tensorboard import report_run, summary_writer
 
-        writer = summary_writer(args.logdir)
-        try:
-            result = report_run(store.path, out, [writer], k=args.k)
-        finally:
+    out = Path(args.out) if args.out else store.path / "reports"
+    writers = [] if args.logdir is None else [summary_writer(args.logdir)]
+    try:
+        result = report_run(store.path, out, writers, k=args.k)
+    finally:
+        for writer in writers:
             writer.close()
-        files = [*(result or {}).get("files", []), str(args.logdir)]
+    if result is None:
+        raise StoreError(f"{store.path} holds no checkpoint passes to report on; see `metastore inspect`")
+    files = [*result["files"], *([] if args.logdir is None else [str(args.logdir)])]
     _emit(args, {"files": files}, "\n".join(["wrote:", *(f"  {f}" for f in files)]))
 
 
@@ -151,8 +172,31 @@ def cmd_query(args: argparse.Namespace, store: GradientStore) -> None:
         if args.other is None:
             raise StoreError("query compare needs --other RUN (a second run of the same model)")
         comparison = store.compare(open_store(args.other), args.capture_point)
-        data = _plain(comparison)
-        _emit(args, data, json.dumps(data, indent=1, default=_json_default))
+        _emit(args, _plain(comparison), comparison_text(comparison, args.k))
+
+
+def comparison_text(comparison: RunComparison, k: int) -> str:
+    """Per layer, and the ``k`` steps where the two runs' mean gradient norms differ most (``--json``: every step)."""
+    layers = [_plain(row) for row in comparison.layers]
+    gap = np.abs(np.log(comparison.norm) - np.log(comparison.other_norm))  # (S,) NaN where a run lacks the step
+    order = [int(i) for i in np.argsort(-np.nan_to_num(gap, nan=-1.0), kind="stable")[:k] if np.isfinite(gap[i])]
+    steps = [
+        {
+            "step": int(comparison.steps[i]),
+            "norm": float(comparison.norm[i]),
+            "other_norm": float(comparison.other_norm[i]),
+            "loss": float(comparison.loss[i]),
+            "other_loss": float(comparison.other_loss[i]),
+        }
+        for i in sorted(order)
+    ]
+    return "\n".join(
+        [
+            markdown_table(layers, ("layer", "mean_norm", "other_mean_norm", "ratio", "update_cosine")),
+            f"{len(comparison.steps)} steps; the {len(steps)} where the mean per-sample gradient norms differ most:",
+            markdown_table(steps, ("step", "norm", "other_norm", "loss", "other_loss")),
+        ]
+    )
 
 
 def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
@@ -165,6 +209,13 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
     test = [cp.split("/")[0] + "/" + args.test_split for cp in train]
     if args.capture_point:
         train, test = train[-1:], [args.capture_point]
+    absent = [cp for cp in test if cp not in store.capture_points()]
+    if absent and not args.capture_point:
+        raise StoreError(
+            f"the store holds no '{args.test_split}' checkpoint passes ({', '.join(absent)}): influence needs test "
+            "gradients, which the callbacks store when evaluation runs during training (HF: eval_strategy='epoch'); "
+            "pass --capture-point CP to use another capture point as the test side"
+        )
     rows = influence_rows(store, train, test, args.k)
     if args.test is not None:
         wanted = set(args.test)
@@ -213,23 +264,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("inspect", cmd_inspect, "capture points, steps, samples, layers, bytes, damage")
     p.add_argument("--no-checksums", action="store_true", help="skip the sha256 check of every shard")
     p = add("report", cmd_report, "(re)build the report files")
-    p.add_argument("--out", help="directory for the report files (default: RUN/reports)")
-    p.add_argument("-k", type=int, default=20, help="rows of the outlier table")
+    p.add_argument("--out", help="directory for the report files (default: STORE/reports, as the callbacks)")
+    p.add_argument("-k", type=_positive, default=20, help="rows of the outlier table")
     p.add_argument("--logdir", help="also write the reports as TensorBoard events into this directory")
     p = add("outliers", cmd_outliers, "training samples with the largest self-influence")
-    p.add_argument("-k", type=int, default=20)
+    p.add_argument("-k", type=_positive, default=20, help="rows (default 20)")
     p.add_argument("--capture-point", action="append", help="capture point(s) to sum (default: epoch-*/train)")
     p = add("influence", cmd_influence, "training samples that drove each test sample (TracIn)")
     p.add_argument("--test", type=_ids, help="comma-separated test sample ids (default: all)")
     p.add_argument("--capture-point", help="one test capture point, paired with the last train pass")
     p.add_argument("--train", action="append", help="train capture point(s) (default: epoch-*/train)")
     p.add_argument("--test-split", default="val", help="test split of the checkpoint passes (default: val)")
-    p.add_argument("-k", type=int, default=10)
+    p.add_argument("-k", type=_positive, default=10, help="rows (default 10)")
     p = add("similar", cmd_similar, "samples whose gradients are most similar to one sample's")
     p.add_argument("--sample", type=int, required=True)
     p.add_argument("--capture-point", help="where the sample is stored (default: the last train pass)")
     p.add_argument("--candidates", help="capture point to search (default: the sample's)")
-    p.add_argument("-k", type=int, default=10)
+    p.add_argument("-k", type=_positive, default=10, help="rows (default 10)")
     p = add(
         "query",
         cmd_query,
@@ -239,10 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", help="layer name (changed: all layers by default)")
     p.add_argument("--steps", type=step_range, help="one step N, or an inclusive step range LO:HI (default: all)")
     p.add_argument("--capture-point", default="train")
-    p.add_argument("-k", type=int, default=10)
+    p.add_argument("-k", type=_positive, default=10, help="rows (default 10)")
     p.add_argument("--threshold", type=float, help="spikes: per-sample gradient norm threshold")
     p.add_argument("--fraction", type=float, default=0.1, help="spikes: fraction of samples above the threshold")
-    p.add_argument("--before", type=int, default=3, help="spikes: how many earlier steps to list samples of")
+    p.add_argument("--before", type=_non_negative, default=3, help="spikes: how many earlier steps to list samples of")
     p.add_argument("--other", help="compare: the other run")
     p = add("restore", cmd_restore, "write the exact dense gradient of one sample to a safetensors file")
     p.add_argument("--sample", type=int, required=True)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.utils import logging as hf_logging
 from typing_extensions import Unpack
 
 from metastore_plugins.core.capture import CaptureSession
@@ -43,6 +44,8 @@ from metastore_plugins.core.run import (
     check_writable,
     record_sampler_ids,
 )
+
+logger = hf_logging.get_logger(__name__)  # the Trainer's verbosity (TrainingArguments(log_level=...)) applies
 
 
 @with_settings_doc
@@ -74,11 +77,12 @@ class MetaStoreTrainerCallback(TrainerCallback):
     ) -> None:
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.options = CallbackOptions.of("MetaStoreTrainerCallback", settings)
-        self.schedule = self.options.schedule(checkpoint_every_n_evals)
+        self.schedule = self.options.schedule(checkpoint_every_n_evals, "checkpoint_every_n_evals")
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
         self.run: RunCapture | None = None
         self.report_result: dict[str, Any] | None = None
         self.passes: list[str] = []
+        self._val_passes = 0
         self._scale = MeasuredLossScale()
         self._sampler: RecordingBatchSampler | None = None
         self._hooks: list[Any] = []
@@ -118,6 +122,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
             "loss_scale": "measured from the gradient reaching the model's loss",
         }
         self.run = self.options.run_capture(self.dirpath, rank=args.process_index, loss_reduction="mean", config=config)
+        if state.is_world_process_zero:
+            logger.info(self.options.start_line(self.dirpath, self.schedule, "evaluation(s)"))
         self._state, self._optimizer, self._started = state, kwargs.get("optimizer"), time.time()
         self._epoch, self._evals, self.passes = int(state.epoch or 0), 0, []
         self._hooks = [
@@ -241,6 +247,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
             lr=_lr(self._optimizer),
         )
         self.passes.append(name)
+        self._val_passes += any(source.split == "val" for source in sources)
 
     def _mean_loss(self, model: nn.Module, batch: Any) -> Tensor:
         """The model's loss of a checkpoint-pass batch, rescaled to the mean of its per-sample losses."""
@@ -268,14 +275,24 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self._close()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
-        if not (self.options.reports and state.is_world_process_zero and self.dirpath is not None):
+        if not (state.is_world_process_zero and self.dirpath is not None):
+            return
+        if self.passes and not self._val_passes:
+            logger.warning(
+                "MetaStoreTrainerCallback: no evaluation ran during training (eval_strategy='no'?), so the checkpoint "
+                "passes hold no evaluation samples and there is no influence report; set eval_strategy='epoch' (or "
+                "'steps') with an eval_dataset to get one"
+            )
+        if not self.options.reports:
+            logger.info(self.options.end_line(self.dirpath, None, []))
             return
         from metastore_plugins.core.reports.tensorboard import summary_writer
 
         report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
-        writers = []
+        logdirs = []
         if "tensorboard" in report_to or "all" in report_to:
-            writers.append(summary_writer(self.tensorboard_dir or _trainer_tensorboard_dir(args, self._started)))
+            logdirs.append(Path(self.tensorboard_dir or _trainer_tensorboard_dir(args, self._started)))
+        writers = [summary_writer(logdir) for logdir in logdirs]
         render = _text_renderer(
             kwargs.get("processing_class"), kwargs.get("train_dataloader"), kwargs.get("eval_dataloader")
         )
@@ -286,6 +303,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         finally:
             for writer in writers:
                 writer.close()
+        logger.info(self.options.end_line(self.dirpath, self.report_result, logdirs))
 
     def _close(self) -> None:
         for handle in self._hooks:

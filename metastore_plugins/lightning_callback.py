@@ -26,11 +26,13 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
 
 from metastore_plugins.core.options import CallbackOptions, CaptureSettings, with_settings_doc
+from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.run import (
     SAMPLE_ID_KEYS,
     IndexedDataset,
@@ -72,11 +74,12 @@ class MetaStoreCallback(Callback):
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.loss_reduction = loss_reduction
         self.options = CallbackOptions.of("MetaStoreCallback", settings)
-        self.schedule = self.options.schedule(checkpoint_every_n_epochs)
+        self.schedule = self.options.schedule(checkpoint_every_n_epochs, "checkpoint_every_n_epochs")
         self.run: RunCapture | None = None
         self.report_result: dict[str, Any] | None = None
         self._ids: Tensor | None = None
         self._sampler: RecordingBatchSampler | None = None
+        self._watched: tuple[Any, Any] | None = None  # (strategy, its own process_dataloader attribute or None)
         self._step = 0
         self._step_lr: float | None = None
 
@@ -96,6 +99,7 @@ class MetaStoreCallback(Callback):
                 f"MetaStoreCallback supports automatic optimization only; {type(pl_module).__name__} sets "
                 "automatic_optimization=False"
             )
+        self._watch_train_loaders(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.dirpath is None:
@@ -114,13 +118,15 @@ class MetaStoreCallback(Callback):
             self.dirpath, rank=trainer.global_rank, loss_reduction=self.loss_reduction, config=config
         )
         self._record_sampler(trainer)
+        rank_zero_info(self.options.start_line(self.dirpath, self.schedule, "epoch(s)"))
         dataset = getattr(trainer.train_dataloader, "dataset", None)
         if (
             self._sampler is None
             and not isinstance(dataset, (IndexedDataset, IterableDataset))
             and hasattr(dataset, "__len__")
         ):
-            first = dataset[0]  # type: ignore[index]  # fail before training when no id can come
+            with preserved_rng():  # reading an item may draw (augmentation)
+                first = dataset[0]  # type: ignore[index]  # fail before training when no id can come
             if not (isinstance(first, Mapping) and any(key in first for key in SAMPLE_ID_KEYS)):
                 raise missing_ids_error("training")
 
@@ -154,6 +160,7 @@ class MetaStoreCallback(Callback):
         if self.run is None or not self.options.capture_train_steps or self._ids is None:
             return
         accumulate = trainer.accumulate_grad_batches
+        loss = outputs.get("loss") if isinstance(outputs, dict) else None  # divided by accumulate for backward
         self.run.finish_step(
             batch,
             self._ids,
@@ -162,6 +169,7 @@ class MetaStoreCallback(Callback):
             micro_batch=batch_idx % accumulate,
             lr=self._step_lr,
             output=outputs.get("logits") if isinstance(outputs, dict) and "logits" in outputs else None,
+            batch_loss=loss * accumulate if isinstance(loss, Tensor) else None,
         )
 
     def on_validation_batch_start(
@@ -228,6 +236,9 @@ class MetaStoreCallback(Callback):
             self.report_result = self.options.build_reports(
                 self.dirpath, experiments, step=trainer.global_step, samples=samples
             )
+        if trainer.is_global_zero and self.dirpath is not None:
+            logdirs = [Path(lg.log_dir) for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+            rank_zero_info(self.options.end_line(self.dirpath, self.report_result, logdirs))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()
@@ -250,25 +261,54 @@ class MetaStoreCallback(Callback):
 
     # -- helpers -------------------------------------------------------------------------
 
+    def _watch_train_loaders(self, trainer: pl.Trainer) -> None:
+        """Put a :class:`RecordingBatchSampler` on every train loader Lightning prepares, before it iterates it.
+
+        The ids of plain datasets are the index lists the train loader's sampler draws, so the
+        recorder must be in place before the loader's iterator is made. Lightning 2.6 makes the
+        first epoch's iterator (and that of a reloaded loader) in ``FitLoop.setup_data``, before
+        any callback hook: installing the recorder in ``on_train_start`` would need a second
+        iterator, which draws a new shuffle and a new base seed from torch's global generator, and
+        the run would train on other batches than it does without this callback. The one step
+        between loading a train loader (``train_dataloader()``, ``DistributedSampler`` injection)
+        and iterating it that can be reached is the strategy's public ``process_dataloader``: for
+        the length of ``fit`` it is wrapped to install the recorder on the loader it returns. The
+        recorder draws nothing itself, so every iterator Lightning makes (worker prefetch
+        included) shuffles as it would without it, and none is made twice.
+        """
+        self._unwatch_train_loaders()
+        strategy = trainer.strategy
+        process = strategy.process_dataloader
+
+        def process_dataloader(dataloader: object) -> object:
+            processed = process(dataloader)
+            if trainer.training and not isinstance(getattr(processed, "dataset", None), IndexedDataset):
+                record_sampler_ids(processed)  # IndexedDataset items carry their ids
+            return processed
+
+        self._watched = (strategy, vars(strategy).get("process_dataloader"))
+        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]  # undone at teardown
+
+    def _unwatch_train_loaders(self) -> None:
+        watched, self._watched = self._watched, None
+        if watched is not None:
+            strategy, own = watched
+            if own is None:
+                del strategy.process_dataloader  # the class's method shows through again
+            else:
+                strategy.process_dataloader = own
+
     def _record_sampler(self, trainer: pl.Trainer) -> None:
-        """Derive ids of plain datasets from the index lists the train loader's sampler draws."""
-        loader = trainer.train_dataloader
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        if isinstance(getattr(loader, "dataset", None), IndexedDataset):
-            self._sampler = None
-        elif isinstance(batch_sampler, RecordingBatchSampler):
-            self._sampler = batch_sampler
-        else:
-            self._sampler = record_sampler_ids(loader)
-            fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-            if self._sampler is not None and fetcher is not None:
-                iter(fetcher)  # Lightning created this epoch's iterator already, over the unwrapped sampler
+        """The recorder on the train loader this epoch iterates (:meth:`_watch_train_loaders`), if it has one."""
+        batch_sampler = getattr(trainer.train_dataloader, "batch_sampler", None)
+        self._sampler = batch_sampler if isinstance(batch_sampler, RecordingBatchSampler) else None
 
     @staticmethod
     def _lr(trainer: pl.Trainer) -> float | None:
         return float(trainer.optimizers[0].param_groups[0]["lr"]) if trainer.optimizers else None
 
     def _close(self) -> None:
+        self._unwatch_train_loaders()
         run, self.run = self.run, None
         if run is not None:
             run.close()

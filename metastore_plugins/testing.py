@@ -13,6 +13,9 @@ registered for your own layer::
     with CaptureSession(model) as session:
         loss_fn(model, batch).backward()
         assert max_relative_error(session.per_sample_gradients(), expected) < 1e-5
+
+Under mixed precision, :func:`autocast_reference_per_sample_gradients` differentiates the
+very autocast forward a capture sees, with plain autograd (see ``docs/capture.md``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,49 @@ def reference_per_sample_gradients(
 
     grads = vmap(grad(sample_loss), in_dims=(None, 0), chunk_size=chunk_size)(params, batch)
     return {name.removeprefix("model."): g for name, g in grads.items()}
+
+
+def autocast_reference_per_sample_gradients(
+    model: nn.Module, loss_fn: LossFn, batch: Any, dtype: torch.dtype | None
+) -> dict[str, Tensor]:
+    """Parameter name -> ``(B, *shape)`` by plain autograd through one autocast forward of the whole batch.
+
+    The reference under mixed precision. :func:`reference_per_sample_gradients` runs batches of
+    one, whose low-precision forward rounds differently from the batched one; this differentiates
+    the forward a capture sees. It runs ``loss_fn(model, batch)`` once under
+    ``torch.autocast(device, dtype=dtype)`` (no autocast when ``dtype`` is None), takes the
+    gradient ``G`` of the loss with respect to the model's output and back-propagates each
+    sample's row of ``G`` alone, times ``B``. Autograd rounds each weight gradient of an autocast
+    matmul to ``dtype`` once, as the autocast backward does for ``.grad``.
+
+    Args:
+        model: a model whose output (or its ``.logits``) has samples along dim 0 and whose
+            layers do not mix samples.
+        loss_fn: ``loss_fn(model, batch) -> scalar``, the mean over samples of per-sample
+            losses; it calls ``model`` once.
+        batch: a tensor or a pytree of tensors with samples along dim 0.
+        dtype: autocast's dtype (``torch.bfloat16``, ``torch.float16``) on the parameters' device.
+    """
+    model = copy.deepcopy(model)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    outputs: list[Any] = []
+    handle = model.register_forward_hook(lambda module, args, output: outputs.append(output))
+    device = next(iter(params.values())).device.type
+    try:
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+            loss = loss_fn(model, batch)
+    finally:
+        handle.remove()
+    output = getattr(outputs[0], "logits", outputs[0])  # (B, ...)
+    (grad_output,) = torch.autograd.grad(loss, output, retain_graph=True)  # (B, ...), in the output's dtype
+    batch_size = output.shape[0]
+    per_sample: list[list[Tensor]] = []
+    for i in range(batch_size):
+        row = torch.zeros_like(grad_output)
+        row[i] = grad_output[i]
+        grads = torch.autograd.grad(output, list(params.values()), row, retain_graph=True, allow_unused=True)
+        per_sample.append([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())])
+    return {name: torch.stack([g[k] for g in per_sample]) * batch_size for k, name in enumerate(params)}
 
 
 def max_relative_error(actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> float:

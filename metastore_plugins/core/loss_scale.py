@@ -71,6 +71,32 @@ def per_sample_weight(
     )
 
 
+def check_loss_reduction(loss: Tensor | float, per_sample_losses: Tensor, loss_reduction: str, owner: str) -> None:
+    """Raise when ``loss`` is not the ``loss_reduction`` of ``per_sample_losses`` that ``owner`` was given.
+
+    For trainers that take the reduction as a setting (Lightning's ``training_step`` returns a
+    loss the callback cannot see built): the mean and the sum of ``B > 1`` losses differ by
+    ``B``, so a wrong setting would store every gradient ``B`` times too large or too small.
+    A loss that is neither (label smoothing, a regulariser) cannot be checked: ``LossScaleError``.
+
+    Raises:
+        ValueError: naming the setting and the value to pass.
+        LossScaleError: when the loss is no uniform weighting of the per-sample losses.
+    """
+    size = per_sample_losses.numel()
+    weight = per_sample_weight(loss, per_sample_losses)
+    if size < 2 or math.isclose(weight, 1.0 / size):  # a batch of one cannot tell mean from sum
+        measured = loss_reduction
+    else:
+        measured = "sum" if weight == 1.0 else "mean"
+    if measured != loss_reduction:
+        raise ValueError(
+            f"the training loss {float(loss):.6g} is the {measured} of the batch's {size} per-sample losses, but "
+            f"{owner}(loss_reduction={loss_reduction!r}) says {loss_reduction}: every stored gradient would be "
+            f"{size}x too {'large' if measured == 'sum' else 'small'}. Pass {owner}(loss_reduction={measured!r})"
+        )
+
+
 class MeasuredLossScale:
     """The factor a model's loss was multiplied by before ``backward``, read from the gradient reaching it.
 
@@ -104,4 +130,4 @@ class MeasuredLossScale:
         return float(self.upstream) * self.weight * self.batch_size
 
 
-__all__ = ["LossScaleError", "MeasuredLossScale", "per_sample_weight"]
+__all__ = ["LossScaleError", "MeasuredLossScale", "check_loss_reduction", "per_sample_weight"]

@@ -15,10 +15,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypedDict
 
+import numpy as np
 from torch import nn
 
 from metastore_plugins.core.capture.session import UNSUPPORTED_POLICIES, UnsupportedPolicy
 from metastore_plugins.core.reports.tables import OutlierSource, check_outlier_source
+from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.run import CheckpointSchedule, LabelsFn, LossReduction, PerSampleLossFn, RunCapture
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
 
@@ -113,6 +115,16 @@ class CallbackOptions:
             if value not in choices:
                 raise ValueError(f"{self.owner}({setting}=...) must be one of {', '.join(choices)}; got {value!r}")
         check_outlier_source(self.outliers_from, self.capture_train_steps, self.owner)
+        for setting, least in (("report_k", 1), ("checkpoint_train_samples", 1), ("checkpoint_val_samples", 1)):
+            self.whole_number(setting, getattr(self, setting), least)
+        self.whole_number("seed", self.seed, None)
+
+    def whole_number(self, setting: str, value: Any, least: int | None) -> int:
+        """``value`` as an int, or a ``ValueError`` naming ``owner(setting=...)`` when it is no integer ``>= least``."""
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (least is not None and value < least):
+            bound = f" >= {least}" if least is not None else ""
+            raise ValueError(f"{self.owner}({setting}=...) must be an integer{bound}; got {value!r}")
+        return int(value)
 
     def check_model(self, model: nn.Module) -> None:
         """Raise naming ``modules=`` when it lists paths that ``model`` does not have."""
@@ -123,8 +135,12 @@ class CallbackOptions:
                 f"{unknown}; use paths from model.named_modules()"
             )
 
-    def schedule(self, every_n: int) -> CheckpointSchedule:
-        """The checkpoint schedule: a pass at every ``every_n``-th epoch (or evaluation), with these sizes."""
+    def schedule(self, every_n: int, setting: str) -> CheckpointSchedule:
+        """The checkpoint schedule: a pass at every ``every_n``-th epoch (or evaluation; 0: none), with these sizes.
+
+        ``setting`` names ``every_n`` in the callback's signature, for the error message.
+        """
+        every_n = self.whole_number(setting, every_n, 0)
         return CheckpointSchedule(every_n, self.checkpoint_train_samples, self.seed, self.checkpoint_val_samples)
 
     def run_capture(
@@ -141,7 +157,28 @@ class CallbackOptions:
             encoding=self.encoding,
             config=config,
             session_options=session,
+            owner=self.owner,
         )
+
+    def start_line(self, store_dir: Path, schedule: CheckpointSchedule, period: str) -> str:
+        """The one line a callback logs when training starts: where the store goes, and what it keeps."""
+        steps = "every training step" if self.capture_train_steps else "no training steps"
+        passes = (
+            f"checkpoint passes every {schedule.every_n_epochs} {period} over at most {schedule.train_samples} "
+            f"training and {schedule.val_samples} validation samples"
+            if schedule.every_n_epochs
+            else "no checkpoint passes"
+        )
+        return f"{self.owner}: per-sample gradients of {steps} and {passes} go to {store_dir} ({self.encoding})"
+
+    def end_line(self, store_dir: Path, result: dict[str, Any] | None, logdirs: Sequence[Path]) -> str:
+        """The one line a callback logs when training ends: what was written, and how to open it."""
+        how = [f"metastore inspect {store_dir}"] + [f"tensorboard --logdir {logdir}" for logdir in logdirs]
+        if result is None:
+            made = "no reports" if self.reports else "reports off"
+        else:
+            made = f"reports in {store_dir / 'reports'}"
+        return f"{self.owner}: store {store_dir} written, {made}; open with: {' | '.join(how)}"
 
     def build_reports(
         self, store_dir: Path, writers: Sequence[Any], *, step: int, **sources: Any
@@ -150,20 +187,22 @@ class CallbackOptions:
 
         ``sources`` are ``report_run``'s ``render=`` or ``samples=``. A store the reports cannot
         be built from (no class predictions of a regression model, say) gives a warning, not an
-        error: the store is complete, and training ended well.
+        error: the store is complete, and training ended well. Whatever building them draws from
+        the global random number generators (a dataset's augmentation, read for thumbnails) is undone.
         """
         from metastore_plugins.core.reports.tensorboard import report_run  # matplotlib and tensorboard: only now
 
         try:
-            return report_run(
-                store_dir,
-                store_dir / "reports",
-                writers,
-                step=step,
-                k=self.report_k,
-                outliers_from=self.outliers_from,
-                **sources,
-            )
+            with preserved_rng():
+                return report_run(
+                    store_dir,
+                    store_dir / "reports",
+                    writers,
+                    step=step,
+                    k=self.report_k,
+                    outliers_from=self.outliers_from,
+                    **sources,
+                )
         except (KeyError, ValueError) as exc:
             warnings.warn(
                 f"{self.owner} could not build the reports ({exc!r}); the store {store_dir} is complete. "

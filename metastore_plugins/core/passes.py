@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from metastore_plugins.core.capture import CaptureSession
+from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.store.writer import StoreWriter
 
 #: ``(outputs, labels) -> (B,)`` per-sample losses.
@@ -101,10 +102,10 @@ def checkpoint_pass(
 ) -> None:
     """Capture ``(sample ids, forward, labels)`` batches at the current weights, in eval mode.
 
-    The weights and the parameters' ``.grad`` are left as they were: a checkpoint pass
-    never changes training.
+    The weights, the parameters' ``.grad`` and the global random number generators are left
+    as they were: a checkpoint pass never changes training.
     """
-    with weights_untouched(model):
+    with weights_untouched(model), preserved_rng():
         for k, (ids, forward, labels) in enumerate(batches):
             capture_step(
                 model,

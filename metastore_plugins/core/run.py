@@ -30,7 +30,9 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -40,10 +42,12 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
+from metastore_plugins.core.loss_scale import LossScaleError, check_loss_reduction
 from metastore_plugins.core.passes import predictions_of, weights_untouched
+from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.sample_ids import (
     SAMPLE_ID_KEYS,
     IndexedDataset,
@@ -115,13 +119,22 @@ def default_per_sample_loss(output: Any, labels: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class PassSource:
-    """One split of a checkpoint pass: the dataset indices it covers and how to batch them."""
+    """One split of a checkpoint pass: the dataset indices it covers (or, for a stream, how many of its first
+    items) and how to batch them."""
 
     split: str  # "train" or "val": the capture point is "<pass name>/<split>"
     dataset: Any
-    indices: list[int]
+    indices: list[int] | None  # None: an IterableDataset, of which the pass takes the first `limit` items
     batch_size: int
     collate_fn: Callable[[list[Any]], Any] | None = None
+    limit: int = 0
+
+    def batches(self, rank: int, world_size: int) -> Iterator[tuple[Tensor, Any]]:
+        """``(ids, batch)`` of this rank's share (:func:`rank_share`; a stream: the first items of this rank's own)."""
+        if self.indices is None:
+            return stream_batches(self.dataset, self.limit, self.batch_size, self.collate_fn)
+        share = rank_share(self.indices, rank, world_size)
+        return indexed_batches(self.dataset, share, self.batch_size, self.collate_fn)
 
 
 @dataclass
@@ -161,14 +174,23 @@ class CheckpointSchedule:
         ``val_samples`` of ``val.dataset``, batched as given, collated by each loader's ``collate_fn``.
         """
         dataset = train.dataset
-        found = [PassSource("train", dataset, self.train_subset(len(dataset)), train_batch_size, train.collate_fn)]
+        if _is_stream(dataset):
+            found = [PassSource("train", dataset, None, train_batch_size, train.collate_fn, self.train_samples)]
+        else:
+            subset = self.train_subset(len(dataset))
+            found = [PassSource("train", dataset, subset, train_batch_size, train.collate_fn)]
         val_set = getattr(val, "dataset", None)
-        if val_set is not None and hasattr(val_set, "__len__"):
+        collate = getattr(val, "collate_fn", None)
+        if val_set is not None and _is_stream(val_set):
+            found.append(PassSource("val", val_set, None, val_batch_size, collate, self.val_samples))
+        elif val_set is not None and hasattr(val_set, "__len__"):
             count = min(len(val_set), self.val_samples)
-            found.append(
-                PassSource("val", val_set, list(range(count)), val_batch_size, getattr(val, "collate_fn", None))
-            )
+            found.append(PassSource("val", val_set, list(range(count)), val_batch_size, collate))
         return found
+
+
+def _is_stream(dataset: Any) -> bool:
+    return isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")
 
 
 def rank_share(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
@@ -200,7 +222,31 @@ def indexed_batches(
     def both(items: list[tuple[Any, int]]) -> tuple[Tensor, Any]:
         return torch.tensor([i for _, i in items]), collate([item for item, _ in items])
 
-    yield from DataLoader(_Tagged(unwrap_dataset(dataset), indices), batch_size=max(1, batch_size), collate_fn=both)
+    tagged = _Tagged(unwrap_dataset(dataset), indices)
+    # a private generator: the loader's base seed is not drawn from torch's global one (training's)
+    yield from DataLoader(tagged, batch_size=max(1, batch_size), collate_fn=both, generator=torch.Generator())
+
+
+def stream_batches(
+    dataset: Any, limit: int, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None = None
+) -> Iterator[tuple[Tensor, Any]]:
+    """``(ids, batch)`` over the first ``limit`` items of an iterable dataset (a stream), read in this process.
+
+    The ids come from each item's ``"sample_id"`` or ``"idx"`` field (dict items), as in
+    training; a stream whose items carry none raises :class:`SampleIdError` naming what to add.
+    """
+    collate = collate_fn or torch.utils.data.default_collate
+    items = itertools.islice(iter(dataset), max(0, limit))
+    while group := list(itertools.islice(items, max(1, batch_size))):
+        batch = collate(group)
+        ids = take_sample_ids(batch, strip=False)
+        if ids is None:
+            raise SampleIdError(
+                f"checkpoint passes over the stream {type(dataset).__name__} need the id of each item: give its "
+                f"items a {' or '.join(map(repr, SAMPLE_ID_KEYS))} field (dict items), or turn the passes off "
+                "(checkpoint_every_n_epochs=0 / checkpoint_every_n_evals=0)"
+            )
+        yield ids, batch
 
 
 def check_writable(path: str | os.PathLike[str], setting: str) -> Path:
@@ -229,6 +275,7 @@ class RunCapture:
         labels: ``batch -> (B,)``; default :func:`default_labels`.
         encoding, config: passed to :class:`StoreWriter`.
         session_options: more :class:`CaptureSession` arguments (``modules``, ``unsupported``, ...).
+        owner: who runs the capture (a callback's name), for messages.
     """
 
     def __init__(
@@ -242,6 +289,7 @@ class RunCapture:
         encoding: Encoding = DEFAULT_ENCODING,
         config: dict[str, Any] | None = None,
         session_options: dict[str, Any] | None = None,
+        owner: str = "RunCapture",
     ) -> None:
         self.path = Path(path)
         self.loss_reduction = loss_reduction
@@ -255,6 +303,8 @@ class RunCapture:
         self._output: Any = None
         self._records: list[LayerRecord] | None = None
         self.skipped_steps = 0  # fp16 steps whose gradients overflowed: not stored
+        self.owner = owner
+        self._reduction_checked = False
 
     # -- one training step ---------------------------------------------------------------
 
@@ -293,8 +343,16 @@ class RunCapture:
         micro_batch: int = 0,
         lr: float | None = None,
         output: Any = None,
+        batch_loss: Tensor | None = None,
     ) -> None:
-        """Queue the step's records with ids, labels, per-sample losses and predictions."""
+        """Queue the step's records with ids, labels, per-sample losses and predictions.
+
+        ``batch_loss``: the loss the training step returned (before any division for
+        accumulation). The first one given is checked against ``loss_reduction`` of the
+        per-sample losses (:func:`~metastore_plugins.core.loss_scale.check_loss_reduction`):
+        a wrong setting raises before anything is stored; a loss that is no mean or sum of
+        them (label smoothing, a regulariser) cannot be checked, which is said once.
+        """
         self._pause()
         records, self._records = self._records, None
         forward_output = self._output if output is None else output
@@ -302,6 +360,12 @@ class RunCapture:
         if records is None:  # no backward happened (a skipped step)
             return
         labels, losses = self.losses(forward_output, batch)
+        if batch_loss is not None and not self._reduction_checked:
+            self._reduction_checked = True
+            try:
+                check_loss_reduction(batch_loss.detach().cpu(), losses, self.loss_reduction, self.owner)
+            except LossScaleError as exc:
+                warnings.warn(f"{self.owner}: the loss reduction cannot be checked ({exc})", stacklevel=3)
         self.writer.write(
             records,
             sample_ids=sample_ids,
@@ -353,13 +417,15 @@ class RunCapture:
         lr: float | None,
         context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> int:
-        """Capture ``(ids, batch)`` batches at the current weights in eval mode; ``.grad`` and mode are restored.
+        """Capture ``(ids, batch)`` batches at the current weights in eval mode; ``.grad``, mode and RNGs are restored.
 
         ``loss_of(batch, k)`` runs the model and returns the batch loss (reduced as
-        ``loss_reduction`` says). Returns the number of samples captured.
+        ``loss_reduction`` says). Returns the number of samples captured. Whatever the batches
+        and ``loss_of`` draw from the global random number generators is undone
+        (:func:`~metastore_plugins.core.rng.preserved_rng`): training goes on as if no pass ran.
         """
         count = 0
-        with weights_untouched(model):
+        with weights_untouched(model), preserved_rng():
             try:
                 for k, (ids, batch) in enumerate(batches):
                     self.begin_step(model)
@@ -395,8 +461,7 @@ class RunCapture:
         ``to_device`` moves a collated batch to the model's device; the rest is :meth:`checkpoint_pass`'s.
         """
         for source in sources:
-            share = rank_share(source.indices, rank, world_size)
-            batches = indexed_batches(source.dataset, share, source.batch_size, source.collate_fn)
+            batches = source.batches(rank, world_size)
             self.checkpoint_pass(
                 model,
                 ((ids, to_device(batch)) for ids, batch in batches),

@@ -94,6 +94,12 @@ class RecordingBatchSampler:
     default), delivers batches in the same order, however many workers and prefetched
     batches: so the ``k``-th batch consumed holds the ``k``-th list drawn. Each new pass
     over the loader starts a fresh list.
+
+    The wrapper draws nothing itself: the wrapped sampler's ``iter()`` runs when the loader's
+    iterator calls ``iter()`` and its lists are drawn when the loader draws them, so a loader
+    shuffles exactly as it would unwrapped and leaves every random number generator the same.
+    It must be installed before the loader's iterator is made (an iterator made earlier holds
+    the unwrapped sampler, and one made again would draw a new shuffle).
     """
 
     def __init__(self, inner: Any) -> None:
@@ -101,8 +107,11 @@ class RecordingBatchSampler:
         self.pending: deque[list[int]] = deque()
 
     def __iter__(self) -> Iterator[Any]:
+        return self._record(iter(self.inner))  # now, as unwrapped: a sampler may draw its order in iter()
+
+    def _record(self, lists: Iterator[Any]) -> Iterator[Any]:
         self.pending.clear()  # runs at the first draw of a new pass
-        for indices in self.inner:
+        for indices in lists:
             self.pending.append([int(i) for i in indices])
             yield indices
 

@@ -66,8 +66,9 @@ class TorchDataset(torch.utils.data.Dataset):
         return {"input_ids": self.rows["input_ids"][i], "label": self.rows["label"][i]}
 
 
-def make_model(seed: int = 0, cls: type = BertForSequenceClassification) -> Any:
-    """The same tiny BERT for a seed, whatever the global RNG state (which it leaves untouched)."""
+def make_model(seed: int = 0, cls: type = BertForSequenceClassification, dropout: float = 0.0) -> Any:
+    """The same tiny BERT for a seed, whatever the global RNG state (which it leaves untouched);
+    ``dropout`` is its hidden and attention dropout."""
     config = BertConfig(
         vocab_size=len(VOCAB),
         hidden_size=16,
@@ -75,8 +76,8 @@ def make_model(seed: int = 0, cls: type = BertForSequenceClassification) -> Any:
         num_attention_heads=2,
         intermediate_size=32,
         max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
         num_labels=CLASSES,
     )
     config._attn_implementation = "eager"

@@ -35,7 +35,7 @@ def test_example_run_produces_a_sound_store_and_reports(tmp_path: Path) -> None:
     assert store.verify() == []
     assert store.capture_points() == ["epoch-0/train", "epoch-0/val", "epoch-1/train", "epoch-1/val", "train"]
     assert sorted(store.sample_ids("epoch-1/train").tolist()) == list(range(256))
-    reports = out / "reports"
+    reports = out / "store" / "reports"
     outliers = json.loads((reports / "outliers.json").read_text())
     flipped = set(json.loads((reports / "flipped.json").read_text()))
     top = [row["sample_id"] for row in outliers[:10]]

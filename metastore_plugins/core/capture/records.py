@@ -27,6 +27,10 @@ what the store writes. It holds one of three representations (``kind``):
 Records are stored *raw*: the gradient of the loss as back-propagated. ``scale``
 multiplies by the factor that turns them into gradients of each sample's own loss
 (undoing the loss reduction and the mixed-precision loss scale).
+
+Under mixed precision every rule reads its operands through :func:`as_computed`: the
+layer input rounded to the dtype the layer computed in (that of its output gradient),
+then both factors upcast to fp32 before any product. Tensors are fp32 in every record.
 """
 
 from __future__ import annotations
@@ -152,6 +156,25 @@ def restore_all(records: list[LayerRecord]) -> dict[str, Tensor]:
     return total
 
 
+def as_computed(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tensor`` as a layer that computed in ``dtype`` read it, in fp32: every rule's mixed-precision convention.
+
+    Autocast runs a Linear, a convolution or an attention projection in its low-precision dtype,
+    which is the dtype of the layer's output and so of the output gradient, and rounds the layer's
+    input to it. Rounding a saved input the same way and upcasting every factor to fp32 (exact)
+    before any product makes each per-sample gradient the exact gradient of the function autocast
+    computed, rounded once to fp32, and never multiplies tensors of two dtypes. Tensors of an fp32
+    layer come back as they are (no copy), ids unchanged.
+
+    Args:
+        tensor: a layer input, or an output gradient (for which ``dtype`` is its own dtype).
+        dtype: the dtype the layer computed in: that of its output gradient.
+    """
+    if not tensor.is_floating_point():
+        return tensor
+    return tensor.to(dtype).float()
+
+
 def kept_rows(suffix: Tensor) -> Tensor:
     """Indices of rows of a ``(R, ...)`` suffix that are not exactly zero (rows holding NaN are kept)."""
     return nonzero_rows(suffix.reshape(suffix.shape[0], -1)).nonzero().squeeze(1)  # (R_kept,)
@@ -189,10 +212,12 @@ def outer_record(
     """Build an ``"outer"`` record from token-major factors, dropping zero-suffix rows.
 
     Args:
-        prefix: ``(B, T, G, d_in)`` layer inputs per sample and position.
+        prefix: ``(B, T, G, d_in)`` layer inputs per sample and position, in any float dtype: they are
+            rounded to the suffix's dtype, the dtype the layer computed in (:func:`as_computed`).
         suffix: ``(B, T, G, d_out)`` output gradients per sample and position.
         choose_smaller: return the dense record instead when it takes fewer bytes.
     """
+    computed_in = suffix.dtype
     batch, tokens = suffix.shape[0], suffix.shape[1]
     groups, d_in, d_out = prefix.shape[2], prefix.shape[3], suffix.shape[3]
     flat_prefix = prefix.reshape(batch * tokens, groups, d_in)  # (B*T, G, d_in)
@@ -201,7 +226,9 @@ def outer_record(
     if choose_smaller and dense_is_smaller(
         rows.numel(), groups, d_in, d_out, batch, param_shapes
     ):  # before copying rows
-        return _dense_from_factors(layer, prefix, suffix, params, param_shapes, layout)
+        return _dense_from_factors(
+            layer, as_computed(prefix, computed_in), as_computed(suffix, computed_in), params, param_shapes, layout
+        )
     return LayerRecord(
         layer=layer,
         kind="outer",
@@ -210,8 +237,8 @@ def outer_record(
         param_shapes=param_shapes,
         layout=layout,
         tensors={
-            "prefix": flat_prefix.index_select(0, rows).float(),
-            "suffix": flat_suffix.index_select(0, rows).float(),
+            "prefix": as_computed(flat_prefix.index_select(0, rows), computed_in),
+            "suffix": as_computed(flat_suffix.index_select(0, rows), computed_in),
             "sample": torch.div(rows, tokens, rounding_mode="floor").int(),
             "position": torch.remainder(rows, tokens).int(),
         },
@@ -226,17 +253,17 @@ def _dense_from_factors(
     param_shapes: dict[str, tuple[int, ...]],
     layout: WeightLayout,
 ) -> LayerRecord:
-    """The ``"dense"`` record of token-major factors: ``grad W_i[g] = sum_t D[i,t,g]^T A[i,t,g]`` in one einsum."""
+    """The ``"dense"`` record of token-major fp32 factors: ``grad W_i[g] = sum_t D[i,t,g]^T A[i,t,g]`` in one einsum."""
     batch = suffix.shape[0]
     grads: dict[str, Tensor] = {}
     if "weight" in params:
-        weight = torch.einsum("btgo,btgi->bgoi", suffix.float(), prefix.float())  # (B, G, d_out, d_in)
+        weight = torch.einsum("btgo,btgi->bgoi", suffix, prefix)  # (B, G, d_out, d_in)
         weight = weight.reshape(batch, -1, weight.shape[-1])  # (B, G*d_out, d_in)
         if layout == "in_out":
             weight = weight.transpose(1, 2)  # (B, d_in, d_out)
         grads["weight"] = weight.reshape(batch, *param_shapes["weight"])
     if "bias" in params:
-        grads["bias"] = suffix.float().sum(1).reshape(batch, *param_shapes["bias"])  # (B, G*d_out)
+        grads["bias"] = suffix.sum(1).reshape(batch, *param_shapes["bias"])  # (B, G*d_out)
     return dense_record(layer, grads, {role: params[role] for role in grads})
 
 

@@ -118,18 +118,20 @@ def shard_problem(path: Path, entry: dict[str, Any], checksums: bool = True) -> 
     long, and (with ``checksums``) hashing to ``entry["sha256"]``. The one check both the reader
     (which raises) and ``verify`` (which lists) use.
     """
-    if path.is_symlink() or path.resolve().parent != path.parent.resolve():
-        return "is a link or leads outside the run directory; not read"
-    if not path.is_file():
-        return "listed in the manifest but missing on disk"
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        return f"size mismatch, {size} bytes on disk but {entry['bytes']} in the manifest (truncated or rewritten)"
-    if checksums:
-        actual = file_sha256(path)
-        if actual != entry["sha256"]:
-            expected = entry["sha256"]
-            return f"checksum mismatch, sha256 {actual} on disk but {expected} in the manifest (the file is damaged)"
+    try:
+        if path.is_symlink() or path.resolve().parent != path.parent.resolve():
+            return "is a link or leads outside the run directory; not read"
+        if not path.is_file():
+            return "listed in the manifest but missing on disk"
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return f"size mismatch, {size} bytes on disk but {entry['bytes']} in the manifest (truncated or rewritten)"
+        actual = file_sha256(path) if checksums else None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc}); check its permissions"
+    if actual is not None and actual != entry["sha256"]:
+        expected = entry["sha256"]
+        return f"checksum mismatch, sha256 {actual} on disk but {expected} in the manifest (the file is damaged)"
     return None
 
 
@@ -251,8 +253,14 @@ def _check_batch(batch: Any, layers: dict[str, Any], path: Path, where: str) -> 
 
 
 def find_manifests(directory: Path) -> list[Path]:
-    """The rank manifests of a run directory, in rank order."""
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := MANIFEST_PATTERN.match(p.name))]
+    """The rank manifests of a run directory, in rank order.
+
+    Raises:
+        StoreError: when the directory exists but cannot be listed (permissions).
+    """
+    try:
+        entries = list(directory.iterdir()) if directory.is_dir() else []
+    except OSError as exc:
+        raise StoreError(f"cannot read the directory {directory}: {exc.strerror or exc}") from exc
+    found = [(int(match.group(1)), p) for p in entries if (match := MANIFEST_PATTERN.match(p.name))]
     return [p for _, p in sorted(found)]

@@ -56,7 +56,9 @@ class StoreReader:
         manifests = mf.find_manifests(self.path)
         if not manifests:
             what = "does not exist" if not self.path.exists() else "holds no manifest-rank*.json"
-            raise StoreError(f"{self.path} is not a metastore store: it {what}")
+            below = _stores_below(self.path) if self.path.is_dir() else []
+            hint = f"; stores below it: {', '.join(map(str, below))}" if below else ""
+            raise StoreError(f"{self.path} is not a metastore store: it {what}{hint}")
         try:
             self.manifests = [mf.load_manifest(p) for p in manifests]
         except ValueError as exc:
@@ -280,12 +282,33 @@ def _check_shard(path: Path, shard: dict[str, Any], checksums: bool) -> list[str
     return [f"{name}: batches {', '.join(missing)} have no sample ids"] if missing else []
 
 
+#: Subdirectories where a run keeps its store: the examples' ``store/``, the callbacks' ``metastore/``
+#: (``<trainer.log_dir>/metastore``, ``<args.output_dir>/metastore``).
+STORE_SUBDIRS = ("store", "metastore")
+
+
 def find_store_dir(path: str | os.PathLike[str]) -> Path:
-    """The store directory of ``path``: itself, or its ``store/`` subdirectory when only that holds manifests."""
+    """The store directory of ``path``: itself, or the first of its :data:`STORE_SUBDIRS` that holds manifests.
+
+    So a store directory, an example's run directory, a Lightning log directory
+    (``lightning_logs/version_0``) and a Hugging Face ``output_dir`` all open the same way.
+    ``path`` itself when none holds manifests (opening it then says what is missing).
+    """
     path = Path(path)
-    if not mf.find_manifests(path) and mf.find_manifests(path / "store"):
-        return path / "store"
-    return path
+    if mf.find_manifests(path):
+        return path
+    return next((path / sub for sub in STORE_SUBDIRS if mf.find_manifests(path / sub)), path)
+
+
+def _stores_below(path: Path, depth: int = 3) -> list[Path]:
+    """Store directories at most ``depth`` levels below ``path`` (for a hint), in name order."""
+    found: set[Path] = set()
+    for level in range(1, depth + 1):
+        try:
+            found.update(m.parent for m in path.glob("/".join(["*"] * level) + "/manifest-rank*.json"))
+        except OSError:
+            break
+    return sorted(found)[:5]
 
 
 __all__ = ["StoreError", "StoreReader", "find_store_dir"]

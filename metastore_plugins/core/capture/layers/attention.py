@@ -30,10 +30,12 @@ _MATMUL_NODES = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}
 
 
 def _consumes(node: Any, weight: Tensor) -> bool:
-    """Whether a matmul node multiplies by ``weight.t()``."""
+    """Whether a matmul node multiplies by ``weight.t()``, or by its cast to autocast's dtype."""
     for parent, _ in node.next_functions:
         if parent is not None and type(parent).__name__ == "TBackward0":
             leaf = parent.next_functions[0][0]
+            while leaf is not None and type(leaf).__name__ == "ToCopyBackward0":  # autocast's cast of the weight
+                leaf = leaf.next_functions[0][0]
             if getattr(leaf, "variable", None) is weight:
                 return True
     return False

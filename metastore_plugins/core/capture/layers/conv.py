@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.capture.records import (
     LayerRecord,
+    as_computed,
     dense_is_smaller,
     dense_record,
     nonzero_rows,
@@ -82,11 +83,14 @@ def conv_records(
     When the dense per-sample gradients are smaller than the kept factor rows (small
     kernels over large images), they are computed directly, ``grad W_i[g] = D_i[g] U_i[g]^T``
     as one batched matmul over the channel-major layouts, without transposing the patches.
+    Under autocast the input is rounded to the dtype the convolution ran in and both operands
+    are upcast to fp32 first (:func:`~metastore_plugins.core.capture.records.as_computed`).
     """
     batch, groups = x.shape[0], conv.groups
     d_out = conv.out_channels // groups
-    grad = grad_output.reshape(batch, conv.out_channels, -1)  # (B, C_out, L)
-    patches = unfold_patches(conv, x)  # (B, C_in * k, L)
+    computed_in = grad_output.dtype
+    grad = as_computed(grad_output, computed_in).reshape(batch, conv.out_channels, -1)  # (B, C_out, L) fp32
+    patches = unfold_patches(conv, as_computed(x, computed_in))  # (B, C_in * k, L) fp32
     d_in = patches.shape[1] // groups
     shapes = {role: tuple(getattr(conv, role).shape) for role in params}
     kept = estimated_kept_rows(grad)

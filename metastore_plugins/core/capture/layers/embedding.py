@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from metastore_plugins.core.capture.records import LayerRecord, nonzero_rows
+from metastore_plugins.core.capture.records import LayerRecord, as_computed, nonzero_rows
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
 
 
@@ -47,7 +47,7 @@ def embedding_records(
         param_shapes={"weight": tuple(embedding.weight.shape)},
         tensors={
             "ids": flat_ids.index_select(0, rows).long(),
-            "suffix": suffix.index_select(0, rows).float(),
+            "suffix": as_computed(suffix.index_select(0, rows), suffix.dtype),
             "sample": torch.div(rows, tokens, rounding_mode="floor").int(),
             "position": torch.remainder(rows, tokens).int(),
         },

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
-from metastore_plugins.core.capture.records import LayerRecord, dense_record
+from metastore_plugins.core.capture.records import LayerRecord, as_computed, dense_record
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
 
 
@@ -28,8 +28,8 @@ def layer_norm_records(
 ) -> list[LayerRecord]:
     """Dense per-sample gradients of a LayerNorm for input and output grad ``(B, ..., *normalized_shape)``."""
     batch = x.shape[0]
-    x_hat = F.layer_norm(x.float(), norm.normalized_shape, eps=norm.eps)  # (B, ..., *shape)
-    grad = grad_output.float()
+    grad = as_computed(grad_output, grad_output.dtype)  # (B, ..., *shape) fp32
+    x_hat = F.layer_norm(as_computed(x, grad_output.dtype), norm.normalized_shape, eps=norm.eps)  # fp32
     grads: dict[str, Tensor] = {}
     if "weight" in params:
         grads["weight"] = (grad * x_hat).reshape(batch, -1, *norm.normalized_shape).sum(1)  # (B, *shape)
@@ -53,17 +53,26 @@ def vmap_records(
 ) -> list[LayerRecord]:
     """Dense per-sample gradients of ``module``'s own parameters, one sample at a time.
 
-    Exact for any module whose output for sample i depends only on input i.
+    Exact for any module whose output for sample i depends only on input i. The module is
+    re-run in fp32, with autocast off, on the input as it was read (:func:`as_computed`), so
+    that mixed precision costs nothing beyond the rounding of the input and the output gradient.
     """
-    own = {local: module.get_parameter(local).detach() for local in params}
+    computed_in = grad_output.dtype
+    own = {local: as_computed(module.get_parameter(local).detach(), torch.float32) for local in params}
+    state = {
+        name: as_computed(tensor.detach(), torch.float32)
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+        if name not in own and tensor.is_floating_point()
+    }  # the rest of the module in fp32 too: frozen parameters, BatchNorm's running statistics
 
     def one_sample(x_i: Tensor, grad_i: Tensor) -> dict[str, Tensor]:
-        pullback = vjp(lambda p: functional_call(module, p, (x_i.unsqueeze(0),), strict=False), own)[1]
-        (grads,) = pullback(grad_i.unsqueeze(0).to(x_i.dtype))
+        pullback = vjp(lambda p: functional_call(module, {**state, **p}, (x_i.unsqueeze(0),), strict=False), own)[1]
+        (grads,) = pullback(grad_i.unsqueeze(0))
         return grads
 
-    with torch.enable_grad():
-        grads = vmap(one_sample)(x, grad_output)  # role -> (B, *shape)
+    inputs, grads_out = as_computed(x, computed_in), as_computed(grad_output, computed_in)  # fp32
+    with torch.enable_grad(), torch.autocast(inputs.device.type, enabled=False):
+        grads = vmap(one_sample)(inputs, grads_out)  # role -> (B, *shape)
     return [dense_record(layer, grads, params)]
 
 

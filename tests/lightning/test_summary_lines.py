@@ -1,0 +1,25 @@
+"""The callback says, in one line at the start and one at the end, where the store and reports went and how
+to open them (Lightning's rank-zero logging)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from lightning_cases import Classifier, fit, loaders
+
+from metastore_plugins import MetaStoreCallback
+
+
+def test_start_and_end_lines(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    train, val = loaders()
+    callback = MetaStoreCallback(tmp_path / "store")
+    with caplog.at_level(logging.INFO):
+        trainer = fit(tmp_path, Classifier(), train, val, [callback], max_epochs=1)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MetaStoreCallback:")]
+    assert len(lines) == 2
+    store = str(tmp_path / "store")
+    assert "every training step" in lines[0] and store in lines[0] and "every 1 epoch(s)" in lines[0]
+    assert f"reports in {store}/reports" in lines[1] and f"metastore inspect {store}" in lines[1]
+    assert f"tensorboard --logdir {trainer.logger.log_dir}" in lines[1]
