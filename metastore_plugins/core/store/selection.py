@@ -7,7 +7,6 @@ from memory-mapped shards (``safetensors.safe_open``) only while iterating it.
 from __future__ import annotations
 
 import bisect
-import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -19,11 +18,12 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord, dense_key
+from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.progress import progress
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import decode, is_scale_key
 from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.record_check import check_record
 
 #: Metadata columns every selection returns (missing values: -1 for ids/labels, NaN for floats).
 BATCH_COLUMNS = ("step", "epoch", "micro_batch", "rank")
@@ -112,103 +112,6 @@ def _get(handle: Any, key: str, path: Path) -> Tensor:
         return handle.get_tensor(key)
     except Exception as exc:  # noqa: BLE001
         raise StoreError(f"{path}: cannot read tensor {key!r} ({exc})") from exc
-
-
-_INTEGER_KEYS = ("sample", "position", "ids")
-_KIND_KEYS = {"outer": ("prefix", "suffix", "sample", "position"), "embedding": ("ids", "suffix", "sample", "position")}
-
-
-def _check_record(
-    path: Path,
-    where: str,
-    entry: dict[str, Any],
-    layer: dict[str, Any],
-    size: int,
-    raw: dict[str, Tensor],
-    tensors: dict[str, Tensor],
-) -> None:
-    """Check dtypes, ranks and shapes of one decoded record against its manifest entry."""
-
-    def need(ok: bool, key: str, what: str) -> None:
-        if not ok:
-            raise StoreError(f"{path}: tensor {where}{key} {what} (layer {entry['layer']!r}, kind {entry['kind']!r})")
-
-    for key, value in raw.items():  # row scales: float, one per row of the tensor they scale
-        if is_scale_key(key, raw):
-            data = raw[key[: -len(".scale")]]
-            need(
-                value.is_floating_point() and value.dim() == 1 and data.dim() >= 1 and value.shape[0] == data.shape[0],
-                key,
-                f"must be a float (R,) row scale; got {value.dtype} {tuple(value.shape)}",
-            )
-    kind, shapes = entry["kind"], {role: tuple(shape) for role, shape in layer["param_shapes"].items()}
-    if kind == "dense":
-        for role in layer["params"]:
-            key = dense_key(role)
-            found = tensors.get(key)
-            need(found is not None, key, "is missing")
-            value = found if found is not None else torch.empty(0)
-            need(
-                value.is_floating_point() and tuple(value.shape) == (size, *shapes[role]),
-                key,
-                f"must be float {(size, *shapes[role])}; got {value.dtype} {tuple(value.shape)}",
-            )
-        return
-    for key in _KIND_KEYS[kind]:
-        need(key in tensors, key, "is missing")
-    for key in _KIND_KEYS[kind]:
-        value = tensors[key]
-        if key in _INTEGER_KEYS:
-            need(
-                not value.is_floating_point() and value.dim() == 1,
-                key,
-                f"must be a 1-d integer tensor; got {value.dtype} {tuple(value.shape)}",
-            )
-        else:
-            need(value.is_floating_point(), key, f"must be a float tensor; got {value.dtype}")
-        need(
-            value.shape[0] == tensors["suffix"].shape[0],
-            key,
-            f"has {value.shape[0]} rows, suffix has {tensors['suffix'].shape[0]}",
-        )
-    sample = tensors["sample"]
-    need(
-        sample.numel() == 0 or (int(sample.min()) >= 0 and int(sample.max()) < size),
-        "sample",
-        f"holds samples outside 0..{size - 1}",
-    )
-    need(bool((sample[1:] >= sample[:-1]).all()), "sample", "is not grouped by sample in ascending order")
-    suffix = tensors["suffix"]
-    if kind == "embedding":
-        vocab, dim = (shapes.get("weight", ()) + (0, 0))[:2]
-        need(
-            suffix.dim() == 2 and suffix.shape[1] == dim and len(shapes.get("weight", ())) == 2,
-            "suffix",
-            f"must be (R, {dim}); got {tuple(suffix.shape)}",
-        )
-        ids = tensors["ids"]
-        need(
-            ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab),
-            "ids",
-            f"holds token ids outside 0..{vocab - 1}",
-        )
-        return
-    prefix = tensors["prefix"]
-    need(prefix.dim() == 3, "prefix", f"must be (R, G, d_in); got {tuple(prefix.shape)}")
-    need(
-        suffix.dim() == 3 and suffix.shape[1] == prefix.shape[1],
-        "suffix",
-        f"must be (R, G, d_out); got {tuple(suffix.shape)}",
-    )
-    groups, d_in, d_out = prefix.shape[1], prefix.shape[2], suffix.shape[2]
-    if "weight" in shapes:
-        need(
-            groups * d_out * d_in == math.prod(shapes["weight"]),
-            "prefix",
-            f"and suffix do not make a weight of shape {shapes['weight']}",
-        )
-    if "bias" in shapes:
-        need(groups * d_out == math.prod(shapes["bias"]), "suffix", f"does not make a bias of shape {shapes['bias']}")
 
 
 @dataclass(frozen=True)
@@ -310,7 +213,7 @@ class BatchRef:
             tensors = {key: decode(stored, key) for key in stored if not is_scale_key(key, stored)}
         except RuntimeError as exc:  # a row scale that does not fit its tensor
             raise StoreError(f"{self.file}: cannot decode record {prefix} ({exc})") from exc
-        _check_record(self.file, prefix, entry, layer, self.size, stored, tensors)
+        check_record(self.file, prefix, entry, layer, self.size, stored, tensors)
         return LayerRecord(
             layer=entry["layer"],
             kind=entry["kind"],
