@@ -6,8 +6,8 @@ root reads files whatever their mode.
 
 from __future__ import annotations
 
-import builtins
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -119,14 +119,14 @@ def test_an_unreadable_shard_is_listed_by_verify_and_refused_by_queries(
 ) -> None:
     store_dir = write_run(tmp_path / "store", seed=1)
     victim = sorted(store_dir.glob("*.safetensors"))[0]
-    real_open = builtins.open
+    real_open = os.open
 
     def guarded_open(file: Any, *args: Any, **kwargs: Any) -> Any:
-        if Path(file) == victim:
+        if Path(file) == victim:  # as for a file of another user (the tests may run as root)
             raise PermissionError(13, "Permission denied", str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(os, "open", guarded_open)
     problems = open_store(store_dir).verify()
     assert len(problems) == 1 and problems[0].startswith(f"{victim.name}: cannot be read")
     with pytest.raises(StoreError, match="cannot be read"):

@@ -1,8 +1,11 @@
-"""Write the golden store of tests/store/test_golden.py: ``python tests/store/make_golden.py``.
+"""Write the golden stores of tests/store/test_golden.py: ``python tests/store/make_golden.py``.
 
-Run it once; its output (``golden/store/`` and ``golden/expected.json``, a few KB) is
-committed as test data and pins the on-disk format (docs/format.md). Do not rerun it to
-make a failing golden test pass: a failure means old stores no longer read the same.
+Each format version's store is written once, by the writer of that version, and committed
+as test data (a few KB) that pins the on-disk format (docs/format.md): ``golden/store/``
+(format version 1, with ``golden/expected.json``) and ``golden/store_v2/`` (version 2, the
+same run). The script writes only the current version's store, and refuses to overwrite it:
+do not rerun it to make a failing golden test pass, since a failure means old stores no
+longer read the same.
 
 The run is fixed by its seeds: a tiny model with every record kind (``emb`` embedding,
 ``enc`` outer with padding rows dropped, ``norm`` dense, ``head`` outer), two ranks:
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins import CaptureSession, StoreWriter
+from metastore_plugins.core.store.manifest import SCHEMA_VERSION
 from metastore_plugins.testing import reference_per_sample_gradients
 
 HERE = Path(__file__).resolve().parent
@@ -128,14 +132,27 @@ def build(directory: Path) -> dict[str, Any]:
     return expected
 
 
+def _same(old: Any, new: Any) -> bool:
+    """Equal, floats to a relative 1e-5 (float rounding differs across torch versions)."""
+    if isinstance(old, dict):
+        return isinstance(new, dict) and old.keys() == new.keys() and all(_same(old[k], new[k]) for k in old)
+    if isinstance(old, list):
+        return isinstance(new, list) and len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new))
+    if isinstance(old, float):
+        return abs(old - new) <= 1e-5 * max(1.0, abs(old))
+    return bool(old == new)
+
+
 def main() -> None:
-    store = GOLDEN / "store"
+    store = GOLDEN / f"store_v{SCHEMA_VERSION}"
     if store.exists():
-        shutil.rmtree(store)
+        sys.exit(f"{store} exists: golden stores are written once per format version")
     expected = build(store)
-    (GOLDEN / "expected.json").write_text(json.dumps(expected, indent=None, separators=(",", ":")) + "\n")
-    total = sum(p.stat().st_size for p in GOLDEN.rglob("*") if p.is_file())
-    print(f"wrote {GOLDEN} ({total} bytes)", file=sys.stderr)
+    if not _same(json.loads((GOLDEN / "expected.json").read_text()), json.loads(json.dumps(expected))):
+        shutil.rmtree(store)
+        sys.exit("this run no longer gives the values of golden/expected.json; nothing written")
+    total = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+    print(f"wrote {store} ({total} bytes)", file=sys.stderr)
 
 
 if __name__ == "__main__":

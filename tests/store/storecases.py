@@ -6,10 +6,15 @@ Every expected value here is computed from first principles (``torch.func`` grad
 
 from __future__ import annotations
 
+import base64
 import copy
+import json
+import zlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -150,3 +155,19 @@ def synthetic_batch(
         "ln.weight": scale.clone(),
     }
     return [outer, dense], expected
+
+
+def journal_entries(path: Path, rank: int = 0) -> list[dict[str, Any]]:
+    """A rank's index journal decoded by hand (docs/format.md), CRC checked; columns as ``(dtype, values)``."""
+    entries = []
+    for line in (path / f"index-rank{rank}.jsonl").read_bytes().splitlines():
+        text, crc = line.rsplit(b" ", 1)
+        assert int(crc, 16) == zlib.crc32(text)
+        entry = json.loads(text)
+        for group in ("batches", "records", "samples"):
+            entry[group] = {
+                key: (code, np.frombuffer(base64.b64decode(data), f"<{code}").tolist())
+                for key, (code, data) in entry[group].items()
+            }
+        entries.append(entry)
+    return entries

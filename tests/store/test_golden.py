@@ -1,10 +1,11 @@
-"""The golden store: a small store written once by make_golden.py and committed.
+"""The golden stores: small stores written once per format version by make_golden.py and committed.
 
-It pins the on-disk format of docs/format.md. The reader must keep reading it (listing,
-metadata, restored gradients equal to torch.func's), and today's writer must still write
-the same files, keys, dtypes and manifest fields. If a change breaks this test, old stores
-no longer read the same: bump ``schema_version`` and keep a reader for version 1 instead
-of regenerating the golden store.
+They pin the on-disk format of docs/format.md. The reader must keep reading each of them
+(listing, metadata, restored gradients equal to torch.func's): ``golden/store`` (version 1)
+and ``golden/store_v2``. Today's writer must still write the files, keys, dtypes, manifest
+fields and journal columns of the current version's store. If a change breaks this test,
+old stores no longer read the same: bump ``schema_version`` and keep a reader for the old
+versions instead of regenerating a golden store.
 """
 
 from __future__ import annotations
@@ -17,21 +18,22 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from storecases import journal_entries
 
 from metastore_plugins import open_store
 from metastore_plugins.core.store import manifest as mf
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
-STORE = GOLDEN / "store"
+STORE = GOLDEN / "store"  # version 1
+STORE_V2 = GOLDEN / "store_v2"
+STORES = pytest.mark.parametrize("store_dir", [STORE, STORE_V2], ids=["v1", "v2"])
 EXPECTED = json.loads((GOLDEN / "expected.json").read_text())
 TOLERANCE = {"fp32": 1e-5, "int8": 2e-2}  # max |store - torch.func| / max |torch.func|, per parameter
-FILES = [
-    "manifest-rank0.json",
-    "manifest-rank1.json",
-    "rank0-000000.safetensors",
-    "rank0-000001.safetensors",
-    "rank1-000000.safetensors",
-]
+SHARDS = ["rank0-000000.safetensors", "rank0-000001.safetensors", "rank1-000000.safetensors"]
+FILES = {
+    STORE: ["manifest-rank0.json", "manifest-rank1.json", *SHARDS],
+    STORE_V2: ["index-rank0.jsonl", "index-rank1.jsonl", "manifest-rank0.json", "manifest-rank1.json", *SHARDS],
+}
 
 
 def _rows(cp: str) -> list[dict[str, Any]]:
@@ -40,13 +42,15 @@ def _rows(cp: str) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["step"], r["micro_batch"], r["rank"]))  # stable: batch order kept
 
 
-def test_the_golden_store_is_small_and_complete() -> None:
-    assert sorted(p.name for p in STORE.iterdir()) == FILES
+@STORES
+def test_the_golden_store_is_small_and_complete(store_dir: Path) -> None:
+    assert sorted(p.name for p in store_dir.iterdir()) == FILES[store_dir]
     assert sum(p.stat().st_size for p in GOLDEN.rglob("*") if p.is_file()) < 50_000
 
 
-def test_listing() -> None:
-    store = open_store(STORE)
+@STORES
+def test_listing(store_dir: Path) -> None:
+    store = open_store(store_dir)
     assert store.verify() == []
     assert store.capture_points() == ["final/test", "train"]
     assert store.steps() == [0, 1, 2] and store.steps("train") == [0, 1]
@@ -65,9 +69,10 @@ def test_listing() -> None:
     assert store.learning_rate("train") == 0.5
 
 
+@STORES
 @pytest.mark.parametrize("cp", ["train", "final/test"])
-def test_metadata(cp: str) -> None:
-    store = open_store(STORE)
+def test_metadata(store_dir: Path, cp: str) -> None:
+    store = open_store(store_dir)
     rows = _rows(cp)
     meta = store.metadata(cp)
     np.testing.assert_array_equal(store.sample_ids(cp), [r["sample_id"] for r in rows])
@@ -82,8 +87,9 @@ def test_metadata(cp: str) -> None:
 @pytest.mark.parametrize(
     "row", EXPECTED["samples"], ids=lambda r: f"{r['capture_point']}-{r['sample_id']}-{r['encoding']}"
 )
-def test_restored_gradients_match_torch_func(row: dict[str, Any]) -> None:
-    store = open_store(STORE)
+@STORES
+def test_restored_gradients_match_torch_func(store_dir: Path, row: dict[str, Any]) -> None:
+    store = open_store(store_dir)
     restored = store.restore(row["sample_id"], capture_point=row["capture_point"], step=row["step"])
     assert sorted(restored) == sorted(row["grads"])
     for name, values in row["grads"].items():
@@ -103,31 +109,116 @@ _RECORD_KEYS = {
 }
 
 
+def _shard_layout(path: Path) -> dict[str, Any]:
+    with safe_open(str(path), framework="pt") as handle:
+        return {
+            "metadata": handle.metadata(),
+            "keys": {
+                key: (str(handle.get_tensor(key).dtype), tuple(handle.get_tensor(key).shape)) for key in handle.keys()
+            },
+        }
+
+
 def _layout(directory: Path) -> dict[str, Any]:
-    """Every shard's keys with dtype and shape, and the manifests without sizes and checksums."""
+    """Every shard's keys with dtype and shape; manifests and journals without sizes, checksums and losses."""
     out: dict[str, Any] = {}
     for path in sorted(directory.iterdir()):
         if path.suffix == ".json":
-            manifest = json.loads(path.read_text())
-            for shard in manifest["shards"]:
-                assert len(shard.pop("sha256")) == 64 and shard.pop("bytes") > 0
-            out[path.name] = manifest
-        else:
-            with safe_open(str(path), framework="pt") as handle:
-                out[path.name] = {
-                    "metadata": handle.metadata(),
-                    "keys": {
-                        key: (str(handle.get_tensor(key).dtype), tuple(handle.get_tensor(key).shape))
-                        for key in handle.keys()
-                    },
-                }
+            out[path.name] = json.loads(path.read_text())
+        elif path.suffix == ".jsonl":
+            out[path.name] = journal_entries(path.parent, int(path.stem.removeprefix("index-rank")))
+            for entry in out[path.name]:
+                assert len(entry.pop("sha256")) == 64 and entry.pop("bytes") > 0
+                entry["samples"]["loss"] = entry["samples"]["loss"][0]  # values differ by rounding across versions
+        elif path.suffix == ".safetensors":
+            out[path.name] = _shard_layout(path)
     return out
 
 
-def test_keys_and_dtypes_follow_the_documented_format() -> None:
+def _expected_keys(
+    layers: dict[str, Any], encoding: str, batches: list[tuple[int, list[tuple[str, str, int]]]]
+) -> set[str]:
+    """Keys of docs/format.md for batches of ``(meta bits, [(layer, kind, rows)])``."""
+    keys = set()
+    for j, (meta, records) in enumerate(batches):
+        keys.add(f"b{j}/meta/sample_id")
+        keys |= {f"b{j}/meta/{c}" for bit, c in ((1, "label"), (2, "loss"), (4, "prediction")) if meta & bit}
+        for k, (layer, kind, _) in enumerate(records):
+            names = _RECORD_KEYS.get(kind) or {f"grad.{role}" for role in layers[layer]["params"]}
+            for name in names:
+                keys.add(f"b{j}/r{k}/{name}")
+                if encoding == "int8" and name not in ("sample", "position", "ids"):
+                    keys.add(f"b{j}/r{k}/{name}.scale")
+    return keys
+
+
+def test_v2_files_follow_the_documented_format() -> None:
+    for rank in (0, 1):
+        manifest = json.loads((STORE_V2 / f"manifest-rank{rank}.json").read_text())
+        assert manifest["format"] == "metastore" and manifest["schema_version"] == 2 == mf.SCHEMA_VERSION
+        assert set(manifest) == {"format", "schema_version", "rank", "config", "layers"} and manifest["rank"] == rank
+        for n, entry in enumerate(journal_entries(STORE_V2, rank)):
+            assert set(entry) == {
+                "file",
+                "bytes",
+                "sha256",
+                "encoding",
+                "capture_points",
+                "layers",
+                "batches",
+                "records",
+                "samples",
+            }
+            assert entry["file"] == f"rank{rank}-{n:06d}.safetensors"
+            assert entry["bytes"] == (STORE_V2 / entry["file"]).stat().st_size
+            assert {k: v[0] for k, v in entry["batches"].items()} == {
+                "capture_point": "i4",
+                "step": "i8",
+                "epoch": "i8",
+                "micro_batch": "i8",
+                "size": "i8",
+                "lr": "f8",
+                "meta": "u1",
+            }
+            assert {k: v[0] for k, v in entry["records"].items()} == {
+                "batch": "i4",
+                "layer": "i4",
+                "kind": "u1",
+                "rows": "i8",
+                "bytes": "i8",
+                "dense_bytes": "i8",
+            }
+            assert {k: v[0] for k, v in entry["samples"].items()} == {
+                "sample_id": "i8",
+                "label": "i8",
+                "loss": "f4",
+                "prediction": "i8",
+            }
+            records = list(zip(*(entry["records"][k][1] for k in ("batch", "layer", "kind", "rows"))))
+            batches = [
+                (
+                    meta,
+                    [
+                        (entry["layers"][layer], ("outer", "embedding", "dense")[kind], rows)
+                        for b, layer, kind, rows in records
+                        if b == j
+                    ],
+                )
+                for j, meta in enumerate(entry["batches"]["meta"][1])
+            ]
+            layout = _shard_layout(STORE_V2 / entry["file"])
+            assert layout["metadata"] == {"format": "metastore", "encoding": entry["encoding"]}
+            assert set(layout["keys"]) == _expected_keys(manifest["layers"], entry["encoding"], batches)
+            for j, (_, recs) in enumerate(batches):
+                for k, (_, kind, rows) in enumerate(recs):
+                    if kind != "dense":
+                        assert layout["keys"][f"b{j}/r{k}/sample"] == ("torch.int32", (rows,))
+
+
+def test_v1_files_follow_the_documented_format() -> None:
     for path in (STORE / "manifest-rank0.json", STORE / "manifest-rank1.json"):
         manifest = json.loads(path.read_text())
-        assert manifest["format"] == "metastore" and manifest["schema_version"] == 1 == mf.SCHEMA_VERSION
+        assert manifest["format"] == "metastore" and manifest["schema_version"] == 1
         assert set(manifest) == {"format", "schema_version", "rank", "config", "layers", "shards"}
         for shard in manifest["shards"]:
             assert set(shard) == {"file", "bytes", "sha256", "encoding", "rows", "steps", "sample_ids", "batches"}
@@ -166,18 +257,18 @@ def test_keys_and_dtypes_follow_the_documented_format() -> None:
 
 
 def test_todays_writer_writes_the_golden_format(tmp_path: Path) -> None:
-    """make_golden.py run now gives the same files, keys, dtypes, shapes and manifest fields."""
+    """make_golden.py run now gives the same files, keys, dtypes, shapes, manifests and journal columns."""
     import make_golden
 
     make_golden.build(tmp_path)
-    golden, today = _layout(STORE), _layout(tmp_path)
+    golden, today = _layout(STORE_V2), _layout(tmp_path)
     assert sorted(today) == sorted(golden)
     for name in golden:
         assert today[name] == golden[name], name
     # fp32 shards hold the same numbers (up to float rounding across torch versions)
     for name in ("rank0-000000.safetensors", "rank0-000001.safetensors"):
         with (
-            safe_open(str(STORE / name), framework="pt") as old,
+            safe_open(str(STORE_V2 / name), framework="pt") as old,
             safe_open(str(tmp_path / name), framework="pt") as new,
         ):
             for key in old.keys():

@@ -1,36 +1,41 @@
-"""The manifest: the JSON file a reader trusts, written atomically, one per process rank.
+"""The manifest of one rank: what changes rarely (config, layers), written atomically.
 
-A run directory holds ``manifest-rank{r}.json`` and ``rank{r}-{n:06d}.safetensors``
-shards. A shard is listed only once it is whole on disk, so a killed run leaves a
-readable store that lost at most the shard in flight. Schema (version 1; every field, the
-versioning rules and what a reader checks are in docs/format.md)::
+Version 2 (this writer): a run directory holds ``manifest-rank{r}.json`` (format, version,
+rank, config, layers), the rank's journal ``index-rank{r}.jsonl`` (one line per shard, see
+:mod:`~metastore_plugins.core.store.journal`) and ``rank{r}-{n:06d}.safetensors`` shards::
 
-    {"format": "metastore", "schema_version": 1, "rank": 0,
+    {"format": "metastore", "schema_version": 2, "rank": 0,
      "config": {...},                                   # run configuration, free-form
-     "layers": {layer: {"params": {role: name}, "param_shapes": {role: [..]}, "layout": "out_in"}},
-     "shards": [{"file": "rank0-000000.safetensors", "bytes": 123, "sha256": "...",
-                 "encoding": "fp16", "rows": 32, "steps": [0, 3], "sample_ids": [0, 31],
-                 "batches": [{"capture_point": "train", "step": 0, "epoch": 0, "micro_batch": 0,
-                              "rank": 0, "size": 8, "lr": 0.1,
-                              "records": [{"layer": "fc", "kind": "outer", "rows": 8,
-                                           "bytes": 640, "dense_bytes": 4096}]}]}]}
+     "layers": {layer: {"params": {role: name}, "param_shapes": {role: [..]}, "layout": "out_in"}}}
 
-In a shard, record tensors are named ``b{j}/r{k}/{tensor}`` (batch ``j`` of the shard,
-record ``k`` of the batch) and per-sample metadata ``b{j}/meta/{column}``.
+Version 1 listed every shard in the manifest (``"shards": [...]``, rewritten after each shard);
+it is still read. In a shard, record tensors are named ``b{j}/r{k}/{tensor}`` (batch ``j`` of
+the shard, record ``k`` of the batch) and per-sample metadata ``b{j}/meta/{column}``. Every
+field, bound and versioning rule: docs/format.md.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 FORMAT = "metastore"
-SCHEMA_VERSION = 1
-MANIFEST_PATTERN = re.compile(r"^manifest-rank(\d+)\.json$")
+SCHEMA_VERSION = 2
+#: ``manifest-rank{r}.json`` with ``r`` in ASCII digits, no leading zero (``re.fullmatch``: no trailing newline).
+MANIFEST_PATTERN = re.compile(r"manifest-rank(0|[1-9][0-9]{0,8})\.json", re.ASCII)
+#: The largest manifest a reader parses (version 1 manifests of long runs reach tens of MB).
+MAX_MANIFEST_BYTES = 256 * 2**20
+#: Bounds on what a manifest or journal may say: integers JSON and float64 hold exactly, parameter
+#: sizes a restore can allocate, names a terminal shows as they are.
+MAX_INT = 2**53
+MAX_PARAM_NUMEL = 2**34
+MAX_NAME_CHARS = 1024
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class StoreError(ValueError):
@@ -55,14 +60,7 @@ def meta_key(batch: int, column: str) -> str:
 
 
 def new_manifest(rank: int, config: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "format": FORMAT,
-        "schema_version": SCHEMA_VERSION,
-        "rank": rank,
-        "config": config,
-        "layers": {},
-        "shards": [],
-    }
+    return {"format": FORMAT, "schema_version": SCHEMA_VERSION, "rank": rank, "config": config, "layers": {}}
 
 
 def fsync_dir(directory: Path) -> None:
@@ -78,7 +76,7 @@ def fsync_dir(directory: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file, fsync and rename.
+    """Write ``data`` to ``path`` through a temporary file, fsync, rename and fsync the directory.
 
     On failure (a full disk) the temporary file is removed and ``path`` is left as it was.
     """
@@ -96,9 +94,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Rewrite the rank's manifest atomically. Compact JSON: it is rewritten after every shard, and
-    the indented form (Python's pure encoder) took 66 ms for a 54-shard BERT store, the compact
-    one (the C encoder) 12 ms."""
+    """Rewrite the rank's manifest atomically (compact JSON)."""
     text = json.dumps(manifest, separators=(",", ":"))
     atomic_write_bytes(directory / manifest_name(manifest["rank"]), text.encode())
 
@@ -111,35 +107,14 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def shard_problem(path: Path, entry: dict[str, Any], checksums: bool = True) -> str | None:
-    """What is wrong with a listed shard on disk, in words, or ``None`` when it matches its manifest entry.
+def parse_manifest(data: bytes, path: Path, rank: int) -> dict[str, Any]:
+    """Check one manifest's bytes (read by the caller, at most :data:`MAX_MANIFEST_BYTES`).
 
-    Checks, in order: a plain file inside the run directory (no link), present, ``entry["bytes"]``
-    long, and (with ``checksums``) hashing to ``entry["sha256"]``. The one check both the reader
-    (which raises) and ``verify`` (which lists) use.
+    ``rank`` is the one its file name gives. Raises ``ValueError`` naming the file and the field.
     """
     try:
-        if path.is_symlink() or path.resolve().parent != path.parent.resolve():
-            return "is a link or leads outside the run directory; not read"
-        if not path.is_file():
-            return "listed in the manifest but missing on disk"
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            return f"size mismatch, {size} bytes on disk but {entry['bytes']} in the manifest (truncated or rewritten)"
-        actual = file_sha256(path) if checksums else None
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror or exc}); check its permissions"
-    if actual is not None and actual != entry["sha256"]:
-        expected = entry["sha256"]
-        return f"checksum mismatch, sha256 {actual} on disk but {expected} in the manifest (the file is damaged)"
-    return None
-
-
-def load_manifest(path: Path) -> dict[str, Any]:
-    """Read and check one manifest; raise ``ValueError`` naming the file and the problem."""
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ValueError(f"cannot read manifest {path}: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f'{path} is not a metastore manifest (no "format": "{FORMAT}")')
@@ -152,12 +127,13 @@ def load_manifest(path: Path) -> dict[str, Any]:
             f"version {SCHEMA_VERSION} and older: upgrade metastore_plugins"
         )
     check_manifest(manifest, path)
+    _need(manifest["rank"] == rank, path, '"rank"', f"is {manifest['rank']} but the file name says rank {rank}")
     return manifest
 
 
 # -- structure checks: a reader trusts nothing a manifest says before these pass -------------
 
-SHARD_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors$")
+SHARD_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors", re.ASCII)
 KINDS = ("outer", "embedding", "dense")
 LAYOUTS = ("out_in", "in_out")
 ENCODING_NAMES = ("fp32", "fp16", "bf16", "int8")
@@ -171,38 +147,54 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def in_range(value: Any, low: int = -MAX_INT, high: int = MAX_INT) -> bool:
+    """An integer (not a bool) with ``low <= value < high``."""
+    return _is_int(value) and low <= value < high
+
+
 def _need(ok: bool, path: Path, where: str, what: str) -> None:
     if not ok:
         raise ValueError(f"malformed manifest {path}: {where} {what}")
 
 
+def name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot be a layer, parameter or capture point name, or ``None``."""
+    if not isinstance(name, str) or not name:
+        return f"must be a non-empty string; got {type(name).__name__}"
+    if len(name) > MAX_NAME_CHARS:
+        return f"is longer than {MAX_NAME_CHARS} characters"
+    if _CONTROL.search(name):
+        return f"holds control characters (terminal escapes): {ascii(name)[:80]}"
+    return None
+
+
 def check_shard_file(name: Any, path: Path, where: str) -> None:
     """A shard ``file`` must be a plain file name inside the run directory (no ``..``, ``/``, drive)."""
-    _need(isinstance(name, str), path, where, f"must be a file name string; got {name!r}")
+    _need(isinstance(name, str), path, where, f"must be a file name string; got {ascii(name)[:80]}")
     _need(
-        SHARD_FILE.match(name) is not None and name not in (".", ".."),
+        SHARD_FILE.fullmatch(name) is not None,
         path,
         where,
-        f"{name!r} is not a plain *.safetensors file name in the run directory (paths and '..' are refused)",
+        f"{ascii(name)[:80]} is not a plain *.safetensors file name in the run directory (paths and '..' are refused)",
     )
 
 
-def check_manifest(manifest: dict[str, Any], path: Path) -> None:
-    """Check the types of every field a reader uses; raise ``ValueError`` naming the file and the field."""
-    _need(_is_int(manifest.get("rank")) and manifest["rank"] >= 0, path, '"rank"', "must be a non-negative integer")
-    _need(isinstance(manifest.get("config", {}), dict), path, '"config"', "must be an object")
-    layers: Any = manifest.get("layers")  # JSON: checked next
+def check_layers(layers: Any, path: Path) -> None:
+    """Check the ``layers`` table: names, roles, shapes within :data:`MAX_PARAM_NUMEL`, layout."""
     _need(isinstance(layers, dict), path, '"layers"', "must be an object")
     for name, layer in layers.items():
-        where = f"layers[{name!r}]"
+        where = f"layers[{ascii(name)[:80]}]"
+        problem = name_problem(name)
+        _need(problem is None, path, where, f"name {problem}")
         _need(isinstance(layer, dict), path, where, "must be an object")
         params, shapes = layer.get("params"), layer.get("param_shapes")
         _need(
-            isinstance(params, dict) and all(isinstance(v, str) for v in params.values()),
+            isinstance(params, dict) and bool(params) and all(name_problem(v) is None for v in params.values()),
             path,
             where,
-            '"params" must map roles to names',
+            '"params" must map roles to parameter names (printable strings)',
         )
+        _need(all(name_problem(role) is None for role in params), path, where, '"params" roles must be printable')
         _need(
             isinstance(shapes, dict) and set(shapes) == set(params),
             path,
@@ -210,16 +202,31 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
             '"param_shapes" must give a shape per role',
         )
         for role, shape in shapes.items():
-            good = isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
-            _need(good, path, f"{where}.param_shapes[{role!r}]", f"must be a list of sizes; got {shape!r}")
-        _need(layer.get("layout", "out_in") in LAYOUTS, path, where, f'"layout" must be one of {LAYOUTS}')
+            good = isinstance(shape, list) and len(shape) <= 8 and all(in_range(d, 0, 2**31) for d in shape)
+            good = good and math.prod(shape) <= MAX_PARAM_NUMEL
+            _need(
+                good,
+                path,
+                f"{where}.param_shapes[{role!r}]",
+                f"must be a list of at most 8 sizes of at most {MAX_PARAM_NUMEL} elements; got {ascii(shape)[:80]}",
+            )
+        _need(layer.get("layout") in LAYOUTS, path, where, f'"layout" must be one of {LAYOUTS}')
+
+
+def check_manifest(manifest: dict[str, Any], path: Path) -> None:
+    """Check every field a reader uses, with bounds; raise ``ValueError`` naming the file and the field."""
+    _need(in_range(manifest.get("rank"), 0, 10**9), path, '"rank"', "must be an integer in 0..10^9")
+    _need(isinstance(manifest.get("config", {}), dict), path, '"config"', "must be an object")
+    check_layers(manifest.get("layers"), path)
+    if manifest["schema_version"] >= 2:
+        return
     shards: Any = manifest.get("shards")
     _need(isinstance(shards, list), path, '"shards"', "must be a list")
     for i, shard in enumerate(shards):
         where = f"shards[{i}]"
         _need(isinstance(shard, dict), path, where, "must be an object")
         check_shard_file(shard.get("file"), path, f"{where}.file")
-        _need(_is_int(shard.get("bytes")) and shard["bytes"] >= 0, path, f"{where}.bytes", "must be a byte count")
+        _need(in_range(shard.get("bytes"), 0), path, f"{where}.bytes", "must be a byte count")
         sha = shard.get("sha256")
         _need(
             isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha) is not None,
@@ -231,29 +238,33 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
         batches: Any = shard.get("batches")
         _need(isinstance(batches, list), path, f"{where}.batches", "must be a list")
         for j, batch in enumerate(batches):
-            _check_batch(batch, layers, path, f"{where}.batches[{j}]")
+            _check_batch(batch, manifest, path, f"{where}.batches[{j}]")
 
 
-def _check_batch(batch: Any, layers: dict[str, Any], path: Path, where: str) -> None:
+def _check_batch(batch: Any, manifest: dict[str, Any], path: Path, where: str) -> None:
     _need(isinstance(batch, dict), path, where, "must be an object")
-    _need(isinstance(batch.get("capture_point"), str), path, f"{where}.capture_point", "must be a string")
-    for key in ("step", "epoch", "micro_batch", "rank", "size"):
-        _need(_is_int(batch.get(key)), path, f"{where}.{key}", f"must be an integer; got {batch.get(key)!r}")
-    _need(batch["size"] >= 0, path, f"{where}.size", "must be non-negative")
-    _need(batch.get("lr") is None or _is_number(batch["lr"]), path, f"{where}.lr", "must be a number or null")
+    problem = name_problem(batch.get("capture_point"))
+    _need(problem is None, path, f"{where}.capture_point", str(problem))
+    for key in ("step", "epoch", "micro_batch"):
+        _need(in_range(batch.get(key)), path, f"{where}.{key}", f"must be an integer within ±2^53; got {batch.get(key)!r}")
+    _need(batch.get("rank") == manifest["rank"], path, f"{where}.rank", "must equal the manifest's rank")
+    _need(in_range(batch.get("size"), 0, 2**31), path, f"{where}.size", "must be a sample count")
+    _need("lr" in batch, path, f"{where}.lr", "is missing (a number or null)")
+    lr = batch["lr"]
+    _need(lr is None or (_is_number(lr) and math.isfinite(lr)), path, f"{where}.lr", "must be a finite number or null")
     records = batch.get("records")
     _need(isinstance(records, list), path, f"{where}.records", "must be a list")
     for k, record in enumerate(records):
         at = f"{where}.records[{k}]"
         _need(isinstance(record, dict), path, at, "must be an object")
-        _need(record.get("layer") in layers, path, f"{at}.layer", f'{record.get("layer")!r} is not in "layers"')
+        _need(record.get("layer") in manifest["layers"], path, f"{at}.layer", 'is not in "layers"')
         _need(record.get("kind") in KINDS, path, f"{at}.kind", f"must be one of {KINDS}")
         for key in ("rows", "bytes", "dense_bytes"):
-            _need(_is_int(record.get(key, 0)), path, f"{at}.{key}", "must be an integer")
+            _need(in_range(record.get(key), 0), path, f"{at}.{key}", "must be a non-negative integer")
 
 
-def find_manifests(directory: Path) -> list[Path]:
-    """The rank manifests of a run directory, in rank order.
+def find_manifests(directory: Path) -> list[tuple[int, Path]]:
+    """``(rank, path)`` of the rank manifests of a run directory, in rank order.
 
     Raises:
         StoreError: when the directory exists but cannot be listed (permissions).
@@ -262,5 +273,5 @@ def find_manifests(directory: Path) -> list[Path]:
         entries = list(directory.iterdir()) if directory.is_dir() else []
     except OSError as exc:
         raise StoreError(f"cannot read the directory {directory}: {exc.strerror or exc}") from exc
-    found = [(int(match.group(1)), p) for p in entries if (match := MANIFEST_PATTERN.match(p.name))]
-    return [p for _, p in sorted(found)]
+    found = [(int(match.group(1)), p) for p in entries if (match := MANIFEST_PATTERN.fullmatch(p.name))]
+    return sorted(found)

@@ -22,13 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 from torch import Tensor
 
 from metastore_plugins.core.capture.records import restore_all
 from metastore_plugins.core.store import manifest as mf
+from metastore_plugins.core.store.batches import BatchRef, ShardFiles
+from metastore_plugins.core.store.health import check_store, fill_v1_samples
+from metastore_plugins.core.store.index import RankIndex, StoreIndex, read_rank
+from metastore_plugins.core.store.journal import KIND_CODES
 from metastore_plugins.core.store.manifest import StoreError
-from metastore_plugins.core.store.selection import BatchRef, Selection, ShardFiles
+from metastore_plugins.core.store.selection import Selection
 
 
 def _as_range(steps: int | tuple[int, int] | None) -> tuple[int, int] | None:
@@ -59,25 +62,17 @@ class StoreReader:
             below = _stores_below(self.path) if self.path.is_dir() else []
             hint = f"; stores below it: {', '.join(map(str, below))}" if below else ""
             raise StoreError(f"{self.path} is not a metastore store: it {what}{hint}")
-        try:
-            self.manifests = [mf.load_manifest(p) for p in manifests]
-        except ValueError as exc:
-            raise StoreError(str(exc)) from exc
+        self.ranks_read: list[RankIndex] = [read_rank(self.path, rank, path) for rank, path in manifests]
+        self.manifests = [rank.manifest for rank in self.ranks_read]
         self._layers: dict[str, dict[str, Any]] = {}
-        entries: dict[str, dict[str, Any]] = {}
-        for manifest, source in zip(self.manifests, manifests):
-            for shard in manifest["shards"]:
-                if shard["file"] in entries:
-                    raise StoreError(f"{source}: shard {shard['file']} is listed twice in the store's manifests")
-                entries[shard["file"]] = shard
-        self._files = ShardFiles(self.path, entries, checksums)
-        refs = []
         for manifest in self.manifests:
             self._layers.update(manifest["layers"])
-            for shard in manifest["shards"]:
-                for j, info in enumerate(shard["batches"]):
-                    refs.append(BatchRef(self.path / shard["file"], j, info, manifest["layers"], self._files))
-        self._refs = tuple(sorted(refs, key=BatchRef.order_key))
+        entries = [entry for rank in self.ranks_read for entry in rank.entries]
+        #: what opening found and left out (journal lines, unreadable version 1 shards); verify() lists it
+        self.open_problems = [problem for rank in self.ranks_read for problem in rank.problems]
+        self.open_problems += fill_v1_samples(self.path, entries, self._layers, checksums)
+        self.index = StoreIndex(entries, self._layers)
+        self._files = ShardFiles(self.path, self.index, checksums)
 
     # -- listing -------------------------------------------------------------------------
 
@@ -90,13 +85,14 @@ class StoreReader:
         return merged
 
     def capture_points(self) -> list[str]:
-        return sorted({ref.capture_point for ref in self._refs})
+        names = self.index.capture_point_names
+        return [names[i] for i in np.unique(self.index.batch["capture_point"])] if len(self.index) else []
 
     def steps(self, capture_point: str | None = None) -> list[int]:
-        return sorted({ref.step for ref in self.batch_refs(capture_point)})
+        return np.unique(self.index.batch["step"][self._rows_of(capture_point)]).tolist()
 
     def epochs(self, capture_point: str | None = None) -> list[int]:
-        return sorted({int(ref.info["epoch"]) for ref in self.batch_refs(capture_point)})
+        return np.unique(self.index.batch["epoch"][self._rows_of(capture_point)]).tolist()
 
     def ranks(self) -> list[int]:
         return sorted(int(m["rank"]) for m in self.manifests)
@@ -107,12 +103,10 @@ class StoreReader:
     def layer_info(self, layer: str) -> dict[str, Any]:
         """Parameters, shapes and layout of a layer, and how its records are represented."""
         self.check_layers([layer])
-        kinds: dict[str, int] = {}
-        for ref in self._refs:
-            for entry in ref.info["records"]:
-                if entry["layer"] == layer:
-                    kinds[entry["kind"]] = kinds.get(entry["kind"], 0) + 1
-        return {**self._layers[layer], "kinds": kinds}
+        records = self.index.record
+        at = records["layer"] == self.index.layer_names.index(layer) if len(records["layer"]) else np.zeros(0, bool)
+        codes, counts = np.unique(records["kind"][at], return_counts=True)
+        return {**self._layers[layer], "kinds": {KIND_CODES[int(c)]: int(n) for c, n in zip(codes, counts)}}
 
     def parameters(self) -> dict[str, tuple[int, ...]]:
         """Captured parameter name -> shape."""
@@ -128,8 +122,8 @@ class StoreReader:
         return dict(self._layers[layer]["params"])
 
     def shard_sha256(self, file_name: str) -> str:
-        """The sha256 the manifests list for a shard file (``BatchRef.file.name``)."""
-        return str(self._files.entries[file_name]["sha256"])
+        """The sha256 the index lists for a shard file (``BatchRef.file.name``)."""
+        return self.index.shards[self._files.by_name[file_name]].sha256
 
     def sample_ids(self, capture_point: str | None = None, **where: Any) -> np.ndarray:
         """``(N,)`` dataset indices in selection order; see :meth:`select` for ``where``."""
@@ -142,10 +136,30 @@ class StoreReader:
         """
         return self.select(capture_point, **where).metadata()
 
+    def table(self, capture_point: str | None = None, **where: Any) -> Any:
+        """:meth:`metadata` as a ``pyarrow.Table``: ``.to_pandas()``, ``polars.from_arrow(...)``, duckdb.
+
+        Needs pyarrow (``pip install metastore_plugins[table]``; the ``hf`` extra has it).
+        """
+        try:
+            import pyarrow
+        except ImportError as exc:
+            raise ImportError("store.table() needs pyarrow: pip install 'metastore_plugins[table]'") from exc
+        columns = self.metadata(capture_point, **where)
+        columns["capture_point"] = columns["capture_point"].astype(str)
+        return pyarrow.table(columns)
+
+    def to_parquet(self, path: str | os.PathLike[str], capture_point: str | None = None, **where: Any) -> Path:
+        """Write :meth:`table` as a Parquet file at ``path`` (returned)."""
+        import pyarrow.parquet
+
+        pyarrow.parquet.write_table(self.table(capture_point, **where), str(path))
+        return Path(path)
+
     def learning_rate(self, capture_point: str) -> float | None:
         """The learning rate recorded with a capture point (its last batch's)."""
-        refs = self.batch_refs(capture_point)
-        return refs[-1].lr if refs else None
+        rows = self._rows_of(capture_point)
+        return self._files.ref(int(rows[-1])).lr if len(rows) else None
 
     # -- selection -----------------------------------------------------------------------
 
@@ -163,18 +177,20 @@ class StoreReader:
         Raises:
             StoreError: naming an unknown capture point or layer.
         """
-        refs = self.batch_refs(capture_point)
+        rows = self._rows_of(capture_point)
+        batch = self.index.batch
         window = _as_range(steps)
         if window is not None:
-            refs = [r for r in refs if window[0] <= r.step <= window[1]]
+            steps_of = batch["step"][rows]
+            rows = rows[(window[0] <= steps_of) & (steps_of <= window[1])]
         if epochs is not None:
-            wanted = {int(epochs)} if isinstance(epochs, (int, np.integer)) else {int(e) for e in epochs}
-            refs = [r for r in refs if int(r.info["epoch"]) in wanted]
+            wanted = [int(epochs)] if isinstance(epochs, (int, np.integer)) else [int(e) for e in epochs]
+            rows = rows[np.isin(batch["epoch"][rows], wanted)]
         if layers is not None:
             layers = [layers] if isinstance(layers, str) else list(layers)
             self.check_layers(layers)
-        ids = None if sample_ids is None else frozenset(int(i) for i in np.asarray(list(sample_ids)).reshape(-1))
-        return Selection(tuple(refs), ids, None if layers is None else tuple(layers))
+        ids = None if sample_ids is None else np.unique(np.asarray(list(sample_ids), dtype=np.int64).reshape(-1))
+        return Selection(self._files, rows, ids, None if layers is None else tuple(layers))
 
     def batch_refs(self, capture_point: str | None = None) -> list[BatchRef]:
         """The stored batches of a capture point (all when ``None``), in selection order.
@@ -182,15 +198,21 @@ class StoreReader:
         Raises:
             StoreError: naming an unknown capture point.
         """
+        return [self._files.ref(int(row)) for row in self._rows_of(capture_point)]
+
+    def _rows_of(self, capture_point: str | None) -> np.ndarray:
+        """Rows of the index's batch columns of a capture point (all when ``None``), in selection order."""
         if capture_point is None:
-            return list(self._refs)
-        refs = [r for r in self._refs if r.capture_point == capture_point]
-        if not refs:
+            return np.arange(len(self.index))
+        names = self.index.capture_point_names
+        code = names.index(capture_point) if capture_point in names else -1
+        rows = np.flatnonzero(self.index.batch["capture_point"] == code) if len(self.index) else np.zeros(0, np.int64)
+        if not len(rows):
             raise StoreError(
                 f"unknown capture point {capture_point!r} in {self.path}; "
                 f"it has: {', '.join(self.capture_points()) or 'none'}"
             )
-        return refs
+        return rows
 
     def check_layers(self, layers: Iterable[str]) -> None:
         """Raise :class:`StoreError` naming any layer the store does not hold."""
@@ -234,52 +256,34 @@ class StoreReader:
     # -- health --------------------------------------------------------------------------
 
     def verify(self, checksums: bool = True) -> list[str]:
-        """Problems found, one readable line each; empty when every listed shard is sound."""
-        problems: list[str] = []
-        listed: set[str] = set()
-        for manifest in self.manifests:
-            for shard in manifest["shards"]:
-                listed.add(shard["file"])
-                problems.extend(_check_shard(self.path / shard["file"], shard, checksums))
-        for path in sorted(self.path.glob("*.safetensors")):
-            if path.name not in listed:
-                problems.append(
-                    f"{path.name}: not listed in any manifest (a shard in flight when the run stopped?); ignored"
-                )
-        return problems
+        """Problems found, one readable line each; empty when every listed shard is sound.
+
+        Index lines that were ignored, listed shards that are not sound (missing, not a regular
+        file, size, sha256, tensor keys, sample ids), and files that look like shards but are
+        not listed. Only regular files inside the store are read.
+        """
+        return self.open_problems + check_store(self.path, self.index, self._files, checksums)
 
     def summary(self) -> dict[str, Any]:
         """Sizes on disk against the dense fp32 per-sample gradients the store stands for."""
-        shards = [s for m in self.manifests for s in m["shards"]]
-        dense = sum(r["dense_bytes"] for ref in self._refs for r in ref.info["records"])
-        on_disk = sum(s["bytes"] for s in shards)
+        shards = self.index.shards
+        on_disk = sum(entry.bytes for entry in shards)
+        dense = int(self.index.record["dense_bytes"].sum())
+        batch = self.index.batch
         return {
             "path": str(self.path),
             "ranks": self.ranks(),
             "shards": len(shards),
-            "samples": sum(ref.size for ref in self._refs),
-            "capture_points": {cp: len(self.batch_refs(cp)) for cp in self.capture_points()},
-            "steps": len({ref.step for ref in self._refs}),
+            "samples": int(batch["size"].sum()) if len(self.index) else 0,
+            "capture_points": {cp: len(self._rows_of(cp)) for cp in self.capture_points()},
+            "steps": len(np.unique(batch["step"])) if len(self.index) else 0,
             "layers": len(self._layers),
-            "encodings": sorted({s["encoding"] for s in shards}),
+            "encodings": sorted({entry.encoding for entry in shards}),
             "bytes_on_disk": on_disk,
             "dense_bytes": dense,
             "compression": dense / on_disk if on_disk else None,
+            "index_problems": len(self.open_problems),
         }
-
-
-def _check_shard(path: Path, shard: dict[str, Any], checksums: bool) -> list[str]:
-    name = shard["file"]
-    problem = mf.shard_problem(path, shard, checksums)
-    if problem is not None:
-        return [f"{name}: {problem}"]
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            keys = set(handle.keys())
-    except Exception as exc:  # noqa: BLE001 - any parse failure is damage to report
-        return [f"{name}: unreadable safetensors file ({exc})"]
-    missing = [f"b{j}" for j in range(len(shard["batches"])) if f"b{j}/meta/sample_id" not in keys]
-    return [f"{name}: batches {', '.join(missing)} have no sample ids"] if missing else []
 
 
 #: Subdirectories where a run keeps its store: the examples' ``store/``, the callbacks' ``metastore/``

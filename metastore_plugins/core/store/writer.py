@@ -30,6 +30,9 @@ from torch import Tensor
 from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding, check_encoding, encoded_nbytes
+from metastore_plugins.core.store.entries import new_entry
+from metastore_plugins.core.store.index_writer import RankIndexWriter
+from metastore_plugins.core.store.journal import journal_name
 from metastore_plugins.core.store.shardfile import ShardBuffer, write_shard
 
 ArrayLike = Tensor | Sequence[float] | Sequence[int]
@@ -55,6 +58,7 @@ class WriterStats:
     batches: int = 0
     dense_bytes: int = 0  # what the same samples' dense fp32 per-sample gradients would take
     files: list[str] = field(default_factory=list)
+    timer_shards: int = 0  # shards written because the oldest unwritten batch waited flush_seconds / 2
 
 
 def _column(name: str, values: ArrayLike | None, size: int, dtype: torch.dtype | None) -> Tensor | None:
@@ -78,6 +82,10 @@ class StoreWriter:
             :mod:`~metastore_plugins.core.store.encoding`.
         queue_bytes: the most record bytes waiting for the writer thread.
         shard_bytes: a shard is written once its encoded tensors reach this size.
+        flush_seconds: what the writer holds is also written, as a (smaller) shard, once
+            the oldest batch not on disk was queued ``flush_seconds / 2`` ago: a crash loses
+            at most the last ``flush_seconds`` of batches while a shard takes less than half
+            that to write. ``None``: only full shards, ``flush()`` and ``close()`` write.
         config: the run's configuration, kept in the manifest.
         on_error: what an ``OSError`` while writing a shard or the manifest (a full disk)
             does. ``"warn"`` (default): capture stops, later ``write()`` calls drop their
@@ -95,11 +103,18 @@ class StoreWriter:
         encoding: Encoding = DEFAULT_ENCODING,
         queue_bytes: int = 256 * 2**20,
         shard_bytes: int = 64 * 2**20,
+        flush_seconds: float | None = 10.0,
         config: dict[str, Any] | None = None,
         on_error: Literal["warn", "raise"] = "warn",
     ) -> None:
         if queue_bytes <= 0 or shard_bytes <= 0:
             raise ValueError("queue_bytes and shard_bytes must be positive byte counts")
+        seconds = isinstance(flush_seconds, (int, float)) and not isinstance(flush_seconds, bool)
+        if flush_seconds is not None and not (seconds and 0 < flush_seconds < float("inf")):
+            raise ValueError(
+                f"flush_seconds must be a positive, finite number of seconds, or None; got {flush_seconds!r}"
+            )
+        self.flush_seconds = None if flush_seconds is None else float(flush_seconds)
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise'; got {on_error!r}")
         self.on_error = on_error
@@ -112,10 +127,10 @@ class StoreWriter:
         self.queue_bytes, self.shard_bytes = int(queue_bytes), int(shard_bytes)
         self.stats = WriterStats()
         self.path.mkdir(parents=True, exist_ok=True)
-        self._manifest = self._open_manifest(config or {})
-        self._next_shard = self._first_free_shard_index()
-        self._queue: deque[_Batch | threading.Event | None] = deque()
+        self._index = RankIndexWriter(self.path, self.rank, config or {})
+        self._queue: deque[tuple[float, _Batch | threading.Event | None]] = deque()  # (time.monotonic() queued, item)
         self._queued_bytes = 0
+        self._idle = False  # the writer thread waits with nothing unwritten: the next batch wakes it (starts the timer)
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._closed = False
@@ -132,8 +147,8 @@ class StoreWriter:
 
     @property
     def manifest(self) -> dict[str, Any]:
-        """The manifest as last written (a copy is not made: do not modify)."""
-        return self._manifest
+        """The rank's manifest: config and layers (a copy is not made: do not modify)."""
+        return self._index.manifest
 
     def write(
         self,
@@ -187,11 +202,14 @@ class StoreWriter:
         nbytes = sum(r.nbytes for r in records) + sum(t.numel() * t.element_size() for t in meta.values())
         self._put(_Batch(records, meta, info, nbytes), nbytes)
 
-    def flush(self) -> None:
-        """Block until everything queued so far is on disk and listed in the manifest."""
+    def flush(self, wait: bool = True) -> None:
+        """Write everything queued so far as a shard; with ``wait``, block until it is on disk and listed.
+
+        ``wait=False`` only asks the writer thread for the shard and returns at once.
+        """
         done = threading.Event()
         self._put(done, 0)
-        while not done.wait(0.05):
+        while wait and not done.wait(0.05):
             self._raise_if_failed()
             if not self._thread.is_alive():
                 break
@@ -206,9 +224,10 @@ class StoreWriter:
         finally:
             self._closed = True
             with self._cond:
-                self._queue.append(None)
+                self._queue.append((time.monotonic(), None))
                 self._cond.notify_all()
             self._thread.join()
+            self._index.close()
 
     # -- caller side ---------------------------------------------------------------------
 
@@ -226,27 +245,31 @@ class StoreWriter:
                 "param_shapes": {k: list(v) for k, v in record.param_shapes.items()},
                 "layout": record.layout,
             }
-            known = self._manifest["layers"].get(record.layer) or new.setdefault(record.layer, layer)
+            known = self._index.layers.get(record.layer) or new.setdefault(record.layer, layer)
             if known != layer:
                 raise ValueError(
                     f"layer '{record.layer}' changed since it was first stored ({known} vs {layer}); "
                     "write a changed model to a new store directory"
                 )
         if new:
-            with self._cond:  # the writer thread serializes the manifest under this lock
-                self._manifest["layers"].update(new)
+            self._index.register_layers(new)
 
     def _put(self, item: _Batch | threading.Event, nbytes: int) -> None:
-        start = time.perf_counter()
+        start, queued = time.perf_counter(), time.monotonic()  # the timer counts from here, waiting for room included
         with self._cond:
             while self._queued_bytes > 0 and self._queued_bytes + nbytes > self.queue_bytes and self._error is None:
                 self._cond.notify_all()
                 self._cond.wait(0.1)
-            self._queue.append(item)
+            self._queue.append((queued, item))
             self._queued_bytes += nbytes
             self.stats.peak_queued_bytes = max(self.stats.peak_queued_bytes, self._queued_bytes)
-            if not isinstance(item, _Batch) or self._queued_bytes >= min(self.shard_bytes, self.queue_bytes // 2):
-                # batches wait for a shard's worth: waking the thread per batch costs training time
+            if (
+                not isinstance(item, _Batch)
+                or self._idle
+                or self._queued_bytes >= min(self.shard_bytes, self.queue_bytes // 2)
+            ):
+                # batches wait for a shard's worth or the timer: waking the thread per batch costs training
+                # time. An idle thread is woken by the first batch only, to start the timer (_run).
                 self._cond.notify_all()
         self.stats.wait_seconds += time.perf_counter() - start
         self._raise_if_failed()
@@ -254,11 +277,10 @@ class StoreWriter:
     def _raise_if_failed(self) -> None:
         if self.stopped is not None and not self._warned:
             self._warned = True
-            shards = self._manifest["shards"]
             warnings.warn(
                 f"the gradient store writer for {self.path} STOPPED CAPTURING after a disk error "
-                f"({self.stopped}); the store keeps the {len(shards)} shard(s) and "
-                f"{sum(s['rows'] for s in shards)} sample(s) listed in {mf.manifest_name(self.rank)}; "
+                f"({self.stopped}); the store keeps the {self._index.shards} shard(s) and "
+                f"{self._index.samples} sample(s) listed in {journal_name(self.rank)}; "
                 f"{self.dropped_samples} sample(s) in flight were lost and later batches are dropped "
                 "(pass on_error='raise' to StoreWriter to fail instead)",
                 RuntimeWarning,
@@ -276,13 +298,30 @@ class StoreWriter:
         buffer = ShardBuffer()  # reused by every shard; freed when the thread ends
         pending: list[_Batch] = []  # batches of the shard being built, not encoded yet
         pending_bytes = 0  # their encoded size
+        pending_since: float | None = None  # when pending[0] was queued (time.monotonic())
+        timer: threading.Event | None = None  # the flush request the timer queued, not reached yet
+        half = None if self.flush_seconds is None else self.flush_seconds / 2
         while True:
             with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                item = self._queue.popleft()
+                while True:
+                    # the oldest batch not on disk: the first pending one, else the first queued one
+                    first = next((t for t, queued in self._queue if isinstance(queued, _Batch)), None)
+                    oldest = first if pending_since is None else pending_since
+                    left = None if half is None or oldest is None else oldest + half - time.monotonic()
+                    if left is not None and left <= 0 and timer is None:  # due: write all it holds now
+                        timer = threading.Event()
+                        self._queue.append((time.monotonic(), timer))
+                    if self._queue:
+                        break
+                    self._idle = half is not None and left is None  # then the next batch wakes this thread
+                    self._cond.wait(left)  # training wakes it only for a shard's worth, a flush or close
+                    self._idle = False
+                since, item = self._queue.popleft()
             if item is None:
                 return
+            by_timer = item is timer
+            if by_timer:
+                timer = None
             try:
                 if self.stopped is not None or self._error is not None:  # drop what is left
                     if isinstance(item, _Batch):
@@ -290,13 +329,15 @@ class StoreWriter:
                     else:
                         item.set()
                     continue
-                if isinstance(item, threading.Event):
+                if isinstance(item, threading.Event):  # flush(), or the timer
                     if pending:
                         self._write_shard(pending, buffer)
-                    pending, pending_bytes = [], 0
+                        self.stats.timer_shards += int(by_timer)
+                    pending, pending_bytes, pending_since = [], 0, None
                     item.set()
                     continue
                 item.records = [replace(r, tensors={k: t.cpu() for k, t in r.tensors.items()}) for r in item.records]
+                pending_since = since if not pending else pending_since
                 pending.append(item)
                 pending_bytes += sum(encoded_nbytes(t, self.encoding) for r in item.records for t in r.tensors.values())
                 pending_bytes += sum(t.numel() * t.element_size() for t in item.meta.values())
@@ -304,14 +345,14 @@ class StoreWriter:
                 self.stats.dense_bytes += sum(r.dense_nbytes for r in item.records)
                 if pending_bytes >= self.shard_bytes:
                     self._write_shard(pending, buffer)
-                    pending, pending_bytes = [], 0
+                    pending, pending_bytes, pending_since = [], 0, None
             except BaseException as exc:  # surfaced on the training thread by the next call
                 if isinstance(exc, OSError) and self.on_error == "warn":
                     self.stopped = exc
                 else:
                     self._error = exc
                 self.dropped_samples += sum(b.info["size"] for b in pending)
-                pending, pending_bytes = [], 0
+                pending, pending_bytes, pending_since = [], 0, None
                 if isinstance(item, threading.Event):
                     item.set()
             finally:
@@ -331,8 +372,8 @@ class StoreWriter:
         }
 
     def _write_shard(self, pending: list[_Batch], buffer: ShardBuffer) -> None:
-        batches = [b.info | {"records": [self._record_info(r) for r in b.records]} for b in pending]
-        name = mf.shard_name(self.rank, self._next_shard)
+        """Write ``pending`` as the next shard, whole on disk, then list it with one journal line."""
+        name = mf.shard_name(self.rank, self._index.next_shard)
         final, tmp = self.path / name, self.path / (name + ".tmp")
         try:
             metadata = {"format": mf.FORMAT, "encoding": self.encoding}
@@ -341,62 +382,14 @@ class StoreWriter:
         except BaseException:
             tmp.unlink(missing_ok=True)  # a partial file on a full disk
             raise
-        ids = [int(v) for b in pending if (t := b.meta["sample_id"]).numel() for v in (t.min(), t.max())]
-        steps = [b["step"] for b in batches]
-        entry = {
-            "file": name,
-            "bytes": size,
-            "sha256": sha256,
-            "encoding": self.encoding,
-            "rows": sum(b["size"] for b in batches),
-            "steps": [min(steps), max(steps)],
-            "sample_ids": [min(ids), max(ids)] if ids else [],
-            "batches": batches,
-        }
-        with self._cond:  # the training thread may be registering new layers
-            manifest = {
-                **self._manifest,
-                "layers": dict(self._manifest["layers"]),
-                "shards": [*self._manifest["shards"], entry],
-            }
+        batches = [(b.info | {"records": [self._record_info(r) for r in b.records]}, b.meta) for b in pending]
+        entry = new_entry(name, size, sha256, self.encoding, self.rank, batches)
         try:
-            mf.fsync_dir(self.path)
-            mf.write_manifest(self.path, manifest)
+            self._index.append(entry)
         except BaseException:
-            if not self._listed_on_disk(name):
-                final.unlink(missing_ok=True)  # never listed: free its space; the last manifest stays valid
+            final.unlink(missing_ok=True)  # never listed: free its space; the journal stays valid
             raise
-        with self._cond:
-            self._manifest["shards"].append(entry)
-        self._next_shard += 1
         self.stats.shards += 1
         self.stats.batches += len(batches)
-        self.stats.bytes_written += entry["bytes"]
+        self.stats.bytes_written += size
         self.stats.files.append(name)
-
-    def _listed_on_disk(self, name: str) -> bool:
-        """Whether the rank's manifest on disk lists ``name`` (True when it cannot be read: keep the file)."""
-        try:
-            return any(
-                s.get("file") == name for s in mf.load_manifest(self.path / mf.manifest_name(self.rank))["shards"]
-            )
-        except Exception:  # noqa: BLE001 - in doubt, keep the shard
-            return True
-
-    # -- opening -------------------------------------------------------------------------
-
-    def _open_manifest(self, config: dict[str, Any]) -> dict[str, Any]:
-        existing = self.path / mf.manifest_name(self.rank)
-        for stale in [*self.path.glob(f"rank{self.rank}-*.tmp"), self.path / (mf.manifest_name(self.rank) + ".tmp")]:
-            stale.unlink(missing_ok=True)
-        if existing.exists():
-            manifest = mf.load_manifest(existing)
-            manifest["config"] = {**manifest.get("config", {}), **config}
-            return manifest
-        manifest = mf.new_manifest(self.rank, config)
-        mf.write_manifest(self.path, manifest)
-        return manifest
-
-    def _first_free_shard_index(self) -> int:
-        used = [int(p.name.split("-")[1].split(".")[0]) for p in self.path.glob(f"rank{self.rank}-*.safetensors")]
-        return max(used, default=-1) + 1

@@ -1,0 +1,141 @@
+"""Checking a store's files against its index (``verify``), and reading version 1 stores' sample rows."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from metastore_plugins.core.store.batches import ShardFiles
+from metastore_plugins.core.store.entries import ShardEntry
+from metastore_plugins.core.store.index import StoreIndex, expectation
+from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.shardread import ShardData, read_shard
+
+#: Files a writer or compaction leaves behind when it stops: shards and temporary files.
+SHARD_LIKE = re.compile(r"rank(0|[1-9][0-9]{0,8})-[0-9]{6,9}\.safetensors", re.ASCII)
+TEMPORARY = re.compile(r".+\.tmp", re.ASCII | re.DOTALL)
+#: The longest problem line ``verify`` returns, and the most items one line names.
+MAX_LINE_CHARS = 400
+MAX_NAMED = 5
+
+
+def one_line(text: str) -> str:
+    """``text`` on one printable line of at most :data:`MAX_LINE_CHARS` characters."""
+    flat = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return flat if len(flat) <= MAX_LINE_CHARS else flat[: MAX_LINE_CHARS - 3] + "..."
+
+
+def named(items: list[str]) -> str:
+    """At most :data:`MAX_NAMED` items, then how many more."""
+    more = f" and {len(items) - MAX_NAMED} more" if len(items) > MAX_NAMED else ""
+    return ", ".join(items[:MAX_NAMED]) + more
+
+
+def problem_of(exc: StoreError, path: Path) -> str:
+    """The message of a shard error without its leading path."""
+    text = str(exc)
+    return text[len(str(path)) + 2 :] if text.startswith(f"{path}: ") else text
+
+
+def check_store(directory: Path, index: StoreIndex, files: ShardFiles, checksums: bool) -> list[str]:
+    """Every listed shard read whole and checked, then the unlisted shard-like and temporary files."""
+    problems = []
+    for s, entry in enumerate(index.shards):
+        path = directory / entry.file
+        try:
+            data = read_shard(path, directory, index.expectation(s, checksums))
+        except StoreError as exc:
+            problems.append(one_line(f"{entry.file}: {problem_of(exc, path)}"))
+            continue
+        wrong = _wrong_sample_ids(data, index, s)
+        if wrong:
+            problems.append(one_line(f"{entry.file}: batches {named(wrong)} do not hold the sample ids the index lists"))
+    return problems + [one_line(line) for line in unlisted_files(directory, {e.file for e in index.shards})]
+
+
+def _wrong_sample_ids(data: ShardData, index: StoreIndex, shard: int) -> list[str]:
+    batch = index.batch
+    wrong = []
+    for row in np.flatnonzero(batch["shard"] == shard):
+        j, row0, size = int(batch["j"][row]), int(batch["row0"][row]), int(batch["size"][row])
+        stored = data.get(f"b{j}/meta/sample_id")
+        listed = index.sample["sample_id"][row0 : row0 + size]
+        if stored.dim() != 1 or stored.is_floating_point() or not np.array_equal(stored.long().numpy(), listed):
+            wrong.append(f"b{j}")
+    return wrong
+
+
+def unlisted_files(directory: Path, listed: set[str]) -> list[str]:
+    """One line per shard-like file the index does not list, and per temporary file (never opened)."""
+    lines = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as exc:
+        return [f"{directory}: cannot be listed ({exc.strerror or exc})"]
+    for name in names:
+        if name in listed:
+            continue
+        if SHARD_LIKE.fullmatch(name):
+            what = _kind(directory / name)
+            lines.append(
+                f"{ascii(name)[1:-1]}: {what} not listed in the index (a shard in flight when the run stopped, or "
+                "one replaced by compaction); ignored; `metastore verify --repair` removes it"
+            )
+        elif TEMPORARY.fullmatch(name):
+            lines.append(f"{ascii(name)[1:-1]}: a temporary file left by a stopped writer; `metastore verify --repair` removes it")
+    return lines
+
+
+def _kind(path: Path) -> str:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "a file"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a file" if stat.S_ISREG(mode) else "a special file"
+
+
+def fill_v1_samples(directory: Path, entries: list[ShardEntry], layers: dict[str, Any], checksums: bool) -> list[str]:
+    """Read the sample rows of version 1 entries from their shards; drop (and report) shards that cannot be read.
+
+    Version 1 kept per-sample metadata only in the shards (``b{j}/meta/{column}``), so opening
+    such a store reads every shard once. Returns one problem line per shard left out.
+    """
+    problems = []
+    for entry in [e for e in entries if e.samples is None]:
+        path = directory / entry.file
+        try:
+            entry.samples = _v1_samples(read_shard(path, directory, expectation(entry, layers, checksums)), entry)
+        except StoreError as exc:
+            entries.remove(entry)
+            problems.append(one_line(f"{entry.file}: {problem_of(exc, path)}; its batches are left out"))
+    return problems
+
+
+def _v1_samples(data: ShardData, entry: ShardEntry) -> dict[str, np.ndarray]:
+    parts: dict[str, list[np.ndarray]] = {key: [] for key in ("sample_id", "label", "loss", "prediction")}
+    for j, size in enumerate(entry.batches["size"].tolist()):
+        meta = data.read(j, f"b{j}/meta/")
+        ids = meta.get("sample_id")
+        if ids is None or ids.dim() != 1 or ids.is_floating_point() or ids.shape[0] != size:
+            raise StoreError(f"{data.path}: tensor b{j}/meta/sample_id must be ({size},) integer sample ids")
+        parts["sample_id"].append(ids.long().numpy())
+        for key in ("label", "loss", "prediction"):
+            value = meta.get(key)
+            scalar = value is not None and value.dim() == 1 and value.shape[0] == size
+            fill = np.nan if key == "loss" or (value is not None and value.is_floating_point()) else -1
+            parts[key].append(value.double().numpy() if scalar and value is not None else np.full(size, fill))
+    samples = {"sample_id": np.concatenate(parts["sample_id"])}
+    for key in ("label", "loss", "prediction"):
+        column = np.concatenate(parts[key])
+        integral = key != "loss" and not np.isnan(column).any() and np.array_equal(column, np.round(column))
+        samples[key] = column.astype(np.int64 if integral else (np.float32 if key == "loss" else np.float64))
+    return samples

@@ -1,0 +1,103 @@
+"""The index of one rank as its writer keeps it: the manifest (config, layers) and the journal it appends to."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from metastore_plugins.core.store import manifest as mf
+from metastore_plugins.core.store.entries import ShardEntry, shard_pattern
+from metastore_plugins.core.store.index import read_rank
+from metastore_plugins.core.store.journal import JournalAppender, RankLock, encode_line, journal_name
+from metastore_plugins.core.store.manifest import StoreError
+
+
+class RankIndexWriter:
+    """Holds rank ``rank`` of a store for writing: its lock, manifest and journal.
+
+    Opening continues an existing rank (a torn journal tail is cut off first: a reader ignores
+    it anyway) or starts one; a version 1 rank is refused (it is read, never extended).
+    Adding a shard costs one fsynced journal line, whatever the run's length; the manifest is
+    rewritten only when the config or the layers change.
+    """
+
+    def __init__(self, directory: Path, rank: int, config: dict[str, Any]) -> None:
+        self.directory, self.rank = directory, rank
+        self.lock = RankLock(directory, rank)
+        try:
+            self._open(config)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self, config: dict[str, Any]) -> None:
+        for stale in (f"{mf.manifest_name(self.rank)}.tmp", f"{journal_name(self.rank)}.tmp"):
+            (self.directory / stale).unlink(missing_ok=True)
+        for stale in self.directory.glob(f"rank{self.rank}-*.tmp"):
+            stale.unlink(missing_ok=True)
+        path = self.directory / mf.manifest_name(self.rank)
+        good_size, self.shards, self.samples = 0, 0, 0
+        listed: list[str] = []
+        if os.path.lexists(path):
+            existing = read_rank(self.directory, self.rank, path)
+            if existing.version < mf.SCHEMA_VERSION:
+                raise StoreError(
+                    f"{path} was written in format version {existing.version}; this writer appends version "
+                    f"{mf.SCHEMA_VERSION} only: write to a new store directory (the old store stays readable)"
+                )
+            self.manifest = existing.manifest
+            good_size = existing.good_size
+            listed = [entry.file for entry in existing.entries]
+            self.shards, self.samples = len(listed), sum(entry.rows for entry in existing.entries)
+        else:
+            self.manifest = mf.new_manifest(self.rank, {})
+        merged = {**self.manifest.get("config", {}), **config}
+        if merged != self.manifest.get("config") or not os.path.lexists(path):
+            self.manifest["config"] = merged
+            mf.write_manifest(self.directory, self.manifest)
+        self.journal = JournalAppender(self.directory / journal_name(self.rank), good_size)
+        self._lock = threading.Lock()
+        self._layers_changed = False
+        self.next_shard = first_free_shard(self.directory, self.rank, listed)
+
+    @property
+    def layers(self) -> dict[str, dict[str, Any]]:
+        return self.manifest["layers"]
+
+    def register_layers(self, new: dict[str, dict[str, Any]]) -> None:
+        """Add layers; the manifest is rewritten before the next shard that uses them is listed."""
+        with self._lock:
+            self.manifest["layers"] = {**self.manifest["layers"], **new}
+            self._layers_changed = True
+
+    def append(self, entry: ShardEntry) -> None:
+        """List a shard that is whole on disk: manifest first if layers changed, then one journal line."""
+        line = encode_line(entry.to_json())
+        with self._lock:
+            manifest = {**self.manifest, "layers": dict(self.manifest["layers"])} if self._layers_changed else None
+            self._layers_changed = False
+        try:
+            if manifest is not None:
+                mf.write_manifest(self.directory, manifest)
+            mf.fsync_dir(self.directory)  # the shard's rename first
+            self.journal.append(line)
+        except BaseException:
+            with self._lock:
+                self._layers_changed = self._layers_changed or manifest is not None
+            raise
+        self.shards += 1
+        self.samples += entry.rows
+        self.next_shard += 1
+
+    def close(self) -> None:
+        self.journal.close()
+        self.lock.release()
+
+
+def first_free_shard(directory: Path, rank: int, listed: list[str]) -> int:
+    """After the highest shard number of ``rank`` on disk or listed (a killed writer's file is never overwritten)."""
+    pattern = shard_pattern(rank)
+    names = [*listed, *(n for n in os.listdir(directory) if pattern.fullmatch(n.removesuffix(".tmp")))]
+    return max((int(n.split("-")[1].split(".")[0]) for n in names), default=-1) + 1

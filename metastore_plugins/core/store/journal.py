@@ -1,0 +1,204 @@
+"""The index journal of one rank: ``index-rank{r}.jsonl``, one line per shard, appended and fsynced.
+
+Adding a shard appends one line, whatever the run's length (the version 1 manifest was
+rewritten whole after every shard). A line is ``{json} {crc32:08x}\\n``: the JSON text (ASCII)
+and the CRC-32 of its bytes. A line that does not end in a newline (a torn tail: the process
+died while appending) or whose CRC does not match is ignored and reported, never trusted.
+
+The JSON object of a line describes one shard (every field and bound: docs/format.md)::
+
+    {"file": "rank0-000003.safetensors", "bytes": 1234, "sha256": "...", "encoding": "fp16",
+     "capture_points": ["train"], "layers": ["fc1", "fc2"],
+     "batches": {"capture_point": ["i4", b64], "step": ["i8", b64], "epoch": ..., "micro_batch": ...,
+                 "size": ..., "lr": ["f8", b64], "meta": ["u1", b64]},
+     "records": {"batch": ..., "layer": ..., "kind": ["u1", b64], "rows": ..., "bytes": ..., "dense_bytes": ...},
+     "samples": {"sample_id": ["i8", b64], "label": ..., "loss": ["f4", b64], "prediction": ...}}
+
+Columns are little-endian arrays in base64; ``capture_point`` and ``layer`` index the line's
+name lists; ``lr`` is NaN where none was given; ``meta`` is a bit mask of the optional metadata
+tensors the shard holds for the batch (:data:`META_BITS`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import re
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from metastore_plugins.core.store.manifest import atomic_write_bytes, fsync_dir
+
+#: Dtype codes a column may use (all little-endian).
+DTYPES: dict[str, np.dtype[Any]] = {
+    code: np.dtype(f"<{code}") for code in ("i1", "u1", "i2", "i4", "i8", "f4", "f8", "b1")
+}
+#: Bits of the ``meta`` batch column: the optional ``b{j}/meta/{column}`` tensors a shard holds.
+META_BITS = {"label": 1, "loss": 2, "prediction": 4}
+#: Record kinds by their code in the ``kind`` record column.
+KIND_CODES = ("outer", "embedding", "dense")
+#: The longest line a reader accepts (a shard of 64 MiB of a tiny MLP needs about 15 MiB).
+MAX_LINE_BYTES = 256 * 2**20
+_LINE = re.compile(rb"^(\{.*\}) ([0-9a-f]{8})$", re.DOTALL)
+
+
+class JournalError(ValueError):
+    """A journal line that cannot be trusted (torn, damaged or malformed), with what is wrong."""
+
+
+def journal_name(rank: int) -> str:
+    return f"index-rank{rank}.jsonl"
+
+
+def pack(values: np.ndarray) -> list[str]:
+    """``[dtype code, base64 of the little-endian bytes]`` of a 1-d array."""
+    array = np.ascontiguousarray(values)
+    code = next((c for c, d in DTYPES.items() if d == array.dtype.newbyteorder("<")), None)
+    if code is None or array.ndim != 1:
+        raise ValueError(f"a journal column must be a 1-d array of {sorted(DTYPES)}; got {array.dtype} {array.shape}")
+    return [code, base64.b64encode(array.astype(DTYPES[code], copy=False).tobytes()).decode("ascii")]
+
+
+def unpack(value: Any, where: str) -> np.ndarray:
+    """The array of a packed column; raise :class:`JournalError` naming ``where``."""
+    if not (isinstance(value, list) and len(value) == 2 and value[0] in DTYPES and isinstance(value[1], str)):
+        raise JournalError(f"{where} must be [dtype code, base64 text] with a code of {sorted(DTYPES)}")
+    try:
+        raw = base64.b64decode(value[1], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise JournalError(f"{where} is not valid base64 ({exc})") from exc
+    dtype = DTYPES[value[0]]
+    if len(raw) % dtype.itemsize:
+        raise JournalError(f"{where} holds {len(raw)} bytes, not a whole number of {value[0]} values")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def encode_line(entry: dict[str, Any]) -> bytes:
+    """One journal line for ``entry`` (columns already packed)."""
+    text = json.dumps(entry, separators=(",", ":"), allow_nan=False).encode("ascii")
+    return text + b" " + f"{zlib.crc32(text):08x}".encode() + b"\n"
+
+
+def decode_line(line: bytes) -> dict[str, Any]:
+    """The JSON object of a complete line (with its newline); :class:`JournalError` when it cannot be trusted."""
+    if not line.endswith(b"\n"):
+        raise JournalError("torn: the line does not end (the writer stopped while appending it)")
+    match = _LINE.match(line[:-1])
+    if match is None:
+        raise JournalError("damaged: not a '{json} crc32' line")
+    text, crc = match.groups()
+    if f"{zlib.crc32(text):08x}".encode() != crc:
+        raise JournalError("damaged: its CRC-32 does not match its content")
+    try:
+        entry = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise JournalError(f"damaged: not JSON ({exc})") from exc
+    if not isinstance(entry, dict):
+        raise JournalError("damaged: not a JSON object")
+    return entry
+
+
+def read_lines(handle: Any) -> Iterator[tuple[int, bytes | None, int]]:
+    """``(line number from 1, line or None when longer than MAX_LINE_BYTES, offset after it)``."""
+    number, offset = 0, 0
+    while True:
+        line = handle.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > MAX_LINE_BYTES:
+            while line and not line.endswith(b"\n"):  # skip the rest of the overlong line
+                offset += len(line)
+                line = handle.readline(MAX_LINE_BYTES)
+            offset += len(line)
+            yield number, None, offset
+            continue
+        offset += len(line)
+        yield number, line, offset
+
+
+class JournalAppender:
+    """Appends lines to a rank's journal, each written whole and fsynced before :meth:`append` returns."""
+
+    def __init__(self, path: Path, good_size: int) -> None:
+        """Open ``path`` for appending after truncating it to ``good_size`` (dropping a torn tail)."""
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            if os.fstat(self._fd).st_size != good_size:
+                os.ftruncate(self._fd, good_size)
+                os.fsync(self._fd)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.size = good_size
+        fsync_dir(path.parent)
+
+    def append(self, line: bytes) -> None:
+        """Write ``line`` at the end and fsync; on failure cut the journal back to where it was."""
+        try:
+            os.lseek(self._fd, self.size, os.SEEK_SET)
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fsync(self._fd)
+        except BaseException:
+            try:
+                os.ftruncate(self._fd, self.size)
+            except OSError:
+                pass  # the torn tail is ignored by readers and dropped by the next writer
+            raise
+        self.size += len(line)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def lock_name(rank: int) -> str:
+    return f"rank{rank}.lock"
+
+
+class RankLock:
+    """An exclusive ``flock`` on ``rank{r}.lock``, held by the one process writing, compacting or
+    repairing a rank of a store (a file never replaced, so the lock outlives journal rewrites).
+    Taken without waiting: a busy lock is a clear error. No-op where ``fcntl`` is missing."""
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        self.path = directory / lock_name(rank)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no advisory locks
+            return
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(self._fd)
+            raise RuntimeError(
+                f"{directory} rank {rank} is in use by another process (a writer, compaction or repair holds "
+                f"{self.path.name}); wait for it to finish: one writer per store directory and rank"
+            ) from exc
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> RankLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def rewrite(path: Path, lines: list[bytes]) -> None:
+    """Replace the journal atomically by ``lines`` (compaction and repair; under :class:`RankLock`)."""
+    atomic_write_bytes(path, b"".join(lines))

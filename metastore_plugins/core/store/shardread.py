@@ -1,0 +1,273 @@
+"""Reading one shard file safely: a regular file of the store, read whole, checked, parsed by hand.
+
+A shard is opened without following links or blocking (FIFOs, devices), read into memory
+(never memory-mapped: a file truncated under a mapping kills the process), checked against
+what the index says (size, sha256 of exactly the bytes read, the exact set of tensor keys),
+and its safetensors header is parsed here within a size bound derived from those keys, so a
+hostile header cannot cost more than the index allows. Tensors are copies of the checked bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import stat
+import sys
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from metastore_plugins.core.store.manifest import StoreError
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_SCALED_ENCODINGS = ("fp16", "int8")
+_FLOAT_TENSORS = ("prefix", "suffix")
+_KIND_TENSORS = {"outer": ("prefix", "suffix", "sample", "position"), "embedding": ("ids", "suffix", "sample", "position")}
+#: Header bytes allowed per expected key, and for the ``__metadata__`` map and padding.
+_HEADER_BYTES_PER_KEY = 256
+_HEADER_SLACK = 4096
+
+
+def _kind_of(mode: int) -> str | None:
+    """Why a file of this mode is not read, or None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return "is a symbolic link; links are not followed"
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a shard file"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO, not a regular file; not read"
+    if stat.S_ISSOCK(mode):
+        return "is a socket, not a regular file; not read"
+    return "is a device or special file, not a regular file; not read"
+
+
+def file_problem(path: Path, directory: Path) -> str | None:
+    """What keeps ``path`` from being read as a file of ``directory`` (without opening it), or None."""
+    if path.parent != directory:
+        return f"is not a file of the store directory {directory}; not read"
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "missing on disk"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc}); check its permissions"
+    return _kind_of(mode)
+
+
+def open_regular(path: Path, directory: Path) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of a regular file of ``directory`` and its ``fstat``; the caller closes it.
+
+    Links are not followed and FIFOs or devices are not opened (no blocking); a file swapped
+    between the check and the open is refused. Raises :class:`StoreError` naming the file.
+    """
+    problem = file_problem(path, directory)
+    if problem is not None:
+        raise StoreError(f"{path}: {problem}")
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        before = os.lstat(path)
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot be read ({exc.strerror or exc}); check its permissions") from exc
+    opened = os.fstat(fd)
+    if _kind_of(opened.st_mode) is not None or (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        raise StoreError(f"{path}: was replaced while it was opened; not read")
+    return fd, opened
+
+
+@dataclass(frozen=True)
+class ShardExpectation:
+    """What the index says of a shard: its size, sha256 (None: not checked) and tensor keys."""
+
+    bytes: int
+    sha256: str | None
+    required: frozenset[str]
+    optional: frozenset[str] = frozenset()
+
+
+BatchKeys = tuple[Collection[str] | None, Sequence[tuple[str, Sequence[str]]]]
+
+
+def expected_keys(batches: Sequence[BatchKeys], encoding: str) -> tuple[frozenset[str], frozenset[str]]:
+    """``(required, optional)`` tensor keys of a shard from its batches' ``(meta columns, [(kind, roles)])``.
+
+    ``meta columns`` None (version 1: not recorded) makes label, loss and prediction optional.
+    With ``fp16`` and ``int8`` every floating tensor has its ``.scale`` key.
+    """
+    scaled = encoding in _SCALED_ENCODINGS
+    required: set[str] = set()
+    optional: set[str] = set()
+    for j, (meta, records) in enumerate(batches):
+        required.add(f"b{j}/meta/sample_id")
+        if meta is None:
+            optional.update(f"b{j}/meta/{column}" for column in ("label", "loss", "prediction"))
+        else:
+            required.update(f"b{j}/meta/{column}" for column in meta)
+        for k, (kind, roles) in enumerate(records):
+            names = [f"grad.{role}" for role in roles] if kind == "dense" else list(_KIND_TENSORS[kind])
+            floats = names if kind == "dense" else [n for n in names if n in _FLOAT_TENSORS]
+            required.update(f"b{j}/r{k}/{name}" for name in names)
+            if scaled:
+                required.update(f"b{j}/r{k}/{name}.scale" for name in floats)
+    return frozenset(required), frozenset(optional)
+
+
+class ShardData:
+    """The checked bytes of one shard and its parsed header; tensors are copies."""
+
+    def __init__(self, path: Path, data: bytearray, header: dict[str, Any], start: int, identity: tuple[int, ...]):
+        self.path, self._data, self._header, self._start, self.identity = path, data, header, start, identity
+        self._by_batch: dict[str, list[str]] = {}
+        for key in header:
+            self._by_batch.setdefault(key.split("/", 1)[0], []).append(key)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._data)
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def keys_of_batch(self, batch: int) -> list[str]:
+        return list(self._by_batch.get(f"b{batch}", ()))
+
+    def get(self, key: str) -> Tensor:
+        """The tensor ``key`` (an independent copy); :class:`StoreError` when the shard lacks it."""
+        entry = self._header.get(key)
+        if entry is None:
+            raise StoreError(f"{self.path}: holds no tensor {key!r}")
+        dtype, shape, (begin, end) = entry
+        if begin == end:
+            return torch.zeros(shape, dtype=dtype)
+        view = torch.frombuffer(self._data, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=self._start + begin)
+        return view.reshape(shape).clone()
+
+    def read(self, batch: int, prefix: str) -> dict[str, Tensor]:
+        """The tensors of stored batch ``batch`` whose keys start with ``prefix``, keyed without it."""
+        return {key[len(prefix) :]: self.get(key) for key in self.keys_of_batch(batch) if key.startswith(prefix)}
+
+
+def read_shard(path: Path, directory: Path, expect: ShardExpectation) -> ShardData:
+    """Read and check a shard whole; :class:`StoreError` starting with the path when it is not sound."""
+    if sys.byteorder != "little":
+        raise NotImplementedError("shards are read on little-endian hosts only (safetensors stores little-endian)")
+    fd, opened = open_regular(path, directory)
+    try:
+        if opened.st_size != expect.bytes:
+            raise StoreError(
+                f"{path}: size mismatch, {opened.st_size} bytes on disk but {expect.bytes} in the index "
+                "(truncated or rewritten)"
+            )
+        data = bytearray(expect.bytes)
+        view, done = memoryview(data), 0
+        while done < expect.bytes:
+            got = os.readv(fd, [view[done:]])
+            if got == 0:
+                raise StoreError(f"{path}: shrank while it was read (truncated or rewritten)")
+            done += got
+        if os.read(fd, 1):
+            raise StoreError(f"{path}: grew while it was read (rewritten)")
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    finally:
+        os.close(fd)
+    if expect.sha256 is not None:
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expect.sha256:
+            raise StoreError(
+                f"{path}: checksum mismatch, sha256 {actual} on disk but {expect.sha256} in the index (the file is damaged)"
+            )
+    header, start = _parse_header(path, data, expect)
+    identity = (opened.st_dev, opened.st_ino, opened.st_size, opened.st_mtime_ns)
+    return ShardData(path, data, header, start, identity)
+
+
+def _parse_header(path: Path, data: bytearray, expect: ShardExpectation) -> tuple[dict[str, Any], int]:
+    def fail(what: str) -> StoreError:
+        return StoreError(f"{path}: not a readable safetensors file ({what})")
+
+    if len(data) < 8:
+        raise fail("shorter than its 8-byte header length")
+    length = int.from_bytes(data[:8], "little")
+    cap = _HEADER_BYTES_PER_KEY * (len(expect.required) + len(expect.optional)) + _HEADER_SLACK
+    if length > len(data) - 8 or length > cap:
+        raise fail(f"a header of {length} bytes, larger than the file or the {cap} bytes its index allows")
+    try:
+        raw = json.loads(bytes(data[8 : 8 + length]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise fail(f"header is not UTF-8 JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise fail("header is not a JSON object")
+    metadata = raw.pop("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise fail("__metadata__ is not a map of strings")
+    unexpected = sorted(set(raw) - expect.required - expect.optional)
+    if unexpected:
+        raise StoreError(f"{path}: holds {len(unexpected)} tensor key(s) the index does not list: {_few(unexpected)}")
+    missing = sorted(expect.required - set(raw))
+    if missing:
+        raise StoreError(f"{path}: lacks {len(missing)} tensor key(s) the index lists: {_few(missing)}")
+    start, size = 8 + length, len(data) - 8 - length
+    header: dict[str, Any] = {}
+    spans = []
+    for key, entry in raw.items():
+        header[key] = _entry(key, entry, size, fail)
+        spans.append((header[key][2], key))
+    spans.sort()
+    for (first, key), (second, other) in zip(spans, spans[1:]):
+        if second[0] < first[1]:
+            raise fail(f"tensors {key!r} and {other!r} overlap")
+    return header, start
+
+
+def _entry(key: str, entry: Any, size: int, fail: Any) -> tuple[torch.dtype, tuple[int, ...], tuple[int, int]]:
+    if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
+        raise fail(f"tensor {key!r} has no dtype of {sorted(_DTYPES)}")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and len(shape) <= 8 and all(_small_int(d) for d in shape)):
+        raise fail(f"tensor {key!r} has no valid shape")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_small_int(v) for v in offsets)):
+        raise fail(f"tensor {key!r} has no valid data_offsets")
+    dtype = _DTYPES[entry["dtype"]]
+    begin, end = offsets
+    if not begin <= end <= size or end - begin != math.prod(shape) * dtype.itemsize:
+        raise fail(f"tensor {key!r} has data_offsets {offsets} that do not fit its shape {shape} in the file")
+    return dtype, tuple(shape), (begin, end)
+
+
+def _small_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**40
+
+
+def _few(keys: list[str]) -> str:
+    return ", ".join(ascii(k)[1:-1] for k in keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
+def shard_problem(path: Path, directory: Path, expect: ShardExpectation) -> str | None:
+    """What :func:`read_shard` would refuse, without the leading path, or None when the shard is sound."""
+    try:
+        read_shard(path, directory, expect)
+    except StoreError as exc:
+        text = str(exc)
+        return text[len(str(path)) + 2 :] if text.startswith(f"{path}: ") else text
+    return None
