@@ -6,6 +6,8 @@ Example::
     metastore outliers runs/text-classifier -k 10
     metastore influence runs/text-classifier --test 0,1,2 -k 5
     metastore restore runs/text-classifier --sample 17 --capture-point epoch-1/val --out g.safetensors
+    metastore compact runs/text-classifier          # merge small shards (crash-safe)
+    metastore verify runs/text-classifier --repair  # remove what a killed run left behind
 
 User mistakes (unknown run, sample, layer, step) print one line and exit with status 2.
 """
@@ -26,7 +28,8 @@ from metastore_plugins.core.analysis import GradientStore, RunComparison, open_s
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
 from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.tables import influence_rows, outlier_rows
-from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.store import StoreError, find_store_dir
+from metastore_plugins.core.store.maintenance import compact, repair
 
 
 def _ids(text: str) -> list[int]:
@@ -116,6 +119,30 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
     ]
     _emit(args, data, "\n".join(lines))
     return 1 if problems else 0
+
+
+def cmd_verify(args: argparse.Namespace, path: Path) -> int:
+    """Exit status 1 when problems remain (after ``--repair``, the ones it cannot remove)."""
+    removed = repair(path) if args.repair else []
+    problems = open_store(path).verify(checksums=not args.no_checksums)
+    lines = [
+        *(f"repaired: {line}" for line in removed),
+        *problems,
+        "problems: " + ("none" if not problems else str(len(problems))),
+    ]
+    _emit(args, {"removed": removed, "problems": problems}, "\n".join(lines))
+    return 1 if problems else 0
+
+
+def cmd_compact(args: argparse.Namespace, path: Path) -> int:
+    report = compact(path, target_bytes=args.target_mb * 2**20)
+    text = (
+        f"shards     {report.shards_before} -> {report.shards_after} "
+        f"({len(report.merged)} merged into {len(report.written)})"
+        + "".join(f"\nskipped    {line}" for line in report.skipped)
+    )
+    _emit(args, _plain(report), text)
+    return 0
 
 
 def cmd_report(args: argparse.Namespace, store: GradientStore) -> None:
@@ -263,6 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("inspect", cmd_inspect, "capture points, steps, samples, layers, bytes, damage")
     p.add_argument("--no-checksums", action="store_true", help="skip the sha256 check of every shard")
+    p = add("verify", cmd_verify, "check every shard against the index; --repair removes leftovers of a killed run")
+    p.add_argument(
+        "--repair", action="store_true", help="remove unlisted shards, temporary files, untrusted index lines"
+    )
+    p.add_argument("--no-checksums", action="store_true", help="skip the sha256 check of every shard")
+    p.set_defaults(on_directory=True)
+    p = add("compact", cmd_compact, "merge small shards into large ones (crash-safe; not while the run writes)")
+    p.add_argument("--target-mb", type=_positive, default=64, help="largest merged shard in MiB (default 64)")
+    p.set_defaults(on_directory=True)
     p = add("report", cmd_report, "(re)build the report files")
     p.add_argument("--out", help="directory for the report files (default: STORE/reports, as the callbacks)")
     p.add_argument("-k", type=_positive, default=20, help="rows of the outlier table")
@@ -307,8 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        store = open_store(args.run)
-        status = args.func(args, store) or 0
+        target = find_store_dir(args.run) if getattr(args, "on_directory", False) else open_store(args.run)
+        status = args.func(args, target) or 0
     except (StoreError, ValueError, FileNotFoundError) as exc:
         print(f"metastore {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -18,30 +18,33 @@ from torch import Tensor
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis.results import Scores
+from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
-from metastore_plugins.core.store import Selection, StoredBatch, StoreReader
+from metastore_plugins.core.store import Selection, StoreReader
 
 
-def _sq_norms(batch: StoredBatch, by_layer: bool) -> dict[str, Tensor]:
+def _sq_norms(records: list[LayerRecord], by_layer: bool) -> dict[str, Tensor]:
     if not by_layer:
-        return {"total": ops.total_sq_norms(batch.records)}
+        return {"total": ops.total_sq_norms(records)}
     layers: dict[str, list] = {}
-    for record in batch.records:
+    for record in records:
         layers.setdefault(record.layer, []).append(record)
     return {layer: ops.total_sq_norms(records) for layer, records in layers.items()}
 
 
-def sq_norms(selection: Selection, by_layer: bool = False) -> dict[str, np.ndarray]:
-    """Squared per-sample gradient norms (key ``"total"``, or one key per layer), in selection order."""
-    parts: list[dict[str, Tensor]] = []
-    for batch in selection.batches():
-        if not batch.records:
-            raise ValueError(f"the batch at step {batch.ref.step} holds no records of the selected layers")
-        parts.append(_sq_norms(batch, by_layer))
-    keys = list(dict.fromkeys(key for part in parts for key in part))
-    sizes = [next(iter(p.values())).shape[0] for p in parts]
+def sq_norms(selection: Selection, by_layer: bool = False, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, np.ndarray]:
+    """Squared per-sample gradient norms (key ``"total"``, or one key per layer), in selection order.
+
+    Consecutive batches with the same records go through each op together (:meth:`Selection.merged`).
+    """
+    parts: list[tuple[int, dict[str, Tensor]]] = []
+    for run, records in selection.merged(max_bytes // 2):
+        if not records:
+            raise ValueError(f"the batch at step {run[0].ref.step} holds no records of the selected layers")
+        parts.append((sum(b.size for b in run), _sq_norms(records, by_layer)))
+    keys = list(dict.fromkeys(key for _, part in parts for key in part))
     return {
-        key: np.concatenate([p[key].double().numpy() if key in p else np.zeros(n) for p, n in zip(parts, sizes)])
+        key: np.concatenate([p[key].double().numpy() if key in p else np.zeros(n) for n, p in parts])
         if parts
         else np.zeros(0)
         for key in keys
@@ -116,7 +119,11 @@ def self_influence(store: StoreReader, capture_point: str | Sequence[str] | None
     parts = []
     for point in points:
         selection = store.select(point, **where)
-        values = [b.ref.lr_weight * ops.total_sq_norms(b.records).double().numpy() for b in selection.batches()]
+        values = [
+            np.repeat([b.ref.lr_weight for b in run], [b.size for b in run])
+            * ops.total_sq_norms(records).double().numpy()
+            for run, records in selection.merged(DEFAULT_MAX_BYTES // 2)
+        ]
         parts.append((selection.sample_ids(), np.concatenate(values) if values else np.zeros(0)))
     if len(parts) == 1:
         return parts[0][1]

@@ -90,10 +90,10 @@ def _integer(columns: dict[str, np.ndarray], key: str, where: str, low: float, h
     return values
 
 
-def _names(raw: Any, where: str) -> list[str]:
+def _names(raw: Any, where: str, empty_ok: bool = False) -> list[str]:
     _need(isinstance(raw, list) and len(raw) <= 2**16, where, "must be a list of names")
     for name in raw:
-        problem = name_problem(name)
+        problem = name_problem(name, empty_ok)
         _need(problem is None, where, f"name {problem}")
     return list(raw)
 
@@ -101,12 +101,20 @@ def _names(raw: Any, where: str) -> list[str]:
 def entry_from_json(raw: dict[str, Any], rank: int, layers: dict[str, Any]) -> ShardEntry:
     """Check a journal object against the rank and its manifest's layers; :class:`JournalError` if untrusted."""
     file = raw.get("file")
-    _need(isinstance(file, str) and shard_pattern(rank).fullmatch(file) is not None, "file", f"must be a rank{rank}-NNNNNN.safetensors name")
+    _need(
+        isinstance(file, str) and shard_pattern(rank).fullmatch(file) is not None,
+        "file",
+        f"must be a rank{rank}-NNNNNN.safetensors name",
+    )
     _need(isinstance(raw.get("bytes"), int) and 0 <= raw["bytes"] < MAX_INT, "bytes", "must be a byte count")
-    _need(isinstance(raw.get("sha256"), str) and _SHA256.fullmatch(raw["sha256"]) is not None, "sha256", "must be 64 hex digits")
+    _need(
+        isinstance(raw.get("sha256"), str) and _SHA256.fullmatch(raw["sha256"]) is not None,
+        "sha256",
+        "must be 64 hex digits",
+    )
     _need(raw.get("encoding") in ENCODING_NAMES, "encoding", f"must be one of {ENCODING_NAMES}")
     capture_points = _names(raw.get("capture_points"), "capture_points")
-    layer_names = _names(raw.get("layers"), "layers")
+    layer_names = _names(raw.get("layers"), "layers", empty_ok=True)
     unknown = [name for name in layer_names if name not in layers]
     _need(not unknown, "layers", f"{ascii(unknown)[:80]} are not in the rank's manifest")
     b = _columns(raw.get("batches"), BATCH_FIELDS, BATCH_FIELDS, "batches")
@@ -128,8 +136,15 @@ def entry_from_json(raw: dict[str, Any], rank: int, layers: dict[str, Any]) -> S
     records["kind"] = _integer(r, "kind", "records", 0, len(KIND_CODES))
     _need(bool((np.diff(records["batch"]) >= 0).all()), "records.batch", "must be grouped by batch in order")
     dense = records["kind"] == KIND_CODES.index("dense")
-    _need(bool((records["rows"][dense] == batches["size"][records["batch"][dense]]).all()), "records.rows", "of a dense record must equal its batch's size")
-    entry = ShardEntry(file, raw["bytes"], raw["sha256"], raw["encoding"], rank, capture_points, layer_names, batches, records, None)
+    _need(
+        bool((records["rows"][dense] == batches["size"][records["batch"][dense]]).all()),
+        "records.rows",
+        "of a dense record must equal its batch's size",
+    )
+    assert isinstance(file, str)  # checked above
+    entry = ShardEntry(
+        file, raw["bytes"], raw["sha256"], raw["encoding"], rank, capture_points, layer_names, batches, records, None
+    )
     entry.samples = _samples(_columns(raw.get("samples"), SAMPLE_FIELDS, ("sample_id",), "samples"), entry.rows)
     return entry
 
@@ -152,7 +167,10 @@ def entry_from_v1(shard: dict[str, Any], rank: int) -> ShardEntry:
     batches = shard["batches"]
     points = list(dict.fromkeys(batch["capture_point"] for batch in batches))
     layer_names = list(dict.fromkeys(r["layer"] for batch in batches for r in batch["records"]))
-    columns = {key: np.array([batch[key] for batch in batches], dtype=np.int64) for key in ("step", "epoch", "micro_batch", "size")}
+    columns = {
+        key: np.array([batch[key] for batch in batches], dtype=np.int64)
+        for key in ("step", "epoch", "micro_batch", "size")
+    }
     columns["capture_point"] = np.array([points.index(batch["capture_point"]) for batch in batches], dtype=np.int64)
     columns["lr"] = np.array([np.nan if batch["lr"] is None else batch["lr"] for batch in batches], dtype=np.float64)
     columns["meta"] = np.full(len(batches), -1, dtype=np.int64)  # unknown: any optional column may be stored
@@ -163,7 +181,18 @@ def entry_from_v1(shard: dict[str, Any], rank: int) -> ShardEntry:
         "kind": np.array([KIND_CODES.index(r["kind"]) for _, r in flat], dtype=np.int64),
         **{key: np.array([r[key] for _, r in flat], dtype=np.int64) for key in ("rows", "bytes", "dense_bytes")},
     }
-    return ShardEntry(shard["file"], shard["bytes"], shard["sha256"], shard["encoding"], rank, points, layer_names, columns, records, None)
+    return ShardEntry(
+        shard["file"],
+        shard["bytes"],
+        shard["sha256"],
+        shard["encoding"],
+        rank,
+        points,
+        layer_names,
+        columns,
+        records,
+        None,
+    )
 
 
 def meta_columns(mask: int) -> list[str] | None:
@@ -179,12 +208,17 @@ def new_entry(
     dense_bytes) and ``meta`` the batch's metadata tensors (``(B,)`` or ``(B, ...)``, on the CPU)."""
     points = list(dict.fromkeys(info["capture_point"] for info, _ in batches))
     layers = list(dict.fromkeys(r["layer"] for info, _ in batches for r in info["records"]))
-    columns = {key: np.array([info[key] for info, _ in batches], dtype=np.int64) for key in ("step", "epoch", "micro_batch", "size")}
+    columns = {
+        key: np.array([info[key] for info, _ in batches], dtype=np.int64)
+        for key in ("step", "epoch", "micro_batch", "size")
+    }
     columns["capture_point"] = np.array([points.index(info["capture_point"]) for info, _ in batches], dtype=np.int32)
     columns["lr"] = np.array([np.nan if info["lr"] is None else info["lr"] for info, _ in batches], dtype=np.float64)
-    columns["meta"] = np.array([sum(bit for key, bit in META_BITS.items() if key in meta) for _, meta in batches], dtype=np.uint8)
+    columns["meta"] = np.array(
+        [sum(bit for key, bit in META_BITS.items() if key in meta) for _, meta in batches], dtype=np.uint8
+    )
     flat = [(j, r) for j, (info, _) in enumerate(batches) for r in info["records"]]
-    records = {
+    records: dict[str, np.ndarray] = {
         "batch": np.array([j for j, _ in flat], dtype=np.int32),
         "layer": np.array([layers.index(r["layer"]) for _, r in flat], dtype=np.int32),
         "kind": np.array([KIND_CODES.index(r["kind"]) for _, r in flat], dtype=np.uint8),
@@ -199,8 +233,12 @@ def new_entry(
 
 def _scalar_column(key: str, parts: list[tuple[int, torch.Tensor | None]]) -> np.ndarray:
     """One value per sample: 1-d columns as they are, others (absent, or ``(B, ...)``) as -1 or NaN."""
-    arrays = [None if v is None or v.dim() != 1 else (v.float() if v.dtype == torch.bfloat16 else v).numpy() for _, v in parts]
+    arrays = [
+        None if v is None or v.dim() != 1 else (v.float() if v.dtype == torch.bfloat16 else v).numpy() for _, v in parts
+    ]
     floating = key == "loss" or any(a is not None and a.dtype.kind not in "iub" for a in arrays)
     dtype = np.float32 if key == "loss" else (np.float64 if floating else np.int64)
     fill = np.nan if floating else -1
-    return np.concatenate([np.full(n, fill, dtype) if a is None else a.astype(dtype) for (n, _), a in zip(parts, arrays)])
+    return np.concatenate(
+        [np.full(n, fill, dtype) if a is None else a.astype(dtype) for (n, _), a in zip(parts, arrays)]
+    )

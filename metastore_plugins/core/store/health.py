@@ -18,7 +18,21 @@ from metastore_plugins.core.store.shardread import ShardData, read_shard
 
 #: Files a writer or compaction leaves behind when it stops: shards and temporary files.
 SHARD_LIKE = re.compile(r"rank(0|[1-9][0-9]{0,8})-[0-9]{6,9}\.safetensors", re.ASCII)
-TEMPORARY = re.compile(r".+\.tmp", re.ASCII | re.DOTALL)
+#: A writer's, compaction's or repair's temporary files (the name of what it replaces + ``.tmp``): only these are
+#: reported and removed by repair, never another program's ``*.tmp``.
+TEMPORARY = re.compile(
+    r"(?:manifest-rank(0|[1-9][0-9]{0,8})\.json|index-rank(0|[1-9][0-9]{0,8})\.jsonl"
+    r"|rank(0|[1-9][0-9]{0,8})-[0-9]{6,9}\.safetensors)\.tmp",
+    re.ASCII,
+)
+
+
+def leftover_rank(name: str) -> int | None:
+    """The rank of a shard-like or temporary file name (:data:`SHARD_LIKE`, :data:`TEMPORARY`), else None."""
+    match = SHARD_LIKE.fullmatch(name) or TEMPORARY.fullmatch(name)
+    return None if match is None else int(next(g for g in match.groups() if g is not None))
+
+
 #: The longest problem line ``verify`` returns, and the most items one line names.
 MAX_LINE_CHARS = 400
 MAX_NAMED = 5
@@ -54,7 +68,9 @@ def check_store(directory: Path, index: StoreIndex, files: ShardFiles, checksums
             continue
         wrong = _wrong_sample_ids(data, index, s)
         if wrong:
-            problems.append(one_line(f"{entry.file}: batches {named(wrong)} do not hold the sample ids the index lists"))
+            problems.append(
+                one_line(f"{entry.file}: batches {named(wrong)} do not hold the sample ids the index lists")
+            )
     return problems + [one_line(line) for line in unlisted_files(directory, {e.file for e in index.shards})]
 
 
@@ -82,12 +98,13 @@ def unlisted_files(directory: Path, listed: set[str]) -> list[str]:
             continue
         if SHARD_LIKE.fullmatch(name):
             what = _kind(directory / name)
+            fix = "remove it yourself" if what == "a directory" else "`metastore verify --repair` removes it"
             lines.append(
                 f"{ascii(name)[1:-1]}: {what} not listed in the index (a shard in flight when the run stopped, or "
-                "one replaced by compaction); ignored; `metastore verify --repair` removes it"
+                f"one replaced by compaction); ignored; {fix}"
             )
         elif TEMPORARY.fullmatch(name):
-            lines.append(f"{ascii(name)[1:-1]}: a temporary file left by a stopped writer; `metastore verify --repair` removes it")
+            lines.append(f"{ascii(name)[1:-1]}: a temporary file left by a stopped writer; `--repair` removes it")
     return lines
 
 

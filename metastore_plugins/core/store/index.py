@@ -16,7 +16,14 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.store import manifest as mf
-from metastore_plugins.core.store.entries import ShardEntry, entry_from_json, entry_from_v1, meta_columns
+from metastore_plugins.core.store.entries import (
+    BATCH_FIELDS,
+    RECORD_FIELDS,
+    ShardEntry,
+    entry_from_json,
+    entry_from_v1,
+    meta_columns,
+)
 from metastore_plugins.core.store.journal import KIND_CODES, JournalError, decode_line, journal_name, read_lines
 from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.shardread import ShardExpectation, expected_keys, open_regular
@@ -43,7 +50,9 @@ def read_bounded(path: Path, directory: Path, cap: int, what: str) -> bytes:
     with os.fdopen(fd, "rb") as handle:
         if stat.st_size > cap:
             raise StoreError(f"{path}: {what} of {stat.st_size} bytes is larger than the {cap} bytes a reader accepts")
-        data = handle.read(cap + 1)
+        data = handle.read(stat.st_size + 1)  # not read(cap + 1): that allocates the whole cap up front
+        if len(data) > stat.st_size:
+            data += handle.read(cap + 1 - len(data))
     if len(data) > cap:
         raise StoreError(f"{path}: {what} grew past {cap} bytes while it was read")
     return data
@@ -83,6 +92,9 @@ def read_rank(directory: Path, rank: int, path: Path) -> RankIndex:
             seen.add(entry.file)
             index.entries.append(entry)
     return index
+
+
+_BATCH_COLUMNS = ("shard", "j", "capture_point", "rank", "row0", "rec0", "nrec", *BATCH_FIELDS[1:])
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -135,6 +147,9 @@ class StoreIndex:
                 records.setdefault(key, []).append(local_layers[value] if key == "layer" and len(value) else value)
             row0 += int(sizes.sum())
             rec0 += len(r["batch"])
+        if not entries:  # a rank with no shard yet, or every journal line ignored: empty columns
+            parts = {key: [np.zeros(0, np.float64 if key == "lr" else np.int64)] for key in _BATCH_COLUMNS}
+            records = {key: [np.zeros(0, np.int64)] for key in RECORD_FIELDS}
         joined = {key: np.concatenate(value) for key, value in parts.items()}
         order = np.lexsort((np.arange(len(joined["step"])), joined["rank"], joined["micro_batch"], joined["step"]))
         self.batch = {key: value[order] for key, value in joined.items()}
@@ -162,20 +177,24 @@ class StoreIndex:
 def expectation(entry: ShardEntry, layers: dict[str, dict[str, Any]], checksums: bool) -> ShardExpectation:
     """The size, checksum and exact tensor keys an entry says its shard holds."""
     described = []
-    for j in range(len(entry.batches["step"])):
-        at = entry.records["batch"] == j
-        records = [
-            (KIND_CODES[int(kind)], list(layers[entry.layers[int(layer)]]["params"]))
-            for kind, layer in zip(entry.records["kind"][at], entry.records["layer"][at])
-        ]
-        described.append((meta_columns(int(entry.batches["meta"][j])), records))
+    roles = [list(layers[name]["params"]) for name in entry.layers]
+    kinds, layer_of = entry.records["kind"].tolist(), entry.records["layer"].tolist()
+    metas = entry.batches["meta"].tolist()
+    columns = {mask: meta_columns(mask) for mask in set(metas)}
+    # records are grouped by batch in order (checked): batch j's are one slice, found in O(n_b + n_r)
+    bounds = np.searchsorted(entry.records["batch"], np.arange(len(metas) + 1)).tolist()
+    for j, meta in enumerate(metas):
+        records = [(KIND_CODES[kinds[k]], roles[layer_of[k]]) for k in range(bounds[j], bounds[j + 1])]
+        described.append((columns[meta], records))
     required, optional = expected_keys(described, entry.encoding)
     return ShardExpectation(entry.bytes, entry.sha256 if checksums else None, required, optional)
 
 
 def _join_samples(entries: list[ShardEntry]) -> dict[str, np.ndarray]:
     """The entries' sample columns joined; a column some entries lack is filled (-1, or NaN for floats)."""
-    names = [key for key in ("sample_id", "label", "loss", "prediction") if any(key in (e.samples or {}) for e in entries)]
+    names = [
+        key for key in ("sample_id", "label", "loss", "prediction") if any(key in (e.samples or {}) for e in entries)
+    ]
     joined: dict[str, np.ndarray] = {}
     for key in names or ["sample_id"]:
         parts = [(e.samples or {}).get(key) for e in entries]
@@ -183,7 +202,9 @@ def _join_samples(entries: list[ShardEntry]) -> dict[str, np.ndarray]:
         fill = np.nan if floating else -1
         dtype = np.float32 if key == "loss" else (np.float64 if floating else np.int64)
         joined[key] = (
-            np.concatenate([np.full(e.rows, fill, dtype) if p is None else p.astype(dtype) for e, p in zip(entries, parts)])
+            np.concatenate(
+                [np.full(e.rows, fill, dtype) if p is None else p.astype(dtype) for e, p in zip(entries, parts)]
+            )
             if entries
             else np.zeros(0, dtype)
         )

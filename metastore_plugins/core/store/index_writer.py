@@ -33,9 +33,8 @@ class RankIndexWriter:
             raise
 
     def _open(self, config: dict[str, Any]) -> None:
-        for stale in (f"{mf.manifest_name(self.rank)}.tmp", f"{journal_name(self.rank)}.tmp"):
-            (self.directory / stale).unlink(missing_ok=True)
-        for stale in self.directory.glob(f"rank{self.rank}-*.tmp"):
+        names = (f"{mf.manifest_name(self.rank)}.tmp", f"{journal_name(self.rank)}.tmp")
+        for stale in [*(self.directory / name for name in names), *self.directory.glob(f"rank{self.rank}-*.tmp")]:
             stale.unlink(missing_ok=True)
         path = self.directory / mf.manifest_name(self.rank)
         good_size, self.shards, self.samples = 0, 0, 0

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from metastore_plugins.core.store.manifest import atomic_write_bytes, fsync_dir
+from metastore_plugins.core.store.manifest import StoreError, atomic_write_bytes, fsync_dir
 
 #: Dtype codes a column may use (all little-endian).
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -182,7 +182,7 @@ class RankLock:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             os.close(self._fd)
-            raise RuntimeError(
+            raise StoreError(
                 f"{directory} rank {rank} is in use by another process (a writer, compaction or repair holds "
                 f"{self.path.name}); wait for it to finish: one writer per store directory and rank"
             ) from exc

@@ -19,7 +19,7 @@ from safetensors.torch import save
 
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import ShardEntry, shard_pattern
-from metastore_plugins.core.store.health import SHARD_LIKE, TEMPORARY, one_line
+from metastore_plugins.core.store.health import TEMPORARY, leftover_rank, one_line
 from metastore_plugins.core.store.index import RankIndex, expectation, read_rank
 from metastore_plugins.core.store.index_writer import first_free_shard
 from metastore_plugins.core.store.journal import RankLock, encode_line, journal_name, rewrite
@@ -55,7 +55,10 @@ def compact(directory: str | os.PathLike[str], target_bytes: int = TARGET_BYTES)
     if target_bytes <= 0:
         raise ValueError(f"target_bytes must be a positive byte count; got {target_bytes!r}")
     report = CompactionReport()
-    for rank, path in _ranks(directory):
+    ranks = _ranks(directory)
+    if not ranks:
+        raise StoreError(f"{directory} is not a metastore store: it holds no manifest-rank*.json")
+    for rank, path in ranks:
         with RankLock(directory, rank):
             index = read_rank(directory, rank, path)
             report.shards_before += len(index.entries)
@@ -151,10 +154,20 @@ def merge_entries(members: list[ShardEntry], file: str, nbytes: int, sha256: str
         floating = key == "loss" or any(p is not None and p.dtype.kind == "f" for p in parts)
         dtype = np.float32 if key == "loss" else (np.float64 if floating else np.int64)
         fill = np.nan if floating else -1
-        samples[key] = np.concatenate([np.full(e.rows, fill, dtype) if p is None else p.astype(dtype) for e, p in zip(members, parts)])
+        samples[key] = np.concatenate(
+            [np.full(e.rows, fill, dtype) if p is None else p.astype(dtype) for e, p in zip(members, parts)]
+        )
     return ShardEntry(
-        file, nbytes, sha256, members[0].encoding, members[0].rank, points, layer_names,
-        {k: np.concatenate(v) for k, v in batches.items()}, {k: np.concatenate(v) for k, v in records.items()}, samples,
+        file,
+        nbytes,
+        sha256,
+        members[0].encoding,
+        members[0].rank,
+        points,
+        layer_names,
+        {k: np.concatenate(v) for k, v in batches.items()},
+        {k: np.concatenate(v) for k, v in records.items()},
+        samples,
     )
 
 
@@ -165,8 +178,10 @@ def repair(directory: str | os.PathLike[str]) -> list[str]:
     directory = Path(directory)
     removed: list[str] = []
     manifests = dict(_ranks(directory))
+    if not directory.is_dir():
+        raise StoreError(f"{directory} is not a metastore store: it does not exist")
     names = sorted(os.listdir(directory))
-    ranks = set(manifests) | {int(m.group(1)) for n in names if (m := SHARD_LIKE.fullmatch(n))}
+    ranks = set(manifests) | {r for n in names if (r := leftover_rank(n)) is not None}
     for rank in sorted(ranks):
         with RankLock(directory, rank):
             index = read_rank(directory, rank, manifests[rank]) if rank in manifests else None

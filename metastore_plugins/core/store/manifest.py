@@ -157,10 +157,11 @@ def _need(ok: bool, path: Path, where: str, what: str) -> None:
         raise ValueError(f"malformed manifest {path}: {where} {what}")
 
 
-def name_problem(name: Any) -> str | None:
-    """Why ``name`` cannot be a layer, parameter or capture point name, or ``None``."""
-    if not isinstance(name, str) or not name:
-        return f"must be a non-empty string; got {type(name).__name__}"
+def name_problem(name: Any, empty_ok: bool = False) -> str | None:
+    """Why ``name`` cannot be a layer (``""``: the model itself, with ``empty_ok``), parameter or capture
+    point name, or ``None``."""
+    if not isinstance(name, str) or not (name or empty_ok):
+        return f"must be a non-empty string; got {ascii(name)[:40]}"
     if len(name) > MAX_NAME_CHARS:
         return f"is longer than {MAX_NAME_CHARS} characters"
     if _CONTROL.search(name):
@@ -184,7 +185,7 @@ def check_layers(layers: Any, path: Path) -> None:
     _need(isinstance(layers, dict), path, '"layers"', "must be an object")
     for name, layer in layers.items():
         where = f"layers[{ascii(name)[:80]}]"
-        problem = name_problem(name)
+        problem = name_problem(name, empty_ok=True)
         _need(problem is None, path, where, f"name {problem}")
         _need(isinstance(layer, dict), path, where, "must be an object")
         params, shapes = layer.get("params"), layer.get("param_shapes")
@@ -239,6 +240,8 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
         _need(isinstance(batches, list), path, f"{where}.batches", "must be a list")
         for j, batch in enumerate(batches):
             _check_batch(batch, manifest, path, f"{where}.batches[{j}]")
+    files = [shard["file"] for shard in shards]
+    _need(len(set(files)) == len(files), path, '"shards"', "lists a shard file twice")
 
 
 def _check_batch(batch: Any, manifest: dict[str, Any], path: Path, where: str) -> None:
@@ -246,7 +249,9 @@ def _check_batch(batch: Any, manifest: dict[str, Any], path: Path, where: str) -
     problem = name_problem(batch.get("capture_point"))
     _need(problem is None, path, f"{where}.capture_point", str(problem))
     for key in ("step", "epoch", "micro_batch"):
-        _need(in_range(batch.get(key)), path, f"{where}.{key}", f"must be an integer within ±2^53; got {batch.get(key)!r}")
+        _need(
+            in_range(batch.get(key)), path, f"{where}.{key}", f"must be an integer within ±2^53; got {batch.get(key)!r}"
+        )
     _need(batch.get("rank") == manifest["rank"], path, f"{where}.rank", "must equal the manifest's rank")
     _need(in_range(batch.get("size"), 0, 2**31), path, f"{where}.size", "must be a sample count")
     _need("lr" in batch, path, f"{where}.lr", "is missing (a number or null)")

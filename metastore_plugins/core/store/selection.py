@@ -40,6 +40,31 @@ def subset_record(record: LayerRecord, keep: Tensor) -> LayerRecord:
     return replace(record, batch_size=int(keep.numel()), tensors=tensors)
 
 
+def _signature(batch: StoredBatch) -> list[tuple[str, str]]:
+    return [(r.layer, r.kind) for r in batch.records]
+
+
+def join_records(batches: list[list[LayerRecord]]) -> list[LayerRecord]:
+    """Records of batches with the same layers and kinds in the same order, as one batch's records.
+
+    Samples follow batch order: ``sample`` indices of later batches are offset by the sizes before.
+    """
+    if len(batches) == 1:
+        return batches[0]
+    joined = []
+    for records in zip(*batches):
+        first, offset, parts = records[0], 0, []
+        for record in records:
+            tensors = dict(record.tensors)
+            if record.kind != "dense":
+                tensors["sample"] = tensors["sample"].long() + offset  # (R,)
+            parts.append(tensors)
+            offset += record.batch_size
+        tensors = {key: torch.cat([part[key] for part in parts]) for key in first.tensors}
+        joined.append(replace(first, batch_size=offset, tensors=tensors))
+    return joined
+
+
 @dataclass
 class StoredBatch:
     """One stored batch, restricted to a selection: its metadata columns and records."""
@@ -103,6 +128,20 @@ class Selection:
             used += size
         if group:
             yield group
+
+    def merged(self, max_bytes: int) -> Iterator[tuple[list[StoredBatch], list[LayerRecord]]]:
+        """Runs of consecutive batches (at most ``max_bytes`` of records) with the same records (layer and
+        kind, in order), and their records joined as if they were one batch: one op call per run
+        instead of one per batch (a step of a small model holds a few samples)."""
+        for chunk in self.chunks(max_bytes):
+            run: list[StoredBatch] = []
+            for batch in chunk:
+                if run and _signature(run[0]) != _signature(batch):
+                    yield run, join_records([b.records for b in run])
+                    run = []
+                run.append(batch)
+            if run:
+                yield run, join_records([b.records for b in run])
 
     def metadata(self) -> dict[str, np.ndarray]:
         """Per-sample columns, one row per selected sample occurrence, in selection order.

@@ -9,13 +9,15 @@ hostile header cannot cost more than the index allows. Tensors are copies of the
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import math
 import os
 import stat
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,12 +39,18 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-_SCALED_ENCODINGS = ("fp16", "int8")
+_SCALED_ENCODINGS = ("fp16", "int8")  # as encoding.stored_specs: every floating tensor, zero rows included
 _FLOAT_TENSORS = ("prefix", "suffix")
-_KIND_TENSORS = {"outer": ("prefix", "suffix", "sample", "position"), "embedding": ("ids", "suffix", "sample", "position")}
-#: Header bytes allowed per expected key, and for the ``__metadata__`` map and padding.
+_KIND_TENSORS = {
+    "outer": ("prefix", "suffix", "sample", "position"),
+    "embedding": ("ids", "suffix", "sample", "position"),
+}
+#: Header bytes allowed per expected key (beyond 6 per byte of its name: JSON escapes), and for
+#: ``__metadata__`` and padding. A real entry of 9 dimensions takes under 200 bytes plus its name.
 _HEADER_BYTES_PER_KEY = 256
-_HEADER_SLACK = 4096
+_HEADER_SLACK = 1 << 16
+_MAX_DIMS = 16
+_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def _kind_of(mode: int) -> str | None:
@@ -57,20 +65,30 @@ def _kind_of(mode: int) -> str | None:
         return "is a FIFO, not a regular file; not read"
     if stat.S_ISSOCK(mode):
         return "is a socket, not a regular file; not read"
-    return "is a device or special file, not a regular file; not read"
+    return "is a device, not a regular file; not read"
+
+
+def _os_problem(exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "missing on disk"
+    if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link put in place after the check
+        return "is a symbolic link; links are not followed"
+    return f"cannot be read ({exc.strerror or exc}); check its permissions"
+
+
+def _lstat(path: Path, directory: Path) -> tuple[str | None, os.stat_result | None]:
+    if path.parent != directory:
+        return f"is not a file of the store directory {directory}; not read", None
+    try:
+        before = os.lstat(path)
+    except OSError as exc:
+        return _os_problem(exc), None
+    return _kind_of(before.st_mode), before
 
 
 def file_problem(path: Path, directory: Path) -> str | None:
-    """What keeps ``path`` from being read as a file of ``directory`` (without opening it), or None."""
-    if path.parent != directory:
-        return f"is not a file of the store directory {directory}; not read"
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return "missing on disk"
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror or exc}); check its permissions"
-    return _kind_of(mode)
+    """What keeps ``path`` from being read as a regular file of ``directory`` (it is not opened), or None."""
+    return _lstat(path, directory)[0]
 
 
 def open_regular(path: Path, directory: Path) -> tuple[int, os.stat_result]:
@@ -79,15 +97,13 @@ def open_regular(path: Path, directory: Path) -> tuple[int, os.stat_result]:
     Links are not followed and FIFOs or devices are not opened (no blocking); a file swapped
     between the check and the open is refused. Raises :class:`StoreError` naming the file.
     """
-    problem = file_problem(path, directory)
-    if problem is not None:
+    problem, before = _lstat(path, directory)
+    if problem is not None or before is None:
         raise StoreError(f"{path}: {problem}")
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        before = os.lstat(path)
-        fd = os.open(path, flags)
+        fd = os.open(path, _FLAGS)
     except OSError as exc:
-        raise StoreError(f"{path}: cannot be read ({exc.strerror or exc}); check its permissions") from exc
+        raise StoreError(f"{path}: {_os_problem(exc)}") from exc
     opened = os.fstat(fd)
     if _kind_of(opened.st_mode) is not None or (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino):
         os.close(fd)
@@ -105,6 +121,7 @@ class ShardExpectation:
     optional: frozenset[str] = frozenset()
 
 
+#: One stored batch: its metadata columns (None: not recorded, version 1) and its records' ``(kind, roles)``.
 BatchKeys = tuple[Collection[str] | None, Sequence[tuple[str, Sequence[str]]]]
 
 
@@ -132,35 +149,57 @@ def expected_keys(batches: Sequence[BatchKeys], encoding: str) -> tuple[frozense
     return frozenset(required), frozenset(optional)
 
 
-class ShardData:
-    """The checked bytes of one shard and its parsed header; tensors are copies."""
+Entry = tuple[torch.dtype, tuple[int, ...], tuple[int, int]]
 
-    def __init__(self, path: Path, data: bytearray, header: dict[str, Any], start: int, identity: tuple[int, ...]):
-        self.path, self._data, self._header, self._start, self.identity = path, data, header, start, identity
+
+class ShardData:
+    """The checked bytes of one shard and its parsed header; tensors are copies.
+
+    Attributes:
+        path: the file read. identity: its ``(st_dev, st_ino, st_size, st_mtime_ns)`` when read.
+        metadata: the header's ``__metadata__`` map.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        data: bytearray,
+        header: dict[str, Entry],
+        start: int,
+        identity: tuple[int, int, int, int],
+        metadata: dict[str, str],
+    ) -> None:
+        self.path, self._data, self._header, self._start = path, data, header, start
+        self.identity, self.metadata = identity, metadata
         self._by_batch: dict[str, list[str]] = {}
         for key in header:
             self._by_batch.setdefault(key.split("/", 1)[0], []).append(key)
 
     @property
     def nbytes(self) -> int:
+        """Bytes held in memory (the whole file)."""
         return len(self._data)
 
     def keys(self) -> list[str]:
+        """Every tensor key, in header order."""
         return list(self._header)
 
     def keys_of_batch(self, batch: int) -> list[str]:
+        """The keys of stored batch ``batch`` (those starting with ``b{batch}/``)."""
         return list(self._by_batch.get(f"b{batch}", ()))
 
     def get(self, key: str) -> Tensor:
         """The tensor ``key`` (an independent copy); :class:`StoreError` when the shard lacks it."""
         entry = self._header.get(key)
         if entry is None:
-            raise StoreError(f"{self.path}: holds no tensor {key!r}")
+            raise StoreError(f"{self.path}: holds no tensor {ascii(key)}")
         dtype, shape, (begin, end) = entry
         if begin == end:
             return torch.zeros(shape, dtype=dtype)
-        view = torch.frombuffer(self._data, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=self._start + begin)
-        return view.reshape(shape).clone()
+        view = torch.frombuffer(
+            self._data, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=self._start + begin
+        )
+        return view.clone().reshape(shape)  # the copy stores a bool byte other than 0 as 1
 
     def read(self, batch: int, prefix: str) -> dict[str, Tensor]:
         """The tensors of stored batch ``batch`` whose keys start with ``prefix``, keyed without it."""
@@ -180,13 +219,15 @@ def read_shard(path: Path, directory: Path, expect: ShardExpectation) -> ShardDa
             )
         data = bytearray(expect.bytes)
         view, done = memoryview(data), 0
-        while done < expect.bytes:
-            got = os.readv(fd, [view[done:]])
-            if got == 0:
-                raise StoreError(f"{path}: shrank while it was read (truncated or rewritten)")
-            done += got
-        if os.read(fd, 1):
-            raise StoreError(f"{path}: grew while it was read (rewritten)")
+        with io.FileIO(fd, "rb", closefd=False) as handle:
+            while done < expect.bytes:
+                got = handle.readinto(view[done:])
+                if not got:
+                    raise StoreError(f"{path}: shrank while it was read (truncated or rewritten)")
+                done += got
+            if handle.read(1):
+                raise StoreError(f"{path}: grew while it was read (rewritten)")
+        view.release()
     except OSError as exc:
         raise StoreError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     finally:
@@ -195,27 +236,45 @@ def read_shard(path: Path, directory: Path, expect: ShardExpectation) -> ShardDa
         actual = hashlib.sha256(data).hexdigest()
         if actual != expect.sha256:
             raise StoreError(
-                f"{path}: checksum mismatch, sha256 {actual} on disk but {expect.sha256} in the index (the file is damaged)"
+                f"{path}: checksum mismatch, sha256 {actual} on disk but {expect.sha256} in the index "
+                "(the file is damaged)"
             )
-    header, start = _parse_header(path, data, expect)
+    header, metadata, start = _parse_header(path, data, expect)
     identity = (opened.st_dev, opened.st_ino, opened.st_size, opened.st_mtime_ns)
-    return ShardData(path, data, header, start, identity)
+    return ShardData(path, data, header, start, identity, metadata)
 
 
-def _parse_header(path: Path, data: bytearray, expect: ShardExpectation) -> tuple[dict[str, Any], int]:
+def header_cap(expect: ShardExpectation) -> int:
+    """The largest safetensors header (bytes) a shard with the expected keys may have."""
+    keys = expect.required | expect.optional
+    return _HEADER_SLACK + sum(_HEADER_BYTES_PER_KEY + 6 * len(key.encode()) for key in keys)
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a key appears twice in one object")
+    return out
+
+
+def _parse_header(
+    path: Path, data: bytearray, expect: ShardExpectation
+) -> tuple[dict[str, Entry], dict[str, str], int]:
     def fail(what: str) -> StoreError:
         return StoreError(f"{path}: not a readable safetensors file ({what})")
 
     if len(data) < 8:
         raise fail("shorter than its 8-byte header length")
-    length = int.from_bytes(data[:8], "little")
-    cap = _HEADER_BYTES_PER_KEY * (len(expect.required) + len(expect.optional)) + _HEADER_SLACK
+    length, cap = int.from_bytes(data[:8], "little"), header_cap(expect)
     if length > len(data) - 8 or length > cap:
         raise fail(f"a header of {length} bytes, larger than the file or the {cap} bytes its index allows")
     try:
-        raw = json.loads(bytes(data[8 : 8 + length]).decode("utf-8"))
+        text = bytes(data[8 : 8 + length]).decode("utf-8")
+        raw = json.loads(text)
+        if isinstance(raw, dict) and text.count('"data_offsets"') != len(raw) - ("__metadata__" in raw):
+            raw = json.loads(text, object_pairs_hook=_unique)  # a key twice? (the hook costs a third of the parse)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise fail(f"header is not UTF-8 JSON: {exc}") from exc
+        raise fail(f"header is not valid UTF-8 JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise fail("header is not a JSON object")
     metadata = raw.pop("__metadata__", {})
@@ -228,30 +287,27 @@ def _parse_header(path: Path, data: bytearray, expect: ShardExpectation) -> tupl
     if missing:
         raise StoreError(f"{path}: lacks {len(missing)} tensor key(s) the index lists: {_few(missing)}")
     start, size = 8 + length, len(data) - 8 - length
-    header: dict[str, Any] = {}
-    spans = []
-    for key, entry in raw.items():
-        header[key] = _entry(key, entry, size, fail)
-        spans.append((header[key][2], key))
-    spans.sort()
+    header = {key: _entry(key, entry, size, fail) for key, entry in raw.items()}
+    spans = sorted((span, key) for key, (_, _, span) in header.items() if span[0] != span[1])
     for (first, key), (second, other) in zip(spans, spans[1:]):
         if second[0] < first[1]:
-            raise fail(f"tensors {key!r} and {other!r} overlap")
-    return header, start
+            raise fail(f"tensors {key} and {other} overlap")
+    return header, metadata, start
 
 
-def _entry(key: str, entry: Any, size: int, fail: Any) -> tuple[torch.dtype, tuple[int, ...], tuple[int, int]]:
-    if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
-        raise fail(f"tensor {key!r} has no dtype of {sorted(_DTYPES)}")
+def _entry(key: str, entry: Any, size: int, fail: Callable[[str], StoreError]) -> Entry:
+    dtype_name = entry.get("dtype") if isinstance(entry, dict) else None
+    if not (isinstance(dtype_name, str) and dtype_name in _DTYPES):
+        raise fail(f"tensor {key} has dtype {ascii(dtype_name)[:40]}, not one of {', '.join(_DTYPES)}")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not (isinstance(shape, list) and len(shape) <= 8 and all(_small_int(d) for d in shape)):
-        raise fail(f"tensor {key!r} has no valid shape")
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_small_int(d) for d in shape)):
+        raise fail(f"tensor {key} has no valid shape (a list of at most {_MAX_DIMS} sizes below 2^40)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_small_int(v) for v in offsets)):
-        raise fail(f"tensor {key!r} has no valid data_offsets")
-    dtype = _DTYPES[entry["dtype"]]
+        raise fail(f"tensor {key} has no valid data_offsets (two byte offsets)")
+    dtype = _DTYPES[dtype_name]
     begin, end = offsets
     if not begin <= end <= size or end - begin != math.prod(shape) * dtype.itemsize:
-        raise fail(f"tensor {key!r} has data_offsets {offsets} that do not fit its shape {shape} in the file")
+        raise fail(f"tensor {key} has data_offsets {offsets} that do not fit its shape {shape} in {size} data bytes")
     return dtype, tuple(shape), (begin, end)
 
 

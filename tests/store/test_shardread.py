@@ -1,0 +1,527 @@
+"""Reading one shard safely (``core/store/shardread.py``): the exact key set, a header parsed by hand
+within a bound, bytes checked and held in memory, and files that are not regular never opened.
+
+Real shards come from ``shardfile.write_shard``; every tensor read is compared with what
+``safetensors.safe_open`` reads from the same file. Hostile files are built byte by byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from metastore_plugins.core.capture.records import LayerRecord, dense_record
+from metastore_plugins.core.store.encoding import check_encoding
+from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.shardfile import write_shard
+from metastore_plugins.core.store.shardread import (
+    ShardData,
+    ShardExpectation,
+    expected_keys,
+    file_problem,
+    open_regular,
+    read_shard,
+    shard_problem,
+)
+
+ENCODINGS = ("fp32", "fp16", "int8", "bf16")
+#: Seconds within which every refusal must come back (a FIFO opened for reading would block forever).
+PROMPT = 5.0
+T = TypeVar("T")
+
+
+def _within(seconds: float, fn: Callable[[], T]) -> T:
+    """``fn()`` run in a daemon thread: its result or exception, failing the test if it has not returned."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed back to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"blocked for more than {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _batches(seed: int) -> list[tuple[list[LayerRecord], dict[str, torch.Tensor]]]:
+    """Two batches: outer (with rows, and with none), embedding and dense records, metadata columns."""
+    g = torch.Generator().manual_seed(seed)
+    outer = LayerRecord(
+        layer="fc",
+        kind="outer",
+        batch_size=3,
+        params={"weight": "fc.weight", "bias": "fc.bias"},
+        param_shapes={"weight": (4, 5), "bias": (4,)},
+        tensors={
+            "prefix": torch.randn(5, 1, 5, generator=g),  # (R, G, d_in)
+            "suffix": torch.randn(5, 1, 4, generator=g),  # (R, G, d_out)
+            "sample": torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32),
+            "position": torch.arange(5, dtype=torch.int32),
+        },
+    )
+    empty = LayerRecord(  # every row dropped: zero-row tensors, and (fp16, int8) zero-row scales
+        layer="unused",
+        kind="outer",
+        batch_size=3,
+        params={"weight": "unused.weight"},
+        param_shapes={"weight": (2, 3)},
+        tensors={
+            "prefix": torch.zeros(0, 1, 3),
+            "suffix": torch.zeros(0, 1, 2),
+            "sample": torch.zeros(0, dtype=torch.int32),
+            "position": torch.zeros(0, dtype=torch.int32),
+        },
+    )
+    embedding = LayerRecord(
+        layer="emb",
+        kind="embedding",
+        batch_size=3,
+        params={"weight": "emb.weight"},
+        param_shapes={"weight": (10, 4)},
+        tensors={
+            "ids": torch.tensor([1, 7, 3, 3], dtype=torch.int32),
+            "suffix": torch.randn(4, 4, generator=g),  # (R, d)
+            "sample": torch.tensor([0, 1, 1, 2], dtype=torch.int32),
+            "position": torch.tensor([0, 0, 1, 0], dtype=torch.int32),
+        },
+    )
+    # a role named "scale": grad.scale is data, grad.scale.scale its row scales
+    dense = dense_record(
+        "ln",
+        {"weight": torch.randn(3, 4, generator=g), "scale": torch.randn(3, generator=g)},
+        {"weight": "w", "scale": "s"},
+    )
+    deep = dense_record(
+        "conv", {"weight": torch.randn(2, 1, 2, 1, 1, 1, 1, 2, 1, generator=g)}, {"weight": "c"}
+    )  # 9 dims
+    meta0 = {"sample_id": torch.tensor([7, 8, 9]), "label": torch.tensor([0, 1, 0]), "loss": torch.rand(3, generator=g)}
+    return [([outer, empty, embedding, dense], meta0), ([deep], {"sample_id": torch.tensor([10, 11])})]
+
+
+#: What the index says of :func:`_batches`: per batch, (meta columns, [(kind, roles)]).
+DESCRIBED = [
+    (("label", "loss"), [("outer", ["weight", "bias"]), ("outer", ["weight"]), ("embedding", ["weight"]),
+                         ("dense", ["weight", "scale"])]),
+    ((), [("dense", ["weight"])]),
+]  # fmt: skip
+
+
+def _write(path: Path, encoding: str, seed: int = 0) -> ShardExpectation:
+    metadata = {"format": "metastore", "encoding": encoding}
+    size, sha256 = write_shard(path, _batches(seed), check_encoding(encoding), metadata)
+    required, optional = expected_keys(DESCRIBED, encoding)
+    return ShardExpectation(size, sha256, required, optional)
+
+
+def _reference(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as handle:
+        return {key: handle.get_tensor(key).clone() for key in handle.keys()}
+
+
+def _assert_same(data: ShardData, reference: dict[str, torch.Tensor]) -> None:
+    assert sorted(data.keys()) == sorted(reference)
+    for key, want in reference.items():
+        got = data.get(key)
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), key
+        assert torch.equal(got, want), key
+
+
+@pytest.fixture(params=ENCODINGS)
+def shard(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, ShardExpectation, str]:
+    path = tmp_path / "rank0-000000.safetensors"
+    return path, _write(path, request.param), request.param
+
+
+def test_every_tensor_reads_as_safetensors_reads_it(shard: tuple[Path, ShardExpectation, str]) -> None:
+    path, expect, encoding = shard
+    data = read_shard(path, path.parent, expect)
+    reference = _reference(path)
+    assert set(reference) == expect.required and expect.optional == frozenset()  # the index's keys, exactly
+    _assert_same(data, reference)
+    with safe_open(str(path), framework="pt") as handle:
+        assert data.metadata == handle.metadata() == {"format": "metastore", "encoding": encoding}
+    info = os.stat(path)
+    assert data.identity == (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    assert data.nbytes == expect.bytes == info.st_size
+    assert set(data.keys_of_batch(1)) == {k for k in reference if k.startswith("b1/")}
+    assert data.keys_of_batch(2) == []
+    record = data.read(0, "b0/r3/")
+    assert set(record) == {k[len("b0/r3/") :] for k in reference if k.startswith("b0/r3/")}
+    assert torch.equal(record["grad.scale"], reference["b0/r3/grad.scale"])
+    assert shard_problem(path, path.parent, expect) is None
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_expected_keys_match_what_the_writer_stores(tmp_path: Path, encoding: str) -> None:
+    path = tmp_path / "s.safetensors"
+    _write(path, encoding)
+    actual = set(_reference(path))
+    required, optional = expected_keys(DESCRIBED, encoding)
+    assert (required, optional) == (actual, frozenset())
+    scales = {k for k in actual if k.endswith(".scale") and k[: -len(".scale")] in actual}
+    assert bool(scales) == (encoding in ("fp16", "int8"))
+    if scales:  # every floating tensor of a record, zero-row ones included, and grad.scale's own scale
+        assert {"b0/r1/prefix.scale", "b0/r1/suffix.scale", "b0/r3/grad.scale.scale"} <= scales
+        assert not any(
+            "/meta/" in k or k.rsplit("/", 1)[1].split(".")[0] in ("ids", "sample", "position") for k in scales
+        )
+    # an old index without metadata columns: label, loss, prediction may be there
+    old_required, old_optional = expected_keys([(None, records) for _, records in DESCRIBED], encoding)
+    assert old_optional == {f"b{j}/meta/{c}" for j in (0, 1) for c in ("label", "loss", "prediction")}
+    assert old_required <= actual <= old_required | old_optional
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    read_shard(path, tmp_path, ShardExpectation(path.stat().st_size, sha, old_required, old_optional))
+
+
+def test_tensors_are_independent_copies_that_survive_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "s.safetensors"
+    expect = _write(path, "fp16")
+    reference = _reference(path)
+    data = read_shard(path, tmp_path, expect)
+    data.get("b0/r0/prefix").fill_(7.0)  # changes the copy only
+    os.truncate(path, 0)  # truncated in place: a mapping would die of SIGBUS here
+    _assert_same(data, reference)
+    other = tmp_path / "other.safetensors"
+    _write(other, "fp16", seed=1)
+    os.replace(other, path)  # replaced by a valid shard of the same keys
+    _assert_same(data, reference)
+    with pytest.raises(StoreError, match="checksum mismatch"):  # read again: checked again
+        read_shard(path, tmp_path, expect)
+
+
+def _refused(path: Path, directory: Path, expect: ShardExpectation, pattern: str) -> str:
+    """The one-line message ``read_shard`` refuses with, promptly, also given by ``shard_problem``."""
+    with pytest.raises(StoreError) as raised:
+        _within(PROMPT, lambda: read_shard(path, directory, expect))
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"{path}: "), message
+    problem = message[len(f"{path}: ") :]
+    assert re.search(pattern, problem), problem
+    assert _within(PROMPT, lambda: shard_problem(path, directory, expect)) == problem
+    return problem
+
+
+def _good(tmp_path: Path) -> tuple[Path, ShardExpectation]:
+    path = tmp_path / "good.safetensors"
+    return path, _write(path, "fp32")
+
+
+def test_a_symlink_inside_the_store_is_refused_as_a_link(tmp_path: Path) -> None:
+    good, expect = _good(tmp_path)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(good.name)
+    problem = _refused(link, tmp_path, expect, r"^is a symbolic link; links are not followed$")
+    assert "outside" not in problem
+    device = tmp_path / "null.safetensors"
+    device.symlink_to("/dev/null")
+    _refused(device, tmp_path, expect, r"^is a symbolic link; links are not followed$")
+
+
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [
+        (lambda p: p.mkdir(), r"^is a directory, not a shard file$"),
+        (lambda p: os.mkfifo(p), r"^is a FIFO, not a regular file; not read$"),
+        (lambda p: None, r"^missing on disk$"),
+    ],
+    ids=["directory", "fifo", "missing"],
+)
+def test_what_is_not_a_regular_file_is_refused_without_blocking(
+    tmp_path: Path, make: Callable[[Path], None], pattern: str
+) -> None:
+    _, expect = _good(tmp_path)
+    path = tmp_path / "odd.safetensors"
+    make(path)
+    _refused(path, tmp_path, expect, pattern)
+    assert _within(PROMPT, lambda: file_problem(path, tmp_path)) is not None
+    with pytest.raises(StoreError, match=pattern.replace("^", "").replace("$", "")):
+        _within(PROMPT, lambda: open_regular(path, tmp_path))
+
+
+def test_a_socket_and_a_device_are_named_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # bind a short relative name (AF_UNIX paths are limited to ~108 bytes)
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind("sock.safetensors")
+        assert file_problem(tmp_path / "sock.safetensors", tmp_path) == "is a socket, not a regular file; not read"
+    null = Path("/dev/null")
+    if not stat.S_ISCHR(os.lstat(null).st_mode):
+        pytest.skip("/dev/null is not a character device here")
+    assert file_problem(null, null.parent) == "is a device, not a regular file; not read"
+    with pytest.raises(StoreError, match=r"^/dev/null: is a device, not a regular file; not read$"):
+        open_regular(null, null.parent)
+
+
+def test_file_problem_names_each_kind_and_passes_a_regular_file(tmp_path: Path) -> None:
+    good, _ = _good(tmp_path)
+    assert file_problem(good, tmp_path) is None
+    (tmp_path / "link").symlink_to(good.name)
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    got = {
+        name: _within(PROMPT, partial(file_problem, tmp_path / name, tmp_path))
+        for name in ("link", "dir", "fifo", "gone")
+    }
+    assert got == {
+        "link": "is a symbolic link; links are not followed",
+        "dir": "is a directory, not a shard file",
+        "fifo": "is a FIFO, not a regular file; not read",
+        "gone": "missing on disk",
+    }
+    (tmp_path / "sub").mkdir()
+    elsewhere = tmp_path / "sub" / "good.safetensors"
+    elsewhere.write_bytes(good.read_bytes())
+    assert file_problem(elsewhere, tmp_path) == f"is not a file of the store directory {tmp_path}; not read"
+    fd, info = open_regular(good, tmp_path)
+    try:
+        assert (info.st_ino, info.st_size) == (good.stat().st_ino, good.stat().st_size)
+        assert os.read(fd, 8) == good.read_bytes()[:8]
+    finally:
+        os.close(fd)
+
+
+def test_a_file_of_another_directory_is_refused(tmp_path: Path) -> None:
+    good, expect = _good(tmp_path)
+    (tmp_path / "sub").mkdir()
+    elsewhere = tmp_path / "sub" / good.name
+    elsewhere.write_bytes(good.read_bytes())
+    _refused(elsewhere, tmp_path, expect, r"^is not a file of the store directory .*; not read$")
+
+
+def _swap_on_open(monkeypatch: pytest.MonkeyPatch, target: Path, swap: Callable[[], None]) -> None:
+    real_open = os.open
+
+    def open_after_swap(path: Any, *args: Any, **kwargs: Any) -> int:
+        if Path(path) == target:
+            swap()
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_after_swap)
+
+
+def test_a_file_swapped_between_its_check_and_its_open_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    good, expect = _good(tmp_path)
+    blob = good.read_bytes()
+
+    def replace_by_a_copy() -> None:  # the same bytes under another inode
+        (tmp_path / "copy").write_bytes(blob)
+        os.replace(tmp_path / "copy", good)
+
+    _swap_on_open(monkeypatch, good, replace_by_a_copy)
+    _refused(good, tmp_path, expect, r"^was replaced while it was opened; not read$")
+
+    target = tmp_path / "target.safetensors"
+    target.write_bytes(blob)
+    (tmp_path / "link").symlink_to(good.name)
+    _swap_on_open(monkeypatch, target, lambda: os.replace(tmp_path / "link", target))  # a link put in its place
+    _refused(target, tmp_path, expect, r"^is a symbolic link; links are not followed$")
+
+    gone = tmp_path / "gone.safetensors"
+    gone.write_bytes(blob)
+    _swap_on_open(monkeypatch, gone, gone.unlink)
+    _refused(gone, tmp_path, expect, r"^missing on disk$")
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [(lambda p: os.truncate(p, p.stat().st_size // 2), "shrank"), (lambda p: p.open("ab").write(b"x" * 64), "grew")],
+    ids=["shrinks", "grows"],
+)
+def test_a_file_that_changes_size_while_it_is_read_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Callable[[Path], Any], pattern: str
+) -> None:
+    good, expect = _good(tmp_path)
+    blob, real_fstat = good.read_bytes(), os.fstat
+
+    def fstat_then_change(fd: int) -> os.stat_result:
+        info = real_fstat(fd)
+        change(good)  # after the size check, before the read
+        return info
+
+    def restore() -> None:  # in place, so that each read (read_shard, shard_problem) sees the change
+        with good.open("r+b") as handle:
+            handle.write(blob)
+            handle.truncate()
+
+    _swap_on_open(monkeypatch, good, restore)
+
+    monkeypatch.setattr(os, "fstat", fstat_then_change)
+    _refused(good, tmp_path, ShardExpectation(expect.bytes, None, expect.required), rf"^{pattern} while it was read")
+
+
+def test_size_checksum_and_key_mismatches_are_refused(tmp_path: Path) -> None:
+    good, expect = _good(tmp_path)
+    size = expect.bytes
+    bigger = ShardExpectation(size + 1, expect.sha256, expect.required)
+    _refused(
+        good, tmp_path, bigger, rf"^size mismatch, {size} bytes on disk but {size + 1} in the index \(truncated or"
+    )
+    wrong_sha = ShardExpectation(size, "0" * 64, expect.required)
+    _refused(good, tmp_path, wrong_sha, rf"^checksum mismatch, sha256 {expect.sha256} on disk but 0{{64}} in the index")
+    # an index that leaves out record 3 of batch 0 (a partial gradient otherwise)
+    fewer = ShardExpectation(size, expect.sha256, frozenset(k for k in expect.required if not k.startswith("b0/r3/")))
+    _refused(
+        good, tmp_path, fewer, r"^holds 2 tensor key\(s\) the index does not list: b0/r3/grad.scale, b0/r3/grad.weight$"
+    )
+    more = ShardExpectation(size, expect.sha256, expect.required | {f"b0/r9/k{i}" for i in range(7)})
+    _refused(good, tmp_path, more, r"^lacks 7 tensor key\(s\) the index lists: b0/r9/k0, .*, b0/r9/k4 and 2 more$")
+
+
+def _rewritten(
+    path: Path, expect: ShardExpectation, edit: Callable[[dict[str, torch.Tensor]], object]
+) -> ShardExpectation:
+    """The shard rewritten by safetensors with its tensors edited; the index's keys unchanged."""
+    tensors = _reference(path)
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "metastore", "encoding": "fp16"})
+    return ShardExpectation(path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest(), expect.required)
+
+
+def test_an_extra_or_missing_tensor_key_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.safetensors"
+    expect = _write(path, "fp16")
+    extra = _rewritten(path, expect, lambda t: t.update({"b0/r0/extra": torch.zeros(2)}))
+    _refused(path, tmp_path, extra, r"^holds 1 tensor key\(s\) the index does not list: b0/r0/extra$")
+    _write(path, "fp16")
+    lacking = _rewritten(path, expect, lambda t: t.pop("b0/r0/prefix"))
+    _refused(path, tmp_path, lacking, r"^lacks 1 tensor key\(s\) the index lists: b0/r0/prefix$")
+
+
+def test_an_fp16_shard_without_its_scales_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.safetensors"
+    expect = _write(path, "fp16")
+
+    def drop_scales(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.endswith(".scale") and k[: -len(".scale")] in tensors]:
+            del tensors[key]
+
+    unscaled = _rewritten(path, expect, drop_scales)
+    problem = _refused(path, tmp_path, unscaled, r"^lacks 8 tensor key\(s\) the index lists: b0/r0/prefix.scale, ")
+    assert problem.endswith(" and 3 more")
+
+
+def _hand(directory: Path, header: dict[str, Any] | bytes, data: bytes = b"", length: int | None = None) -> Path:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path = directory / "hand.safetensors"
+    path.write_bytes((len(text) if length is None else length).to_bytes(8, "little") + text + data)
+    return path
+
+
+def _expect(path: Path, keys: frozenset[str] = frozenset({"a", "b"})) -> ShardExpectation:
+    return ShardExpectation(path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest(), keys)
+
+
+def _f32(shape: list[int], begin: int, end: int, dtype: Any = "F32") -> dict[str, Any]:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+NOT_READABLE = r"^not a readable safetensors file \("
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "pattern"),
+    [
+        ({"a": _f32([2], 0, 8), "b": _f32([2], 4, 12)}, bytes(12), "tensors a and b overlap"),
+        ({"a": _f32([2], 0, 8), "b": _f32([2], 8, 16)}, bytes(12), r"tensor b has data_offsets \[8, 16\] that do not"),
+        ({"a": _f32([3], 0, 8), "b": _f32([0], 8, 8)}, bytes(8), r"tensor a has data_offsets \[0, 8\] .* shape \[3\]"),
+        ({"a": _f32([2], 0, 8, "F8_E4M3"), "b": _f32([0], 8, 8)}, bytes(8), "tensor a has dtype 'F8_E4M3', not one of"),
+        ({"a": _f32([2], 0, 8, ["F32"]), "b": _f32([0], 8, 8)}, bytes(8), r"tensor a has dtype \['F32'\], not one of"),
+        ({"a": _f32([-2], 0, 8), "b": _f32([0], 8, 8)}, bytes(8), "tensor a has no valid shape"),
+        ({"a": _f32([True, 2], 0, 8), "b": _f32([0], 8, 8)}, bytes(8), "tensor a has no valid shape"),
+        ({"a": _f32([1] * 17, 0, 4), "b": _f32([0], 4, 4)}, bytes(4), "tensor a has no valid shape"),
+        ({"a": _f32([2], 0, 2**40), "b": _f32([0], 8, 8)}, bytes(8), "tensor a has no valid data_offsets"),
+        ({"a": [], "b": _f32([0], 8, 8)}, bytes(8), "tensor a has dtype None"),
+        ({"__metadata__": {"x": 1}, "a": _f32([0], 0, 0), "b": _f32([0], 0, 0)}, b"", "__metadata__ is not a map of"),
+        (b"[1, 2]", b"", r"header is not a JSON object\)$"),
+        (b'{"a": ', b"", r"header is not valid UTF-8 JSON: "),
+        (b'{"\xff": 1}', b"", r"header is not valid UTF-8 JSON: "),
+        (b'{"a": {}, "a": {}}', b"", r"header is not valid UTF-8 JSON: a key appears twice"),
+        (b"[" * 30_000 + b"]" * 30_000, b"", r"header is not valid UTF-8 JSON: maximum recursion"),
+    ],
+    ids=[
+        "overlap", "past-end", "shape-offsets", "unknown-dtype", "unhashable-dtype", "negative-size", "bool-size",
+        "too-many-dims", "huge-offset", "entry-not-object", "metadata", "array", "truncated-json", "not-utf8",
+        "duplicate-key", "deep-nesting",
+    ],
+)  # fmt: skip
+def test_malformed_headers_are_refused(tmp_path: Path, header: Any, data: bytes, pattern: str) -> None:
+    path = _hand(tmp_path, header, data)
+    _refused(path, tmp_path, _expect(path), NOT_READABLE + pattern)
+
+
+def test_hand_built_edge_tensors_read_right(tmp_path: Path) -> None:
+    """Bool bytes other than 0/1 read as True, bf16 and empty tensors, offsets in any order."""
+    values = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
+    header = {
+        "__metadata__": {"format": "metastore"},
+        "a": _f32([3], 4, 7, "BOOL"),
+        "b": _f32([2], 0, 4, "BF16"),
+        "c": _f32([0, 5], 5, 5),  # empty, inside a's bytes: no overlap
+    }
+    path = _hand(tmp_path, header, values.view(torch.uint8).numpy().tobytes() + bytes([0, 1, 2]))
+    data = read_shard(path, tmp_path, _expect(path, frozenset({"a", "b", "c"})))
+    assert data.get("a").view(torch.uint8).tolist() == [0, 1, 1]  # stored as 0 and 1, as bool kernels assume
+    assert torch.equal(data.get("b"), values)
+    assert data.get("c").shape == (0, 5)
+    with pytest.raises(StoreError, match="holds no tensor 'd'"):
+        data.get("d")
+
+
+def test_header_lengths_past_the_file_or_the_bound_are_refused_before_parsing(tmp_path: Path) -> None:
+    path = _hand(tmp_path, b"{}", length=10**6)
+    _refused(path, tmp_path, _expect(path), NOT_READABLE + r"a header of 1000000 bytes, larger than the file")
+    path.write_bytes(b"\x01\x02")
+    _refused(path, tmp_path, _expect(path), NOT_READABLE + r"shorter than its 8-byte header length")
+    # 1.2 million empty tensors: a 70 MB header that safetensors would take gigabytes and half a minute over
+    entries = ",".join(f'"t{i}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}' for i in range(1_200_000))
+    path = _hand(tmp_path, ("{" + entries + "}").encode())
+    expect = ShardExpectation(path.stat().st_size, None, frozenset({"t0", "t1"}))
+    start = time.perf_counter()
+    _refused(path, tmp_path, expect, NOT_READABLE + r"a header of \d+ bytes, larger than the file or the \d+ bytes")
+    assert time.perf_counter() - start < 2.0
+
+
+def test_long_non_ascii_role_names_stay_within_the_header_bound(tmp_path: Path) -> None:
+    """Names may hold 1024 characters; JSON escapes them up to 6 bytes per UTF-8 byte."""
+    roles = [f"{i}" + "\U0001f600" * 1023 for i in range(40)]
+    grads = {role: torch.randn(2, 3) for role in roles}
+    path = tmp_path / "s.safetensors"
+    size, sha256 = write_shard(
+        path, [([dense_record("x", grads, dict.fromkeys(roles, "p"))], {"sample_id": torch.arange(2)})], "fp16", {}
+    )
+    required, _ = expected_keys([((), [("dense", roles)])], "fp16")
+    assert int.from_bytes(path.read_bytes()[:8], "little") > 1 << 19  # far past the fixed slack
+    data = read_shard(path, tmp_path, ShardExpectation(size, sha256, required))
+    _assert_same(data, _reference(path))
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_descriptors() -> Iterator[None]:
+    """Every refusal closes what it opened."""
+    before = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else set()
+    yield
+    if before:
+        leaked = set(os.listdir("/proc/self/fd")) - before
+        assert not leaked, leaked
