@@ -143,8 +143,11 @@ def merge_entries(members: list[ShardEntry], file: str, nbytes: int, sha256: str
         for key, value in e.batches.items():
             batches.setdefault(key, []).append(point_map[value] if key == "capture_point" else value)
         for key, value in e.records.items():
-            mapped = {"batch": value + offset, "layer": layer_map[value] if len(value) else value}.get(key, value)
-            records.setdefault(key, []).append(mapped)
+            if key == "batch":
+                value = value + offset
+            elif key == "layer" and len(value):
+                value = layer_map[value]
+            records.setdefault(key, []).append(value)
         offset += len(e.batches["step"])
     samples: dict[str, np.ndarray] = {}
     for key in ("sample_id", "label", "loss", "prediction"):
