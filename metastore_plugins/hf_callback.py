@@ -211,6 +211,16 @@ class MetaStoreTrainerCallback(TrainerCallback):
             lr=pending["lr"],
         )
 
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.run is not None:
+            self.run.epoch_ended()  # the epoch's steps go to disk without waiting for them
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self.run is not None:
+            self.run.checkpoint_saved()  # the store holds every step the checkpoint saw
+
     # -- checkpoint passes ---------------------------------------------------------------
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:

@@ -190,9 +190,19 @@ class MetaStoreCallback(Callback):
     # -- checkpoint passes ---------------------------------------------------------------
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.run is not None:
+            if self.schedule.due(trainer.current_epoch):
+                self._checkpoint_passes(trainer, pl_module, self.run)
+            self.run.epoch_ended()  # the epoch's steps (and the pass) go to disk without waiting for them
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self.run is not None:
+            self.run.checkpoint_saved()  # the store holds every step the checkpoint saw
+
+    def _checkpoint_passes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: RunCapture) -> None:
         epoch = trainer.current_epoch
-        if self.run is None or not self.schedule.due(epoch):
-            return
         train_loader = trainer.train_dataloader
         batch_size = lambda loader: getattr(loader, "batch_size", None) or 32  # noqa: E731
         val_loader = _first(trainer.val_dataloaders)
@@ -203,7 +213,7 @@ class MetaStoreCallback(Callback):
         pl_module.log = _no_log  # type: ignore[method-assign]
         pl_module.log_dict = _no_log  # type: ignore[method-assign]
         try:
-            self.run.checkpoint_passes(
+            run.checkpoint_passes(
                 pl_module,
                 sources,
                 lambda batch, k: _loss(pl_module.training_step(batch, k)),

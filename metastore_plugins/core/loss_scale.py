@@ -11,7 +11,8 @@ processes. The stored factors must be each sample's own loss gradient whatever w
 - :class:`MeasuredLossScale` reads the gradient that reaches the model's loss in
   ``backward`` (everything the trainer multiplied it by) and hands a
   :class:`~metastore_plugins.core.capture.CaptureSession` the factor to divide out, as
-  its ``grad_scaler``.
+  its ``grad_scaler``;
+- :func:`gradients_finite` tells an overflowed step (a GradScaler skips it) from its records.
 
 Example::
 
@@ -26,8 +27,12 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import torch
 from torch import Tensor
+
+from metastore_plugins.core.capture.records import LayerRecord
 
 
 class LossScaleError(ValueError):
@@ -130,4 +135,21 @@ class MeasuredLossScale:
         return float(self.upstream) * self.weight * self.batch_size
 
 
-__all__ = ["LossScaleError", "MeasuredLossScale", "check_loss_reduction", "per_sample_weight"]
+def gradients_finite(records: Sequence[LayerRecord]) -> bool:
+    """Whether the records' gradient tensors are finite: their max and min are (no boolean copies, one sync).
+
+    An overflowed fp16 backward shows in the gradients; an overflowed forward makes the loss,
+    and so the gradients, non-finite too.
+    """
+    extremes = [
+        t.amax() if bound else t.amin()
+        for r in records
+        for key in r.gradient_keys()
+        for t in (r.tensors[key],)
+        if t.numel()
+        for bound in (True, False)
+    ]
+    return not extremes or bool(torch.isfinite(torch.stack(extremes)).all())
+
+
+__all__ = ["LossScaleError", "MeasuredLossScale", "check_loss_reduction", "gradients_finite", "per_sample_weight"]

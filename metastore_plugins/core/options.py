@@ -9,6 +9,7 @@ checks them, and builds what both callbacks need from them: the :class:`RunCaptu
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -31,6 +32,7 @@ class CaptureSettings(TypedDict, total=False):
     per_sample_loss: PerSampleLossFn | None
     labels: LabelsFn | None
     encoding: Encoding
+    flush_seconds: float | None
     modules: Sequence[str] | None
     unsupported: UnsupportedPolicy
     capture_train_steps: bool
@@ -48,6 +50,9 @@ per_sample_loss: ``(forward output, batch) -> (B,)`` per-sample losses (recorded
     factors). Default: cross-entropy of the model's ``(B, C)`` logits on the labels.
 labels: ``batch -> (B,)``; default: ``y`` of ``(x, y)`` batches, ``batch["labels"]`` of dicts.
 encoding: ``"fp16"`` (default), ``"fp32"``, ``"bf16"`` or ``"int8"``.
+flush_seconds: a crash loses at most about the last ``flush_seconds`` of captured steps: what
+    the store writer holds is written as a shard once its oldest step waited half of that
+    (default 10.0; ``None``: only full 64 MiB shards, epoch ends and checkpoint saves write).
 modules: capture only these module paths of the model (all by default).
 unsupported: ``"warn"`` (default), ``"error"`` or ``"skip"`` for parameters no capture rule covers.
 capture_train_steps: capture every training step (capture point ``"train"``; default True).
@@ -82,6 +87,7 @@ class CallbackOptions:
     per_sample_loss: PerSampleLossFn | None = None
     labels: LabelsFn | None = None
     encoding: Encoding = DEFAULT_ENCODING
+    flush_seconds: float | None = 10.0
     modules: Sequence[str] | None = None
     unsupported: UnsupportedPolicy = "warn"
     capture_train_steps: bool = True
@@ -118,6 +124,14 @@ class CallbackOptions:
         for setting, least in (("report_k", 1), ("checkpoint_train_samples", 1), ("checkpoint_val_samples", 1)):
             self.whole_number(setting, getattr(self, setting), least)
         self.whole_number("seed", self.seed, None)
+        seconds = self.flush_seconds
+        if seconds is not None and (
+            isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf")
+        ):
+            raise ValueError(
+                f"{self.owner}(flush_seconds=...) must be a positive number of seconds, or None to write only full "
+                f"shards; got {seconds!r}"
+            )
 
     def whole_number(self, setting: str, value: Any, least: int | None) -> int:
         """``value`` as an int, or a ``ValueError`` naming ``owner(setting=...)`` when it is no integer ``>= least``."""
@@ -155,6 +169,7 @@ class CallbackOptions:
             per_sample_loss=self.per_sample_loss,
             labels=self.labels,
             encoding=self.encoding,
+            flush_seconds=self.flush_seconds,
             config=config,
             session_options=session,
             owner=self.owner,
@@ -177,7 +192,7 @@ class CallbackOptions:
         if result is None:
             made = "no reports" if self.reports else "reports off"
         else:
-            made = f"reports in {store_dir / 'reports'}"
+            made = f"reports in {store_dir / 'reports'} (built in {result.get('seconds', 0.0):.1f} s)"
         return f"{self.owner}: store {store_dir} written, {made}; open with: {' | '.join(how)}"
 
     def build_reports(
@@ -192,9 +207,10 @@ class CallbackOptions:
         """
         from metastore_plugins.core.reports.tensorboard import report_run  # matplotlib and tensorboard: only now
 
+        started = time.perf_counter()
         try:
             with preserved_rng():
-                return report_run(
+                result = report_run(
                     store_dir,
                     store_dir / "reports",
                     writers,
@@ -203,6 +219,9 @@ class CallbackOptions:
                     outliers_from=self.outliers_from,
                     **sources,
                 )
+            if result is not None:
+                result["seconds"] = time.perf_counter() - started
+            return result
         except (KeyError, ValueError) as exc:
             warnings.warn(
                 f"{self.owner} could not build the reports ({exc!r}); the store {store_dir} is complete. "

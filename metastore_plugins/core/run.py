@@ -50,7 +50,7 @@ from metastore_plugins.core.checkpoints import (
     rank_share,
     stream_batches,
 )
-from metastore_plugins.core.loss_scale import LossScaleError, check_loss_reduction
+from metastore_plugins.core.loss_scale import LossScaleError, check_loss_reduction, gradients_finite
 from metastore_plugins.core.passes import predictions_of, weights_untouched
 from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.sample_ids import (
@@ -65,6 +65,7 @@ from metastore_plugins.core.sample_ids import (
     unwrap_dataset,
 )
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding
+from metastore_plugins.core.store.maintenance import CompactionReport, close_and_compact
 from metastore_plugins.core.store.writer import StoreWriter
 
 __all__ = [
@@ -146,7 +147,7 @@ class RunCapture:
         per_sample_loss: ``(forward output, batch) -> (B,)``; default
             :func:`default_per_sample_loss` of the labels.
         labels: ``batch -> (B,)``; default :func:`default_labels`.
-        encoding, config: passed to :class:`StoreWriter`.
+        encoding, flush_seconds, config: passed to :class:`StoreWriter`.
         session_options: more :class:`CaptureSession` arguments (``modules``, ``unsupported``, ...).
         owner: who runs the capture (a callback's name), for messages.
     """
@@ -160,6 +161,7 @@ class RunCapture:
         per_sample_loss: PerSampleLossFn | None = None,
         labels: LabelsFn | None = None,
         encoding: Encoding = DEFAULT_ENCODING,
+        flush_seconds: float | None = 10.0,
         config: dict[str, Any] | None = None,
         session_options: dict[str, Any] | None = None,
         owner: str = "RunCapture",
@@ -169,7 +171,8 @@ class RunCapture:
         self.per_sample_loss = per_sample_loss
         self.labels = labels or default_labels
         self.session_options = dict(session_options or {})
-        self.writer = StoreWriter(self.path, rank=rank, encoding=encoding, config=config)
+        self.writer = StoreWriter(self.path, rank=rank, encoding=encoding, flush_seconds=flush_seconds, config=config)
+        self.compaction: CompactionReport | None = None  # what close() merged
         self._session: CaptureSession | None = None  # attached from the first step to close()
         self._output_hook: Any = None
         self._collecting = False
@@ -200,7 +203,7 @@ class RunCapture:
         """Read the factors of the backward just done (before a GradScaler updates its scale)."""
         if self._session is not None and self._collecting:
             records = self._session.factors()
-            overflowed = self._session.grad_scaler is not None and not _finite(records)
+            overflowed = self._session.grad_scaler is not None and not gradients_finite(records)
             self.skipped_steps += overflowed  # the GradScaler skips this step too: nothing is stored
             self._records = None if overflowed else records
             self._pause()
@@ -348,13 +351,21 @@ class RunCapture:
 
     # -- lifecycle -----------------------------------------------------------------------
 
+    def epoch_ended(self) -> None:
+        """Have what is captured so far written as a shard (without waiting for it)."""
+        self.writer.flush(wait=False)
+
+    def checkpoint_saved(self) -> None:
+        """Block until what is captured so far is on disk: the store holds every step the checkpoint saw."""
+        self.writer.flush()
+
     def close(self) -> None:
-        """Remove hooks and write everything queued. Safe to call twice."""
+        """Remove hooks, write everything queued and compact this rank's small shards. Safe to call twice."""
         try:
             self.abort_step()
             self._close_session()
         finally:
-            self.writer.close()
+            self.compaction = close_and_compact(self.writer) or self.compaction
 
     def _keep_output(self, module: nn.Module, args: Any, output: Any) -> None:
         # the first call that completes: Lightning's DDP runs the whole training_step through an outer
@@ -377,20 +388,3 @@ class RunCapture:
             if self._output_hook is not None:
                 self._output_hook.remove()
                 self._output_hook = None
-
-
-def _finite(records: Sequence[LayerRecord]) -> bool:
-    """Whether the records' gradient tensors are finite: their max and min are (no boolean copies, one sync).
-
-    An overflowed fp16 backward shows in the gradients; an overflowed forward makes the loss,
-    and so the gradients, non-finite too.
-    """
-    extremes = [
-        t.amax() if bound else t.amin()
-        for r in records
-        for key in r.gradient_keys()
-        for t in (r.tensors[key],)
-        if t.numel()
-        for bound in (True, False)
-    ]
-    return not extremes or bool(torch.isfinite(torch.stack(extremes)).all())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 
 from metastore_plugins import MetaStoreCallback, MetaStoreTrainerCallback
@@ -29,3 +32,15 @@ def test_every_shared_setting_is_documented_on_each_callback(callback: type) -> 
     assert "{settings}" not in doc
     for name in CaptureSettings.__annotations__:
         assert f"        {name}: " in doc, name
+
+
+@pytest.mark.parametrize("callback", [MetaStoreCallback, MetaStoreTrainerCallback])
+def test_flush_seconds_reach_the_store_writer(callback: type, tmp_path: Path) -> None:
+    assert callback().options.flush_seconds == 10.0
+    for value in (2, None):
+        run = callback(flush_seconds=value).options.run_capture(tmp_path, rank=0, loss_reduction="mean", config={})
+        run.close()
+        assert run.writer.flush_seconds == value
+    for wrong in (0, -1.0, math.inf, "5"):
+        with pytest.raises(ValueError, match=rf"{callback.__name__}\(flush_seconds=\.\.\.\) must be a positive"):
+            callback(flush_seconds=wrong)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from metastore_plugins.core.store.index_writer import first_free_shard
 from metastore_plugins.core.store.journal import RankLock, encode_line, journal_name, rewrite
 from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.shardread import read_shard
+from metastore_plugins.core.store.writer import StoreWriter
 
 #: Shards are merged up to this size (the writer's default ``shard_bytes``).
 TARGET_BYTES = 64 * 2**20
@@ -45,8 +48,11 @@ def _ranks(directory: Path) -> list[tuple[int, Path]]:
     return mf.find_manifests(directory)
 
 
-def compact(directory: str | os.PathLike[str], target_bytes: int = TARGET_BYTES) -> CompactionReport:
-    """Merge runs of consecutive small shards (same encoding) of every rank into shards of about ``target_bytes``.
+def compact(
+    directory: str | os.PathLike[str], target_bytes: int = TARGET_BYTES, ranks: Sequence[int] | None = None
+) -> CompactionReport:
+    """Merge runs of consecutive small shards (same encoding) of every rank (or of ``ranks``) into shards of
+    about ``target_bytes``.
 
     Batches keep their order and content byte for byte; only shard files and journal lines change.
     A version 1 rank, and a shard that does not read back sound, are left as they are (``skipped``).
@@ -55,10 +61,12 @@ def compact(directory: str | os.PathLike[str], target_bytes: int = TARGET_BYTES)
     if target_bytes <= 0:
         raise ValueError(f"target_bytes must be a positive byte count; got {target_bytes!r}")
     report = CompactionReport()
-    ranks = _ranks(directory)
-    if not ranks:
+    found = _ranks(directory)
+    if not found:
         raise StoreError(f"{directory} is not a metastore store: it holds no manifest-rank*.json")
-    for rank, path in ranks:
+    for rank, path in found:
+        if ranks is not None and rank not in ranks:
+            continue
         with RankLock(directory, rank):
             index = read_rank(directory, rank, path)
             report.shards_before += len(index.entries)
@@ -128,6 +136,24 @@ def _compact_rank(directory: Path, index: RankIndex, target_bytes: int, report: 
     for i in sorted([*replaced, *dropped]):
         (directory / index.entries[i].file).unlink(missing_ok=True)
     mf.fsync_dir(directory)
+
+
+def close_and_compact(writer: StoreWriter) -> CompactionReport | None:
+    """Close ``writer``, then compact its rank (the end of training: the timer's small shards merged).
+
+    A compaction that fails (another process holds the rank, a full disk) warns and leaves the
+    store as the writer left it; None then, and when the writer stopped after a disk error.
+    """
+    if writer.closed:
+        return None
+    writer.close()
+    if writer.stopped is not None:
+        return None
+    try:
+        return compact(writer.path, writer.shard_bytes, ranks=[writer.rank])
+    except (StoreError, OSError) as exc:
+        warnings.warn(f"the store {writer.path} was not compacted ({exc}); it is complete as it is", stacklevel=2)
+        return None
 
 
 def merge_entries(members: list[ShardEntry], file: str, nbytes: int, sha256: str) -> ShardEntry:

@@ -146,6 +146,10 @@ class StoreWriter:
         self.close()
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def manifest(self) -> dict[str, Any]:
         """The rank's manifest: config and layers (a copy is not made: do not modify)."""
         return self._index.manifest
