@@ -241,7 +241,7 @@ def test_a_symlink_inside_the_store_is_refused_as_a_link(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("make", "pattern"),
     [
-        (lambda p: p.mkdir(), r"^is a directory, not a shard file$"),
+        (lambda p: p.mkdir(), r"^is a directory, not a regular file$"),
         (lambda p: os.mkfifo(p), r"^is a FIFO, not a regular file; not read$"),
         (lambda p: None, r"^missing on disk$"),
     ],
@@ -284,7 +284,7 @@ def test_file_problem_names_each_kind_and_passes_a_regular_file(tmp_path: Path) 
     }
     assert got == {
         "link": "is a symbolic link; links are not followed",
-        "dir": "is a directory, not a shard file",
+        "dir": "is a directory, not a regular file",
         "fifo": "is a FIFO, not a regular file; not read",
         "gone": "missing on disk",
     }

@@ -113,10 +113,17 @@ def read_lines(handle: Any) -> Iterator[tuple[int, bytes | None, int]]:
             return
         number += 1
         if len(line) > MAX_LINE_BYTES:
-            while line and not line.endswith(b"\n"):  # skip the rest of the overlong line
-                offset += len(line)
-                line = handle.readline(MAX_LINE_BYTES)
             offset += len(line)
+            while True:  # skip the rest of the overlong line a block at a time (readline scans slowly)
+                block = handle.read(1 << 20)
+                end = block.find(b"\n")
+                if end >= 0:
+                    handle.seek(end + 1 - len(block), os.SEEK_CUR)
+                    offset += end + 1
+                    break
+                offset += len(block)
+                if not block:
+                    break
             yield number, None, offset
             continue
         offset += len(line)

@@ -60,7 +60,7 @@ def _kind_of(mode: int) -> str | None:
     if stat.S_ISLNK(mode):
         return "is a symbolic link; links are not followed"
     if stat.S_ISDIR(mode):
-        return "is a directory, not a shard file"
+        return "is a directory, not a regular file"
     if stat.S_ISFIFO(mode):
         return "is a FIFO, not a regular file; not read"
     if stat.S_ISSOCK(mode):
