@@ -8,29 +8,33 @@ Real shards come from ``shardfile.write_shard``; every tensor read is compared w
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
 import socket
 import stat
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from shardcases import (
+    DESCRIBED,
+    ENCODINGS,
+    PROMPT,
+    _assert_same,
+    _good,
+    _reference,
+    _refused,
+    _within,
+    _write,
+    no_leaked_descriptors,  # noqa: F401 - a fixture
+)
 
-from metastore_plugins.core.capture.records import LayerRecord, dense_record
-from metastore_plugins.core.store.encoding import check_encoding
 from metastore_plugins.core.store.manifest import StoreError
-from metastore_plugins.core.store.shardfile import write_shard
 from metastore_plugins.core.store.shardread import (
-    ShardData,
     ShardExpectation,
     expected_keys,
     file_problem,
@@ -38,113 +42,6 @@ from metastore_plugins.core.store.shardread import (
     read_shard,
     shard_problem,
 )
-
-ENCODINGS = ("fp32", "fp16", "int8", "bf16")
-#: Seconds within which every refusal must come back (a FIFO opened for reading would block forever).
-PROMPT = 5.0
-T = TypeVar("T")
-
-
-def _within(seconds: float, fn: Callable[[], T]) -> T:
-    """``fn()`` run in a daemon thread: its result or exception, failing the test if it has not returned."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed back to the test
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"blocked for more than {seconds} s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def _batches(seed: int) -> list[tuple[list[LayerRecord], dict[str, torch.Tensor]]]:
-    """Two batches: outer (with rows, and with none), embedding and dense records, metadata columns."""
-    g = torch.Generator().manual_seed(seed)
-    outer = LayerRecord(
-        layer="fc",
-        kind="outer",
-        batch_size=3,
-        params={"weight": "fc.weight", "bias": "fc.bias"},
-        param_shapes={"weight": (4, 5), "bias": (4,)},
-        tensors={
-            "prefix": torch.randn(5, 1, 5, generator=g),  # (R, G, d_in)
-            "suffix": torch.randn(5, 1, 4, generator=g),  # (R, G, d_out)
-            "sample": torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32),
-            "position": torch.arange(5, dtype=torch.int32),
-        },
-    )
-    empty = LayerRecord(  # every row dropped: zero-row tensors, and (fp16, int8) zero-row scales
-        layer="unused",
-        kind="outer",
-        batch_size=3,
-        params={"weight": "unused.weight"},
-        param_shapes={"weight": (2, 3)},
-        tensors={
-            "prefix": torch.zeros(0, 1, 3),
-            "suffix": torch.zeros(0, 1, 2),
-            "sample": torch.zeros(0, dtype=torch.int32),
-            "position": torch.zeros(0, dtype=torch.int32),
-        },
-    )
-    embedding = LayerRecord(
-        layer="emb",
-        kind="embedding",
-        batch_size=3,
-        params={"weight": "emb.weight"},
-        param_shapes={"weight": (10, 4)},
-        tensors={
-            "ids": torch.tensor([1, 7, 3, 3], dtype=torch.int32),
-            "suffix": torch.randn(4, 4, generator=g),  # (R, d)
-            "sample": torch.tensor([0, 1, 1, 2], dtype=torch.int32),
-            "position": torch.tensor([0, 0, 1, 0], dtype=torch.int32),
-        },
-    )
-    # a role named "scale": grad.scale is data, grad.scale.scale its row scales
-    dense = dense_record(
-        "ln",
-        {"weight": torch.randn(3, 4, generator=g), "scale": torch.randn(3, generator=g)},
-        {"weight": "w", "scale": "s"},
-    )
-    deep = dense_record(
-        "conv", {"weight": torch.randn(2, 1, 2, 1, 1, 1, 1, 2, 1, generator=g)}, {"weight": "c"}
-    )  # 9 dims
-    meta0 = {"sample_id": torch.tensor([7, 8, 9]), "label": torch.tensor([0, 1, 0]), "loss": torch.rand(3, generator=g)}
-    return [([outer, empty, embedding, dense], meta0), ([deep], {"sample_id": torch.tensor([10, 11])})]
-
-
-#: What the index says of :func:`_batches`: per batch, (meta columns, [(kind, roles)]).
-DESCRIBED = [
-    (("label", "loss"), [("outer", ["weight", "bias"]), ("outer", ["weight"]), ("embedding", ["weight"]),
-                         ("dense", ["weight", "scale"])]),
-    ((), [("dense", ["weight"])]),
-]  # fmt: skip
-
-
-def _write(path: Path, encoding: str, seed: int = 0) -> ShardExpectation:
-    metadata = {"format": "metastore", "encoding": encoding}
-    size, sha256 = write_shard(path, _batches(seed), check_encoding(encoding), metadata)
-    required, optional = expected_keys(DESCRIBED, encoding)
-    return ShardExpectation(size, sha256, required, optional)
-
-
-def _reference(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as handle:
-        return {key: handle.get_tensor(key).clone() for key in handle.keys()}
-
-
-def _assert_same(data: ShardData, reference: dict[str, torch.Tensor]) -> None:
-    assert sorted(data.keys()) == sorted(reference)
-    for key, want in reference.items():
-        got = data.get(key)
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), key
-        assert torch.equal(got, want), key
 
 
 @pytest.fixture(params=ENCODINGS)
@@ -208,23 +105,6 @@ def test_tensors_are_independent_copies_that_survive_the_file(tmp_path: Path) ->
     _assert_same(data, reference)
     with pytest.raises(StoreError, match="checksum mismatch"):  # read again: checked again
         read_shard(path, tmp_path, expect)
-
-
-def _refused(path: Path, directory: Path, expect: ShardExpectation, pattern: str) -> str:
-    """The one-line message ``read_shard`` refuses with, promptly, also given by ``shard_problem``."""
-    with pytest.raises(StoreError) as raised:
-        _within(PROMPT, lambda: read_shard(path, directory, expect))
-    message = str(raised.value)
-    assert "\n" not in message and message.startswith(f"{path}: "), message
-    problem = message[len(f"{path}: ") :]
-    assert re.search(pattern, problem), problem
-    assert _within(PROMPT, lambda: shard_problem(path, directory, expect)) == problem
-    return problem
-
-
-def _good(tmp_path: Path) -> tuple[Path, ShardExpectation]:
-    path = tmp_path / "good.safetensors"
-    return path, _write(path, "fp32")
 
 
 def test_a_symlink_inside_the_store_is_refused_as_a_link(tmp_path: Path) -> None:
@@ -422,106 +302,4 @@ def test_an_fp16_shard_without_its_scales_is_refused(tmp_path: Path) -> None:
     assert problem.endswith(" and 3 more")
 
 
-def _hand(directory: Path, header: dict[str, Any] | bytes, data: bytes = b"", length: int | None = None) -> Path:
-    text = header if isinstance(header, bytes) else json.dumps(header).encode()
-    path = directory / "hand.safetensors"
-    path.write_bytes((len(text) if length is None else length).to_bytes(8, "little") + text + data)
-    return path
-
-
-def _expect(path: Path, keys: frozenset[str] = frozenset({"a", "b"})) -> ShardExpectation:
-    return ShardExpectation(path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest(), keys)
-
-
-def _f32(shape: list[int], begin: int, end: int, dtype: Any = "F32") -> dict[str, Any]:
-    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
-
-
-NOT_READABLE = r"^not a readable safetensors file \("
-
-
-@pytest.mark.parametrize(
-    ("header", "data", "pattern"),
-    [
-        ({"a": _f32([2], 0, 8), "b": _f32([2], 4, 12)}, bytes(12), "tensors a and b overlap"),
-        ({"a": _f32([2], 0, 8), "b": _f32([2], 8, 16)}, bytes(12), r"tensor b has data_offsets \[8, 16\] that do not"),
-        ({"a": _f32([3], 0, 8), "b": _f32([0], 8, 8)}, bytes(8), r"tensor a has data_offsets \[0, 8\] .* shape \[3\]"),
-        ({"a": _f32([2], 0, 8, "F8_E4M3"), "b": _f32([0], 8, 8)}, bytes(8), "tensor a has dtype 'F8_E4M3', not one of"),
-        ({"a": _f32([2], 0, 8, ["F32"]), "b": _f32([0], 8, 8)}, bytes(8), r"tensor a has dtype \['F32'\], not one of"),
-        ({"a": _f32([-2], 0, 8), "b": _f32([0], 8, 8)}, bytes(8), "tensor a has no valid shape"),
-        ({"a": _f32([True, 2], 0, 8), "b": _f32([0], 8, 8)}, bytes(8), "tensor a has no valid shape"),
-        ({"a": _f32([1] * 17, 0, 4), "b": _f32([0], 4, 4)}, bytes(4), "tensor a has no valid shape"),
-        ({"a": _f32([2], 0, 2**40), "b": _f32([0], 8, 8)}, bytes(8), "tensor a has no valid data_offsets"),
-        ({"a": [], "b": _f32([0], 8, 8)}, bytes(8), "tensor a has dtype None"),
-        ({"__metadata__": {"x": 1}, "a": _f32([0], 0, 0), "b": _f32([0], 0, 0)}, b"", "__metadata__ is not a map of"),
-        (b"[1, 2]", b"", r"header is not a JSON object\)$"),
-        (b'{"a": ', b"", r"header is not valid UTF-8 JSON: "),
-        (b'{"\xff": 1}', b"", r"header is not valid UTF-8 JSON: "),
-        (b'{"a": {}, "a": {}}', b"", r"header is not valid UTF-8 JSON: a key appears twice"),
-        (b"[" * 30_000 + b"]" * 30_000, b"", r"header is not valid UTF-8 JSON: maximum recursion"),
-    ],
-    ids=[
-        "overlap", "past-end", "shape-offsets", "unknown-dtype", "unhashable-dtype", "negative-size", "bool-size",
-        "too-many-dims", "huge-offset", "entry-not-object", "metadata", "array", "truncated-json", "not-utf8",
-        "duplicate-key", "deep-nesting",
-    ],
-)  # fmt: skip
-def test_malformed_headers_are_refused(tmp_path: Path, header: Any, data: bytes, pattern: str) -> None:
-    path = _hand(tmp_path, header, data)
-    _refused(path, tmp_path, _expect(path), NOT_READABLE + pattern)
-
-
-def test_hand_built_edge_tensors_read_right(tmp_path: Path) -> None:
-    """Bool bytes other than 0/1 read as True, bf16 and empty tensors, offsets in any order."""
-    values = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
-    header = {
-        "__metadata__": {"format": "metastore"},
-        "a": _f32([3], 4, 7, "BOOL"),
-        "b": _f32([2], 0, 4, "BF16"),
-        "c": _f32([0, 5], 5, 5),  # empty, inside a's bytes: no overlap
-    }
-    path = _hand(tmp_path, header, values.view(torch.uint8).numpy().tobytes() + bytes([0, 1, 2]))
-    data = read_shard(path, tmp_path, _expect(path, frozenset({"a", "b", "c"})))
-    assert data.get("a").view(torch.uint8).tolist() == [0, 1, 1]  # stored as 0 and 1, as bool kernels assume
-    assert torch.equal(data.get("b"), values)
-    assert data.get("c").shape == (0, 5)
-    with pytest.raises(StoreError, match="holds no tensor 'd'"):
-        data.get("d")
-
-
-def test_header_lengths_past_the_file_or_the_bound_are_refused_before_parsing(tmp_path: Path) -> None:
-    path = _hand(tmp_path, b"{}", length=10**6)
-    _refused(path, tmp_path, _expect(path), NOT_READABLE + r"a header of 1000000 bytes, larger than the file")
-    path.write_bytes(b"\x01\x02")
-    _refused(path, tmp_path, _expect(path), NOT_READABLE + r"shorter than its 8-byte header length")
-    # 1.2 million empty tensors: a 70 MB header that safetensors would take gigabytes and half a minute over
-    entries = ",".join(f'"t{i}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}' for i in range(1_200_000))
-    path = _hand(tmp_path, ("{" + entries + "}").encode())
-    expect = ShardExpectation(path.stat().st_size, None, frozenset({"t0", "t1"}))
-    start = time.perf_counter()
-    _refused(path, tmp_path, expect, NOT_READABLE + r"a header of \d+ bytes, larger than the file or the \d+ bytes")
-    assert time.perf_counter() - start < 2.0
-
-
-def test_long_non_ascii_role_names_stay_within_the_header_bound(tmp_path: Path) -> None:
-    """Names may hold 1024 characters; JSON escapes them up to 6 bytes per UTF-8 byte."""
-    roles = [f"{i}" + "\U0001f600" * 1023 for i in range(40)]
-    grads = {role: torch.randn(2, 3) for role in roles}
-    path = tmp_path / "s.safetensors"
-    size, sha256 = write_shard(
-        path, [([dense_record("x", grads, dict.fromkeys(roles, "p"))], {"sample_id": torch.arange(2)})], "fp16", {}
-    )
-    required, _ = expected_keys([((), [("dense", roles)])], "fp16")
-    assert int.from_bytes(path.read_bytes()[:8], "little") > 1 << 19  # far past the fixed slack
-    data = read_shard(path, tmp_path, ShardExpectation(size, sha256, required))
-    _assert_same(data, _reference(path))
-
-
-@pytest.fixture(autouse=True)
-def _no_leaked_descriptors() -> Iterator[None]:
-    """Every refusal closes what it opened."""
-    before = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else set()
-    yield
-    if before:
-        leaked = set(os.listdir("/proc/self/fd")) - before
-        assert not leaked, leaked
+pytestmark = pytest.mark.usefixtures("no_leaked_descriptors")
