@@ -1,7 +1,9 @@
-"""The storage engine: sharded safetensors written on a background thread, manifests, a reader.
+"""The storage engine: sharded safetensors written on a background thread, an append-only index, a reader.
 
 - :class:`StoreWriter` queues records and per-sample metadata and writes whole shards;
-- :class:`StoreReader` lists, selects, restores and verifies what a run directory holds.
+- :class:`StoreReader` lists, selects, restores and verifies what a run directory holds;
+- :mod:`~metastore_plugins.core.store.maintenance` compacts small shards and repairs what a
+  killed run left. The format (manifest, journal, shards): docs/format.md.
 
 It knows bytes, not questions: queries (norms, influence, dynamics, sketches) live in
 :mod:`metastore_plugins.core.analysis`, whose ``open_store`` returns a ``GradientStore``

@@ -44,14 +44,15 @@ def _as_range(steps: int | tuple[int, int] | None) -> tuple[int, int] | None:
 
 
 class StoreReader:
-    """A read-only view of a run directory: the union of every rank's manifest.
+    """A read-only view of a run directory: every rank's manifest and index journal, as numpy columns.
 
-    Per-sample results follow *selection order*: batches by (step, micro-batch, rank),
-    samples in batch order. A sample seen at several steps (``"train"`` over several
-    epochs) appears once per occurrence; checkpoint passes hold each sample once.
+    Per-sample results follow *selection order*: batches by (step, micro-batch, rank, position
+    in the rank's journal), samples in batch order. A sample seen at several steps (``"train"``
+    over several epochs) appears once per occurrence; checkpoint passes hold each sample once.
 
-    The first read from a shard checks its size and (with ``checksums``, the default) its
-    sha256 against the manifest; a damaged shard raises :class:`StoreError` naming the file.
+    Opening reads no shard. Each read of a shard checks its size and (with ``checksums``, the
+    default) its sha256 and tensor keys against the index; a damaged shard raises
+    :class:`StoreError` naming the file, and the other shards stay readable.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, checksums: bool = True) -> None:
