@@ -138,7 +138,7 @@ def test_resuming_from_a_checkpoint_continues_the_same_store(tmp_path: Path) -> 
     assert meta["step"].tolist() == [s for s in range(6) for _ in range(8)]
     assert store.sample_ids("epoch-0/train").tolist() == store.sample_ids("epoch-1/train").tolist()
     assert len(store.sample_ids("epoch-1/train")) == 10
-    assert len(store.manifests[0]["shards"]) >= 2 and store.verify() == []
+    assert store.verify() == []
 
 
 class _Regressor(Classifier):
