@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from storecases import FP32_ROUNDOFF, journal_entries, synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
@@ -76,6 +77,12 @@ def test_compaction_merges_small_shards_and_keeps_every_batch(tmp_path: Path) ->
     after = open_store(tmp_path)
     assert after.verify() == []
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == sorted(report.written)
+    keys = 0
+    for name in report.written:  # plain safetensors files, for safetensors' own reader too
+        with safe_open(str(tmp_path / name), framework="pt") as handle:
+            keys += len(list(handle.keys()))
+            assert handle.metadata() == {"format": "metastore", "encoding": "fp32"}
+    assert keys == 8 * STEPS  # per batch: sample_id, label, loss, an outer record (4 keys) and a dense one (1)
     meta_after = after.metadata()
     for column, values in meta_before.items():
         np.testing.assert_array_equal(meta_after[column], values, err_msg=column)

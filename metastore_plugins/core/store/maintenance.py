@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from safetensors.torch import save
+import torch
 
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import ShardEntry, shard_pattern
@@ -26,7 +26,8 @@ from metastore_plugins.core.store.index import RankIndex, expectation, read_rank
 from metastore_plugins.core.store.index_writer import first_free_shard
 from metastore_plugins.core.store.journal import RankLock, encode_line, journal_name, rewrite
 from metastore_plugins.core.store.manifest import StoreError
-from metastore_plugins.core.store.shardread import read_shard
+from metastore_plugins.core.store.shardfile import header_bytes, tensor_layout
+from metastore_plugins.core.store.shardread import ShardData, read_shard
 from metastore_plugins.core.store.writer import StoreWriter
 
 #: Shards are merged up to this size (the writer's default ``shard_bytes``).
@@ -115,13 +116,7 @@ def _compact_rank(directory: Path, index: RankIndex, target_bytes: int, report: 
             continue
         name = mf.shard_name(index.rank, next_number)
         next_number += 1
-        tensors, offset = {}, 0
-        for entry, data in zip(members, datas):
-            for key in data.keys():
-                batch, rest = key.split("/", 1)
-                tensors[f"b{int(batch[1:]) + offset}/{rest}"] = data.get(key)
-            offset += len(entry.batches["step"])
-        blob = save(tensors, metadata={"format": mf.FORMAT, "encoding": members[0].encoding})
+        blob = _merged_shard(members, datas)
         mf.atomic_write_bytes(directory / name, blob)
         merged = merge_entries(members, name, len(blob), hashlib.sha256(blob).hexdigest())
         replaced[group[0]] = merged
@@ -136,6 +131,26 @@ def _compact_rank(directory: Path, index: RankIndex, target_bytes: int, report: 
     for i in sorted([*replaced, *dropped]):
         (directory / index.entries[i].file).unlink(missing_ok=True)
     mf.fsync_dir(directory)
+
+
+def _merged_shard(members: list[ShardEntry], datas: list[ShardData]) -> bytes:
+    """One safetensors file holding the members' tensors, batches renumbered in order, bytes copied as stored
+    (laid out as the writer lays them out: largest element size first)."""
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    sources: dict[str, memoryview] = {}
+    offset = 0
+    for entry, data in zip(members, datas):
+        for key in data.keys():
+            batch, rest = key.split("/", 1)
+            new = f"b{int(batch[1:]) + offset}/{rest}"
+            dtype, shape, raw = data.stored(key)
+            specs[new], sources[new] = (dtype, shape), raw
+        offset += len(entry.batches["step"])
+    ranges, size = tensor_layout(specs)
+    section = bytearray(size)
+    for key, (begin, end) in ranges.items():
+        section[begin:end] = sources[key]
+    return header_bytes(ranges, specs, {"format": mf.FORMAT, "encoding": members[0].encoding}) + bytes(section)
 
 
 def close_and_compact(writer: StoreWriter) -> CompactionReport | None:

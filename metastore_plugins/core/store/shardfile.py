@@ -96,7 +96,7 @@ def write_shard(
         for key, spec in stored_specs(name, tensor, encoding).items()
     }
     specs.update({name: (tensor.dtype, tuple(tensor.shape)) for members in plain for name, tensor in members})
-    header, size = _layout(specs)  # a group's tensors of each stored role lie next to each other
+    header, size = tensor_layout(specs)  # a group's tensors of each stored role lie next to each other
     data_section = (buffer or ShardBuffer()).take(size)  # (bytes,)
     with torch.no_grad():
         for members in encoded:  # one call per group
@@ -105,7 +105,7 @@ def write_shard(
         for members in plain:
             joined = _joined(members)
             _slots(data_section, header, members, {"": (joined.dtype, tuple(joined.shape))})[""].copy_(joined)
-    head = _header_bytes(header, specs, metadata)
+    head = header_bytes(header, specs, metadata)
     data = data_section.numpy().data
     digest = hashlib.sha256(head)
     digest.update(data)
@@ -148,7 +148,7 @@ def _slots(
     return out
 
 
-def _layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, tuple[int, int]], int]:
+def tensor_layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, tuple[int, int]], int]:
     """Byte range of each tensor in the data section (largest element size first, keys in their
     order within a size), and the section's size."""
     by_size: dict[int, list[str]] = {8: [], 4: [], 2: [], 1: []}
@@ -168,7 +168,7 @@ def _layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[d
     return ranges, offset
 
 
-def _header_bytes(
+def header_bytes(
     ranges: Mapping[str, tuple[int, int]],
     specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     metadata: dict[str, str],

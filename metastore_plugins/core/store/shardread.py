@@ -184,6 +184,11 @@ class ShardData:
         """Every tensor key, in header order."""
         return list(self._header)
 
+    def stored(self, key: str) -> tuple[torch.dtype, tuple[int, ...], memoryview]:
+        """A tensor's dtype, shape and bytes as stored (a view of the checked bytes; no copy)."""
+        dtype, shape, (begin, end) = self._header[key]
+        return dtype, shape, memoryview(self._data)[self._start + begin : self._start + end]
+
     def keys_of_batch(self, batch: int) -> list[str]:
         """The keys of stored batch ``batch`` (those starting with ``b{batch}/``)."""
         return list(self._by_batch.get(f"b{batch}", ()))
