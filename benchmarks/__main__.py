@@ -17,6 +17,7 @@ import torch
 
 from . import analytics_bench, captum_bench, capture_bench, report, scaling_bench, storage_bench
 from .models import bert_workload, cnn_workload
+from .timing import machine
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,18 +82,6 @@ def _versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[dist] = "not installed"
     return out
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.system()} {platform.release()}, {cpu}"
 
 
 def _checks(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -182,7 +171,7 @@ def run(mode: str, out: Path, doc: Path, threads: int) -> dict[str, Any]:
     results["meta"] = {
         "mode": mode,
         "started": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": _machine(),
+        "machine": machine(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "versions": _versions(),

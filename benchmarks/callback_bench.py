@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .timing import machine, write_section
+
 REPO = Path(__file__).resolve().parent.parent
 START, END = "<!-- callbacks:start -->", "<!-- callbacks:end -->"
 
@@ -103,15 +105,6 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(doc: Path, body: str) -> None:
-    """Replace the text between the callbacks markers of ``doc`` (appended when missing)."""
-    text = doc.read_text()
-    if START not in text or END not in text:
-        text = text.rstrip() + f"\n\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    doc.write_text(f"{head}{START}\n{body}{END}{rest.split(END, 1)[1]}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.callback_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -119,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "callbacks.json")
     args = parser.parse_args(argv)
-    from .__main__ import _machine  # the harness's machine description
 
     results = measure(args.only or list(EXAMPLES), args.rounds)
     if args.only and args.out.exists():  # keep the other examples' rows of the previous run
@@ -127,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         results = {
             name: results.get(name, previous.get(name)) for name in EXAMPLES if name in results or name in previous
         }
-    meta = {"machine": f"{_machine()}, {os.cpu_count()} CPUs visible"}
+    meta = {"machine": f"{machine()}, {os.cpu_count()} CPUs visible"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    write_section(args.doc, markdown(results, meta))
+    write_section(args.doc, markdown(results, meta), START, END)
     print(markdown(results, meta))
     return 0
 

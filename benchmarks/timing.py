@@ -1,11 +1,15 @@
 """Side-by-side timing: methods run round-robin (one step each per round) so that load from
-other processes on a shared machine hits every method alike; the median over rounds is kept."""
+other processes on a shared machine hits every method alike; the median over rounds is kept.
+Also what every benchmark shares: the machine's description and the markdown section a
+benchmark rewrites between its markers."""
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -40,3 +44,25 @@ def rel_error(actual: Any, expected: Any) -> float:
     a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
     scale = max(float(np.abs(e).max()) if e.size else 0.0, 1e-30)
     return float(np.abs(a - e).max() / scale) if e.size else 0.0
+
+
+def machine() -> str:
+    """The OS and CPU model of this machine."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.system()} {platform.release()}, {cpu}"
+
+
+def write_section(doc: Path, body: str, start: str, end: str) -> None:
+    """Replace the text between the ``start`` and ``end`` markers of ``doc`` (appended when missing)."""
+    text = doc.read_text()
+    if start not in text or end not in text:
+        text = text.rstrip() + f"\n\n{start}\n{end}\n"
+    head, rest = text.split(start, 1)
+    doc.write_text(f"{head}{start}\n{body}{end}{rest.split(end, 1)[1]}")
