@@ -156,10 +156,6 @@ class StoreIndex:
         self.record = {key: np.concatenate(value) for key, value in records.items()}
         self.sample = _join_samples(entries)
 
-    @classmethod
-    def empty(cls, layers: dict[str, dict[str, Any]]) -> StoreIndex:
-        return cls([], layers)
-
     def __len__(self) -> int:
         """The number of stored batches."""
         return len(self.batch.get("step", ()))

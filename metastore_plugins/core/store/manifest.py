@@ -16,7 +16,6 @@ field, bound and versioning rule: docs/format.md.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -97,14 +96,6 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Rewrite the rank's manifest atomically (compact JSON)."""
     text = json.dumps(manifest, separators=(",", ":"))
     atomic_write_bytes(directory / manifest_name(manifest["rank"]), text.encode())
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def parse_manifest(data: bytes, path: Path, rank: int) -> dict[str, Any]:
