@@ -23,7 +23,6 @@ import datetime as dt
 import gc
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -31,8 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import metastore_plugins
-from benchmarks.timing import machine, write_section
+from benchmarks.timing import machine, timed, versions, write_section
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,12 +99,6 @@ def _over_time(seconds: np.ndarray) -> dict[str, Any]:
     }
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
 def train_and_write(store_dir: Path, steps: int, batch: int, shard_bytes: int | None, dataset: int) -> dict[str, Any]:
     """``steps`` captured SGD steps of a 12-32-4 MLP written to ``store_dir``; per-step times."""
     torch.manual_seed(0)
@@ -141,7 +132,7 @@ def train_and_write(store_dir: Path, steps: int, batch: int, shard_bytes: int | 
         optimizer.zero_grad(set_to_none=True)
         step_s[step] = time.perf_counter() - t0
     loop_s = time.perf_counter() - start
-    _, close_s = _timed(writer.close)
+    _, close_s = timed(writer.close)
     return {
         "writer": {
             "shard_bytes": writer.shard_bytes,
@@ -165,13 +156,13 @@ def read_back(store_dir: Path, steps: int, rows: int, repeats: int) -> dict[str,
     for _ in range(repeats):
         store = None
         gc.collect()
-        store, seconds = _timed(lambda: open_store(store_dir))
+        store, seconds = timed(lambda: open_store(store_dir))
         opens.append(seconds)
     out["open_store_s"] = {"first": opens[0], "median": statistics.median(opens)}
     for name, fn in (("sample_ids", lambda: store.sample_ids("train")), ("metadata", lambda: store.metadata("train"))):
         times = []
         for _ in range(repeats):
-            value, seconds = _timed(fn)
+            value, seconds = timed(fn)
             times.append(seconds)
         out[f"{name}_s"] = {"first": times[0], "median": statistics.median(times)}
         if name == "sample_ids":
@@ -180,14 +171,14 @@ def read_back(store_dir: Path, steps: int, rows: int, repeats: int) -> dict[str,
             out["metadata_columns"] = sorted(value)
     # norms: a probe on the first 1% of steps predicts the whole store's time; too long -> a step range
     probe_hi = max(0, steps // 100 - 1)
-    probe, probe_s = _timed(lambda: store.norms("train", steps=(0, probe_hi)))
+    probe, probe_s = timed(lambda: store.norms("train", steps=(0, probe_hi)))
     rate = len(probe) / max(probe_s, 1e-9)
     if rows / rate <= NORMS_BUDGET_S:
-        values, seconds = _timed(lambda: store.norms("train"))
+        values, seconds = timed(lambda: store.norms("train"))
         span = "whole store"
     else:
         hi = max(probe_hi, int(steps * min(1.0, rate * NORMS_BUDGET_S / 2 / rows)) - 1)
-        values, seconds = _timed(lambda: store.norms("train", steps=(0, hi)))
+        values, seconds = timed(lambda: store.norms("train", steps=(0, hi)))
         span = f"steps 0..{hi}"
     out["norms"] = {
         "span": span,
@@ -208,7 +199,7 @@ def compact_and_reopen(store_dir: Path, repeats: int) -> dict[str, Any] | None:
     except ImportError:
         return None
     try:
-        report, seconds = _timed(lambda: compact(store_dir))
+        report, seconds = timed(lambda: compact(store_dir))
     except Exception as error:  # a failed compaction is a figure too; the figures before it are kept
         print(f"[store_scale] compact failed: {error!r}", file=sys.stderr, flush=True)
         return {"error": f"{type(error).__name__}: {error}"}
@@ -216,9 +207,9 @@ def compact_and_reopen(store_dir: Path, repeats: int) -> dict[str, Any] | None:
     opens = []
     for _ in range(repeats):
         gc.collect()
-        store, open_s = _timed(lambda: open_store(store_dir))
+        store, open_s = timed(lambda: open_store(store_dir))
         opens.append(open_s)
-    ids, ids_s = _timed(lambda: store.sample_ids("train"))
+    ids, ids_s = timed(lambda: store.sample_ids("train"))
     return {
         "seconds": seconds,
         "shards_after": shards,
@@ -335,16 +326,6 @@ def table(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for dist in ("torch", "numpy", "safetensors"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
-
-
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -399,11 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kept the store in {store_dir}", file=sys.stderr)
         else:
             shutil.rmtree(tmp if tmp is not None else store_dir, ignore_errors=True)
-    previous: dict[str, Any] = {}
-    if args.out.exists():
-        previous = json.loads(args.out.read_text()).get("runs", {})
+    previous = json.loads(args.out.read_text()).get("runs", {}) if args.out.exists() else {}
     runs = {**previous, name: result}
-    meta: dict[str, Any] = {"machine": machine(), "versions": _versions()}
+    meta: dict[str, Any] = {"machine": machine(), "versions": versions("torch", "numpy", "safetensors")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     print(table({name: result}))

@@ -9,6 +9,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +67,14 @@ def write_section(doc: Path, body: str, start: str, end: str) -> None:
         text = text.rstrip() + f"\n\n{start}\n{end}\n"
     head, rest = text.split(start, 1)
     doc.write_text(f"{head}{start}\n{body}{end}{rest.split(end, 1)[1]}")
+
+
+def versions(*dists: str) -> dict[str, str]:
+    """Python's version and each installed distribution's ("not installed" when missing)."""
+    out = {"python": platform.python_version()}
+    for dist in dists:
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
