@@ -154,7 +154,7 @@ class StoreIndex:
         order = np.lexsort((np.arange(len(joined["step"])), joined["rank"], joined["micro_batch"], joined["step"]))
         self.batch = {key: value[order] for key, value in joined.items()}
         self.record = {key: np.concatenate(value) for key, value in records.items()}
-        self.sample = _join_samples(entries)
+        self.sample = join_samples(entries)
 
     def __len__(self) -> int:
         """The number of stored batches."""
@@ -186,7 +186,7 @@ def expectation(entry: ShardEntry, layers: dict[str, dict[str, Any]], checksums:
     return ShardExpectation(entry.bytes, entry.sha256 if checksums else None, required, optional)
 
 
-def _join_samples(entries: list[ShardEntry]) -> dict[str, np.ndarray]:
+def join_samples(entries: list[ShardEntry]) -> dict[str, np.ndarray]:
     """The entries' sample columns joined; a column some entries lack is filled (-1, or NaN for floats)."""
     names = [
         key for key in ("sample_id", "label", "loss", "prediction") if any(key in (e.samples or {}) for e in entries)

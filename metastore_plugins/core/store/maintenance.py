@@ -22,7 +22,7 @@ import torch
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import ShardEntry, shard_pattern
 from metastore_plugins.core.store.health import TEMPORARY, leftover_rank, one_line
-from metastore_plugins.core.store.index import RankIndex, expectation, read_rank
+from metastore_plugins.core.store.index import RankIndex, expectation, join_samples, read_rank
 from metastore_plugins.core.store.index_writer import first_free_shard
 from metastore_plugins.core.store.journal import RankLock, encode_line, journal_name, rewrite
 from metastore_plugins.core.store.manifest import StoreError
@@ -190,17 +190,7 @@ def merge_entries(members: list[ShardEntry], file: str, nbytes: int, sha256: str
                 value = layer_map[value]
             records.setdefault(key, []).append(value)
         offset += len(e.batches["step"])
-    samples: dict[str, np.ndarray] = {}
-    for key in ("sample_id", "label", "loss", "prediction"):
-        parts = [(e.samples or {}).get(key) for e in members]
-        if all(p is None for p in parts):
-            continue
-        floating = key == "loss" or any(p is not None and p.dtype.kind == "f" for p in parts)
-        dtype = np.float32 if key == "loss" else (np.float64 if floating else np.int64)
-        fill = np.nan if floating else -1
-        samples[key] = np.concatenate(
-            [np.full(e.rows, fill, dtype) if p is None else p.astype(dtype) for e, p in zip(members, parts)]
-        )
+    samples = join_samples(members)
     return ShardEntry(
         file,
         nbytes,
