@@ -6,6 +6,7 @@ import hashlib
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +110,7 @@ def test_compaction_keeps_encodings_apart(tmp_path: Path) -> None:
 
 def test_compaction_refuses_a_rank_in_use(tmp_path: Path) -> None:
     _write(tmp_path, steps=range(3))
-    with StoreWriter(tmp_path, encoding="fp32"), pytest.raises(StoreError, match="in use by another process"):
+    with StoreWriter(tmp_path, encoding="fp32"), pytest.raises(StoreError, match="in use by another writer"):
         compact(tmp_path)
     assert len(compact(tmp_path).merged) == 3  # the writer closed: the lock is free
 
@@ -183,3 +184,43 @@ def test_cli_compact_and_repair(tmp_path: Path, capsys: pytest.CaptureFixture[st
     _check(tmp_path, expected)
     assert cli_main(["compact", str(tmp_path / "nowhere")]) == 2
     assert "not a metastore store" in capsys.readouterr().err
+
+
+HOLD = textwrap.dedent(
+    """
+    import sys, time
+    from metastore_plugins import StoreWriter
+    with StoreWriter(sys.argv[1], encoding="fp32"):
+        print("open", flush=True)
+        time.sleep(60)
+    """
+)
+
+
+def test_a_writer_in_another_process_holds_the_rank(tmp_path: Path) -> None:
+    _write(tmp_path, steps=range(3))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        with pytest.raises(StoreError, match="in use by another writer"):
+            compact(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert len(compact(tmp_path).merged) == 3  # the lock went with the process
+
+
+def test_processes_forked_while_a_writer_is_open_do_not_keep_its_rank(tmp_path: Path) -> None:
+    """A DataLoader's workers fork from the training process: the rank is free once its writer closes."""
+    import multiprocessing
+
+    _write(tmp_path, steps=range(3))
+    context = multiprocessing.get_context("fork")
+    with StoreWriter(tmp_path, encoding="fp32"):
+        worker = context.Process(target=time.sleep, args=(30,))
+        worker.start()
+    try:
+        assert len(compact(tmp_path).merged) == 3
+    finally:
+        worker.kill()
+        worker.join()

@@ -214,7 +214,7 @@ def test_repair_refuses_to_run_beside_a_writer(store6: tuple) -> None:
     path, _ = store6
     _orphan(path)
     with StoreWriter(path, encoding="fp32"):
-        with pytest.raises(StoreError, match="rank 0 is in use by another process"):
+        with pytest.raises(StoreError, match="rank 0 is in use by another writer"):
             repair(path)
     assert shard(path, 7).exists()
 

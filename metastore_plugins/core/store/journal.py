@@ -26,6 +26,7 @@ import binascii
 import json
 import os
 import re
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,30 +174,43 @@ def lock_name(rank: int) -> str:
     return f"rank{rank}.lock"
 
 
+#: Lock files held by this process, by (device, inode): POSIX locks do not conflict within a process.
+_HELD: set[tuple[int, int]] = set()
+_HELD_LOCK = threading.Lock()
+
+
 class RankLock:
-    """An exclusive ``flock`` on ``rank{r}.lock``, held by the one process writing, compacting or
-    repairing a rank of a store (a file never replaced, so the lock outlives journal rewrites).
-    Taken without waiting: a busy lock is a clear error. No-op where ``fcntl`` is missing."""
+    """An exclusive lock on ``rank{r}.lock``, held by the one writer, compaction or repair of a rank
+    (a file never replaced, so the lock outlives journal rewrites). Taken without waiting: a busy
+    lock is a clear error.
+
+    A POSIX record lock (``lockf``) between processes, which processes forked while it is held (a
+    DataLoader's workers) do not inherit, unlike ``flock``; within this process a registry of held
+    lock files. Where ``fcntl`` is missing (Windows) only the registry applies.
+    """
 
     def __init__(self, directory: Path, rank: int) -> None:
         self.path = directory / lock_name(rank)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - Windows: no advisory locks
-            return
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
+        stat = os.fstat(self._fd)
+        self._key = (stat.st_dev, stat.st_ino)
+        with _HELD_LOCK:
+            busy = self._key in _HELD or not _lock(self._fd)
+            if not busy:
+                _HELD.add(self._key)
+        if busy:
             os.close(self._fd)
+            self._fd = -1
             raise StoreError(
-                f"{directory} rank {rank} is in use by another process (a writer, compaction or repair holds "
+                f"{directory} rank {rank} is in use by another writer, compaction or repair (it holds "
                 f"{self.path.name}); wait for it to finish: one writer per store directory and rank"
-            ) from exc
+            )
 
     def release(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            with _HELD_LOCK:
+                _HELD.discard(self._key)
+                os.close(self._fd)  # releases the POSIX lock
             self._fd = -1
 
     def __enter__(self) -> RankLock:
@@ -204,6 +218,19 @@ class RankLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _lock(fd: int) -> bool:
+    """Whether an exclusive POSIX lock on ``fd`` was taken without waiting."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no advisory locks
+        return True
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # EACCES or EAGAIN: held by another process
+        return False
+    return True
 
 
 def rewrite(path: Path, lines: list[bytes]) -> None:
