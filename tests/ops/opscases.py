@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
+from metastore_plugins.core.ops import projection
 from metastore_plugins.testing import reference_per_sample_gradients
 
 TOLERANCE = 1e-5
@@ -242,3 +243,26 @@ def rel_err(actual: Tensor, expected: Tensor) -> float:
     expected = expected.double()
     scale = expected.abs().max().clamp_min(1e-300)
     return float((actual.double() - expected).abs().max() / scale)
+
+
+def reference_sketch(record: LayerRecord, ref: dict[str, Tensor], seed: int, k_in: int, k_out: int) -> Tensor:
+    """``P_out [W | b] P_in^T`` (or a flat Gaussian projection) of the reference gradients, float64."""
+    batch, device = ref[next(iter(record.params.values()))].shape[0], torch.device("cpu")
+    shapes = record.param_shapes
+    if "weight" in record.params and len(shapes["weight"]) >= 2:
+        weight = ref[record.params["weight"]].double()  # (B, *shape)
+        if record.layout == "in_out":  # transformers' Conv1D stores (d_in, d_out)
+            weight = weight.transpose(1, 2)
+        matrix = weight.reshape(batch, weight.shape[1], -1)  # (B, rows, cols)
+        rows, cols = matrix.shape[1:]
+        p_in = projection("in", record.layer, seed, (k_in, cols), k_in, device).double()
+        if "bias" in record.params:
+            matrix = torch.cat([matrix, ref[record.params["bias"]].double().reshape(batch, rows, 1)], 2)
+            p_in = torch.cat([p_in, projection("bias", record.layer, seed, (k_in, 1), k_in, device).double()], 1)
+        p_out = projection("out", record.layer, seed, (k_out, rows), k_out, device).double()
+        return (p_out @ matrix @ p_in.T).reshape(batch, -1)
+    roles = sorted(record.params)
+    flat = torch.cat([ref[record.params[r]].double().reshape(batch, -1) for r in roles], 1)
+    k = k_out * k_in
+    p_vec = projection("vector:" + ",".join(roles), record.layer, seed, (k, flat.shape[1]), k, device).double()
+    return flat @ p_vec.T

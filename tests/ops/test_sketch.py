@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from opscases import Case, rel_err
+from opscases import Case, reference_sketch, rel_err
 
 from metastore_plugins.core.capture.records import LayerRecord, outer_record, to_dense
 from metastore_plugins.core.ops import kmeans, projection, sketch
@@ -25,32 +25,9 @@ from metastore_plugins.core.ops import kmeans, projection, sketch
 K_OUT, K_IN = 4, 3
 
 
-def _reference_sketch(record: LayerRecord, ref: dict[str, torch.Tensor], seed: int) -> torch.Tensor:
-    """``P_out [W | b] P_in^T`` (or a flat Gaussian projection) of the reference gradients, float64."""
-    batch, device = record.batch_size, torch.device("cpu")
-    shapes = record.param_shapes
-    if "weight" in record.params and len(shapes["weight"]) >= 2:
-        weight = ref[record.params["weight"]].double()  # (B, *shape)
-        if record.layout == "in_out":  # transformers' Conv1D stores (d_in, d_out)
-            weight = weight.transpose(1, 2)
-        matrix = weight.reshape(batch, weight.shape[1], -1)  # (B, rows, cols)
-        rows, cols = matrix.shape[1:]
-        p_in = projection("in", record.layer, seed, (K_IN, cols), K_IN, device).double()
-        if "bias" in record.params:
-            matrix = torch.cat([matrix, ref[record.params["bias"]].double().reshape(batch, rows, 1)], 2)
-            p_in = torch.cat([p_in, projection("bias", record.layer, seed, (K_IN, 1), K_IN, device).double()], 1)
-        p_out = projection("out", record.layer, seed, (K_OUT, rows), K_OUT, device).double()
-        return (p_out @ matrix @ p_in.T).reshape(batch, -1)
-    roles = sorted(record.params)
-    flat = torch.cat([ref[record.params[r]].double().reshape(batch, -1) for r in roles], 1)
-    k = K_OUT * K_IN
-    p_vec = projection("vector:" + ",".join(roles), record.layer, seed, (k, flat.shape[1]), k, device).double()
-    return flat @ p_vec.T
-
-
 def test_sketch_is_the_projection_of_the_reference_gradients(case: Case) -> None:
     for record in case.train_records:
-        expected = _reference_sketch(record, case.train_ref, seed=7)
+        expected = reference_sketch(record, case.train_ref, seed=7, k_in=K_IN, k_out=K_OUT)
         assert rel_err(sketch(record, K_IN, K_OUT, seed=7), expected) <= 1e-5, record.layer
         assert rel_err(sketch(to_dense(record), K_IN, K_OUT, seed=7), expected) <= 1e-5, record.layer
 

@@ -24,6 +24,18 @@ what the store writes. It holds one of three representations (``kind``):
     ``grad.<role>`` ``(B, *param_shape)``: the per-sample gradient itself, kept
     when it is smaller than the factors (and for small parameters such as norms).
 
+Two cheaper representations a capture policy may keep instead (built from the above by
+:mod:`metastore_plugins.core.ops.represent`; they cannot be restored to gradients):
+
+``"projected"``
+    ``projected`` ``(B, k_out, k_in)``: the seeded Kronecker projection ``P_out G_i P_in^T`` of
+    each per-sample gradient (:func:`metastore_plugins.core.ops.sketch`, seed
+    :data:`PROJECTION_SEED`): inner products between samples are estimates. ``sq_norm`` ``(B,)``:
+    each sample's exact squared gradient norm over the record's parameters.
+
+``"norms"``
+    ``sq_norm`` ``(B,)`` only: exact squared norms, enough for self-influence and outliers.
+
 Records are stored *raw*: the gradient of the loss as back-propagated. ``scale``
 multiplies by the factor that turns them into gradients of each sample's own loss
 (undoing the loss reduction and the mixed-precision loss scale).
@@ -42,11 +54,17 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-RecordKind = Literal["outer", "embedding", "dense"]
+RecordKind = Literal["outer", "embedding", "dense", "projected", "norms"]
 WeightLayout = Literal["out_in", "in_out"]
 
 #: Tensor keys that are linear in the loss (and therefore scaled); all others are inputs or ids.
-_GRADIENT_KEYS = ("suffix",)
+_GRADIENT_KEYS = ("suffix", "projected")
+#: Tensor keys that are quadratic in the loss (scaled by the square of the factor).
+_QUADRATIC_KEYS = ("sq_norm",)
+#: The seed of the projections a ``"projected"`` record was made with (query-time sketches use it too).
+PROJECTION_SEED = 0
+#: Kinds that hold the gradient itself (factored or dense): restorable, usable by every query.
+EXACT_KINDS = ("outer", "embedding", "dense")
 #: Key prefix of a dense record's per-sample gradients: ``grad.<role>``.
 DENSE_PREFIX = "grad."
 
@@ -54,6 +72,10 @@ DENSE_PREFIX = "grad."
 def dense_key(role: str) -> str:
     """The tensor key of a dense record's per-sample gradient of parameter role ``role``."""
     return DENSE_PREFIX + role
+
+
+class RepresentationError(ValueError):
+    """A query asked of a layer kept in a representation that cannot answer it (norms only, projections)."""
 
 
 @dataclass(frozen=True)
@@ -105,11 +127,24 @@ class LayerRecord:
             return self
         scaled = set(self.gradient_keys())
         return replace(
-            self, tensors={key: value * factor if key in scaled else value for key, value in self.tensors.items()}
+            self,
+            tensors={
+                key: value * factor if key in scaled else value * factor**2 if key in _QUADRATIC_KEYS else value
+                for key, value in self.tensors.items()
+            },
         )
 
     def restore(self) -> dict[str, Tensor]:
-        """Rebuild the dense per-sample gradients: parameter name -> ``(B, *shape)``."""
+        """Rebuild the dense per-sample gradients: parameter name -> ``(B, *shape)``.
+
+        Raises:
+            ValueError: for a ``"projected"`` or ``"norms"`` record, which no longer holds the gradient.
+        """
+        if self.kind not in EXACT_KINDS:
+            raise RepresentationError(
+                f"layer '{self.layer}' is kept as {self.kind!r}: its per-sample gradients cannot be rebuilt; "
+                "capture with policy='exact', or recompute the samples exactly (metastore_plugins.recompute)"
+            )
         return _RESTORERS[self.kind](self)
 
 

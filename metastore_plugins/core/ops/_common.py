@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.capture.records import LayerRecord, RepresentationError
 
 #: Default memory budget, in bytes, of one operator call (largest intermediate it builds) and of
 #: one store query (decoded records it holds at once); the one default every ``max_bytes`` uses.
@@ -24,8 +24,38 @@ DEFAULT_MAX_BYTES = 512 * 2**20
 
 def check_kind(record: LayerRecord) -> None:
     """Raise a ``ValueError`` naming the record if its kind is unknown."""
-    if record.kind not in ("outer", "embedding", "dense"):
+    if record.kind not in ("outer", "embedding", "dense", "projected", "norms"):
         raise ValueError(f"record of layer '{record.layer}' has unknown kind {record.kind!r}")
+
+
+def unsupported(record: LayerRecord, what: str) -> RepresentationError:
+    """The error for ``what`` asked of ``record``'s representation, with the ways out."""
+    kept = {"projected": "a projected gradient with exact norms", "norms": "exact squared norms only"}[record.kind]
+    return RepresentationError(
+        f"{what} needs the per-sample gradients of layer '{record.layer}', which this store keeps as {kept} "
+        f"(capture policy); capture it with policy='exact' (or a tag keep='exact' on those steps), or recompute "
+        "the samples exactly from a weight snapshot (metastore_plugins.core.analysis.recompute)"
+    )
+
+
+def need_gradients(record: LayerRecord, what: str) -> None:
+    """Raise :class:`RepresentationError` unless ``record`` holds the gradients themselves (factors or dense)."""
+    if record.kind in ("projected", "norms"):
+        raise unsupported(record, what)
+
+
+def whole_record(record: LayerRecord, params: Collection[str] | None, what: str) -> None:
+    """Raise :class:`RepresentationError` if ``params`` selects part of a projected or norms record's parameters.
+
+    Such records hold one number set for all of the layer's parameters together.
+    """
+    chosen = selected_roles(record, params)
+    if chosen and len(chosen) != len(record.params):
+        raise RepresentationError(
+            f"{what} of part of layer '{record.layer}' ({sorted(chosen.values())}): the store keeps that layer's "
+            f"{sorted(record.params.values())} together ({record.kind}); select all of them, or capture with "
+            "policy='exact'"
+        )
 
 
 def selected_roles(record: LayerRecord, params: Collection[str] | None) -> dict[str, str]:
@@ -167,6 +197,7 @@ def rebuild_outer(prefix: Tensor, suffix: Tensor, sample: Tensor, batch: int) ->
 
 def restore_chunk(record: LayerRecord, lo: int, hi: int, names: Collection[str]) -> dict[str, Tensor]:
     """Per-sample gradients ``name -> (hi - lo, *shape)`` of samples ``lo..hi-1`` (chunked restore)."""
+    need_gradients(record, "rebuilding per-sample gradients")
     hi = min(hi, record.batch_size)
     n, roles = hi - lo, roles_of(record, names)
     out: dict[str, Tensor] = {}

@@ -9,7 +9,9 @@ Factored forms (rows ``r`` of sample ``i`` in ``a``, ``s`` of sample ``j`` in ``
   the same ``(sample, id)``;
 - embedding x dense ``H_j``: ``sum_{r in i} D_r . H_j[id_r]``;
 
-each followed by a per-sample segment sum of the row-pair matrix. Anything else,
+each followed by a per-sample segment sum of the row-pair matrix. With a ``"projected"`` record
+on either side the product is the estimate ``<S(g_a_i), S(g_b_j)>`` in its projection (the other
+side sketched the same way); a ``"norms"`` record cannot give inner products. Anything else,
 or whatever the cost model (:mod:`~metastore_plugins.core.ops.cost`) finds cheaper,
 rebuilds dense gradients a chunk of samples at a time and multiplies them.
 Every intermediate stays under ``max_bytes`` (row and sample chunks).
@@ -23,9 +25,10 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.capture.records import PROJECTION_SEED, LayerRecord
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
+    RepresentationError,
     chunks,
     common_params,
     outer_dims,
@@ -33,9 +36,12 @@ from metastore_plugins.core.ops._common import (
     restore_chunk,
     roles_of,
     segment_sum,
+    unsupported,
     weight_groups,
+    whole_record,
 )
 from metastore_plugins.core.ops.cost import Method, plan_dots
+from metastore_plugins.core.ops.sketch import sketch
 
 _FACTORED_FIRST = {"outer": 0, "embedding": 0, "dense": 1}
 
@@ -64,6 +70,8 @@ def dots(
         ValueError: if the records share no parameter.
     """
     names = common_params(a, b, params)
+    if a.kind == "projected" or b.kind == "projected" or a.kind == "norms" or b.kind == "norms":
+        return _projected_dots(a, b, names)
     if _FACTORED_FIRST[a.kind] > _FACTORED_FIRST[b.kind]:
         return dots(b, a, names, method, max_bytes).T
     plan = plan_dots(a, b, names, method)
@@ -77,6 +85,32 @@ def dots(
         if a.kind == "embedding" and b.kind == "dense":
             return _embedding_dense(a, b, names[0], max_bytes)
     return _dense_dots(a, b, names, max_bytes)
+
+
+def _projected_dots(a: LayerRecord, b: LayerRecord, names: list[str]) -> Tensor:
+    """``<S(g_a_i), S(g_b_j)>``: an estimate, through the projection a ``"projected"`` record was kept in.
+
+    The other side is sketched with the same seed and size (a ``"projected"`` record is used as it is).
+    """
+    for record in (a, b):
+        if record.kind == "norms":
+            raise unsupported(record, "inner products between samples")
+        whole_record(record, names, "inner products")
+    k_out, k_in = (a if a.kind == "projected" else b).tensors["projected"].shape[1:]
+    sides = [_projection_of(record, k_in, k_out) for record in (a, b)]  # (B, k) each
+    return sides[0] @ sides[1].T  # (B_a, B_b)
+
+
+def _projection_of(record: LayerRecord, k_in: int, k_out: int) -> Tensor:
+    if record.kind != "projected":
+        return sketch(record, k_in, k_out, PROJECTION_SEED)  # (B, k)
+    stored = record.tensors["projected"]  # (B, k_out', k_in')
+    if tuple(stored.shape[1:]) != (k_out, k_in):
+        raise RepresentationError(
+            f"layer '{record.layer}' is projected to {tuple(stored.shape[1:])} in one record and ({k_out}, {k_in}) in "
+            "the other; inner products need the same projection on both sides"
+        )
+    return stored.reshape(stored.shape[0], -1)
 
 
 def _same_structure(a: LayerRecord, b: LayerRecord) -> bool:

@@ -24,6 +24,7 @@ from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
     chunks,
+    need_gradients,
     outer_dims,
     param_numel,
     restore_chunk,
@@ -37,6 +38,7 @@ Entries = Sequence[int] | Sequence[Sequence[int]] | Tensor
 
 def _summed_gradient(record: LayerRecord, roles: dict[str, str]) -> dict[str, Tensor]:
     """``sum_i g_i`` per parameter, straight from the factors."""
+    need_gradients(record, "summed gradients")
     out: dict[str, Tensor] = {}
     if record.kind == "dense":
         return {name: record.dense_grad(role).sum(0) for role, name in roles.items()}
@@ -92,6 +94,7 @@ def abs_grad_accumulate(
     Accumulated over steps, ``sum |g_i|`` shows which weights samples pushed hardest
     (in either direction); the signed sum is the batch gradient times ``B``.
     """
+    need_gradients(record, "per-weight dynamics")
     roles = selected_roles(record, params)
     if signed:
         return _summed_gradient(record, roles)
@@ -139,6 +142,7 @@ def entry_gradients(record: LayerRecord, role: str, entries: Entries, max_bytes:
         raise ValueError(
             f"layer '{record.layer}' has no captured parameter role {role!r}; it has {sorted(record.params)}"
         )
+    need_gradients(record, "per-weight gradients")
     shape = tuple(record.param_shapes[role])
     flat = _flat_entries(entries, shape)  # (E,)
     if record.kind == "dense":

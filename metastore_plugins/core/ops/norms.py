@@ -8,7 +8,8 @@ For an ``"outer"`` record (weight ``grad W_i[g] = D_i[g]^T A_i[g]``, bias ``sum_
 with ``t, s`` over the ``T_i`` kept rows of sample ``i``: ``O(T_i^2 (d_in + d_out))``
 instead of ``O(T_i d_in d_out)`` to rebuild. For an ``"embedding"`` record, rows
 of the same ``(sample, id)`` are summed first (they hit the same weight row), then
-``||grad W_i||^2 = sum_v ||sum_{r in i, id_r = v} D_r||^2``. Dense records are direct.
+``||grad W_i||^2 = sum_v ||sum_{r in i, id_r = v} D_r||^2``. Dense records are direct;
+``"projected"`` and ``"norms"`` records hold the exact ``sq_norm`` of all their parameters together.
 :func:`~metastore_plugins.core.ops.cost.plan_norms` decides per record.
 """
 
@@ -31,6 +32,8 @@ from metastore_plugins.core.ops._common import (
     sample_slice,
     segment_sum,
     selected_roles,
+    unsupported,
+    whole_record,
 )
 from metastore_plugins.core.ops.cost import Method, plan_norms
 
@@ -56,6 +59,11 @@ def sq_norms_by_param(
     roles = selected_roles(record, params)
     if not roles:
         return {}
+    if record.kind in ("projected", "norms"):
+        whole_record(record, params, "squared norms")
+        if len(roles) > 1:
+            raise unsupported(record, "squared norms of each parameter separately")
+        return {next(iter(roles.values())): record.tensors["sq_norm"]}
     plan = plan_norms(record, list(roles.values()), method)
     if plan.method == "dense":
         return _dense_norms(record, roles, max_bytes)
@@ -76,6 +84,10 @@ def sq_norms(
     parameter (several calls of a module) are combined by
     :func:`~metastore_plugins.core.ops.influence.total_sq_norms`.
     """
+    if record.kind in ("projected", "norms"):  # exact, all parameters together
+        whole_record(record, params, "squared norms")
+        sq_norm = record.tensors["sq_norm"]  # (B,)
+        return sq_norm if selected_roles(record, params) else torch.zeros_like(sq_norm)
     by_param = sq_norms_by_param(record, params, method, max_bytes)
     total = torch.zeros(record.batch_size, dtype=torch.float32, device=_device(record))  # (B,)
     for value in by_param.values():

@@ -51,9 +51,10 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.capture.records import PROJECTION_SEED, LayerRecord
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
+    RepresentationError,
     chunks,
     max_rows_per_sample,
     outer_dims,
@@ -61,6 +62,8 @@ from metastore_plugins.core.ops._common import (
     sample_slice,
     selected_roles,
     stable_seed,
+    unsupported,
+    whole_record,
 )
 
 
@@ -124,6 +127,8 @@ def sketch(
         ``(B, k)`` float32; ``<sketch_i, sketch_j>`` estimates ``<g_i, g_j>`` without bias.
     """
     roles = selected_roles(record, params)
+    if record.kind in ("projected", "norms"):
+        return _kept_sketch(record, params, dim_in, dim_out, seed)
     device = next(iter(record.tensors.values())).device
     draw = Projections() if projections is None else projections
     out = torch.zeros(record.batch_size, dim_out, dim_in, device=device)  # (B, k_out, k_in)
@@ -134,6 +139,21 @@ def sketch(
     elif record.kind == "dense":
         _dense_sketch(record, roles, out, seed, draw)
     return out.reshape(record.batch_size, dim_out * dim_in)
+
+
+def _kept_sketch(record: LayerRecord, params: Collection[str] | None, dim_in: int, dim_out: int, seed: int) -> Tensor:
+    """The sketch a ``"projected"`` record already is, when asked with its own size and seed."""
+    if record.kind == "norms":
+        raise unsupported(record, "sketches")
+    whole_record(record, params, "sketches")
+    stored = record.tensors["projected"]  # (B, k_out, k_in)
+    if tuple(stored.shape[1:]) != (dim_out, dim_in) or seed != PROJECTION_SEED:
+        raise RepresentationError(
+            f"layer '{record.layer}' is kept projected to {tuple(stored.shape[1:])} (k_out, k_in) with seed "
+            f"{PROJECTION_SEED}; ask for sketches of that size and seed (dim_out={stored.shape[1]}, "
+            f"dim_in={stored.shape[2]}, seed={PROJECTION_SEED}), or capture with policy='exact'"
+        )
+    return stored.reshape(stored.shape[0], -1)
 
 
 def _in_projection(

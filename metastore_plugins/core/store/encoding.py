@@ -9,7 +9,9 @@ first dimension: one kept token row, or one sample of a dense gradient):
 ``bf16``  ``x`` in bfloat16 (float32's range, 8 significant bits); no scale needed.
 ``int8``  ``q = round(x / s)`` with ``s = max |x_row| / 127``.
 
-Integer tensors (sample, position, token ids) are kept as int32.
+Integer tensors (sample, position, token ids) are kept as int32. Exact squared norms
+(:data:`EXACT_KEYS`) are kept as float32 whatever the encoding: they are the store's exact answer
+to self-influence and outliers, 4 bytes per sample and layer.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ ENCODINGS: tuple[str, ...] = get_args(Encoding)
 DEFAULT_ENCODING: Encoding = "fp16"
 
 _SCALE_SUFFIX = ".scale"
+#: Record tensors stored as float32 under every encoding.
+EXACT_KEYS = frozenset({"sq_norm"})
 _ROW_SCALED = {"fp16": (torch.float16, 1.0), "int8": (torch.int8, 127.0)}
 _PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

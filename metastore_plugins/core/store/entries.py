@@ -19,6 +19,8 @@ from metastore_plugins.core.store.journal import KIND_CODES, META_BITS, JournalE
 from metastore_plugins.core.store.manifest import ENCODING_NAMES, MAX_INT, name_problem
 
 BATCH_FIELDS = ("capture_point", "step", "epoch", "micro_batch", "size", "lr", "meta")
+#: Kinds with one row per sample (no factor rows).
+PER_SAMPLE_KINDS = ("dense", "projected", "norms")
 RECORD_FIELDS = ("batch", "layer", "kind", "rows", "bytes", "dense_bytes")
 SAMPLE_FIELDS = ("sample_id", "label", "loss", "prediction")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -135,11 +137,11 @@ def entry_from_json(raw: dict[str, Any], rank: int, layers: dict[str, Any]) -> S
     records["layer"] = _integer(r, "layer", "records", 0, len(layer_names))
     records["kind"] = _integer(r, "kind", "records", 0, len(KIND_CODES))
     _need(bool((np.diff(records["batch"]) >= 0).all()), "records.batch", "must be grouped by batch in order")
-    dense = records["kind"] == KIND_CODES.index("dense")
+    per_sample = np.isin(records["kind"], [KIND_CODES.index(kind) for kind in PER_SAMPLE_KINDS])
     _need(
-        bool((records["rows"][dense] == batches["size"][records["batch"][dense]]).all()),
+        bool((records["rows"][per_sample] == batches["size"][records["batch"][per_sample]]).all()),
         "records.rows",
-        "of a dense record must equal its batch's size",
+        "of a dense, projected or norms record must equal its batch's size",
     )
     assert isinstance(file, str)  # checked above
     entry = ShardEntry(

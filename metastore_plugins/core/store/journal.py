@@ -43,7 +43,7 @@ DTYPES: dict[str, np.dtype[Any]] = {
 #: Bits of the ``meta`` batch column: the optional ``b{j}/meta/{column}`` tensors a shard holds.
 META_BITS = {"label": 1, "loss": 2, "prediction": 4}
 #: Record kinds by their code in the ``kind`` record column.
-KIND_CODES = ("outer", "embedding", "dense")
+KIND_CODES = ("outer", "embedding", "dense", "projected", "norms")
 #: The longest line a reader accepts (a shard of 64 MiB of a tiny MLP needs about 15 MiB).
 MAX_LINE_BYTES = 256 * 2**20
 _LINE = re.compile(rb"^(\{.*\}) ([0-9a-f]{8})$", re.DOTALL)

@@ -53,6 +53,9 @@ def check_record(
                 f"must be float {(size, *shapes[role])}; got {value.dtype} {tuple(value.shape)}",
             )
         return
+    if kind in ("projected", "norms"):
+        _check_kept(need, tensors, kind, size)
+        return
     for key in _KIND_KEYS[kind]:
         need(key in tensors, key, "is missing")
     for key in _KIND_KEYS[kind]:
@@ -108,3 +111,23 @@ def check_record(
         )
     if "bias" in shapes:
         need(groups * d_out == math.prod(shapes["bias"]), "suffix", f"does not make a bias of shape {shapes['bias']}")
+
+
+def _check_kept(need: Any, tensors: dict[str, Tensor], kind: str, size: int) -> None:
+    """A ``"projected"`` record: ``projected (B, k_out, k_in)`` and ``sq_norm (B,)``; a ``"norms"`` one: ``sq_norm``."""
+    keys = ("projected", "sq_norm") if kind == "projected" else ("sq_norm",)
+    for key in keys:
+        need(key in tensors, key, "is missing")
+    sq_norm = tensors.get("sq_norm", torch.empty(0))
+    need(
+        sq_norm.is_floating_point() and tuple(sq_norm.shape) == (size,),
+        "sq_norm",
+        f"must be float ({size},); got {sq_norm.dtype} {tuple(sq_norm.shape)}",
+    )
+    if kind == "projected":
+        projected = tensors.get("projected", torch.empty(0))
+        need(
+            projected.is_floating_point() and projected.dim() == 3 and projected.shape[0] == size,
+            "projected",
+            f"must be float ({size}, k_out, k_in); got {projected.dtype} {tuple(projected.shape)}",
+        )

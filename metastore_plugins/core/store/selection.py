@@ -28,7 +28,7 @@ def subset_record(record: LayerRecord, keep: Tensor) -> LayerRecord:
     """The record restricted to the samples ``keep`` (``(n,)`` batch-local indices, ascending)."""
     if keep.numel() == record.batch_size:
         return record
-    if record.kind == "dense":
+    if "sample" not in record.tensors:  # one row per sample: dense, projected, norms
         tensors = {key: value[keep] for key, value in record.tensors.items()}
     else:
         new_index = torch.full((record.batch_size,), -1, dtype=torch.long)
@@ -56,7 +56,7 @@ def join_records(batches: list[list[LayerRecord]]) -> list[LayerRecord]:
         first, offset, parts = records[0], 0, []
         for record in records:
             tensors = dict(record.tensors)
-            if record.kind != "dense":
+            if "sample" in tensors:
                 tensors["sample"] = tensors["sample"].long() + offset  # (R,)
             parts.append(tensors)
             offset += record.batch_size

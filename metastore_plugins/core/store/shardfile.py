@@ -25,7 +25,7 @@ from torch import Tensor
 
 from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.store import manifest as mf
-from metastore_plugins.core.store.encoding import Encoding, encode_into, stored_specs
+from metastore_plugins.core.store.encoding import EXACT_KEYS, Encoding, encode_into, stored_specs
 
 _DTYPE_NAMES = {
     torch.float64: "F64",
@@ -77,17 +77,18 @@ def write_shard(
     """
     if sys.byteorder != "little":
         raise NotImplementedError("shards are written on little-endian hosts only (safetensors stores little-endian)")
-    records = [
-        (mf.record_key(index, k, name), tensor)
+    tensors = [
+        (mf.record_key(index, k, name), name, tensor)
         for index, (batch_records, _) in enumerate(batches)
         for k, record in enumerate(batch_records)
         for name, tensor in record.tensors.items()
     ]
+    records = [(key, tensor) for key, name, tensor in tensors if name not in EXACT_KEYS]
     columns = [
         (mf.meta_key(index, column), values)
         for index, (_, meta) in enumerate(batches)
         for column, values in meta.items()
-    ]
+    ] + [(key, tensor.float()) for key, name, tensor in tensors if name in EXACT_KEYS]
     encoded, plain = _groups(records), _groups(columns)
     specs = {
         key: spec

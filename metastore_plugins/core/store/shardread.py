@@ -40,10 +40,12 @@ _DTYPES = {
     "BOOL": torch.bool,
 }
 _SCALED_ENCODINGS = ("fp16", "int8")  # as encoding.stored_specs: every floating tensor, zero rows included
-_FLOAT_TENSORS = ("prefix", "suffix")
+_FLOAT_TENSORS = ("prefix", "suffix", "projected")  # encoded: with row scales under fp16 / int8
 _KIND_TENSORS = {
     "outer": ("prefix", "suffix", "sample", "position"),
     "embedding": ("ids", "suffix", "sample", "position"),
+    "projected": ("projected", "sq_norm"),
+    "norms": ("sq_norm",),
 }
 #: Header bytes allowed per expected key (beyond 6 per byte of its name: JSON escapes), and for
 #: ``__metadata__`` and padding. A real entry of 9 dimensions takes under 200 bytes plus its name.

@@ -366,7 +366,7 @@ class StoreWriter:
 
     @staticmethod
     def _record_info(record: LayerRecord) -> dict[str, Any]:
-        rows = record.batch_size if record.kind == "dense" else int(record.tensors["sample"].shape[0])
+        rows = int(record.tensors["sample"].shape[0]) if "sample" in record.tensors else record.batch_size
         return {
             "layer": record.layer,
             "kind": record.kind,
