@@ -25,11 +25,14 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore, RunComparison, open_store
+from metastore_plugins.core.policy.plan import CapturePlan
+from metastore_plugins.core.policy.tags import Tag, read_tags
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
 from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.tables import influence_rows, outlier_rows
 from metastore_plugins.core.store import StoreError, find_store_dir
 from metastore_plugins.core.store.maintenance import compact, repair
+from metastore_plugins.core.store.snapshots import list_snapshots
 
 
 def _ids(text: str) -> list[int]:
@@ -99,6 +102,14 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
         "layers_detail": layers,
         "problems": problems,
     }
+    plan = store.config.get("capture_plan")
+    tags = read_tags(store.path)
+    snapshots = list_snapshots(store.path)
+    data |= {
+        "capture_plan": plan,
+        "tags": [dataclasses.asdict(tag) for tag in tags],
+        "snapshots": [{**dataclasses.asdict(info), "path": str(info.path)} for info in snapshots],
+    }
     ratio = summary["compression"]
     lines = [
         f"store      {summary['path']}",
@@ -114,11 +125,22 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
         ),
         "layers:",
         *(f"  {name:<40} {', '.join(f'{k}:{v}' for k, v in info['kinds'].items())}" for name, info in layers.items()),
+        *(CapturePlan.from_json(plan).lines() if plan else ["capture plan: none recorded (an older store)"]),
+        f"snapshots  {len(snapshots)} ({sum(info.nbytes for info in snapshots):,} bytes)"
+        + "".join(f"\n  {info.name:<20} step {info.step}, rank {info.rank}" for info in snapshots),
+        f"tags       {len(tags)}" + "".join(f"\n  {_tag_line(tag)}" for tag in tags),
         "problems: " + ("none" if not problems else ""),
         *(f"  {p}" for p in problems),
     ]
     _emit(args, data, "\n".join(lines))
     return 1 if problems else 0
+
+
+def _tag_line(tag: Tag) -> str:
+    steps = f"step {tag.first_step}" if tag.first_step == tag.last_step else f"steps {tag.first_step}..{tag.last_step}"
+    keep = f", keep {tag.keep}" if tag.keep else ""
+    attributes = ", ".join(f"{key}={value}" for key, value in tag.attributes.items())
+    return f"{tag.name:<20} {steps}{keep}" + (f" ({attributes})" if attributes else "")
 
 
 def cmd_verify(args: argparse.Namespace, path: Path) -> int:

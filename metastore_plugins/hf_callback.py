@@ -20,10 +20,11 @@ See ``docs/hf.md`` for defaults, sample ids, loss scaling and the reports.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,10 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.utils import logging as hf_logging
 from typing_extensions import Unpack
 
-from metastore_plugins.core.capture import CaptureSession
+from metastore_plugins.core.checkpoints import dataset_size
 from metastore_plugins.core.loss_scale import MeasuredLossScale, per_sample_weight
 from metastore_plugins.core.options import CallbackOptions, CaptureSettings, with_settings_doc
+from metastore_plugins.core.reports.files import text_renderer
 from metastore_plugins.core.run import (
     RecordingBatchSampler,
     RunCapture,
@@ -101,8 +103,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         if self.dirpath is None:
             self.dirpath = Path(args.output_dir or ".") / "metastore"
         check_writable(self.dirpath, "MetaStoreTrainerCallback(dirpath=...) or TrainingArguments(output_dir=...)")
-        self.options.check_model(model)
-        _check_capturable(model, self.options.modules)
+        self.options.check_model(model, capturable=True)
         if self.options.capture_train_steps:
             loader = kwargs.get("train_dataloader")  # accelerate's DataLoaderShard iterates the DataLoader it wraps
             self._sampler = record_sampler_ids(getattr(loader, "base_dataloader", loader))
@@ -121,7 +122,15 @@ class MetaStoreTrainerCallback(TrainerCallback):
             "seed": self.schedule.seed,
             "loss_scale": "measured from the gradient reaching the model's loss",
         }
-        self.run = self.options.run_capture(self.dirpath, rank=args.process_index, loss_reduction="mean", config=config)
+        self.run = self.options.run_capture(
+            self.dirpath,
+            rank=args.process_index,
+            loss_reduction="mean",
+            config=config,
+            world_size=args.world_size,
+            announce=logger.info if state.is_world_process_zero else None,
+        )
+        self._expect(args, state, model, kwargs)
         if state.is_world_process_zero:
             logger.info(self.options.start_line(self.dirpath, self.schedule, "evaluation(s)"))
         self._state, self._optimizer, self._started = state, kwargs.get("optimizer"), time.time()
@@ -130,6 +139,27 @@ class MetaStoreTrainerCallback(TrainerCallback):
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
+
+    def _expect(self, args: TrainingArguments, state: TrainerState, model: nn.Module, kwargs: dict[str, Any]) -> None:
+        """The run's planned micro-batches, evaluations and set sizes, for the capture plan."""
+        strategy, every = str(getattr(args.eval_strategy, "value", args.eval_strategy)), getattr(args, "eval_steps", 0)
+        every = (every or 0) * state.max_steps if (every or 0) < 1 else every  # a fraction of the steps, or a number
+        epochs = math.ceil(getattr(args, "num_train_epochs", 1) or 1)
+        evals = {"epoch": epochs, "steps": int(state.max_steps // max(1, every))}
+        sizes = [
+            dataset_size(getattr(kwargs.get(key), "dataset", None)) for key in ("train_dataloader", "eval_dataloader")
+        ]
+        self.options.expect(
+            self.run,  # type: ignore[arg-type]
+            model,
+            self.schedule,
+            train_batches=int(state.max_steps) * max(1, int(args.gradient_accumulation_steps)),
+            train_batch_size=args.per_device_train_batch_size,
+            periods=evals.get(strategy, self.schedule.every_n_epochs),  # no evaluation: one pass at the end
+            sizes=(sizes[0], sizes[1]),
+            rank=args.process_index,
+            world_size=args.world_size,
+        )
 
     def on_epoch_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -242,12 +272,13 @@ class MetaStoreTrainerCallback(TrainerCallback):
             train_batch_size=args.per_device_train_batch_size,
             val_batch_size=args.per_device_eval_batch_size,
         )
-        device = next(model.parameters()).device
+        device, run = next(model.parameters()).device, self.run
+        assert run is not None  # on_evaluate and on_train_end check
         self._pending = None
-        self.run.checkpoint_passes(  # type: ignore[union-attr]
+        run.checkpoint_passes(
             model,
             sources,
-            lambda batch, k: self._mean_loss(model, batch),
+            functools.partial(self._pass_loss, model, run),
             name=name,
             rank=args.process_index,
             world_size=args.world_size,
@@ -255,11 +286,12 @@ class MetaStoreTrainerCallback(TrainerCallback):
             step=state.global_step,
             epoch=self._epoch,
             lr=_lr(self._optimizer),
+            attributes=dict(state.log_history[-1]) if state.log_history else None,
         )
         self.passes.append(name)
         self._val_passes += any(source.split == "val" for source in sources)
 
-    def _mean_loss(self, model: nn.Module, batch: Any) -> Tensor:
+    def _pass_loss(self, model: nn.Module, run: RunCapture, batch: Any, k: int) -> Tensor:
         """The model's loss of a checkpoint-pass batch, rescaled to the mean of its per-sample losses."""
         output = model(**batch)
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
@@ -267,7 +299,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
             raise ValueError(
                 f"{type(model).__name__} returned no loss for a checkpoint-pass batch; the batches need `labels`"
             )
-        _, losses = self.run.losses(output, batch)  # type: ignore[union-attr]
+        _, losses = run.losses(output, batch)
         return loss / (per_sample_weight(loss.detach(), losses) * len(losses))
 
     # -- end of training -----------------------------------------------------------------
@@ -282,6 +314,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
             and kwargs.get("train_dataloader") is not None
         ):
             self._checkpoint_pass(args, state, kwargs)  # no evaluation ran during training
+        recompute = self.run.recomputer() if self.run is not None else None
         self._close()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
@@ -303,12 +336,12 @@ class MetaStoreTrainerCallback(TrainerCallback):
         if "tensorboard" in report_to or "all" in report_to:
             logdirs.append(Path(self.tensorboard_dir or _trainer_tensorboard_dir(args, self._started)))
         writers = [summary_writer(logdir) for logdir in logdirs]
-        render = _text_renderer(
+        render = text_renderer(
             kwargs.get("processing_class"), kwargs.get("train_dataloader"), kwargs.get("eval_dataloader")
         )
         try:
             self.report_result = self.options.build_reports(
-                self.dirpath, writers, step=state.global_step, render=render
+                self.dirpath, writers, step=state.global_step, render=render, recompute=recompute
             )
         finally:
             for writer in writers:
@@ -346,20 +379,6 @@ def _resumed_batches(args: TrainingArguments, state: TrainerState, loader: Any) 
     return (state.global_step % updates_per_epoch) * accumulation
 
 
-def _check_capturable(model: nn.Module, modules: Sequence[str] | None) -> None:
-    """Fail before training when no trainable parameter of the model has a capture rule."""
-    probe = CaptureSession(model, unsupported="skip", modules=list(modules) if modules else None)
-    probe.attach()
-    probe.close()
-    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
-    if trainable and set(trainable) <= set(probe.uncaptured_parameters()):
-        raise ValueError(
-            f"no trainable layer of {type(model).__name__}{' under ' + str(modules) if modules else ''} has a capture "
-            "rule, so nothing would be stored: register one with metastore_plugins.register_capture, or pass "
-            "modules=[...] naming Linear/Embedding/attention layers of the model"
-        )
-
-
 def _trainer_tensorboard_dir(args: TrainingArguments, started: float) -> Path:
     """The directory of the Trainer's own TensorBoard writer (created at the start of training)."""
     if os.getenv("TENSORBOARD_LOGGING_DIR"):
@@ -371,22 +390,3 @@ def _trainer_tensorboard_dir(args: TrainingArguments, started: float) -> Path:
         if d.is_dir() and any(f.stat().st_mtime >= started - 60 for f in d.glob("events.out.tfevents.*"))
     ]
     return max(found, key=lambda d: d.stat().st_mtime) if found else runs / "metastore"
-
-
-def _text_renderer(tokenizer: Any, train_loader: Any, eval_loader: Any) -> Any:
-    """``(split, sample id) -> text``: the ``input_ids`` of the dataset item decoded with the Trainer's tokenizer."""
-    decode = getattr(tokenizer, "decode", None)
-    if not callable(decode):
-        return None
-    datasets = {"train": getattr(train_loader, "dataset", None), "val": getattr(eval_loader, "dataset", None)}
-
-    def render(split: str, sample_id: int) -> str | None:
-        dataset = datasets.get(split)
-        try:
-            item = dataset[int(sample_id)]  # type: ignore[index]
-            ids = item["input_ids"] if isinstance(item, Mapping) else None
-            return None if ids is None else str(decode(ids, skip_special_tokens=True))
-        except (TypeError, KeyError, IndexError):
-            return None
-
-    return render

@@ -17,6 +17,7 @@ See ``docs/lightning.md`` for defaults, sample ids, loss reduction and the repor
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +32,7 @@ from torch import Tensor
 from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
 
+from metastore_plugins.core.checkpoints import dataset_size
 from metastore_plugins.core.options import CallbackOptions, CaptureSettings, with_settings_doc
 from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.run import (
@@ -115,8 +117,14 @@ class MetaStoreCallback(Callback):
             "seed": self.schedule.seed,
         }
         self.run = self.options.run_capture(
-            self.dirpath, rank=trainer.global_rank, loss_reduction=self.loss_reduction, config=config
+            self.dirpath,
+            rank=trainer.global_rank,
+            loss_reduction=self.loss_reduction,
+            config=config,
+            world_size=trainer.world_size,
+            announce=rank_zero_info,
         )
+        self._expect(trainer, pl_module, self.run)
         self._record_sampler(trainer)
         rank_zero_info(self.options.start_line(self.dirpath, self.schedule, "epoch(s)"))
         dataset = getattr(trainer.train_dataloader, "dataset", None)
@@ -129,6 +137,30 @@ class MetaStoreCallback(Callback):
                 first = dataset[0]  # type: ignore[index]  # fail before training when no id can come
             if not (isinstance(first, Mapping) and any(key in first for key in SAMPLE_ID_KEYS)):
                 raise missing_ids_error("training")
+
+    def _expect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: RunCapture) -> None:
+        """The run's planned micro-batches, epochs and set sizes, for the capture plan."""
+        stepping = trainer.estimated_stepping_batches
+        batches = int(stepping * trainer.accumulate_grad_batches) if math.isfinite(stepping) else 0
+        per_epoch = trainer.num_training_batches
+        epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 0
+        if not epochs and math.isfinite(per_epoch) and per_epoch:
+            epochs = -(-batches // int(per_epoch))
+        loader = trainer.train_dataloader
+        self.options.expect(
+            run,
+            pl_module,
+            self.schedule,
+            train_batches=batches,
+            train_batch_size=getattr(loader, "batch_size", None) or 0,
+            periods=epochs,
+            sizes=(
+                dataset_size(getattr(loader, "dataset", None)),
+                dataset_size(getattr(_first(trainer.val_dataloaders), "dataset", None)),
+            ),
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+        )
 
     # -- training steps ------------------------------------------------------------------
 
@@ -209,29 +241,25 @@ class MetaStoreCallback(Callback):
         sources = self.schedule.sources(
             train_loader, val_loader, train_batch_size=batch_size(train_loader), val_batch_size=batch_size(val_loader)
         )
-        # a pass must not log: instance attributes hide the class's methods until the pass ends
-        pl_module.log = _no_log  # type: ignore[method-assign]
-        pl_module.log_dict = _no_log  # type: ignore[method-assign]
-        try:
-            run.checkpoint_passes(
-                pl_module,
-                sources,
-                lambda batch, k: _loss(pl_module.training_step(batch, k)),
-                name=f"epoch-{epoch}",
-                rank=trainer.global_rank,
-                world_size=trainer.world_size,
-                to_device=lambda batch: move_data_to_device(batch, pl_module.device),
-                step=trainer.global_step,
-                epoch=epoch,
-                lr=self._lr(trainer),
-                context=trainer.precision_plugin.train_step_context,
-            )
-        finally:
-            del pl_module.log, pl_module.log_dict  # the class's methods show through again
+        run.checkpoint_passes(
+            pl_module,
+            sources,
+            lambda batch, k: _quiet_loss(pl_module, batch, k),
+            name=f"epoch-{epoch}",
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            to_device=lambda batch: move_data_to_device(batch, pl_module.device),
+            step=trainer.global_step,
+            epoch=epoch,
+            lr=self._lr(trainer),
+            context=trainer.precision_plugin.train_step_context,
+            attributes={key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1},
+        )
 
     # -- end of fit ----------------------------------------------------------------------
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        recompute = self.run.recomputer() if self.run is not None else None
         self._close()
         trainer.strategy.barrier("metastore-reports")
         if self.options.reports and trainer.is_global_zero and self.dirpath is not None:
@@ -244,7 +272,7 @@ class MetaStoreCallback(Callback):
             }
             samples = dataset_lookup(datasets)  # thumbnails where samples are images
             self.report_result = self.options.build_reports(
-                self.dirpath, experiments, step=trainer.global_step, samples=samples
+                self.dirpath, experiments, step=trainer.global_step, samples=samples, recompute=recompute
             )
         if trainer.is_global_zero and self.dirpath is not None:
             logdirs = [Path(lg.log_dir) for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
@@ -329,6 +357,17 @@ def _loss(output: Any) -> Tensor:
     if not isinstance(loss, Tensor):
         raise ValueError("training_step must return the loss (a tensor, or a dict with 'loss') for checkpoint passes")
     return loss
+
+
+def _quiet_loss(pl_module: pl.LightningModule, batch: Any, k: int) -> Tensor:
+    """The training step's loss of a checkpoint-pass (or recomputed) batch, which must not log: instance
+    attributes hide the class's logging methods until the step returns."""
+    pl_module.log = _no_log  # type: ignore[method-assign]
+    pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    try:
+        return _loss(pl_module.training_step(batch, k))
+    finally:
+        del pl_module.log, pl_module.log_dict  # the class's methods show through again
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

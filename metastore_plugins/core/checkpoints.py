@@ -152,3 +152,13 @@ def stream_batches(
                 "(checkpoint_every_n_epochs=0 / checkpoint_every_n_evals=0)"
             )
         yield ids, batch
+
+
+def dataset_size(dataset: Any) -> int | None:
+    """``len(dataset)``, or None for a stream or a dataset without a length."""
+    if dataset is None or _is_stream(dataset):
+        return None
+    try:
+        return len(dataset)
+    except TypeError:
+        return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypedDict
@@ -19,7 +19,9 @@ from typing import Any, TypedDict
 import numpy as np
 from torch import nn
 
-from metastore_plugins.core.capture.session import UNSUPPORTED_POLICIES, UnsupportedPolicy
+from metastore_plugins.core.capture.session import UNSUPPORTED_POLICIES, CaptureSession, UnsupportedPolicy
+from metastore_plugins.core.policy.plan import POLICIES, Policy, RunShape
+from metastore_plugins.core.policy.runtime import CapturePolicy, parse_budget
 from metastore_plugins.core.reports.tables import OutlierSource, check_outlier_source
 from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.run import CheckpointSchedule, LabelsFn, LossReduction, PerSampleLossFn, RunCapture
@@ -32,6 +34,8 @@ class CaptureSettings(TypedDict, total=False):
     per_sample_loss: PerSampleLossFn | None
     labels: LabelsFn | None
     encoding: Encoding
+    policy: Policy
+    budget: int | float | str | None
     flush_seconds: float | None
     modules: Sequence[str] | None
     unsupported: UnsupportedPolicy
@@ -50,6 +54,14 @@ per_sample_loss: ``(forward output, batch) -> (B,)`` per-sample losses (recorded
     factors). Default: cross-entropy of the model's ``(B, C)`` logits on the labels.
 labels: ``batch -> (B,)``; default: ``y`` of ``(x, y)`` batches, ``batch["labels"]`` of dicts.
 encoding: ``"fp16"`` (default), ``"fp32"``, ``"bf16"`` or ``"int8"``.
+policy: ``"auto"`` (default): a plan made at the first step keeps each layer exact, projected
+    (``k x k`` numbers with its exact squared norm) or as exact norms only, whatever fits the
+    budget, and snapshots the weights at checkpoint passes for exact recomputation;
+    ``"exact"``: every layer's exact factors at every step (the budget, if given, still holds).
+    See docs/policies.md.
+budget: bytes the store may take (an int, or ``"250MB"``, ``"4GiB"``); default: one weight
+    snapshot per planned checkpoint pass plus 8 KiB per planned sample (``policy="auto"``), no
+    limit (``policy="exact"``). Split evenly between processes.
 flush_seconds: a crash loses at most about the last ``flush_seconds`` of captured steps: what
     the store writer holds is written as a shard once its oldest step waited half of that
     (default 10.0; ``None``: only full 64 MiB shards, epoch ends and checkpoint saves write).
@@ -87,6 +99,8 @@ class CallbackOptions:
     per_sample_loss: PerSampleLossFn | None = None
     labels: LabelsFn | None = None
     encoding: Encoding = DEFAULT_ENCODING
+    policy: Policy = "auto"
+    budget: int | float | str | None = None
     flush_seconds: float | None = 10.0
     modules: Sequence[str] | None = None
     unsupported: UnsupportedPolicy = "warn"
@@ -114,7 +128,9 @@ class CallbackOptions:
         if isinstance(self.modules, str):
             raise ValueError(f"{self.owner}(modules=...) takes a list of module paths; write [{self.modules!r}]")
         object.__setattr__(self, "modules", None if self.modules is None else tuple(self.modules))
+        object.__setattr__(self, "budget", parse_budget(self.budget, self.owner))
         for setting, value, choices in (
+            ("policy", self.policy, POLICIES),
             ("encoding", self.encoding, ENCODINGS),
             ("unsupported", self.unsupported, UNSUPPORTED_POLICIES),
         ):
@@ -140,13 +156,27 @@ class CallbackOptions:
             raise ValueError(f"{self.owner}({setting}=...) must be an integer{bound}; got {value!r}")
         return int(value)
 
-    def check_model(self, model: nn.Module) -> None:
-        """Raise naming ``modules=`` when it lists paths that ``model`` does not have."""
+    def check_model(self, model: nn.Module, capturable: bool = False) -> None:
+        """Raise naming ``modules=`` when it lists paths that ``model`` does not have; with ``capturable``,
+        also when no trainable parameter of the model (under ``modules``) has a capture rule."""
         unknown = sorted(set(self.modules or ()) - {name for name, _ in model.named_modules()})
         if unknown:
             raise ValueError(
                 f"{self.owner}(modules=...) names modules that {type(model).__name__} does not have: "
                 f"{unknown}; use paths from model.named_modules()"
+            )
+        if not capturable:
+            return
+        modules = self.modules
+        probe = CaptureSession(model, unsupported="skip", modules=list(modules) if modules else None)
+        probe.attach()
+        probe.close()
+        trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+        if trainable and set(trainable) <= set(probe.uncaptured_parameters()):
+            raise ValueError(
+                f"no trainable layer of {type(model).__name__}{' under ' + str(modules) if modules else ''} has a "
+                "capture rule, so nothing would be stored: register one with metastore_plugins.register_capture, or "
+                "pass modules=[...] naming Linear/Embedding/attention layers of the model"
             )
 
     def schedule(self, every_n: int, setting: str) -> CheckpointSchedule:
@@ -158,9 +188,18 @@ class CallbackOptions:
         return CheckpointSchedule(every_n, self.checkpoint_train_samples, self.seed, self.checkpoint_val_samples)
 
     def run_capture(
-        self, path: str | os.PathLike[str], *, rank: int, loss_reduction: LossReduction, config: dict[str, Any]
+        self,
+        path: str | os.PathLike[str],
+        *,
+        rank: int,
+        loss_reduction: LossReduction,
+        config: dict[str, Any],
+        world_size: int = 1,
+        announce: Callable[[str], None] | None = None,
     ) -> RunCapture:
-        """The :class:`RunCapture` of one process rank, with these settings."""
+        """The :class:`RunCapture` of one process rank, with these settings (the budget split between ranks)."""
+        budget = None if self.budget is None else int(self.budget) // max(1, world_size)
+        policy = CapturePolicy(self.policy, budget, encoding=self.encoding, owner=self.owner)
         session = {"unsupported": self.unsupported, **({"modules": list(self.modules)} if self.modules else {})}
         return RunCapture(
             path,
@@ -173,6 +212,43 @@ class CallbackOptions:
             config=config,
             session_options=session,
             owner=self.owner,
+            policy=policy,
+            announce=announce,
+        )
+
+    def expect(
+        self,
+        run: RunCapture,
+        model: nn.Module,
+        schedule: CheckpointSchedule,
+        *,
+        train_batches: int,
+        train_batch_size: int,
+        periods: int,
+        sizes: tuple[int | None, int | None],
+        rank: int,
+        world_size: int,
+    ) -> None:
+        """Tell the run's capture policy what the run will be, for its plan.
+
+        ``train_batches``: training micro-batches this rank will capture (0: unknown); ``periods``: epochs (or
+        evaluations) the schedule counts; ``sizes``: the training and validation set sizes (None: unknown).
+        """
+        passes = periods // schedule.every_n_epochs if schedule.every_n_epochs else 0
+        train_size, val_size = sizes
+        share = lambda most, size: -(-min(most, most if size is None else size) // max(1, world_size))  # noqa: E731
+        pass_samples = share(schedule.train_samples, train_size) + (
+            share(schedule.val_samples, val_size) if val_size else 0
+        )
+        run.policy.expect(
+            RunShape.of(
+                model,
+                train_batches=(train_batches if train_batches > 0 else -1) if self.capture_train_steps else 0,
+                train_batch_size=train_batch_size,
+                passes=passes,
+                pass_samples=pass_samples,
+                rank=rank,
+            )
         )
 
     def start_line(self, store_dir: Path, schedule: CheckpointSchedule, period: str) -> str:

@@ -1,32 +1,16 @@
 """Framework-free pieces every trainer adapter shares: sample ids, labels, checkpoint passes, and ``RunCapture``.
 
-The Lightning and Hugging Face callbacks only map their framework's events onto these:
-
-- sample ids (re-exported from :mod:`metastore_plugins.core.sample_ids`): :class:`IndexedDataset`
-  items carry their index, :func:`take_sample_ids` reads it back, :class:`RecordingBatchSampler`
-  remembers what a loader's sampler drew;
-- :func:`default_labels` and :func:`default_per_sample_loss` read labels and per-sample
-  losses from the common ``(x, y)`` and dict-with-``labels`` batches;
-- :class:`CheckpointSchedule` chooses when checkpoint passes run and the bounded, seeded,
-  fixed training subset they cover; :func:`indexed_batches` iterates a dataset subset with
-  exact ids whatever the items look like (re-exported from
-  :mod:`metastore_plugins.core.checkpoints`);
-- :class:`RunCapture` owns the :class:`~metastore_plugins.core.capture.CaptureSession` of
-  each step and the :class:`~metastore_plugins.core.store.StoreWriter` of the run.
+The Lightning and Hugging Face callbacks map their framework's events onto these:
+- sample ids: :class:`IndexedDataset`, :func:`take_sample_ids`, :class:`RecordingBatchSampler` (re-exported);
+- :func:`default_labels` and :func:`default_per_sample_loss` (from :mod:`~metastore_plugins.core.losses`);
+- :class:`CheckpointSchedule` and :func:`indexed_batches` (from :mod:`~metastore_plugins.core.checkpoints`);
+- :class:`RunCapture` owns the :class:`~metastore_plugins.core.capture.CaptureSession` of each step, the
+  :class:`~metastore_plugins.core.store.StoreWriter`, the capture policy, the tags and the snapshots of the run.
 
 Example::
 
-    run = RunCapture("runs/demo/store", rank=0)
-    try:
-        for step, batch in enumerate(loader):            # IndexedDataset items
-            ids = take_sample_ids(batch, strip=True)
-            run.begin_step(model)
-            loss = loss_fn(model(batch[0]), batch[1]); loss.backward()
-            run.end_backward()
-            run.finish_step(batch, ids, step=step, lr=0.1)
-            optimizer.step(); optimizer.zero_grad()
-    finally:
-        run.close()
+    run = RunCapture("runs/demo/store", rank=0)  # per step: begin_step(model), backward, end_backward(),
+    ...                                           # finish_step(batch, ids, step=...); at the end close()
 """
 
 from __future__ import annotations
@@ -36,12 +20,13 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from metastore_plugins.core.analysis.recompute import pass_recomputer
+from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.checkpoints import (
     CheckpointSchedule,
@@ -51,7 +36,18 @@ from metastore_plugins.core.checkpoints import (
     stream_batches,
 )
 from metastore_plugins.core.loss_scale import LossScaleError, check_loss_reduction, gradients_finite
+from metastore_plugins.core.losses import (
+    LabelsFn,
+    LossReduction,
+    PerSampleLossFn,
+    default_labels,
+    default_per_sample_loss,
+    logits_of,
+)
 from metastore_plugins.core.passes import predictions_of, weights_untouched
+from metastore_plugins.core.policy.plan import CapturePlan
+from metastore_plugins.core.policy.runtime import CapturePolicy
+from metastore_plugins.core.policy.tags import TagBook, tag_attributes
 from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.sample_ids import (
     SAMPLE_ID_KEYS,
@@ -66,61 +62,15 @@ from metastore_plugins.core.sample_ids import (
 )
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding
 from metastore_plugins.core.store.maintenance import CompactionReport, close_and_compact
+from metastore_plugins.core.store.snapshots import SnapshotInfo, SnapshotWriter
 from metastore_plugins.core.store.writer import StoreWriter
 
 __all__ = [
     "SAMPLE_ID_KEYS", "CheckpointSchedule", "IndexedDataset", "LossReduction", "PassSource", "RecordingBatchSampler",
-    "RunCapture", "SampleIdError",
-    "batch_size_of", "check_writable", "default_labels", "default_per_sample_loss", "indexed_batches", "logits_of",
-    "missing_ids_error", "rank_share", "record_sampler_ids", "stream_batches", "take_sample_ids", "unwrap_dataset",
+    "RunCapture", "SampleIdError", "batch_size_of", "check_writable", "default_labels", "default_per_sample_loss",
+    "indexed_batches", "logits_of", "missing_ids_error", "rank_share", "record_sampler_ids", "stream_batches",
+    "take_sample_ids", "unwrap_dataset",
 ]  # fmt: skip
-
-LABEL_KEYS = ("labels", "label", "y")
-
-#: ``(forward output, batch) -> (B,)`` per-sample losses.
-PerSampleLossFn = Callable[[Any, Any], Tensor]
-#: ``batch -> (B,)`` labels.
-LabelsFn = Callable[[Any], Tensor]
-#: How the training loss combines per-sample losses.
-LossReduction = Literal["mean", "sum"]
-
-
-def default_labels(batch: Any) -> Tensor:
-    """Labels of a ``(x, y)`` batch or a dict batch with ``"labels"`` (or ``"label"``, ``"y"``)."""
-    if isinstance(batch, Mapping):
-        for key in LABEL_KEYS:
-            if key in batch:
-                return batch[key]
-        raise ValueError(
-            f"the dict batch has no labels under {LABEL_KEYS} (keys: {list(batch)}); pass labels=callable(batch)"
-        )
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[1]
-    raise ValueError(
-        f"cannot tell the labels of a {type(batch).__name__} batch"
-        + (f" of {len(batch)} elements" if isinstance(batch, (tuple, list)) else "")
-        + "; the defaults read (x, y) batches and dicts with 'labels'. Pass labels=callable(batch)"
-    )
-
-
-def logits_of(output: Any) -> Tensor | None:
-    """The ``logits`` of a forward output: a tensor, ``output.logits`` or ``output["logits"]``."""
-    if isinstance(output, Mapping):
-        output = output.get("logits")
-    output = getattr(output, "logits", output)
-    return output if isinstance(output, Tensor) else None
-
-
-def default_per_sample_loss(output: Any, labels: Tensor) -> Tensor:
-    """Cross-entropy of ``(B, C)`` logits on ``(B,)`` class labels, per sample."""
-    logits = logits_of(output)
-    if logits is None or logits.dim() != 2 or labels.dim() != 1 or labels.is_floating_point():
-        shape = None if logits is None else tuple(logits.shape)
-        raise ValueError(
-            f"the default per-sample loss is cross-entropy of (B, C) logits on (B,) class labels; got logits of shape "
-            f"{shape} and labels of shape {tuple(labels.shape)}. Pass per_sample_loss=callable(output, batch) -> (B,)"
-        )
-    return F.cross_entropy(logits.detach().float(), labels.to(logits.device).long(), reduction="none")
 
 
 def check_writable(path: str | os.PathLike[str], setting: str) -> Path:
@@ -150,6 +100,9 @@ class RunCapture:
         encoding, flush_seconds, config: passed to :class:`StoreWriter`.
         session_options: more :class:`CaptureSession` arguments (``modules``, ``unsupported``, ...).
         owner: who runs the capture (a callback's name), for messages.
+        policy: what each layer keeps under the byte budget (:class:`CapturePolicy`); default every
+            layer exact, no budget.
+        announce: called with each line of the capture plan when it is made (a logger's ``info``).
     """
 
     def __init__(
@@ -165,6 +118,8 @@ class RunCapture:
         config: dict[str, Any] | None = None,
         session_options: dict[str, Any] | None = None,
         owner: str = "RunCapture",
+        policy: CapturePolicy | None = None,
+        announce: Callable[[str], None] | None = None,
     ) -> None:
         self.path = Path(path)
         self.loss_reduction = loss_reduction
@@ -172,6 +127,14 @@ class RunCapture:
         self.labels = labels or default_labels
         self.session_options = dict(session_options or {})
         self.writer = StoreWriter(self.path, rank=rank, encoding=encoding, flush_seconds=flush_seconds, config=config)
+        self.rank = rank
+        self.policy = policy or CapturePolicy("exact", encoding=encoding, owner=owner)
+        self.policy.on_change = self._plan_changed
+        self.tags = TagBook(self.path, rank)
+        self.snapshots = SnapshotWriter(self.path, rank)
+        self.policy.keep_for = self.tags.keep_for
+        self._announce = announce
+        self.last_pass: tuple[Any, ...] | None = None  # what the last checkpoint pass ran, for recomputer()
         self.compaction: CompactionReport | None = None  # what close() merged
         self._session: CaptureSession | None = None  # attached from the first step to close()
         self._output_hook: Any = None
@@ -236,6 +199,9 @@ class RunCapture:
         if records is None:  # no backward happened (a skipped step)
             return
         labels, losses = self.losses(forward_output, batch)
+        kept = self.policy.apply(records, capture_point=capture_point, step=step)
+        if kept is None:  # the budget is spent
+            return
         if batch_loss is not None and not self._reduction_checked:
             self._reduction_checked = True
             try:
@@ -243,7 +209,7 @@ class RunCapture:
             except LossScaleError as exc:
                 warnings.warn(f"{self.owner}: the loss reduction cannot be checked ({exc})", stacklevel=3)
         self.writer.write(
-            records,
+            kept,
             sample_ids=sample_ids,
             step=step,
             capture_point=capture_point,
@@ -331,11 +297,19 @@ class RunCapture:
         epoch: int,
         lr: float | None,
         context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+        attributes: Mapping[str, Any] | None = None,
     ) -> None:
         """One checkpoint pass: each source's share for this rank (:func:`rank_share`), as capture point ``name/split``.
 
         ``to_device`` moves a collated batch to the model's device; the rest is :meth:`checkpoint_pass`'s.
+        The pass is tagged ``name`` (with ``epoch``, ``lr`` and ``attributes``: the metrics the trainer
+        logged), and takes a weight snapshot when the capture plan has one for it.
         """
+        self.last_pass = (model, sources, loss_of, to_device, context)
+        attributes = {"epoch": epoch, "lr": lr, "checkpoint": True, **(attributes or {})}
+        if self.policy.should_snapshot():
+            self.snapshot(model, name=name, step=step, attributes=attributes)
+        self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
         for source in sources:
             batches = source.batches(rank, world_size)
             self.checkpoint_pass(
@@ -348,6 +322,42 @@ class RunCapture:
                 lr=lr,
                 context=context,
             )
+
+    # -- plan, tags and snapshots ----------------------------------------------------------
+
+    def tag(self, name: str, *, step: int, **options: Any) -> Any:
+        """Tag ``step`` (or ``steps=(a, b)``) with ``name`` and attributes; ``keep=`` sets what those steps keep.
+
+        ``keep="snapshot"`` takes a weight snapshot of the hooked model now. See :class:`TagBook.add`.
+        """
+        found = self.tags.add(name, current_step=step, **options)
+        if found.keep == "snapshot" and self._session is not None:
+            self.snapshot(self._session.model, name=name, step=step, attributes=found.attributes)
+        return found
+
+    def snapshot(
+        self, model: nn.Module, *, name: str, step: int, attributes: Mapping[str, Any] | None = None
+    ) -> SnapshotInfo:
+        """Write the trainable weights of ``model`` into the store (``snapshots/``), counted in the budget."""
+        info = self.snapshots.write(model, name=name, step=step, attributes=tag_attributes(attributes or {}))
+        self.policy.spend(info.nbytes)
+        return info
+
+    def recomputer(self) -> RecomputeFn | None:
+        """Recomputes samples of the last pass's splits exactly at a snapshot (None before any pass)."""
+        if self.last_pass is None:
+            return None
+        model, sources, loss_of, to_device, context = self.last_pass
+        return pass_recomputer(
+            self.path, self.rank, model, sources, loss_of, to_device=to_device, context=context,
+            loss_reduction=self.loss_reduction, session_options=self.session_options,
+        )  # fmt: skip
+
+    def _plan_changed(self, plan: CapturePlan) -> None:
+        self.writer.update_config({"capture_plan": plan.to_json()})
+        if self._announce is not None and not plan.degraded:
+            for line in plan.lines():
+                self._announce(f"{self.owner}: {line}")
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -35,13 +35,14 @@ def _sq_norms(records: list[LayerRecord], by_layer: bool) -> dict[str, Tensor]:
 def sq_norms(selection: Selection, by_layer: bool = False, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, np.ndarray]:
     """Squared per-sample gradient norms (key ``"total"``, or one key per layer), in selection order.
 
+    Samples of batches that hold no records (kept as ``"nothing"`` by a capture policy) get NaN.
+
     Consecutive batches with the same records go through each op together (:meth:`Selection.merged`).
     """
     parts: list[tuple[int, dict[str, Tensor]]] = []
     for run, records in selection.merged(max_bytes // 2):
-        if not records:
-            raise ValueError(f"the batch at step {run[0].ref.step} holds no records of the selected layers")
-        parts.append((sum(b.size for b in run), _sq_norms(records, by_layer)))
+        size = sum(b.size for b in run)  # a batch kept as "nothing" (capture policy) has no norms: NaN
+        parts.append((size, _sq_norms(records, by_layer) if records else {"total": torch.full((size,), np.nan)}))
     keys = list(dict.fromkeys(key for _, part in parts for key in part))
     return {
         key: np.concatenate([p[key].double().numpy() if key in p else np.zeros(n) for n, p in parts])

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis.results import LayerComparison, RunComparison
+from metastore_plugins.core.capture.records import EXACT_KINDS
 from metastore_plugins.core.store import StoreReader
 
 
@@ -51,6 +52,8 @@ def run_profile(store: StoreReader, capture_point: str, layers: list[str]) -> Pr
             norms = ops.total_sq_norms(records).double().clamp_min(0).sqrt()  # (B,)
             profile.layer_norm[layer] = profile.layer_norm.get(layer, 0.0) + float(norms.sum())
             profile.layer_count[layer] = profile.layer_count.get(layer, 0) + batch.size
+            if any(record.kind not in EXACT_KINDS for record in records):
+                continue  # projected or norms only (capture policy): no weight updates
             for name, grad in ops.batch_gradient(records, "sum").items():
                 part = grad.double() * (lr / step_size[step])
                 updates[layer][name] = updates[layer][name] + part if name in updates[layer] else part

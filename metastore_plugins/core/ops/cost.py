@@ -173,3 +173,39 @@ def plan_norms(record: LayerRecord, params: Collection[str] | None = None, metho
     else:
         factored = UNAVAILABLE
     return _decide(factored, dense, method)
+
+
+# -- bytes: what each representation of a layer costs in the store ------------------------------
+
+#: Bytes a shard spends per stored tensor besides its data (safetensors header entry, index columns).
+TENSOR_OVERHEAD_BYTES = 160
+#: Bytes per stored sample of the metadata every batch keeps (id, label, loss, prediction, index rows).
+SAMPLE_METADATA_BYTES = 48
+
+
+def encoded_value_bytes(encoding: str) -> float:
+    """Bytes of one encoded floating value (``fp32`` 4, ``fp16``/``bf16`` 2, ``int8`` 1)."""
+    return {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0}[encoding]
+
+
+def projected_sample_bytes(k_in: int, k_out: int, encoding: str) -> float:
+    """Bytes per sample of a ``"projected"`` record: ``k_out k_in`` encoded values, a row scale, a float32 norm."""
+    scale = 4.0 if encoding in ("fp16", "int8") else 0.0
+    return k_in * k_out * encoded_value_bytes(encoding) + scale + 4.0
+
+
+def exact_sample_bytes(records: Sequence[LayerRecord], encoding: str) -> float:
+    """Bytes per sample the exact records of one layer and batch take, encoded (row scales and overheads included)."""
+    batch = max(1, records[0].batch_size)
+    total = 0.0
+    for record in records:
+        for tensor in record.tensors.values():
+            rows = tensor.shape[0] if tensor.dim() else 1
+            if tensor.is_floating_point():
+                per_row = tensor[0].numel() if rows else 0
+                scale = 4.0 if encoding in ("fp16", "int8") else 0.0
+                total += rows * (per_row * encoded_value_bytes(encoding) + scale)
+            else:
+                total += 4.0 * tensor.numel()  # int32
+            total += TENSOR_OVERHEAD_BYTES
+    return total / batch

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table, write_table
 from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows, outlier_points, outlier_rows
 
@@ -33,6 +34,7 @@ def write_reports(
     scores: tuple[np.ndarray, np.ndarray] | None = None,
     influence_samples: int | None = INFLUENCE_SAMPLES,
     outliers_from: str = "checkpoints",
+    recompute: RecomputeFn | None = None,
 ) -> dict[str, Any]:
     """Build the outlier and influence reports from the checkpoint passes and write them to ``directory``.
 
@@ -42,6 +44,7 @@ def write_reports(
     ``influence_samples``: the influence report covers the test samples with the smallest
     ids, this many (``None``: all of them, at a cost that grows with train x test pairs).
     ``outliers_from``: ``"checkpoints"`` or ``"training"`` (:func:`~.tables.outlier_points`).
+    ``recompute``: refines estimated influence scores exactly (:func:`~.tables.influence_rows`).
 
     Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths],
     "outlier_columns": columns}``.
@@ -63,7 +66,9 @@ def write_reports(
     influence: list[dict[str, Any]] = []
     if test:
         pairs = [(a, a.split("/")[0] + "/" + test_split) for a in train if a.split("/")[0] + "/" + test_split in test]
-        influence = influence_rows(store, [a for a, _ in pairs], [b for _, b in pairs], k=5, samples=influence_samples)
+        influence = influence_rows(
+            store, [a for a, _ in pairs], [b for _, b in pairs], k=5, samples=influence_samples, recompute=recompute
+        )
         if render is not None:
             for row in influence:
                 row["test_text"] = render(test_split, row["test_id"])

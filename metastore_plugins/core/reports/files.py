@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,9 @@ def write_table(directory: Path, name: str, rows: Sequence[dict[str, Any]], colu
 
 
 def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """One line per test sample: its label and prediction, then its top proponents and opponents."""
+    """One line per test sample: its label and prediction, then its top proponents and opponents.
+
+    A closing line says whether the scores are exact or estimates (projected gradients)."""
     text = any("test_text" in row for row in rows)
     lines = [
         "| test id | label | prediction | proponents (id:label) | opponents (id:label) |"
@@ -50,4 +52,30 @@ def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
         if text:
             line += " " + " ".join(str(row.get("test_text") or "").split()).replace("|", "\\|") + " |"
         lines.append(line)
+    if any(not row.get("exact", True) for row in rows):
+        lines.append(
+            "\nScores are estimates from projected gradients (the capture policy); rows recomputed exactly say so "
+            "in influence.json (`exact`)."
+        )
+    elif rows:
+        lines.append("\nScores are exact TracIn scores.")
     return "\n".join(lines) + "\n"
+
+
+def text_renderer(tokenizer: Any, train_loader: Any, eval_loader: Any) -> Any:
+    """``(split, sample id) -> text``: the ``input_ids`` of the dataset item, decoded by a HF ``tokenizer``."""
+    decode = getattr(tokenizer, "decode", None)
+    if not callable(decode):
+        return None
+    datasets = {"train": getattr(train_loader, "dataset", None), "val": getattr(eval_loader, "dataset", None)}
+
+    def render(split: str, sample_id: int) -> str | None:
+        dataset = datasets.get(split)
+        try:
+            item = dataset[int(sample_id)]  # type: ignore[index]
+            ids = item["input_ids"] if isinstance(item, Mapping) else None
+            return None if ids is None else str(decode(ids, skip_special_tokens=True))
+        except (TypeError, KeyError, IndexError):
+            return None
+
+    return render

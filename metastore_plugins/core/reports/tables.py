@@ -6,6 +6,7 @@ as JSON, CSV and markdown.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
@@ -14,6 +15,7 @@ import torch
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis.refine import RecomputeFn, RefinedScores, refine_influence
 
 
 def checkpoint_points(store: GradientStore, split: str) -> list[str]:
@@ -122,15 +124,33 @@ def outlier_rows(
 
 
 def influence_rows(
-    store: GradientStore, train: Sequence[str], test: Sequence[str], k: int = 5, samples: int | None = None
+    store: GradientStore,
+    train: Sequence[str],
+    test: Sequence[str],
+    k: int = 5,
+    samples: int | None = None,
+    recompute: RecomputeFn | None = None,
 ) -> list[dict[str, Any]]:
     """Per test sample: its label/prediction and the ``k`` strongest proponents and opponents.
 
     ``samples``: only the test samples with the ``samples`` smallest ids (all when ``None``);
-    the cost grows with train x test pairs, and a report shows a handful.
+    the cost grows with train x test pairs, and a report shows a handful. Each row says whether
+    its scores are ``"exact"``: where the passes are kept projected, they are estimates, unless
+    ``recompute`` is given: then each test sample's candidates are recomputed exactly
+    (:func:`~metastore_plugins.core.analysis.refine.refine_influence`).
     """
     test_ids = None if samples is None else sorted(set(store.sample_ids(test[-1]).tolist()))[:samples]
     scores = store.influence(list(train), list(test), test_ids=test_ids)
+    if not passes_exact(store):
+        refined = None
+        if recompute is not None:
+            try:
+                refined = refine_influence(store, scores, list(train), list(test), recompute)
+            except Exception as exc:  # the user's model, data or a missing snapshot: keep the estimates
+                warnings.warn(
+                    f"influence scores stay estimates: recomputing them exactly failed ({exc!r})", stacklevel=2
+                )
+        scores = refined or RefinedScores(scores.scores, scores.row_ids, scores.col_ids, None)
     train_meta, test_meta = _last_metadata(store, train), _last_metadata(store, test)
     rows = []
     for entry in scores.top(k):
@@ -145,6 +165,13 @@ def influence_rows(
                 "opponents": [
                     {"sample_id": i, "score": s, "label": train_meta[i]["label"]} for i, s in entry["opponents"]
                 ],
+                "exact": entry.get("exact", True),
             }
         )
     return rows
+
+
+def passes_exact(store: GradientStore) -> bool:
+    """Whether the store's checkpoint passes keep exact gradients (no capture plan recorded: an exact store)."""
+    plan = store.config.get("capture_plan")
+    return not isinstance(plan, dict) or set(plan.get("passes", {}).values()) <= {"exact"}

@@ -29,6 +29,8 @@ import torch
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore, open_store
+from metastore_plugins.core.analysis.refine import RecomputeFn
+from metastore_plugins.core.policy.plan import projected_size
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, write_reports
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table
 from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid, save_png, scatter_figure
@@ -255,6 +257,7 @@ def report_run(
     render: RenderFn | None = None,
     samples: SampleLookup | None = None,
     outliers_from: str = "checkpoints",
+    recompute: RecomputeFn | None = None,
 ) -> dict[str, Any] | None:
     """Files via :func:`write_reports` into ``reports_dir``, and the same reports to each writer.
 
@@ -265,8 +268,9 @@ def report_run(
     ``metastore/loss_vs_self_influence``. ``samples(split, sample id)`` returns dataset items:
     where they are small images, thumbnail grids of the top outliers and of the influence rows
     are written too (``outliers.png``, ``influence.png`` and ``metastore/outlier_samples``,
-    ``metastore/influence_samples``). Figures need matplotlib; without it they are skipped
-    with a warning and everything else is written.
+    ``metastore/influence_samples``). ``recompute`` refines estimated influence scores exactly
+    (a projected store; :func:`~metastore_plugins.core.analysis.refine.refine_influence`). Figures
+    need matplotlib; without it they are skipped with a warning and everything else is written.
 
     Returns ``write_reports``'s result with ``"figures"`` (the figure tags) and ``"tags"`` added,
     or ``None`` (with a warning) when the store holds no checkpoint passes to report on.
@@ -291,6 +295,7 @@ def report_run(
         render=render,
         scores=scores,
         outliers_from=outliers_from,
+        recompute=recompute,
     )
     table = self_influence_table(store, sources, scores)
     figures, pngs = report_figures(
@@ -305,7 +310,8 @@ def report_run(
         if dynamics:
             result["tags"] += write_dynamics(writer, store)
         if projector:
-            result["tags"] += write_projector(writer, store, points[-1], step=step)
+            dim = projected_size(store.config) or 8  # a projected store's sketches are its projections
+            result["tags"] += write_projector(writer, store, points[-1], step=step, dim=dim)
         flush = getattr(writer, "flush", None)
         if callable(flush):
             flush()

@@ -58,7 +58,7 @@ class RankIndexWriter:
             mf.write_manifest(self.directory, self.manifest)
         self.journal = JournalAppender(self.directory / journal_name(self.rank), good_size)
         self._lock = threading.Lock()
-        self._layers_changed = False
+        self._changed = False  # layers or config changed since the manifest was written
         self.next_shard = first_free_shard(self.directory, self.rank, listed)
 
     @property
@@ -69,14 +69,18 @@ class RankIndexWriter:
         """Add layers; the manifest is rewritten before the next shard that uses them is listed."""
         with self._lock:
             self.manifest["layers"] = {**self.manifest["layers"], **new}
-            self._layers_changed = True
+            self._changed = True
+
+    def update_config(self, changes: dict[str, Any]) -> None:
+        """Merge ``changes`` into the config; written with the next shard's listing, or at :meth:`close`."""
+        with self._lock:
+            self.manifest["config"] = {**self.manifest["config"], **changes}
+            self._changed = True
 
     def append(self, entry: ShardEntry) -> None:
         """List a shard that is whole on disk: manifest first if layers changed, then one journal line."""
         line = encode_line(entry.to_json())
-        with self._lock:
-            manifest = {**self.manifest, "layers": dict(self.manifest["layers"])} if self._layers_changed else None
-            self._layers_changed = False
+        manifest = self._take_changed()
         try:
             if manifest is not None:
                 mf.write_manifest(self.directory, manifest)
@@ -84,15 +88,28 @@ class RankIndexWriter:
             self.journal.append(line)
         except BaseException:
             with self._lock:
-                self._layers_changed = self._layers_changed or manifest is not None
+                self._changed = self._changed or manifest is not None
             raise
         self.shards += 1
         self.samples += entry.rows
         self.next_shard += 1
 
+    def _take_changed(self) -> dict[str, Any] | None:
+        """A copy of the manifest to write, when layers or config changed since it was last written."""
+        with self._lock:
+            changed, self._changed = self._changed, False
+            if not changed:
+                return None
+            return {**self.manifest, "layers": dict(self.manifest["layers"]), "config": dict(self.manifest["config"])}
+
     def close(self) -> None:
-        self.journal.close()
-        self.lock.release()
+        try:
+            manifest = self._take_changed()
+            if manifest is not None:
+                mf.write_manifest(self.directory, manifest)
+        finally:
+            self.journal.close()
+            self.lock.release()
 
 
 def first_free_shard(directory: Path, rank: int, listed: list[str]) -> int:

@@ -206,6 +206,10 @@ class StoreWriter:
         nbytes = sum(r.nbytes for r in records) + sum(t.numel() * t.element_size() for t in meta.values())
         self._put(_Batch(records, meta, info, nbytes), nbytes)
 
+    def update_config(self, changes: dict[str, Any]) -> None:
+        """Merge ``changes`` into the manifest's config (written with the next shard, or when closing)."""
+        self._index.update_config(changes)
+
     def flush(self, wait: bool = True) -> None:
         """Write everything queued so far as a shard; with ``wait``, block until it is on disk and listed.
 

@@ -1,0 +1,91 @@
+"""Screen on the cheap representation, refine exactly: influence scores recomputed for the candidates that matter.
+
+A store kept under ``policy="auto"`` answers ``influence`` with estimates (inner products of
+projected gradients, error about ``1/sqrt(k)`` of ``||g_i|| ||g_j||`` per layer). The few training
+samples a report shows are then recomputed exactly, at the weights of each checkpoint pass
+(the weight snapshots in the store), by a ``recompute`` function the caller provides (the
+callbacks have the live model and datasets; see :func:`~metastore_plugins.core.analysis.recompute.recompute`):
+
+1. per test sample, the ``candidates`` largest and smallest estimated scores;
+2. for their union ``U``, exact TracIn ``sum_c lr_c <g_i(w_c), g_j(w_c)>`` from recomputed records;
+3. rows of ``U`` take their exact scores, marked in :attr:`RefinedScores.exact`; rankings
+   (:meth:`RefinedScores.top`) order the candidates by them.
+
+What is exact is exact to float rounding; a proponent outside the candidates would need an
+estimate error beyond the candidates' margin (measured in docs/policies.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metastore_plugins.core import ops
+from metastore_plugins.core.analysis.queries import paired_points
+from metastore_plugins.core.analysis.results import Scores
+from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.store import StoreReader
+
+#: ``(split, sample ids, checkpoint name) -> exact records of those samples``, one batch, in that order,
+#: at the weights the checkpoint pass ``checkpoint`` (``"epoch-1"``) saw.
+RecomputeFn = Callable[[str, Sequence[int], str], Sequence[LayerRecord]]
+
+
+@dataclass(frozen=True)
+class RefinedScores(Scores):
+    """:class:`Scores` whose rows in ``exact`` hold exact TracIn scores (recomputed), the others estimates."""
+
+    exact: np.ndarray | None = None  # (N,) bool: rows recomputed exactly
+
+    def top(self, k: int = 10) -> list[dict[str, Any]]:
+        """Per test sample, proponents and opponents among the exactly recomputed rows, with ``"exact": True``."""
+        if self.exact is None or not self.exact.any():
+            return [{**row, "exact": False} for row in super().top(k)]
+        rows = np.flatnonzero(self.exact)
+        kept = Scores(self.scores[rows], self.row_ids[rows], self.col_ids)
+        return [{**row, "exact": True} for row in kept.top(k)]
+
+
+def candidate_rows(scores: np.ndarray, candidates: int) -> np.ndarray:
+    """Sorted rows that are among the ``candidates`` largest or smallest of some column of ``(N, M)`` scores."""
+    if scores.shape[0] <= 2 * candidates:
+        return np.arange(scores.shape[0])
+    order = np.argsort(scores, axis=0, kind="stable")  # (N, M) ascending per column
+    return np.unique(np.concatenate([order[:candidates].ravel(), order[-candidates:].ravel()]))
+
+
+def refine_influence(
+    store: StoreReader,
+    estimate: Scores,
+    train: str | Sequence[str],
+    test: str | Sequence[str],
+    recompute: RecomputeFn,
+    *,
+    candidates: int = 50,
+) -> RefinedScores:
+    """Exact TracIn scores for each test sample's ``candidates`` strongest proponents and opponents by ``estimate``.
+
+    Args:
+        estimate: ``store.influence(train, test, ...)`` (rows: train ids, columns: test ids).
+        train, test: the paired checkpoint capture points the estimate summed over.
+        recompute: see :data:`RecomputeFn`; called once per checkpoint and split.
+        candidates: rows per test sample and direction that are recomputed.
+    """
+    rows = candidate_rows(estimate.scores, candidates)
+    train_ids = [int(i) for i in estimate.row_ids[rows]]
+    test_ids = [int(i) for i in estimate.col_ids]
+    exact = np.zeros((len(rows), len(test_ids)))
+    for train_cp, test_cp in paired_points(train, test):
+        checkpoint, test_split = train_cp.split("/")[0], test_cp.split("/", 1)[1]
+        lr = store.learning_rate(train_cp)
+        a = list(recompute(train_cp.split("/", 1)[1], train_ids, checkpoint))
+        b = list(recompute(test_split, test_ids, checkpoint))
+        exact += (1.0 if lr is None else lr) * ops.total_dots(a, b).double().cpu().numpy()  # (|U|, M)
+    scores = estimate.scores.astype(np.float64, copy=True)
+    scores[rows] = exact
+    mask = np.zeros(len(estimate.row_ids), dtype=bool)
+    mask[rows] = True
+    return RefinedScores(scores, estimate.row_ids, estimate.col_ids, mask)

@@ -1,0 +1,60 @@
+"""Labels, logits and per-sample losses of the common batch and output shapes: the callbacks' defaults.
+
+``(x, y)`` batches and dicts with ``"labels"``; outputs that are logits, have ``.logits`` or
+``["logits"]``; cross-entropy of ``(B, C)`` logits on ``(B,)`` class labels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch.nn.functional as F
+from torch import Tensor
+
+LABEL_KEYS = ("labels", "label", "y")
+
+#: ``(forward output, batch) -> (B,)`` per-sample losses.
+PerSampleLossFn = Callable[[Any, Any], Tensor]
+#: ``batch -> (B,)`` labels.
+LabelsFn = Callable[[Any], Tensor]
+#: How the training loss combines per-sample losses.
+LossReduction = Literal["mean", "sum"]
+
+
+def default_labels(batch: Any) -> Tensor:
+    """Labels of a ``(x, y)`` batch or a dict batch with ``"labels"`` (or ``"label"``, ``"y"``)."""
+    if isinstance(batch, Mapping):
+        for key in LABEL_KEYS:
+            if key in batch:
+                return batch[key]
+        raise ValueError(
+            f"the dict batch has no labels under {LABEL_KEYS} (keys: {list(batch)}); pass labels=callable(batch)"
+        )
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[1]
+    raise ValueError(
+        f"cannot tell the labels of a {type(batch).__name__} batch"
+        + (f" of {len(batch)} elements" if isinstance(batch, (tuple, list)) else "")
+        + "; the defaults read (x, y) batches and dicts with 'labels'. Pass labels=callable(batch)"
+    )
+
+
+def logits_of(output: Any) -> Tensor | None:
+    """The ``logits`` of a forward output: a tensor, ``output.logits`` or ``output["logits"]``."""
+    if isinstance(output, Mapping):
+        output = output.get("logits")
+    output = getattr(output, "logits", output)
+    return output if isinstance(output, Tensor) else None
+
+
+def default_per_sample_loss(output: Any, labels: Tensor) -> Tensor:
+    """Cross-entropy of ``(B, C)`` logits on ``(B,)`` class labels, per sample."""
+    logits = logits_of(output)
+    if logits is None or logits.dim() != 2 or labels.dim() != 1 or labels.is_floating_point():
+        shape = None if logits is None else tuple(logits.shape)
+        raise ValueError(
+            f"the default per-sample loss is cross-entropy of (B, C) logits on (B,) class labels; got logits of shape "
+            f"{shape} and labels of shape {tuple(labels.shape)}. Pass per_sample_loss=callable(output, batch) -> (B,)"
+        )
+    return F.cross_entropy(logits.detach().float(), labels.to(logits.device).long(), reduction="none")

@@ -1,0 +1,206 @@
+"""``CapturePolicy``: applies the capture plan to each batch, keeps the run within its budget, honours tags.
+
+It sits between capture and the writer (``RunCapture.finish_step``). The first batch makes the
+plan (:func:`~metastore_plugins.core.policy.plan.make_plan`); every batch is then turned into the
+plan's representations (:func:`~metastore_plugins.core.ops.represent.represent`), and its bytes
+counted. A batch that would take the run past its budget is lowered rung by rung (projection
+16 -> 8 -> 4, exact norms, nothing) for the rest of its part (training steps or passes): said once
+per change with a warning, and recorded in the plan (``degraded``). A tag with ``keep=`` sets the
+representation of the steps it covers, within the budget like everything else.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.ops.cost import SAMPLE_METADATA_BYTES, TENSOR_OVERHEAD_BYTES
+from metastore_plugins.core.ops.represent import Representation, represent
+from metastore_plugins.core.ops.sketch import Projections
+from metastore_plugins.core.policy.plan import LADDER, POLICIES, CapturePlan, Policy, RunShape, make_plan
+from metastore_plugins.core.store.encoding import Encoding, encoded_nbytes
+
+#: ``(step, capture_point) -> keep`` of a tag covering that step, or None.
+KeepFor = Callable[[int, str], str | None]
+
+
+def parse_budget(budget: int | float | str | None, owner: str) -> int | None:
+    """Bytes of a budget given as a number of bytes or a string such as ``"250MB"`` / ``"4 GiB"``."""
+    if budget is None:
+        return None
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20}
+    units |= {"gib": 2**30, "tib": 2**40}
+    value: float | None = None
+    if isinstance(budget, str):
+        text = budget.strip().lower().replace(" ", "")
+        number = text.rstrip("kmgtib")
+        try:
+            value = float(number) * units[text[len(number) :]]
+        except (ValueError, KeyError):
+            value = None
+    elif isinstance(budget, (int, float)) and not isinstance(budget, bool):
+        value = float(budget)
+    if value is None or not 0 < value < float("inf"):
+        raise ValueError(
+            f"{owner}(budget=...) must be a positive number of bytes or a size such as '250MB' or '4GiB'; "
+            f"got {budget!r}"
+        )
+    return int(value)
+
+
+class CapturePolicy:
+    """The capture plan of one rank in action.
+
+    Args:
+        policy: ``"auto"`` (plan under the budget) or ``"exact"`` (every layer exact; a budget then
+            only degrades what would overflow it).
+        budget: bytes this rank may write (shards and snapshots); ``None``: the plan's default
+            (``"auto"``) or no limit (``"exact"``).
+        encoding: the store's encoding (bytes per value).
+        owner: who runs the capture, for messages.
+        on_change: called with the plan after it is made or changed (the manifest keeps it).
+    """
+
+    def __init__(
+        self,
+        policy: Policy = "auto",
+        budget: int | None = None,
+        *,
+        encoding: Encoding = "fp16",
+        owner: str = "RunCapture",
+        on_change: Callable[[CapturePlan], None] | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"{owner}(policy=...) must be one of {', '.join(POLICIES)}; got {policy!r}")
+        self.policy, self.budget, self.encoding, self.owner = policy, budget, encoding, owner
+        self.shape = RunShape()
+        self.plan: CapturePlan | None = None
+        self.spent = 0  # bytes queued for shards and written as snapshots
+        self.keep_for: KeepFor = lambda step, capture_point: None
+        self.on_change = on_change
+        self._rungs: dict[str, int] = {}  # part -> index in LADDER it was lowered to
+        self._projections = Projections()
+        self._passes_seen = 0
+        self._said: set[str] = set()
+
+    def expect(self, shape: RunShape) -> None:
+        """What the run will be (before its first batch; a later call before the plan replaces it)."""
+        self.shape = shape
+
+    @property
+    def limit(self) -> float:
+        """Bytes this rank may spend: the plan's budget, without the headroom kept for the index and reports."""
+        budget = self.plan.budget if self.plan is not None else self.budget
+        return float("inf") if budget is None else 0.95 * budget
+
+    def apply(self, records: Sequence[LayerRecord], *, capture_point: str, step: int) -> list[LayerRecord] | None:
+        """The batch's records as the plan (and any tag) says, lowered if they would exceed the budget.
+
+        None when not even the batch's metadata fits: the batch is not stored (and no later one of its part).
+        """
+        if self.plan is None:
+            self.plan = make_plan(records, self.shape, policy=self.policy, budget=self.budget, encoding=self.encoding)
+            self._changed()
+        part = "train" if capture_point == "train" else "passes"
+        planned = self.plan.part(capture_point)
+        keep = self.keep_for(step, capture_point)
+        if keep in ("exact", "projected", "norms", "nothing"):
+            kept, size = self._kept(records, {layer: keep for layer in planned}, self.plan.k)  # type: ignore[misc]
+            if self.spent + size <= self.limit:
+                self.spent += size
+                return kept
+            self._say_once(
+                f"{self.owner}: a tag asks to keep step {step} ({capture_point}) as {keep!r}, which does not fit the "
+                f"budget ({self.plan.budget:,} bytes); those steps are kept as planned"
+            )
+        while True:
+            rung = self._rungs.get(part)
+            if rung is None:
+                chosen, k = planned, self.plan.k
+            else:
+                floor, k = LADDER[rung]
+                chosen = {layer: _no_richer(rep, floor) for layer, rep in planned.items()}
+                k = k or self.plan.k
+            kept, size = self._kept(records, chosen, k)
+            if self.spent + size <= self.limit:
+                self.spent += size
+                return kept
+            if rung == len(LADDER) - 1:
+                self._degrade(part, step, stop=True)
+                return None
+            self._degrade(part, step)
+
+    def _kept(
+        self, records: Sequence[LayerRecord], chosen: dict[str, Representation], k: int
+    ) -> tuple[list[LayerRecord], int]:
+        kept = represent(records, chosen, k, k, self._projections)
+        return kept, self._nbytes(kept, records[0].batch_size if records else 0)
+
+    def _say_once(self, message: str) -> None:
+        if message.split(" step ")[0] not in self._said:
+            self._said.add(message.split(" step ")[0])
+            warnings.warn(message, stacklevel=4)
+
+    def should_snapshot(self) -> bool:
+        """Whether the checkpoint pass about to run takes a weight snapshot (call once per pass)."""
+        self._passes_seen += 1
+        if self.plan is None or not self.plan.snapshots:
+            return False
+        if self.plan.snapshots < 0:
+            return self.spent + self.shape.snapshot_bytes <= self.limit
+        first = self.plan.planned_passes - self.plan.snapshots + 1
+        return self._passes_seen >= first and self.spent + self.shape.snapshot_bytes <= self.limit
+
+    def spend(self, nbytes: int) -> None:
+        """Count bytes written outside the shards (a snapshot)."""
+        self.spent += nbytes
+
+    def _degrade(self, part: str, step: int, stop: bool = False) -> None:
+        assert self.plan is not None
+        current = self._rungs.get(part, _rung_of(self.plan.train if part == "train" else self.plan.passes, self.plan.k))
+        self._rungs[part] = lowered = min(current + 1, len(LADDER) - 1)
+        name = "training steps" if part == "train" else "checkpoint passes"
+        if stop and any(c["part"] == name and c["to"] == "not stored" for c in self.plan.degraded):
+            return  # said once
+        before, after = _label(LADDER[current]), "not stored" if stop else _label(LADDER[lowered])
+        self.plan.degraded.append({"step": step, "part": name, "from": before, "to": after})
+        warnings.warn(
+            f"{self.owner}: the run outgrew its capture plan (budget {self.plan.budget:,} bytes, {self.spent:,} "
+            f"spent): {name} are kept as {after} instead of {before} from step {step} on",
+            stacklevel=4,
+        )
+        self._changed()
+
+    def _nbytes(self, records: Sequence[LayerRecord], batch: int) -> int:
+        """Bytes a batch will take in a shard: encoded tensors, their header entries, and per-sample metadata."""
+        tensors = [t for record in records for t in record.tensors.values()]
+        size = sum(encoded_nbytes(t, self.encoding) for t in tensors)
+        return size + TENSOR_OVERHEAD_BYTES * (len(tensors) + 4) + SAMPLE_METADATA_BYTES * batch
+
+    def _changed(self) -> None:
+        if self.on_change is not None and self.plan is not None:
+            self.on_change(self.plan)
+
+    def manifest_entry(self) -> dict[str, Any]:
+        """``config["capture_plan"]`` of the manifest."""
+        return {} if self.plan is None else self.plan.to_json()
+
+
+def _rung_of(part: dict[str, Representation], k: int) -> int:
+    """The ladder rung a part was planned at (its cheapest layer decides; exact layers are no larger)."""
+    order = ["exact", "projected", "norms", "nothing"]
+    cheapest = max(part.values(), key=order.index, default="exact")
+    return LADDER.index((cheapest, k if cheapest == "projected" else 0))
+
+
+def _no_richer(representation: Representation, floor: Representation) -> Representation:
+    """``representation``, or ``floor`` where it is richer (exact layers follow a projection down)."""
+    order = ["exact", "projected", "norms", "nothing"]
+    return floor if order.index(representation) < order.index(floor) else representation
+
+
+def _label(rung: tuple[Representation, int]) -> str:
+    rep, k = rung
+    return f"projected {k}x{k}" if rep == "projected" else rep
