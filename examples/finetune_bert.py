@@ -174,6 +174,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--no-passes", action="store_true", help="callback without checkpoint passes and reports (for timing)"
     )
+    parser.add_argument(
+        "--policy", choices=("auto", "exact"), default="auto", help="capture policy (docs/policies.md; default auto)"
+    )
+    parser.add_argument("--budget", default=None, help="the store's byte budget, e.g. 250MB (default: the policy's)")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -219,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         checkpoint_every_n_evals=0 if args.no_passes else 1,
         reports=not args.no_passes,
         outliers_from=args.outliers_from,
+        policy=args.policy,
+        budget=args.budget,
     )
     trainer = Trainer(
         model=model,

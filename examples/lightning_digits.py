@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--no-passes", action="store_true", help="no checkpoint passes and no reports: training steps only (for timing)"
     )
+    parser.add_argument(
+        "--policy", choices=("auto", "exact"), default="auto", help="capture policy (docs/policies.md; default auto)"
+    )
+    parser.add_argument("--budget", default=None, help="the store's byte budget, e.g. 250MB (default: the policy's)")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seed=args.seed,
         reports=not (args.no_reports or args.no_passes),
         outliers_from=args.outliers_from,
+        policy=args.policy,
+        budget=args.budget,
     )
     trainer = L.Trainer(
         max_epochs=args.epochs,
@@ -164,6 +170,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "callback": not args.no_callback,
         "reports": not (args.no_callback or args.no_reports or args.no_passes),
     }
+    if not args.no_callback:
+        result["store_bytes"] = sum(f.stat().st_size for f in (out / "store").rglob("*") if f.is_file())
     if result["reports"]:
         reports = out / "store" / "reports"
         outliers = json.loads((reports / "outliers.json").read_text())  # the top 10% by self-influence, ranked

@@ -302,6 +302,11 @@ class MetaStoreTrainerCallback(TrainerCallback):
         _, losses = run.losses(output, batch)
         return loss / (per_sample_weight(loss.detach(), losses) * len(losses))
 
+    def tag(self, name: str, **options: Any) -> Any:
+        """Tag the current step (or ``steps=(first, last)``) while training runs; ``keep=`` sets what those steps
+        keep (see :meth:`MetaStoreCallback.tag <metastore_plugins.MetaStoreCallback.tag>`, docs/policies.md)."""
+        return self.options.tag(self.run, name, self._state.global_step if self._state else 0, **options)
+
     # -- end of training -----------------------------------------------------------------
 
     def on_train_end(

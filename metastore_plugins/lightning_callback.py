@@ -278,6 +278,14 @@ class MetaStoreCallback(Callback):
             logdirs = [Path(lg.log_dir) for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
             rank_zero_info(self.options.end_line(self.dirpath, self.report_result, logdirs))
 
+    def tag(self, name: str, **options: Any) -> Any:
+        """Tag the current step (or ``steps=(first, last)``) with ``name`` and attributes while training runs;
+        ``keep="exact"`` (``"projected"``, ``"norms"``, ``"nothing"``, ``"snapshot"``) sets what those steps keep.
+
+        Example: ``callback.tag("lr-drop", steps=(a, b), keep="exact", reason="plateau")``; see docs/policies.md.
+        """
+        return self.options.tag(self.run, name, getattr(self, "_step", 0), **options)
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()
 

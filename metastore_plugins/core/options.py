@@ -251,6 +251,15 @@ class CallbackOptions:
             )
         )
 
+    def tag(self, run: RunCapture | None, name: str, step: int, **options: Any) -> Any:
+        """``run.tag(...)`` at ``step`` (see :meth:`RunCapture.tag`), or an error naming when tags can be set."""
+        if run is None:
+            raise RuntimeError(
+                f"{self.owner}.tag() sets tags while training runs: call it from a hook of your model or of a "
+                "callback (before training starts, tag with steps=(first, last) from the first step on)"
+            )
+        return run.tag(name, step=step, **options)
+
     def start_line(self, store_dir: Path, schedule: CheckpointSchedule, period: str) -> str:
         """The one line a callback logs when training starts: where the store goes, and what it keeps."""
         steps = "every training step" if self.capture_train_steps else "no training steps"

@@ -356,8 +356,7 @@ class RunCapture:
     def _plan_changed(self, plan: CapturePlan) -> None:
         self.writer.update_config({"capture_plan": plan.to_json()})
         if self._announce is not None and not plan.degraded:
-            for line in plan.lines():
-                self._announce(f"{self.owner}: {line}")
+            self._announce(f"{self.owner}: " + "\n".join(plan.lines()))  # one message, once
 
     # -- lifecycle -----------------------------------------------------------------------
 

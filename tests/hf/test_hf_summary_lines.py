@@ -32,9 +32,10 @@ def test_start_and_end_lines_and_the_missing_influence_report(
     callback = MetaStoreTrainerCallback(tmp_path / "store")
     train(tmp_path, make_model(), make_dataset(16, 1), make_dataset(8, 2), [callback], eval_strategy=strategy)
     store, info = str(tmp_path / "store"), logger.lines["info"]
-    assert len(info) == 2
+    assert len(info) == 3  # start, the capture plan (once, at the first step), end
     assert store in info[0] and "evaluation(s)" in info[0]
-    assert f"reports in {store}/reports" in info[1] and "tensorboard --logdir" in info[1]
+    assert info[1].startswith("MetaStoreTrainerCallback: capture plan: policy 'auto'")
+    assert f"reports in {store}/reports" in info[2] and "tensorboard --logdir" in info[2]
     no_influence = [line for line in logger.lines["warning"] if "no influence report" in line]
     assert len(no_influence) == (1 if strategy == "no" else 0)
     assert callback.report_result is not None

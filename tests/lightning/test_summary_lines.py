@@ -18,8 +18,9 @@ def test_start_and_end_lines(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
     with caplog.at_level(logging.INFO):
         trainer = fit(tmp_path, Classifier(), train, val, [callback], max_epochs=1)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MetaStoreCallback:")]
-    assert len(lines) == 2
+    assert len(lines) == 3  # start, the capture plan (once, at the first step), end
     store = str(tmp_path / "store")
     assert "every training step" in lines[0] and store in lines[0] and "every 1 epoch(s)" in lines[0]
-    assert f"reports in {store}/reports" in lines[1] and f"metastore inspect {store}" in lines[1]
-    assert f"tensorboard --logdir {trainer.logger.log_dir}" in lines[1]
+    assert lines[1].startswith("MetaStoreCallback: capture plan: policy 'auto'") and "training steps:" in lines[1]
+    assert f"reports in {store}/reports" in lines[2] and f"metastore inspect {store}" in lines[2]
+    assert f"tensorboard --logdir {trainer.logger.log_dir}" in lines[2]

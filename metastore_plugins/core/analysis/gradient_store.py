@@ -13,10 +13,13 @@ Example::
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from metastore_plugins.core.analysis import dynamics, queries
 from metastore_plugins.core.analysis import sketches as sketch_queries
+from metastore_plugins.core.policy.tags import find_tags, read_tags
 from metastore_plugins.core.store import StoreReader, find_store_dir
+from metastore_plugins.core.store.snapshots import list_snapshots
 
 
 class GradientStore(StoreReader):
@@ -46,6 +49,36 @@ class GradientStore(StoreReader):
     build_sketches = sketch_queries.build_sketches
     sketched_influence = sketch_queries.sketched_influence
     clusters = sketch_queries.clusters
+
+    def find(self, tag: str | None = None, **attributes: Any) -> list[dict[str, Any]]:
+        """The tagged moments named ``tag`` (any when None) whose attributes include ``attributes``.
+
+        Each: the tag's ``name``, ``steps`` ``(first, last)``, ``keep``, ``attributes``, ``automatic``,
+        ``rank``, the ``capture_points`` holding batches at those steps, and the weight ``snapshots``
+        taken there (names).
+        """
+        snapshots = list_snapshots(self.path)
+        found = []
+        for t in find_tags(read_tags(self.path), tag, **attributes):
+            points = [
+                cp for cp in self.capture_points() if any(t.first_step <= s <= t.last_step for s in self.steps(cp))
+            ]
+            if t.capture_point is not None:
+                points = [cp for cp in points if cp == t.capture_point]
+            names = [s.name for s in snapshots if t.first_step <= s.step <= t.last_step and s.rank == t.rank]
+            found.append(
+                {
+                    "name": t.name,
+                    "steps": (t.first_step, t.last_step),
+                    "keep": t.keep,
+                    "attributes": dict(t.attributes),
+                    "automatic": t.automatic,
+                    "rank": t.rank,
+                    "capture_points": points,
+                    "snapshots": names,
+                }
+            )
+        return found
 
 
 def open_store(path: str | os.PathLike[str], *, checksums: bool = True) -> GradientStore:

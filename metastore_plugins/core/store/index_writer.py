@@ -59,6 +59,7 @@ class RankIndexWriter:
         self.journal = JournalAppender(self.directory / journal_name(self.rank), good_size)
         self._lock = threading.Lock()
         self._changed = False  # layers or config changed since the manifest was written
+        self._config_changed = False  # config changed since: written at close even without a new shard
         self.next_shard = first_free_shard(self.directory, self.rank, listed)
 
     @property
@@ -75,7 +76,7 @@ class RankIndexWriter:
         """Merge ``changes`` into the config; written with the next shard's listing, or at :meth:`close`."""
         with self._lock:
             self.manifest["config"] = {**self.manifest["config"], **changes}
-            self._changed = True
+            self._changed = self._config_changed = True
 
     def append(self, entry: ShardEntry) -> None:
         """List a shard that is whole on disk: manifest first if layers changed, then one journal line."""
@@ -97,16 +98,17 @@ class RankIndexWriter:
     def _take_changed(self) -> dict[str, Any] | None:
         """A copy of the manifest to write, when layers or config changed since it was last written."""
         with self._lock:
-            changed, self._changed = self._changed, False
+            changed, self._changed, self._config_changed = self._changed, False, False
             if not changed:
                 return None
             return {**self.manifest, "layers": dict(self.manifest["layers"]), "config": dict(self.manifest["config"])}
 
     def close(self) -> None:
         try:
-            manifest = self._take_changed()
-            if manifest is not None:
-                mf.write_manifest(self.directory, manifest)
+            if self._config_changed:  # layers alone are written with the shard that uses them
+                manifest = self._take_changed()
+                if manifest is not None:
+                    mf.write_manifest(self.directory, manifest)
         finally:
             self.journal.close()
             self.lock.release()
