@@ -38,6 +38,7 @@ EXAMPLES: dict[str, tuple[str, dict[str, list[str]]]] = {
             "+ checkpoint passes": ["--no-reports"],
             "+ reports (the example)": [],
             "outliers from the training steps, 256-sample passes, reports": ["--outliers-from", "training"],
+            "policy='exact': training steps captured": ["--no-passes", "--policy", "exact"],
         },
     ),
     "hf": (
@@ -46,6 +47,9 @@ EXAMPLES: dict[str, tuple[str, dict[str, list[str]]]] = {
             "no callback": ["--no-callback"],
             "training steps captured": ["--no-passes"],
             "+ passes + reports (the example)": [],
+            "256-sample passes + reports": ["--checkpoint-train-samples", "256"],
+            "policy='exact': training steps captured": ["--no-passes", "--policy", "exact"],
+            "policy='exact': + passes + reports (the example)": ["--policy", "exact"],
         },
     ),
 }

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.policy_quality [--only hf|lightning] [--doc PATH] [--out JSON]`` runs each
 example twice in fresh processes, ``--policy exact`` then ``--policy auto`` (the same seeds, so the
-same training), and compares:
+same training; and ``--policy exact --encoding fp32``, the reference for influence), and compares:
 
 - store bytes and training time (``Trainer.fit`` / ``Trainer.train``, reports included);
 - flipped labels in the top 10% by self-influence (the outlier report);
@@ -103,15 +103,25 @@ def influence_quality(exact_dir: Path, auto_dir: Path) -> dict[str, Any]:
     }
 
 
-def measure(name: str) -> dict[str, Any]:
+#: run name -> arguments: the example as it is with policy="exact" (fp16, today's figures), the exact
+#: reference for influence (fp32: no encoding rounding in the order of close scores), the default policy
+VARIANTS = {
+    "exact": ["--policy", "exact"],
+    "exact-fp32": ["--policy", "exact", "--encoding", "fp32"],
+    "auto": ["--policy", "auto"],
+}
+
+
+def measure(name: str, keep: Path | None) -> dict[str, Any]:
     script, sub, extra = EXAMPLES[name]
     with tempfile.TemporaryDirectory(prefix="msbench-pol-") as tmp:
+        where = keep / name if keep else Path(tmp)
         runs = {}
-        for policy in ("exact", "auto"):
-            print(f"[policies] {name}: policy {policy}", file=sys.stderr, flush=True)
-            runs[policy] = run(script, Path(tmp) / policy, [*extra, "--policy", policy])
-        quality = influence_quality(Path(tmp) / "exact" / sub, Path(tmp) / "auto" / sub)
-        plan = json.loads((Path(tmp) / "auto" / sub / "manifest-rank0.json").read_text())["config"]["capture_plan"]
+        for variant, arguments in VARIANTS.items():
+            print(f"[policies] {name}: {variant}", file=sys.stderr, flush=True)
+            runs[variant] = run(script, where / variant, [*extra, *arguments])
+        quality = influence_quality(where / "exact-fp32" / sub, where / "auto" / sub)
+        plan = json.loads((where / "auto" / sub / "manifest-rank0.json").read_text())["config"]["capture_plan"]
     return {
         "script": script,
         "measured": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
@@ -136,11 +146,12 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
             *(
                 f"| `policy={policy!r}` | {r['store_bytes'] / 2**20:.1f} MiB | {r['seconds']:.1f} s | "
                 f"{r.get(found, '?')} of {r['flipped']} |"
-                for policy, r in (("exact", exact), ("auto", auto))
+                for policy, r in (("exact", exact), ("exact', encoding='fp32", runs["exact-fp32"]), ("auto", auto))
             ),
             "",
             f"Influence on {quality['test_samples']} validation samples over {quality['train_samples']} training "
-            f"samples: Spearman of the estimates with exact TracIn {quality['spearman_mean']:.3f} on average "
+            "samples, against exact TracIn from the fp32 store: Spearman of the estimates "
+            f"{quality['spearman_mean']:.3f} on average "
             f"(lowest {quality['spearman_min']:.3f}); estimated top-5 proponents and opponents share "
             f"{100 * quality['top5_overlap_estimated']:.0f}% with the exact ones; after exact refinement the report's "
             f"top-5 lists equal the exact ones in {100 * quality['refined_top5_equal_exact']:.0f}% of the lists "
@@ -153,10 +164,11 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.policy_quality", description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(EXAMPLES), action="append")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the runs' directories under this one")
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "policies.json")
     args = parser.parse_args(argv)
-    results = {name: measure(name) for name in args.only or list(EXAMPLES)}
+    results = {name: measure(name, args.keep) for name in args.only or list(EXAMPLES)}
     if args.only and args.out.exists():
         previous = json.loads(args.out.read_text()).get("results", {})
         results = {

@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--policy", choices=("auto", "exact"), default="auto", help="capture policy (docs/policies.md; default auto)"
     )
     parser.add_argument("--budget", default=None, help="the store's byte budget, e.g. 250MB (default: the policy's)")
+    parser.add_argument("--encoding", choices=("fp16", "fp32", "bf16", "int8"), default="fp16", help="store encoding")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         outliers_from=args.outliers_from,
         policy=args.policy,
         budget=args.budget,
+        encoding=args.encoding,
     )
     trainer = Trainer(
         model=model,
@@ -254,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if not args.no_callback:
         result["store_bytes"] = sum(f.stat().st_size for f in (out / "metastore").rglob("*") if f.is_file())
+        result["report_seconds"] = round((callback.report_result or {}).get("seconds", 0.0), 1)
     if result["reports"]:
         result.update(flagged_precision(out / "metastore", set(flipped), top, len(train)))
         print(

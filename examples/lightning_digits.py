@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--policy", choices=("auto", "exact"), default="auto", help="capture policy (docs/policies.md; default auto)"
     )
     parser.add_argument("--budget", default=None, help="the store's byte budget, e.g. 250MB (default: the policy's)")
+    parser.add_argument("--encoding", choices=("fp16", "fp32", "bf16", "int8"), default="fp16", help="store encoding")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         outliers_from=args.outliers_from,
         policy=args.policy,
         budget=args.budget,
+        encoding=args.encoding,
     )
     trainer = L.Trainer(
         max_epochs=args.epochs,

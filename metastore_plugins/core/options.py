@@ -60,7 +60,7 @@ policy: ``"auto"`` (default): a plan made at the first step keeps each layer exa
     ``"exact"``: every layer's exact factors at every step (the budget, if given, still holds).
     See docs/policies.md.
 budget: bytes the store may take (an int, or ``"250MB"``, ``"4GiB"``); default: one weight
-    snapshot per planned checkpoint pass plus 8 KiB per planned sample (``policy="auto"``), no
+    snapshot per planned checkpoint pass plus 20 KiB per planned sample (``policy="auto"``), no
     limit (``policy="exact"``). Split evenly between processes.
 flush_seconds: a crash loses at most about the last ``flush_seconds`` of captured steps: what
     the store writer holds is written as a shard once its oldest step waited half of that

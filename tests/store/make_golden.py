@@ -2,8 +2,8 @@
 
 Each format version's store is written once, by the writer of that version, and committed
 as test data (a few KB) that pins the on-disk format (docs/format.md): ``golden/store/``
-(format version 1, with ``golden/expected.json``) and ``golden/store_v2/`` (version 2, the
-same run). The script writes only the current version's store, and refuses to overwrite it:
+(format version 1, with ``golden/expected.json``), ``golden/store_v2/`` and ``golden/store_v3/``
+(versions 2 and 3, the same run). The script writes only the current version's store, and refuses to overwrite it:
 do not rerun it to make a failing golden test pass, since a failure means old stores no
 longer read the same.
 

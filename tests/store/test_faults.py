@@ -323,7 +323,7 @@ def test_a_shard_that_links_outside_the_run_directory_is_not_read(
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda m: m.update(schema_version=3), r"schema version 3; .* reads version 2 and older: upgrade"),
+        (lambda m: m.update(schema_version=4), r"schema version 4; .* reads version 3 and older: upgrade"),
         (lambda m: m.update(schema_version="1"), "invalid schema version '1'"),
         (lambda m: m.update(schema_version=True), "invalid schema version True"),
         (lambda m: m.update(format="other"), 'not a metastore manifest \\(no "format": "metastore"\\)'),

@@ -1,11 +1,12 @@
 """The golden stores: small stores written once per format version by make_golden.py and committed.
 
 They pin the on-disk format of docs/format.md. The reader must keep reading each of them
-(listing, metadata, restored gradients equal to torch.func's): ``golden/store`` (version 1)
-and ``golden/store_v2``. Today's writer must still write the files, keys, dtypes, manifest
-fields and journal columns of the current version's store. If a change breaks this test,
-old stores no longer read the same: bump ``schema_version`` and keep a reader for the old
-versions instead of regenerating a golden store.
+(listing, metadata, restored gradients equal to torch.func's): ``golden/store`` (version 1),
+``golden/store_v2`` and ``golden/store_v3`` (version 3 adds the ``projected`` and ``norms``
+record kinds, weight snapshots and tags to version 2: the same run writes the same files).
+Today's writer must still write the files, keys, dtypes, manifest fields and journal columns of
+the current version's store. If a change breaks this test, old stores no longer read the same:
+bump ``schema_version`` and keep a reader for the old versions instead of regenerating a golden store.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from metastore_plugins.core.store import manifest as mf
 GOLDEN = Path(__file__).resolve().parent / "golden"
 STORE = GOLDEN / "store"  # version 1
 STORE_V2 = GOLDEN / "store_v2"
-STORES = pytest.mark.parametrize("store_dir", [STORE, STORE_V2], ids=["v1", "v2"])
+STORE_V3 = GOLDEN / "store_v3"
+STORES = pytest.mark.parametrize("store_dir", [STORE, STORE_V2, STORE_V3], ids=["v1", "v2", "v3"])
 EXPECTED = json.loads((GOLDEN / "expected.json").read_text())
 TOLERANCE = {"fp32": 1e-5, "int8": 2e-2}  # max |store - torch.func| / max |torch.func|, per parameter
 SHARDS = ["rank0-000000.safetensors", "rank0-000001.safetensors", "rank1-000000.safetensors"]
@@ -34,6 +36,7 @@ FILES = {
     STORE: ["manifest-rank0.json", "manifest-rank1.json", *SHARDS],
     STORE_V2: ["index-rank0.jsonl", "index-rank1.jsonl", "manifest-rank0.json", "manifest-rank1.json", *SHARDS],
 }
+FILES[STORE_V3] = FILES[STORE_V2]
 
 
 def _rows(cp: str) -> list[dict[str, Any]]:
@@ -45,7 +48,7 @@ def _rows(cp: str) -> list[dict[str, Any]]:
 @STORES
 def test_the_golden_store_is_small_and_complete(store_dir: Path) -> None:
     assert sorted(p.name for p in store_dir.iterdir()) == FILES[store_dir]
-    assert sum(p.stat().st_size for p in GOLDEN.rglob("*") if p.is_file()) < 50_000
+    assert sum(p.stat().st_size for p in GOLDEN.rglob("*") if p.is_file()) < 70_000
 
 
 @STORES
@@ -152,12 +155,14 @@ def _expected_keys(
     return keys
 
 
-def test_v2_files_follow_the_documented_format() -> None:
+@pytest.mark.parametrize(("store_dir", "version"), [(STORE_V2, 2), (STORE_V3, 3)], ids=["v2", "v3"])
+def test_v2_and_v3_files_follow_the_documented_format(store_dir: Path, version: int) -> None:
+    assert mf.SCHEMA_VERSION == 3
     for rank in (0, 1):
-        manifest = json.loads((STORE_V2 / f"manifest-rank{rank}.json").read_text())
-        assert manifest["format"] == "metastore" and manifest["schema_version"] == 2 == mf.SCHEMA_VERSION
+        manifest = json.loads((store_dir / f"manifest-rank{rank}.json").read_text())
+        assert manifest["format"] == "metastore" and manifest["schema_version"] == version
         assert set(manifest) == {"format", "schema_version", "rank", "config", "layers"} and manifest["rank"] == rank
-        for n, entry in enumerate(journal_entries(STORE_V2, rank)):
+        for n, entry in enumerate(journal_entries(store_dir, rank)):
             assert set(entry) == {
                 "file",
                 "bytes",
@@ -170,7 +175,7 @@ def test_v2_files_follow_the_documented_format() -> None:
                 "samples",
             }
             assert entry["file"] == f"rank{rank}-{n:06d}.safetensors"
-            assert entry["bytes"] == (STORE_V2 / entry["file"]).stat().st_size
+            assert entry["bytes"] == (store_dir / entry["file"]).stat().st_size
             assert {k: v[0] for k, v in entry["batches"].items()} == {
                 "capture_point": "i4",
                 "step": "i8",
@@ -199,14 +204,14 @@ def test_v2_files_follow_the_documented_format() -> None:
                 (
                     meta,
                     [
-                        (entry["layers"][layer], ("outer", "embedding", "dense")[kind], rows)
+                        (entry["layers"][layer], ("outer", "embedding", "dense", "projected", "norms")[kind], rows)
                         for b, layer, kind, rows in records
                         if b == j
                     ],
                 )
                 for j, meta in enumerate(entry["batches"]["meta"][1])
             ]
-            layout = _shard_layout(STORE_V2 / entry["file"])
+            layout = _shard_layout(store_dir / entry["file"])
             assert layout["metadata"] == {"format": "metastore", "encoding": entry["encoding"]}
             assert set(layout["keys"]) == _expected_keys(manifest["layers"], entry["encoding"], batches)
             for j, (_, recs) in enumerate(batches):
@@ -261,15 +266,34 @@ def test_todays_writer_writes_the_golden_format(tmp_path: Path) -> None:
     import make_golden
 
     make_golden.build(tmp_path)
-    golden, today = _layout(STORE_V2), _layout(tmp_path)
+    golden, today = _layout(STORE_V3), _layout(tmp_path)
     assert sorted(today) == sorted(golden)
     for name in golden:
         assert today[name] == golden[name], name
     # fp32 shards hold the same numbers (up to float rounding across torch versions)
     for name in ("rank0-000000.safetensors", "rank0-000001.safetensors"):
         with (
-            safe_open(str(STORE_V2 / name), framework="pt") as old,
+            safe_open(str(STORE_V3 / name), framework="pt") as old,
             safe_open(str(tmp_path / name), framework="pt") as new,
         ):
             for key in old.keys():
                 torch.testing.assert_close(new.get_tensor(key), old.get_tensor(key), rtol=1e-5, atol=1e-7)
+
+
+def test_appending_to_a_version_2_store_makes_it_version_3(tmp_path: Path) -> None:
+    import shutil
+
+    from storecases import synthetic_batch
+
+    from metastore_plugins import StoreWriter
+
+    store_dir = tmp_path / "store"
+    shutil.copytree(STORE_V2, store_dir)
+    before = open_store(store_dir).sample_ids("train").tolist()
+    records, _ = synthetic_batch(2)
+    with StoreWriter(store_dir, rank=0, encoding="fp32") as writer:
+        writer.write(records, sample_ids=torch.arange(4) + 100, step=9, capture_point="later")
+    assert json.loads((store_dir / "manifest-rank0.json").read_text())["schema_version"] == 3
+    store = open_store(store_dir)
+    assert store.verify() == [] and store.sample_ids("train").tolist() == before
+    assert store.sample_ids("later").tolist() == [100, 101, 102, 103]

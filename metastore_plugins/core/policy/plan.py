@@ -4,7 +4,8 @@ A plan is made once, from the first captured batch (its exact records measure ea
 per sample) and the run's shape (planned training batches, checkpoint passes, snapshot size):
 
 1. ``usable = (1 - HEADROOM) budget``; metadata (ids, labels, losses) of every planned sample first;
-2. weight snapshots, one per checkpoint pass (the latest ones), while they take at most half of it;
+2. weight snapshots, one per checkpoint pass (the latest ones), while they take at most half of a
+   given budget (the default budget counts one per pass);
 3. training steps and checkpoint passes take the first rung of :data:`LADDER` whose bytes fit
    what is left: exact, then a projection of ``k x k`` per layer (16, 8, 4), then exact norms
    only, then nothing. A layer whose exact bytes are no more than its projection's stays exact;
@@ -46,9 +47,11 @@ LADDER: tuple[tuple[Representation, int], ...] = (
 )
 #: Share of the budget kept free for the index, the manifest, the reports and estimation error.
 HEADROOM = 0.05
-#: Default bytes per planned sample (training steps and passes) besides snapshots: a 100k-example,
-#: 3-epoch BERT-base fine-tune (300k samples) gets 2.3 GiB for gradients plus 1.3 GB of snapshots.
-AUTO_BYTES_PER_SAMPLE = 8 * 1024
+#: Default bytes per planned sample (training steps and passes) besides snapshots. 20 KiB keeps a 16x16
+#: projection of each of MiniLM's 37 layers (Spearman 0.97 with exact influence on the example; 8x8: 0.84),
+#: and an 8x8 projection of BERT-base's 102: a 100k-example, 3-epoch fine-tune stores about 4 GiB of
+#: gradients and 1.2 GiB of snapshots (docs/benchmarks.md, on paper).
+AUTO_BYTES_PER_SAMPLE = 20 * 1024
 
 
 @dataclass(frozen=True)
@@ -214,12 +217,13 @@ def make_plan(
     samples = shape.train_samples + pass_samples
     rate_only = budget is None and policy == "auto" and not shape.known
     if budget is None and policy == "auto" and not rate_only:
-        budget, source = default_budget(shape), "default: snapshots + 8 KiB per planned sample"
+        budget, source = default_budget(shape), "default: snapshots + 20 KiB per planned sample"
     usable = math.inf if budget is None else (1 - HEADROOM) * budget
     metadata = SAMPLE_METADATA_BYTES * samples
     snapshots = 0
     if policy == "auto" and shape.snapshot_bytes and shape.passes and usable < math.inf:
-        snapshots = min(shape.passes, int(0.5 * (usable - metadata) // shape.snapshot_bytes))
+        share = 1.0 if source != "given" else 0.5  # the default budget holds one snapshot per pass by construction
+        snapshots = min(shape.passes, int(share * (usable - metadata) // shape.snapshot_bytes))
     elif policy == "auto" and shape.snapshot_bytes:
         snapshots = shape.passes
     rest = usable - metadata - snapshots * shape.snapshot_bytes
@@ -228,8 +232,13 @@ def make_plan(
         rep, k = rung
         return samples * sum(c.bytes("exact" if layer in tied else rep, k, encoding) for layer, c in costs.items())
 
-    if rate_only:  # no cap: the richest rung within 8 KiB per sample, a snapshot at every pass
-        source, rest, samples, pass_samples = "none (run length unknown): 8 KiB per sample", AUTO_BYTES_PER_SAMPLE, 1, 1
+    if rate_only:  # no cap: the richest rung within AUTO_BYTES_PER_SAMPLE, a snapshot at every pass
+        source, rest, samples, pass_samples = (
+            "none (run length unknown): 20 KiB per sample",
+            AUTO_BYTES_PER_SAMPLE,
+            1,
+            1,
+        )
     ladder = LADDER if policy == "auto" else LADDER[:1]
     rung = next((r for r in ladder if total(r, samples) <= rest), ladder[-1])
     pass_rung = rung

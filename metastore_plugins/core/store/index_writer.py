@@ -41,10 +41,11 @@ class RankIndexWriter:
         listed: list[str] = []
         if os.path.lexists(path):
             existing = read_rank(self.directory, self.rank, path)
-            if existing.version < mf.SCHEMA_VERSION:
+            if existing.version < mf.JOURNAL_VERSION:
                 raise StoreError(
-                    f"{path} was written in format version {existing.version}; this writer appends version "
-                    f"{mf.SCHEMA_VERSION} only: write to a new store directory (the old store stays readable)"
+                    f"{path} was written in format version {existing.version}; this writer appends to versions "
+                    f"{mf.JOURNAL_VERSION}..{mf.SCHEMA_VERSION} only: write to a new store directory (the old store "
+                    "stays readable)"
                 )
             self.manifest = existing.manifest
             good_size = existing.good_size
@@ -53,8 +54,9 @@ class RankIndexWriter:
         else:
             self.manifest = mf.new_manifest(self.rank, {})
         merged = {**self.manifest.get("config", {}), **config}
-        if merged != self.manifest.get("config") or not os.path.lexists(path):
-            self.manifest["config"] = merged
+        upgrade = self.manifest["schema_version"] != mf.SCHEMA_VERSION  # version 2: what it holds reads as 3
+        if merged != self.manifest.get("config") or upgrade or not os.path.lexists(path):
+            self.manifest["config"], self.manifest["schema_version"] = merged, mf.SCHEMA_VERSION
             mf.write_manifest(self.directory, self.manifest)
         self.journal = JournalAppender(self.directory / journal_name(self.rank), good_size)
         self._lock = threading.Lock()

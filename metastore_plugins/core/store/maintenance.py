@@ -71,7 +71,7 @@ def compact(
         with RankLock(directory, rank):
             index = read_rank(directory, rank, path)
             report.shards_before += len(index.entries)
-            if index.version < mf.SCHEMA_VERSION:
+            if index.version < mf.JOURNAL_VERSION:
                 report.skipped.append(f"rank {rank}: format version {index.version} stores are not compacted")
                 report.shards_after += len(index.entries)
                 continue

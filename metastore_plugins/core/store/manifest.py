@@ -4,7 +4,7 @@ Version 2 (this writer): a run directory holds ``manifest-rank{r}.json`` (format
 rank, config, layers), the rank's journal ``index-rank{r}.jsonl`` (one line per shard, see
 :mod:`~metastore_plugins.core.store.journal`) and ``rank{r}-{n:06d}.safetensors`` shards::
 
-    {"format": "metastore", "schema_version": 2, "rank": 0,
+    {"format": "metastore", "schema_version": 3, "rank": 0,
      "config": {...},                                   # run configuration, free-form
      "layers": {layer: {"params": {role: name}, "param_shapes": {role: [..]}, "layout": "out_in"}}}
 
@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "metastore"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+#: The oldest version a writer appends to (and compaction rewrites): version 3 only adds record kinds
+#: and files to version 2, so appending upgrades a version 2 manifest to 3.
+JOURNAL_VERSION = 2
 #: ``manifest-rank{r}.json`` with ``r`` in ASCII digits, no leading zero (``re.fullmatch``: no trailing newline).
 MANIFEST_PATTERN = re.compile(r"manifest-rank(0|[1-9][0-9]{0,8})\.json", re.ASCII)
 #: The largest manifest a reader parses (version 1 manifests of long runs reach tens of MB).
