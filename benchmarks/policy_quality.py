@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from metastore_plugins.core.policy.plan import summarize
+
 from .timing import machine, write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,7 +129,8 @@ def measure(name: str, keep: Path | None) -> dict[str, Any]:
         "measured": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
         "runs": runs,
         "influence": quality,
-        "plan": {key: plan[key] for key in ("budget", "budget_source", "k", "snapshots", "planned")},
+        "plan": {key: plan[key] for key in ("budget", "budget_source", "k", "snapshots", "planned")}
+        | {"training steps": summarize(plan["train"], plan["k"]), "passes": summarize(plan["passes"], plan["k"])},
     }
 
 
@@ -139,14 +142,19 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
         found = "found" if "found" in exact else "flipped_found"
         lines += [
             f"`{entry['script']}` ({entry['measured']}); default plan: budget {plan['budget'] / 2**20:.1f} MiB "
-            f"({plan['budget_source']}), projection {plan['k']}x{plan['k']}, {plan['snapshots']} snapshots",
+            f"({plan['budget_source']}); training steps: {plan['training steps']}; checkpoint passes: "
+            f"{plan['passes']}; {plan['snapshots']} weight snapshots",
             "",
             "| | store | training time (reports included) | flipped labels in the top 10% |",
             "|---|---|---|---|",
             *(
-                f"| `policy={policy!r}` | {r['store_bytes'] / 2**20:.1f} MiB | {r['seconds']:.1f} s | "
+                f"| `{policy}` | {r['store_bytes'] / 2**20:.1f} MiB | {r['seconds']:.1f} s | "
                 f"{r.get(found, '?')} of {r['flipped']} |"
-                for policy, r in (("exact", exact), ("exact', encoding='fp32", runs["exact-fp32"]), ("auto", auto))
+                for policy, r in (
+                    ("policy='exact'", exact),
+                    ("policy='exact', encoding='fp32' (the reference)", runs["exact-fp32"]),
+                    ("policy='auto' (the default)", auto),
+                )
             ),
             "",
             f"Influence on {quality['test_samples']} validation samples over {quality['train_samples']} training "

@@ -56,6 +56,7 @@ def test_lightning_variants_run_and_the_doc_section_is_rewritten(tmp_path: Path)
         "+ checkpoint passes",
         "+ reports (the example)",
         "outliers from the training steps, 256-sample passes, reports",
+        "policy='exact': training steps captured",
     ]
     assert all(len(v["times_s"]) == 1 and v["median_s"] > 0 for v in variants.values())
     assert variants["no callback"]["ratio"] == 1.0

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from metastore_plugins.core.policy.tags import TagBook, find_tags, read_tags
+from metastore_plugins.core.policy.tags import Tag, TagBook, find_tags, read_tags
 from metastore_plugins.core.store.manifest import StoreError
 
 
@@ -61,6 +65,10 @@ def test_a_torn_last_line_is_cut_and_a_damaged_one_is_named(tmp_path: Path) -> N
         ({"name": "x", "steps": 1, "rank": 3}, r"\['rank'\] clash"),
         ({"name": "x", "steps": 1, "values": [1, 2]}, r"\['values'\] must be JSON scalars"),
         ({"name": "x", "steps": 1, "loss": float("nan")}, r"\['loss'\] must be JSON scalars"),
+        ({"name": "x", "steps": 1, "capture_point": ""}, r"tag\(capture_point=\.\.\.\)"),
+        ({"name": "x", "steps": 1, "capture_point": 3}, r"tag\(capture_point=\.\.\.\)"),
+        ({"name": 7, "steps": 1}, r"tag\(name=\.\.\.\)"),
+        ({"name": "x", "steps": (True, 2)}, r"tag\(steps=\.\.\.\) must be a step"),
     ],
 )
 def test_bad_tags_name_the_argument(tmp_path: Path, arguments: dict, message: str) -> None:
@@ -68,3 +76,81 @@ def test_bad_tags_name_the_argument(tmp_path: Path, arguments: dict, message: st
     with pytest.raises(ValueError, match=message):
         book.add(**arguments)
     assert read_tags(tmp_path) == []  # nothing written
+
+
+def test_every_field_round_trips(tmp_path: Path) -> None:
+    book = TagBook(tmp_path, rank=2)
+    written = [
+        book.add("ckpt", steps=np.int64(7), automatic=True, attributes={"epoch": 1, "lr": 0.5}, best=True, note=None),
+        book.add("window", steps=(3, 9), keep="snapshot", capture_point="epoch-0/val", current_step=4, who="me"),
+    ]
+    assert written[0] == Tag("ckpt", 7, 7, None, None, {"epoch": 1, "lr": 0.5, "best": True, "note": None}, 2, 0, True)
+    assert written[1] == Tag("window", 3, 9, "snapshot", "epoch-0/val", {"who": "me"}, 2, 1, False)
+    assert type(written[0].first_step) is int  # a numpy step is stored as a plain int
+    assert read_tags(tmp_path) == written == book.tags
+    assert TagBook(tmp_path, rank=2).add("next", steps=10).seq == 2  # a reopened book continues the order
+
+
+def test_keep_for_passes_over_tags_that_say_nothing_about_representation(tmp_path: Path) -> None:
+    book = TagBook(tmp_path)
+    book.add("exact", steps=(0, 5), keep="exact")
+    book.add("plain", steps=(0, 5), note="no keep")
+    book.add("snap", steps=3, keep="snapshot")
+    book.add("val", steps=(0, 5), keep="nothing", capture_point="epoch-0/val")
+    assert book.keep_for(3, "train") == "exact"  # neither the later plain tag nor the snapshot tag overrides
+    assert book.keep_for(3, "epoch-0/val") == "nothing"
+    assert book.keep_for(6, "epoch-0/val") is None
+
+
+def _line(entry: dict) -> bytes:
+    text = json.dumps(entry, separators=(",", ":")).encode()
+    return text + b" " + f"{zlib.crc32(text):08x}".encode() + b"\n"
+
+
+def test_a_damaged_last_line_is_skipped_then_cut_and_a_bad_middle_line_names_the_file(tmp_path: Path) -> None:
+    book = TagBook(tmp_path)
+    book.add("a", steps=1)
+    good = book.path.stat().st_size
+    with open(book.path, "ab") as handle:  # a complete last line whose CRC does not match
+        handle.write(_line({"name": "b"})[:-3] + b"00\n")
+    assert [t.name for t in read_tags(tmp_path)] == ["a"]
+    reopened = TagBook(tmp_path)
+    assert book.path.stat().st_size == good  # cut, so the next line does not follow a damaged one
+    reopened.add("c", steps=2)
+    assert [t.name for t in read_tags(tmp_path)] == ["a", "c"]
+    # a line with a valid CRC but values a tag cannot hold, followed by another: an error naming file and line
+    hostile = {"name": "h", "first_step": 5, "last_step": 1, "keep": None, "capture_point": None}
+    hostile |= {"attributes": {}, "rank": 0, "seq": 2, "automatic": False}
+    with open(book.path, "ab") as handle:
+        handle.write(_line(hostile))
+    TagBook(tmp_path, rank=0).add("d", steps=3)  # the hostile line was the last one: skipped, then cut
+    assert [t.name for t in read_tags(tmp_path)] == ["a", "c", "d"]
+    with open(book.path, "ab") as handle:
+        handle.write(_line(hostile) + _line({**hostile, "first_step": 0}))
+    with pytest.raises(StoreError, match=r"tags-rank0\.jsonl: line 4 is damaged .*first_step"):
+        read_tags(tmp_path)
+    with pytest.raises(StoreError, match=r"tags-rank0\.jsonl: line 4"):
+        TagBook(tmp_path)
+
+
+def test_a_failed_append_leaves_no_torn_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    book = TagBook(tmp_path)
+    book.add("a", steps=1)
+    size = book.path.stat().st_size
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", broken_fsync)
+        with pytest.raises(OSError, match="No space"):
+            book.add("lost", steps=2)
+    assert book.path.stat().st_size == size and [t.name for t in book.tags] == ["a"]
+    book.add("b", steps=3)
+    assert [(t.name, t.seq) for t in read_tags(tmp_path)] == [("a", 0), ("b", 1)]
+
+
+def test_a_missing_or_tagless_store_has_no_tags(tmp_path: Path) -> None:
+    assert read_tags(tmp_path / "absent") == []
+    (tmp_path / "tags-rank0.jsonl.tmp").write_text("junk")  # not a tags file
+    assert read_tags(tmp_path) == []

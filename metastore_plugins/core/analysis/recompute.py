@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -31,26 +32,29 @@ from metastore_plugins.core.passes import weights_untouched
 from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.selection import join_records
-from metastore_plugins.core.store.snapshots import load_snapshot, trainable
+from metastore_plugins.core.store.snapshots import floating_buffers, load_snapshot_state, trainable
 
 #: ``(model, batch) -> scalar``: the batch loss, reduced over samples as ``loss_reduction`` says.
 LossFn = Callable[[nn.Module, Any], Tensor]
 
 
-def default_loss(model: nn.Module, batch: Any) -> Tensor:
-    """Mean loss of a batch: ``model(**batch).loss`` for dicts holding ``labels``, else cross-entropy of
-    ``model(x)`` (or of the dict's output logits) on the labels."""
+def default_loss(model: nn.Module, batch: Any, reduction: LossReduction = "mean") -> Tensor:
+    """Loss of a batch: ``model(**batch).loss`` for dicts (a mean over samples, as HF models compute it),
+    else cross-entropy of ``model(x)`` (or of the dict's output logits) on the labels.
+
+    ``reduction="sum"`` returns ``B`` times the mean: ``sum_i loss_i``.
+    """
     if isinstance(batch, Mapping):
         output = model(**batch)
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-        if isinstance(loss, Tensor):
-            return loss
     else:
-        output = model(batch[0])
-    logits = logits_of(output)
-    if logits is None:
-        raise ValueError("the model's output holds no logits; pass loss_fn=callable(model, batch) -> batch loss")
-    return F.cross_entropy(logits, default_labels(batch).long())
+        output, loss = model(batch[0]), None
+    if not isinstance(loss, Tensor):
+        logits = logits_of(output)
+        if logits is None:
+            raise ValueError("the model's output holds no logits; pass loss_fn=callable(model, batch) -> batch loss")
+        loss = F.cross_entropy(logits, default_labels(batch).long())
+    return loss * len(default_labels(batch)) if reduction == "sum" else loss
 
 
 def recompute(
@@ -61,35 +65,45 @@ def recompute(
     store_dir: str | os.PathLike[str] | None = None,
     snapshot: str | None = None,
     rank: int = 0,
-    loss_fn: LossFn = default_loss,
+    loss_fn: LossFn | None = None,
     loss_reduction: LossReduction = "mean",
     collate_fn: Callable[[list[Any]], Any] | None = None,
     to_device: Callable[[Any], Any] | None = None,
     batch_size: int = 32,
     session_options: Mapping[str, Any] | None = None,
 ) -> list[LayerRecord]:
-    """Exact records of ``dataset[i]`` for ``i`` in ``sample_ids`` (one batch, in that order).
+    """Exact records of ``dataset[i]`` for ``i`` in ``sample_ids`` (one batch, in that order), in eval mode.
+
+    Row ``k`` of every record is sample ``sample_ids[k]`` (repeats allowed), its gradient that of its
+    own loss ``g_k = grad_w loss(f_w(x_k), y_k)`` at the snapshot's weights ``w``: pass the records to
+    :func:`~metastore_plugins.core.ops.total_sq_norms` for ``||g_k||^2`` or to
+    :func:`~metastore_plugins.core.ops.total_dots` for ``<g_k, g_l>``.
 
     Args:
-        model: the model (its live weights, ``.grad``, mode and the RNG states are restored after).
-        dataset: a map-style dataset whose items ``collate_fn`` batches.
-        store_dir, snapshot: the weights to use: ``load_snapshot(store_dir, snapshot, rank)``
+        model: the model (its live weights, buffers, ``.grad``, mode and the RNG states are restored after).
+        dataset: a map-style dataset whose items ``collate_fn`` batches: ``(x, y)`` tuples or dicts.
+        store_dir, snapshot: the weights to use: the snapshot's parameters and floating buffers
             (the model's current weights when ``snapshot`` is None).
-        loss_fn: the batch loss; ``loss_reduction`` says how it combines per-sample losses.
+        loss_fn: ``(model, batch) -> scalar`` batch loss; ``loss_reduction`` says how it combines
+            per-sample losses. Default: :func:`default_loss` (cross-entropy), reduced as ``loss_reduction`` says.
         collate_fn: batches a list of items (default ``torch.utils.data.default_collate``).
         to_device: moves a batch to the model's device (default: tensors to the model's device).
         batch_size: samples per forward and backward.
         session_options: more :class:`CaptureSession` arguments (``modules``, ``unsupported``).
 
     Raises:
-        StoreError: when the snapshot is missing, or its parameters do not match ``model``'s.
+        StoreError: naming the file, when the snapshot (or a base of it) is missing or damaged, or its
+            parameters or buffers do not match ``model``'s.
+        ValueError: for no sample ids, ``batch_size < 1`` or a ``snapshot`` without ``store_dir``.
     """
     ids = [int(i) for i in sample_ids]
     if not ids:
         raise ValueError("recompute needs at least one sample id")
     if batch_size < 1:
         raise ValueError(f"recompute(batch_size=...) must be >= 1; got {batch_size}")
-    weights = None if snapshot is None else load_snapshot(store_dir or ".", snapshot, rank)
+    if snapshot is not None and store_dir is None:
+        raise ValueError(f"recompute(snapshot={snapshot!r}) needs store_dir=, the store that holds the snapshot")
+    weights, buffers = (None, None) if snapshot is None else load_snapshot_state(store_dir or ".", snapshot, rank)
     collate = collate_fn or default_collate
     device = next(model.parameters()).device
     move = to_device or (lambda batch: _to(batch, device))
@@ -98,6 +112,7 @@ def recompute(
         model,
         batches,
         weights=weights,
+        buffers=buffers,
         loss_fn=loss_fn,
         loss_reduction=loss_reduction,
         session_options=session_options,
@@ -110,7 +125,8 @@ def recompute_batches(
     batches: Iterable[Any],
     *,
     weights: dict[str, Tensor] | None,
-    loss_fn: LossFn = default_loss,
+    buffers: dict[str, Tensor] | None = None,
+    loss_fn: LossFn | None = None,
     loss_reduction: LossReduction = "mean",
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     session_options: Mapping[str, Any] | None = None,
@@ -118,16 +134,26 @@ def recompute_batches(
 ) -> list[LayerRecord]:
     """Exact records of ``batches`` (joined as one batch) at ``weights`` (the live ones when None), in eval mode.
 
-    The live weights, ``.grad``, mode and RNG states are restored afterwards, also on error.
+    ``buffers`` (floating buffers by name, e.g. BatchNorm running statistics) are used too when given;
+    ``loss_fn`` defaults to :func:`default_loss` reduced as ``loss_reduction`` says.
+    The live weights, buffers, ``.grad``, mode and RNG states are restored afterwards, also on error.
     """
+    loss_of: LossFn = loss_fn or functools.partial(default_loss, reduction=loss_reduction)
     if weights is not None:
-        _checked(weights, model, snapshot)
+        _checked(weights, trainable(model), snapshot, "parameters")
+    if buffers is not None:
+        _checked(buffers, floating_buffers(model), snapshot, "buffers")
     parts: list[list[LayerRecord]] = []
-    with weights_untouched(model), preserved_rng(), _weights(trainable(model), weights):
+    with (
+        weights_untouched(model),
+        preserved_rng(),
+        _weights(trainable(model), weights),
+        _weights(floating_buffers(model), buffers),
+    ):
         for batch in batches:
             with CaptureSession(model, loss_reduction=loss_reduction, **dict(session_options or {})) as session:
                 with torch.enable_grad(), context():
-                    loss = loss_fn(model, batch)
+                    loss = loss_of(model, batch)
                 loss.backward()
             parts.append(session.factors())
             model.zero_grad(set_to_none=True)
@@ -141,17 +167,15 @@ def recompute_batches(
     return join_records(aligned)
 
 
-def _checked(weights: dict[str, Tensor], model: nn.Module, snapshot: str) -> dict[str, Tensor]:
-    params = trainable(model)
-    wrong = sorted(set(params) ^ set(weights)) + sorted(
-        name for name in set(params) & set(weights) if tuple(params[name].shape) != tuple(weights[name].shape)
-    )
-    if wrong:
+def _checked(weights: dict[str, Tensor], params: dict[str, Tensor], snapshot: str, what: str) -> None:
+    shapes = [n for n in set(params) & set(weights) if tuple(params[n].shape) != tuple(weights[n].shape)]
+    wrong = {"not in the snapshot": set(params) - set(weights), "not in the model": set(weights) - set(params)}
+    parts = [f"{how} {sorted(names)[:5]}" for how, names in {**wrong, "of another shape": shapes}.items() if names]
+    if parts:
         raise StoreError(
-            f"snapshot {snapshot} does not fit this model: parameters {wrong[:5]} are missing, extra or of another "
-            "shape; recompute with the model the run trained"
+            f"snapshot {snapshot} does not fit this model: {what} {'; '.join(parts)}; recompute with the model "
+            "the run trained (the same trainable parameters)"
         )
-    return weights
 
 
 class _weights:
@@ -210,10 +234,12 @@ def pass_recomputer(
             raise ValueError(f"no map-style dataset of split {split!r} to recompute from; it has {sorted(by_split)}")
         source = by_split[split]
         batches = indexed_batches(source.dataset, [int(i) for i in sample_ids], source.batch_size, source.collate_fn)
+        weights, buffers = load_snapshot_state(store_dir, checkpoint, rank)
         return recompute_batches(
             model,
             (to_device(batch) for _, batch in batches),
-            weights=load_snapshot(store_dir, checkpoint, rank),
+            weights=weights,
+            buffers=buffers,
             loss_fn=lambda _, batch: loss_of(batch, 0),
             loss_reduction=loss_reduction,
             context=context,

@@ -47,10 +47,10 @@ LADDER: tuple[tuple[Representation, int], ...] = (
 )
 #: Share of the budget kept free for the index, the manifest, the reports and estimation error.
 HEADROOM = 0.05
-#: Default bytes per planned sample (training steps and passes) besides snapshots. 20 KiB keeps a 16x16
-#: projection of each of MiniLM's 37 layers (Spearman 0.97 with exact influence on the example; 8x8: 0.84),
-#: and an 8x8 projection of BERT-base's 102: a 100k-example, 3-epoch fine-tune stores about 4 GiB of
-#: gradients and 1.2 GiB of snapshots (docs/benchmarks.md, on paper).
+#: Default bytes per planned sample (training steps and passes) besides snapshots. 20 KiB keeps an 8x8
+#: projection (and the exact norm) of each captured layer of MiniLM and of BERT-base: on the MiniLM example
+#: the estimates reach Spearman 0.94 with exact influence (docs/benchmarks.md); a 100k-example, 3-epoch
+#: BERT-base fine-tune stores about 4 GiB of gradients and 1.2 GiB of snapshots (on paper, same page).
 AUTO_BYTES_PER_SAMPLE = 20 * 1024
 
 

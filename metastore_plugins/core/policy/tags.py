@@ -8,12 +8,21 @@ automatically (``automatic=True``) with their epoch, step, learning rate and log
 
 Each rank appends its tags to ``tags-rank{r}.jsonl``, one checksummed journal line each
 (:func:`~metastore_plugins.core.store.journal.encode_line`), fsynced: a crash tears at most the
-last line, which readers skip; a damaged line before it is an error naming the file and line.
+last line, which readers skip and the rank's next :class:`TagBook` cuts; a damaged earlier line is an error.
+
+Example::
+
+    book = TagBook(store_dir, rank=0)
+    book.add("lr-drop", steps=(100, 120), keep="exact", reason="plateau")
+    book.keep_for(110, "train")                       # 'exact'
+    find_tags(read_tags(store_dir), "lr-drop", reason="plateau")
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
 import os
 import re
 from collections.abc import Mapping
@@ -21,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metastore_plugins.core.store.journal import JournalError, decode_line, encode_line
-from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.journal import JournalError, decode_line, encode_line, read_lines
+from metastore_plugins.core.store.manifest import StoreError, fsync_dir
 
 #: What a tag may ask to keep of its steps (``"snapshot"``: a weight snapshot).
 KEEP_CHOICES = ("exact", "projected", "norms", "nothing", "snapshot")
@@ -34,7 +43,7 @@ _TAGS_FILE = re.compile(r"tags-rank(\d+)\.jsonl")
 
 @dataclass(frozen=True)
 class Tag:
-    """One tag: ``name`` on steps ``first_step..last_step`` (inclusive), of one capture point or all."""
+    """One tag: ``name`` on steps ``first_step..last_step`` (inclusive), of one capture point or all (None)."""
 
     name: str
     first_step: int
@@ -50,7 +59,7 @@ class Tag:
         return self.first_step <= step <= self.last_step and self.capture_point in (None, capture_point)
 
 
-_FIELDS = {f for f in Tag.__dataclass_fields__}
+_FIELDS = tuple(Tag.__dataclass_fields__)
 
 
 def tag_attributes(values: Mapping[str, Any]) -> dict[str, Scalar]:
@@ -70,16 +79,22 @@ class TagBook:
     """The tags of one rank of a store: added while training runs, appended to ``tags-rank{r}.jsonl``."""
 
     def __init__(self, store_dir: str | os.PathLike[str], rank: int = 0) -> None:
+        """Read the rank's earlier tags and cut a line torn (or damaged) by a crash, so the next one starts clean.
+
+        Raises:
+            StoreError: naming the file and line, when a line before the last is damaged.
+        """
         self.path = Path(store_dir) / f"tags-rank{rank}.jsonl"
         self.rank = rank
-        self._tags = [tag for tag in read_tags(store_dir) if tag.rank == rank]
-        if self.path.exists():  # cut a line torn by a crash, so that the next one starts clean
-            data = self.path.read_bytes()
-            if data and not data.endswith(b"\n"):
-                os.truncate(self.path, data.rfind(b"\n") + 1)
+        self._tags, good = _read_file(self.path) if self.path.exists() else ([], 0)
+        if self.path.exists() and self.path.stat().st_size != good:
+            with open(self.path, "r+b") as handle:
+                handle.truncate(good)
+                os.fsync(handle.fileno())
 
     @property
     def tags(self) -> list[Tag]:
+        """This rank's tags in the order written."""
         return list(self._tags)
 
     def add(
@@ -96,76 +111,136 @@ class TagBook:
     ) -> Tag:
         """Tag ``steps`` (a step, an inclusive ``(first, last)`` range; default ``current_step``) and write it.
 
-        Attributes come as keywords (``reason="plateau"``) or as an ``attributes`` mapping.
+        Attributes come as keywords (``reason="plateau"``) or as an ``attributes`` mapping. The tag's
+        line is written and fsynced before this returns.
 
         Raises:
-            ValueError: naming the argument, for a bad name, range, ``keep`` or attribute.
+            ValueError: naming the argument, for a bad name, range, ``keep``, capture point or attribute.
         """
         if not isinstance(name, str) or not name.strip() or _CONTROL.search(name):
             raise ValueError(f"tag(name=...) must be a non-empty string without control characters; got {name!r}")
         first, last = _steps(steps if steps is not None else current_step)
         if keep is not None and keep not in KEEP_CHOICES:
             raise ValueError(f"tag(keep=...) must be one of {', '.join(KEEP_CHOICES)} or None; got {keep!r}")
+        if capture_point is not None and (not isinstance(capture_point, str) or not capture_point):
+            raise ValueError(
+                f"tag(capture_point=...) must be a capture point name, or None for all; got {capture_point!r}"
+            )
         attributes = {**(attributes or {}), **more}
-        clash = sorted(set(attributes) & _FIELDS)
+        clash = sorted(set(attributes) & set(_FIELDS))
         if clash:
             raise ValueError(f"tag attributes {clash} clash with the tag's own fields; rename them")
-        bad = sorted(key for key, value in attributes.items() if key not in tag_attributes({key: value}))
+        bad = sorted(str(key) for key, value in attributes.items() if str(key) not in tag_attributes({key: value}))
         if bad:
             raise ValueError(f"tag attributes {bad} must be JSON scalars (str, int, finite float, bool, None)")
         values = tag_attributes(attributes)
-        tag = Tag(name, first, last, keep, capture_point, values, self.rank, len(self._tags), automatic)
-        with open(self.path, "ab") as handle:
-            handle.write(encode_line(asdict(tag)))
-            handle.flush()
-            os.fsync(handle.fileno())
+        tag = Tag(name, first, last, keep, capture_point, values, self.rank, len(self._tags), bool(automatic))
+        self._append(encode_line(asdict(tag)))
         self._tags.append(tag)
         return tag
 
     def keep_for(self, step: int, capture_point: str) -> str | None:
-        """The ``keep`` of the latest tag with one that covers ``step`` at ``capture_point``, else None."""
+        """The ``keep`` of the latest tag (highest ``seq``) that covers ``step`` at ``capture_point``, else None.
+
+        Tags without a ``keep`` and ``keep="snapshot"`` tags say nothing about representation and are passed over.
+        """
         for tag in reversed(self._tags):
             if tag.keep is not None and tag.keep != "snapshot" and tag.covers(step, capture_point):
                 return tag.keep
         return None
 
+    def _append(self, line: bytes) -> None:
+        """Write ``line`` at the end and fsync; on failure cut the file back, so no torn line precedes the next."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            size = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):  # else the torn tail is skipped by readers, cut by the next book
+                    os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
+        if size == 0:
+            fsync_dir(self.path.parent)  # the new file's name
+
 
 def _steps(steps: Any) -> tuple[int, int]:
-    if isinstance(steps, tuple) and len(steps) == 2:
-        first, last = steps
-    else:
-        first = last = steps
-    if not all(isinstance(s, int) and not isinstance(s, bool) for s in (first, last)):
-        raise ValueError(f"tag(steps=...) must be a step or a (first, last) pair of steps; got {steps!r}")
+    pair = steps if isinstance(steps, tuple) and len(steps) == 2 else (steps, steps)
+    try:
+        if any(isinstance(s, bool) for s in pair):
+            raise TypeError
+        first, last = (operator.index(s) for s in pair)  # ints, numpy integers
+    except TypeError:
+        raise ValueError(f"tag(steps=...) must be a step or a (first, last) pair of steps; got {steps!r}") from None
     if first < 0 or last < first:
         raise ValueError(f"tag(steps=...) must satisfy 0 <= first <= last; got {steps!r}")
     return first, last
 
 
+def _tag_of(data: dict[str, Any]) -> Tag:
+    """The :class:`Tag` of a decoded line; :class:`JournalError` naming the field that is missing or wrong."""
+    missing = [key for key in _FIELDS if key not in data]
+    if missing:
+        raise JournalError(f"fields {missing} are missing")
+    tag = Tag(**{key: data[key] for key in _FIELDS})
+    ints = (tag.first_step, tag.last_step, tag.rank, tag.seq)
+    checks = {
+        "name": isinstance(tag.name, str),
+        "first_step/last_step/rank/seq": all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
+        and 0 <= tag.first_step <= tag.last_step,
+        "keep": tag.keep is None or tag.keep in KEEP_CHOICES,
+        "capture_point": tag.capture_point is None or isinstance(tag.capture_point, str),
+        "attributes": isinstance(tag.attributes, dict) and tag_attributes(tag.attributes) == tag.attributes,
+        "automatic": isinstance(tag.automatic, bool),
+    }
+    wrong = [key for key, ok in checks.items() if not ok]
+    if wrong:
+        raise JournalError(f"field(s) {', '.join(wrong)} hold values a tag cannot have")
+    return tag
+
+
+def _read_file(path: Path) -> tuple[list[Tag], int]:
+    """The tags of one file and the size of its trusted part; a bad last line is left out, a bad earlier one raises."""
+    tags: list[Tag] = []
+    good = 0
+    failure: tuple[int, str] | None = None
+    with open(path, "rb") as handle:
+        for number, line, offset in read_lines(handle):
+            if failure is not None:  # the bad line was not the last one
+                raise StoreError(f"{path}: line {failure[0]} is damaged ({failure[1]}); remove it to read the rest")
+            try:
+                if line is None:
+                    raise JournalError("longer than any tag line")
+                tags.append(_tag_of(decode_line(line)))
+                good = offset
+            except JournalError as exc:
+                failure = (number, str(exc))
+    return tags, good
+
+
 def read_tags(store_dir: str | os.PathLike[str]) -> list[Tag]:
-    """Every rank's tags, by rank then order written. A torn last line is skipped; a damaged earlier one raises."""
+    """Every rank's tags, by rank then order written.
+
+    A torn or damaged last line of a file (a crash while appending) is skipped without error.
+
+    Raises:
+        StoreError: naming the file and line, when a line before a file's last is damaged.
+    """
     directory = Path(store_dir)
     try:
         names = sorted((int(m.group(1)), m.group(0)) for n in os.listdir(directory) if (m := _TAGS_FILE.fullmatch(n)))
     except OSError:
         return []
-    tags: list[Tag] = []
-    for _, name in names:
-        lines = (directory / name).read_bytes().split(b"\n")
-        complete = lines[:-1]  # the part after the last newline is a torn line (or empty)
-        for number, line in enumerate(complete, 1):
-            try:
-                data = decode_line(line + b"\n")
-                tags.append(Tag(**{key: data[key] for key in _FIELDS}))
-            except (JournalError, KeyError, TypeError, ValueError) as exc:
-                raise StoreError(
-                    f"{directory / name}: line {number} is damaged ({exc}); remove it to read the rest"
-                ) from exc
-    return tags
+    return [tag for _, name in names for tag in _read_file(directory / name)[0]]
 
 
 def find_tags(tags: list[Tag], tag: str | None = None, **attributes: Any) -> list[Tag]:
-    """The tags named ``tag`` (any name when None) whose attributes include ``attributes``."""
+    """The tags named ``tag`` (any name when None) whose attributes include ``attributes`` (equal values)."""
     return [
         t
         for t in tags
