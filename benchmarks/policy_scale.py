@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,6 @@ def scale_run(reviews: int) -> dict[str, Any]:
                 env={**os.environ, "PYTHONWARNINGS": "ignore"},
             )
             result = json.loads((Path(tmp) / "result.json").read_text())
-            result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # max so far
             if variant != "no callback":
                 manifest = json.loads((Path(tmp) / "metastore" / "manifest-rank0.json").read_text())
                 result["plan"] = manifest["config"]["capture_plan"]
@@ -111,7 +109,7 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
             f"| no callback | {base['seconds']:.1f} s | | | {base['peak_rss_mib']:,.0f} MiB |",
             f"| default policy | {pol['seconds']:.1f} s ({run['overhead']:.2f}x) "
             f"| {pol.get('report_seconds', 0):.1f} s | {pol['store_bytes'] / 2**20:,.1f} MiB "
-            f"| {pol['peak_rss_mib']:,.0f} MiB (max of both runs) |",
+            f"| {pol['peak_rss_mib']:,.0f} MiB |",
             "",
         ]
     paper = results["bert_base"]

@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "val_accuracy": round(accuracy, 4),
         "callback": not args.no_callback,
         "reports": not (args.no_callback or args.no_passes),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),  # Linux: KiB
     }
     print(
         f"fine-tuned all-MiniLM-L6-v2 for {args.epochs} epochs on {len(train)} reviews in {seconds:.1f} s "

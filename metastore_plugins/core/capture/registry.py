@@ -76,7 +76,8 @@ class LayerContext(Protocol):
         ...
 
 
-ForwardFn = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any, LayerContext], None]
+#: A rule's hook body; what it returns other than None replaces the module's output (as a forward hook's would).
+ForwardFn = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any, LayerContext], Any]
 
 
 @dataclass(frozen=True)

@@ -324,9 +324,10 @@ class CaptureSession:
             return
         context = _ModuleContext(self, path, self._batch_dim(path, ancestors), params)
 
-        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             if self._attached and not self._paused and not self._in_records:
-                rule.forward(mod, args, kwargs, output, context)
+                return rule.forward(mod, args, kwargs, output, context)  # a rule may replace the output
+            return None
 
         self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
 
