@@ -36,14 +36,13 @@ from typing_extensions import Unpack
 
 from metastore_plugins.core.checkpoints import dataset_size
 from metastore_plugins.core.loss_scale import MeasuredLossScale, per_sample_weight
-from metastore_plugins.core.options import CallbackOptions, CaptureSettings, with_settings_doc
+from metastore_plugins.core.options import CallbackOptions, CaptureSettings, check_writable, with_settings_doc
 from metastore_plugins.core.reports.files import text_renderer
 from metastore_plugins.core.run import (
     RecordingBatchSampler,
     RunCapture,
     SampleIdError,
     batch_size_of,
-    check_writable,
     record_sampler_ids,
 )
 

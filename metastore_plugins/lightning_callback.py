@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
 
 from metastore_plugins.core.checkpoints import dataset_size
-from metastore_plugins.core.options import CallbackOptions, CaptureSettings, with_settings_doc
+from metastore_plugins.core.options import CallbackOptions, CaptureSettings, check_writable, with_settings_doc
 from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.run import (
     SAMPLE_ID_KEYS,
@@ -42,7 +42,6 @@ from metastore_plugins.core.run import (
     RecordingBatchSampler,
     RunCapture,
     batch_size_of,
-    check_writable,
     missing_ids_error,
     record_sampler_ids,
     take_sample_ids,

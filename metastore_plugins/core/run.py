@@ -67,24 +67,10 @@ from metastore_plugins.core.store.writer import StoreWriter
 
 __all__ = [
     "SAMPLE_ID_KEYS", "CheckpointSchedule", "IndexedDataset", "LossReduction", "PassSource", "RecordingBatchSampler",
-    "RunCapture", "SampleIdError", "batch_size_of", "check_writable", "default_labels", "default_per_sample_loss",
+    "RunCapture", "SampleIdError", "batch_size_of", "default_labels", "default_per_sample_loss",
     "indexed_batches", "logits_of", "missing_ids_error", "rank_share", "record_sampler_ids", "stream_batches",
     "take_sample_ids", "unwrap_dataset",
 ]  # fmt: skip
-
-
-def check_writable(path: str | os.PathLike[str], setting: str) -> Path:
-    """Create ``path`` and check it is writable, or raise naming ``setting``."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(
-            f"cannot create the store directory {path} ({exc}); set {setting} to a writable directory"
-        ) from exc
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"the store directory {path} is not writable; set {setting} to a writable directory")
-    return path
 
 
 class RunCapture:
@@ -140,15 +126,18 @@ class RunCapture:
         self._output_hook: Any = None
         self._collecting = False
         self._output: Any = None
-        self._records: list[LayerRecord] | None = None
+        self._records: list[LayerRecord] | None = None  # of the last backward, unscaled
+        self._scaling: Callable[[LayerRecord], LayerRecord] = lambda record: record
         self.skipped_steps = 0  # fp16 steps whose gradients overflowed: not stored
         self.owner = owner
         self._reduction_checked = False
 
     # -- one training step ---------------------------------------------------------------
 
-    def begin_step(self, model: nn.Module, *, loss_scale: float = 1.0, grad_scaler: Any = None) -> None:
-        """Collect the coming forward and backward of ``model`` (dropping any step left open).
+    def begin_step(
+        self, model: nn.Module, *, loss_scale: float = 1.0, grad_scaler: Any = None, capture_point: str = "train"
+    ) -> None:
+        """Collect the coming forward and backward of ``model`` at ``capture_point`` (dropping any step left open).
 
         The model is hooked once and stays hooked (paused between steps) until :meth:`close`.
         """
@@ -159,16 +148,17 @@ class RunCapture:
             self._session.attach()
             self._output_hook = model.register_forward_hook(self._keep_output)
         self._session.rescale(loss_scale, grad_scaler)
+        self._session.summarized_layers = self.policy.summarized(capture_point)
         self._session.resume()
         self._collecting = True
 
     def end_backward(self) -> None:
         """Read the factors of the backward just done (before a GradScaler updates its scale)."""
         if self._session is not None and self._collecting:
-            records = self._session.factors()
+            records = self._session.factors(scaled=False)  # scaled once kept: projections are cheaper to scale
             overflowed = self._session.grad_scaler is not None and not gradients_finite(records)
             self.skipped_steps += overflowed  # the GradScaler skips this step too: nothing is stored
-            self._records = None if overflowed else records
+            self._records, self._scaling = None if overflowed else records, self._session.scaling()
             self._pause()
 
     def finish_step(
@@ -202,6 +192,7 @@ class RunCapture:
         kept = self.policy.apply(records, capture_point=capture_point, step=step)
         if kept is None:  # the budget is spent
             return
+        kept = [self._scaling(record) for record in kept]
         if batch_loss is not None and not self._reduction_checked:
             self._reduction_checked = True
             try:
@@ -270,7 +261,7 @@ class RunCapture:
         with weights_untouched(model), preserved_rng():
             try:
                 for k, (ids, batch) in enumerate(batches):
-                    self.begin_step(model)
+                    self.begin_step(model, capture_point=capture_point)
                     with torch.enable_grad(), context():
                         loss = loss_of(batch, k)
                     loss.backward()

@@ -103,3 +103,37 @@ def test_scaling_a_kept_record_scales_norms_by_the_square() -> None:
     scaled = record.scale(0.5)
     assert torch.allclose(scaled.tensors["projected"], torch.full((2, 2, 2), 0.5))
     assert torch.allclose(scaled.tensors["sq_norm"], torch.tensor([0.25, 1.0]))
+
+
+def test_layers_captured_unpacked_for_a_summary_give_the_same_projection_and_pack_when_kept_exact() -> None:
+    """``summarized_layers``: all ``B T`` rows kept (padding included); the summaries match torch.func, and an
+    exact record made of them drops the zero rows, as a packed capture would."""
+    from torch import nn
+    from torch.func import functional_call, grad, vmap
+
+    from metastore_plugins.core.capture import CaptureSession
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    x = torch.randn(4, 5, 6, dtype=torch.float64)  # (B, T, d_in)
+    mask = torch.rand(4, 5, 1) > 0.4  # padding positions get no gradient
+
+    def loss_of(params: dict[str, torch.Tensor], x_i: torch.Tensor, m_i: torch.Tensor) -> torch.Tensor:
+        return (functional_call(model, params, (x_i,)) * m_i).pow(2).sum()
+
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    ref = vmap(grad(loss_of), in_dims=(None, 0, 0))(params, x, mask)  # name -> (B, *shape)
+    with CaptureSession(model, loss_reduction="sum") as session:
+        session.summarized_layers = frozenset({"0", "2"})
+        (model(x) * mask).pow(2).sum().backward()
+        records = session.factors()
+    assert all(r.tensors["sample"].numel() == 4 * 5 for r in records)  # unpacked: every row kept
+    for record in records:
+        kept = projected_record([record], K_IN, K_OUT)
+        expected = reference_sketch(record, ref, PROJECTION_SEED, K_IN, K_OUT)
+        assert rel_err(kept.tensors["projected"].flatten(1), expected) <= 1e-5  # kept in float32
+        assert rel_err(kept.tensors["sq_norm"], _reference_sq_norms([record], ref)) <= 1e-6  # float32 norms
+    exact = represent(records, {}, K_IN, K_OUT)
+    assert all(r.tensors["sample"].numel() == int(mask.sum()) for r in exact)  # zero rows dropped
+    for name, value in exact[0].restore().items():
+        assert rel_err(value, ref[name]) <= 1e-5  # records are float32

@@ -243,6 +243,7 @@ def outer_record(
     param_shapes: dict[str, tuple[int, ...]],
     layout: WeightLayout = "out_in",
     choose_smaller: bool = True,
+    pack: bool = True,
 ) -> LayerRecord:
     """Build an ``"outer"`` record from token-major factors, dropping zero-suffix rows.
 
@@ -251,12 +252,18 @@ def outer_record(
             rounded to the suffix's dtype, the dtype the layer computed in (:func:`as_computed`).
         suffix: ``(B, T, G, d_out)`` output gradients per sample and position.
         choose_smaller: return the dense record instead when it takes fewer bytes.
+        pack: drop the zero-suffix rows (padding). ``False`` keeps all ``B T`` rows, for a record that
+            is only summarized (projected, norms) before it is stored: zero rows add nothing to those,
+            and whole ``(B, T)`` blocks need no scatter. :func:`packed` drops them later if needed.
     """
     computed_in = suffix.dtype
     batch, tokens = suffix.shape[0], suffix.shape[1]
     groups, d_in, d_out = prefix.shape[2], prefix.shape[3], suffix.shape[3]
     flat_prefix = prefix.reshape(batch * tokens, groups, d_in)  # (B*T, G, d_in)
     flat_suffix = suffix.reshape(batch * tokens, groups, d_out)  # (B*T, G, d_out)
+    if not pack:
+        rows = torch.arange(batch * tokens, device=suffix.device)  # (B*T,)
+        return _outer(layer, flat_prefix, flat_suffix, rows, tokens, batch, params, param_shapes, layout)
     rows = kept_rows(flat_suffix)  # (R,)
     if choose_smaller and dense_is_smaller(
         rows.numel(), groups, d_in, d_out, batch, param_shapes
@@ -264,6 +271,23 @@ def outer_record(
         return _dense_from_factors(
             layer, as_computed(prefix, computed_in), as_computed(suffix, computed_in), params, param_shapes, layout
         )
+    return _outer(layer, flat_prefix.index_select(0, rows), flat_suffix.index_select(0, rows), rows, tokens, batch,
+                  params, param_shapes, layout)  # fmt: skip
+
+
+def _outer(
+    layer: str,
+    prefix_rows: Tensor,
+    suffix_rows: Tensor,
+    rows: Tensor,
+    tokens: int,
+    batch: int,
+    params: dict[str, str],
+    param_shapes: dict[str, tuple[int, ...]],
+    layout: WeightLayout,
+) -> LayerRecord:
+    """The ``"outer"`` record of kept rows ``(R, G, d)`` at flat positions ``rows`` (``sample * T + position``)."""
+    computed_in = suffix_rows.dtype
     return LayerRecord(
         layer=layer,
         kind="outer",
@@ -272,12 +296,22 @@ def outer_record(
         param_shapes=param_shapes,
         layout=layout,
         tensors={
-            "prefix": as_computed(flat_prefix.index_select(0, rows), computed_in),
-            "suffix": as_computed(flat_suffix.index_select(0, rows), computed_in),
+            "prefix": as_computed(prefix_rows, computed_in),
+            "suffix": as_computed(suffix_rows, computed_in),
             "sample": torch.div(rows, tokens, rounding_mode="floor").int(),
             "position": torch.remainder(rows, tokens).int(),
         },
     )
+
+
+def packed(record: LayerRecord) -> LayerRecord:
+    """An ``"outer"`` record without its zero-suffix rows (``outer_record(pack=False)`` keeps them)."""
+    if record.kind != "outer":
+        return record
+    keep = kept_rows(record.tensors["suffix"])  # (R_kept,)
+    if keep.numel() == record.tensors["suffix"].shape[0]:
+        return record
+    return replace(record, tensors={key: value.index_select(0, keep) for key, value in record.tensors.items()})
 
 
 def _dense_from_factors(

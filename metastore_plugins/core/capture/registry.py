@@ -41,6 +41,11 @@ class LayerContext(Protocol):
         """Dimension of the module's inputs and outputs that indexes samples."""
         ...
 
+    @property
+    def pack_rows(self) -> bool:
+        """Whether factor records should drop their zero rows: False for a layer the run only summarizes."""
+        ...
+
     def param_names(self, module: nn.Module) -> dict[str, str]:
         """Local parameter name -> model parameter name, for the captured parameters."""
         ...

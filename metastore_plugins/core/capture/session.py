@@ -59,6 +59,10 @@ class _ModuleContext:
         self.batch_dim = batch_dim
         self._params = params
 
+    @property
+    def pack_rows(self) -> bool:
+        return self.name not in self._session.summarized_layers
+
     def param_names(self, module: nn.Module) -> dict[str, str]:
         return self._params
 
@@ -138,6 +142,8 @@ class CaptureSession:
         self._paused = False
         self._in_records = False
         self._after_forward: list[Callable[[list[Tensor]], None]] = []
+        #: layers whose records will only be summarized (projected, norms): their factors keep zero rows
+        self.summarized_layers: frozenset[str] = frozenset()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -217,13 +223,19 @@ class CaptureSession:
 
     # -- results ---------------------------------------------------------------------
 
-    def factors(self) -> list[LayerRecord]:
-        """Records since the last :meth:`reset`, scaled to gradients of each sample's own loss."""
+    def factors(self, scaled: bool = True) -> list[LayerRecord]:
+        """Records since the last :meth:`reset`, scaled to gradients of each sample's own loss.
+
+        ``scaled=False``: as the backward left them; :meth:`scaling` turns them (or anything derived
+        from them linearly, such as their projections) into per-sample loss gradients later.
+        """
+        return [self.scaling()(record) for record in self._records] if scaled else list(self._records)
+
+    def scaling(self) -> Callable[[LayerRecord], LayerRecord]:
+        """What turns a record of this backward into one of per-sample losses (the scale read now)."""
         scale = self.loss_scale * (self.grad_scaler.get_scale() if self.grad_scaler is not None else 1.0)
-        return [
-            record.scale((record.batch_size if self.loss_reduction == "mean" else 1.0) / scale)
-            for record in self._records
-        ]
+        per_sample = self.loss_reduction == "mean"
+        return lambda record: record.scale((record.batch_size if per_sample else 1.0) / scale)
 
     def per_sample_gradients(self) -> dict[str, Tensor]:
         """Parameter name -> ``(B, *param.shape)``: each sample's own loss gradient."""

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from metastore_plugins.core.capture.records import EXACT_KINDS, PROJECTION_SEED, LayerRecord
+from metastore_plugins.core.capture.records import EXACT_KINDS, PROJECTION_SEED, LayerRecord, packed
 from metastore_plugins.core.ops.influence import total_sq_norms
 from metastore_plugins.core.ops.sketch import Projections, sketch
 
@@ -99,7 +99,7 @@ def represent(
     for layer, group in by_layer(records).items():
         wanted = "exact" if layer in tied else choose.get(layer, "exact")
         if wanted == "exact" or any(r.kind not in EXACT_KINDS for r in group):
-            out.extend(group)
+            out.extend(packed(record) for record in group)  # rows captured unpacked for a summary
         elif wanted == "projected":
             out.append(projected_record(group, k_in, k_out, projections))
         elif wanted == "norms":

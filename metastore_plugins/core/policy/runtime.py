@@ -132,6 +132,12 @@ class CapturePolicy:
                 return None
             self._degrade(part, step)
 
+    def summarized(self, capture_point: str) -> frozenset[str]:
+        """Layers the plan keeps projected or as norms at ``capture_point`` (none before the plan is made)."""
+        if self.plan is None:
+            return frozenset()
+        return frozenset(layer for layer, rep in self.plan.part(capture_point).items() if rep in ("projected", "norms"))
+
     def _kept(
         self, records: Sequence[LayerRecord], chosen: dict[str, Representation], k: int
     ) -> tuple[list[LayerRecord], int]:

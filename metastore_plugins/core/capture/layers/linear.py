@@ -17,12 +17,16 @@ def linear_records(
     params: dict[str, str],
     param_shapes: dict[str, tuple[int, ...]],
     layout: WeightLayout = "out_in",
+    pack: bool = True,
 ) -> list[LayerRecord]:
-    """Factors of ``y = x W^T + b`` for inputs ``(B, ..., d_in)`` and output grads ``(B, ..., d_out)``."""
+    """Factors of ``y = x W^T + b`` for inputs ``(B, ..., d_in)`` and output grads ``(B, ..., d_out)``.
+
+    ``pack``: drop zero rows (:func:`~metastore_plugins.core.capture.records.outer_record`).
+    """
     batch = inputs.shape[0]
     prefix = inputs.reshape(batch, -1, 1, inputs.shape[-1])  # (B, T, 1, d_in)
     suffix = grad_output.reshape(batch, -1, 1, grad_output.shape[-1])  # (B, T, 1, d_out)
-    return [outer_record(layer, prefix, suffix, params, param_shapes, layout)]
+    return [outer_record(layer, prefix, suffix, params, param_shapes, layout, pack=pack)]
 
 
 def _shapes(module: nn.Module, params: dict[str, str]) -> dict[str, tuple[int, ...]]:
@@ -36,7 +40,10 @@ def capture_linear(
     """Hook body for ``nn.Linear`` (any number of leading dimensions)."""
     x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, ..., d_in)
     params = ctx.param_names(module)
-    ctx.on_output_grad(output, lambda grad: linear_records(ctx.name, x, grad, params, _shapes(module, params)))
+    pack = ctx.pack_rows
+    ctx.on_output_grad(
+        output, lambda grad: linear_records(ctx.name, x, grad, params, _shapes(module, params), pack=pack)
+    )
 
 
 @register_capture("transformers.pytorch_utils.Conv1D")
@@ -47,5 +54,8 @@ def capture_conv1d_transposed(
     x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, ..., d_in)
     params = ctx.param_names(module)
     ctx.on_output_grad(
-        output, lambda grad: linear_records(ctx.name, x, grad, params, _shapes(module, params), layout="in_out")
+        output,
+        lambda grad: linear_records(
+            ctx.name, x, grad, params, _shapes(module, params), layout="in_out", pack=ctx.pack_rows
+        ),
     )
