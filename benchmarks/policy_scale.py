@@ -69,9 +69,9 @@ def bert_base_on_paper(tokens: int = 128, examples: int = 100_000, epochs: int =
     with CaptureSession(model) as session:
         model(input_ids=ids, labels=torch.tensor([0, 1])).loss.backward()
     records = session.factors()
-    costs = measure(records, "fp16")
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     passes, pass_samples, batch = epochs, 512, 32
+    costs = measure(records, "fp16", batch)  # header entries shared by the run's batch of 32
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     samples = examples * epochs + passes * pass_samples
     snapshots = passes * 4 * params
     rows = {}

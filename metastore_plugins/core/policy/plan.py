@@ -122,10 +122,14 @@ class LayerCosts:
         return representation
 
 
-def measure(records: Sequence[LayerRecord], encoding: str) -> dict[str, LayerCosts]:
-    """Each layer's :class:`LayerCosts`, from the exact records of one batch."""
+def measure(records: Sequence[LayerRecord], encoding: str, batch_size: int = 0) -> dict[str, LayerCosts]:
+    """Each layer's :class:`LayerCosts`, from the exact records of one batch.
+
+    ``batch_size``: the run's batch, over which each tensor's header entry is shared (the measured
+    batch's own by default; a smaller one, e.g. a last partial batch, would overstate small records).
+    """
     return {
-        layer: LayerCosts(exact_sample_bytes(group, encoding), group[0].batch_size)
+        layer: LayerCosts(exact_sample_bytes(group, encoding), max(batch_size, group[0].batch_size))
         for layer, group in by_layer(records).items()
     }
 
@@ -210,7 +214,7 @@ def make_plan(
     encoding: str,
 ) -> CapturePlan:
     """The plan of a run from the exact records of its first batch (see the module docstring)."""
-    costs = measure(records, encoding)
+    costs = measure(records, encoding, shape.train_batch_size)
     tied = shared_layers(records)
     source = "given"
     pass_samples = shape.passes * shape.pass_samples
