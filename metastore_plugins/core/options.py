@@ -158,7 +158,8 @@ class CallbackOptions:
 
     def check_model(self, model: nn.Module, capturable: bool = False) -> None:
         """Raise naming ``modules=`` when it lists paths that ``model`` does not have; with ``capturable``,
-        also when no trainable parameter of the model (under ``modules``) has a capture rule."""
+        also when no trainable parameter of the model (under ``modules``) can be captured: modules without
+        a rule go through the generic rule, so only parameters a rule leaves out (MHA ``bias_k``) count."""
         unknown = sorted(set(self.modules or ()) - {name for name, _ in model.named_modules()})
         if unknown:
             raise ValueError(
@@ -174,9 +175,9 @@ class CallbackOptions:
         trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         if trainable and set(trainable) <= set(probe.uncaptured_parameters()):
             raise ValueError(
-                f"no trainable layer of {type(model).__name__}{' under ' + str(modules) if modules else ''} has a "
-                "capture rule, so nothing would be stored: register one with metastore_plugins.register_capture, or "
-                "pass modules=[...] naming Linear/Embedding/attention layers of the model"
+                f"no trainable parameter of {type(model).__name__}{' under ' + str(modules) if modules else ''} is "
+                "covered by a capture rule, so nothing would be stored: register one with "
+                "metastore_plugins.register_capture, or pass modules=[...] naming layers of the model"
             )
 
     def schedule(self, every_n: int, setting: str) -> CheckpointSchedule:

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from metastore_plugins.core.analysis.recompute import pass_recomputer
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
+from metastore_plugins.core.capture.layers.generic import generic_rule_lines
 from metastore_plugins.core.checkpoints import (
     CheckpointSchedule,
     PassSource,
@@ -346,8 +347,9 @@ class RunCapture:
 
     def _plan_changed(self, plan: CapturePlan) -> None:
         self.writer.update_config({"capture_plan": plan.to_json()})
-        if self._announce is not None and not plan.degraded:
-            self._announce(f"{self.owner}: " + "\n".join(plan.lines()))  # one message, once
+        if self._announce is not None and not plan.degraded:  # one message, once; slow rules named
+            generic = generic_rule_lines(self._session.generic_parameters() if self._session is not None else [])
+            self._announce(f"{self.owner}: " + "\n".join([*plan.lines(), *generic]))
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -146,14 +146,14 @@ def test_a_paused_session_collects_nothing_and_resumes_exactly() -> None:
         session.rescale(0.0)
 
 
-# -- unsupported layers ------------------------------------------------------------------
+# -- unsupported layers (generic=False: modules without a rule are reported at attach) ------------
 
 
 def test_unsupported_warns_once_per_module_naming_path_and_type() -> None:
     model = gain_model()
     x, y = torch.randn(3, 4), torch.randint(0, 3, (3,))
     with pytest.warns(UserWarning) as caught:
-        with CaptureSession(model) as session:
+        with CaptureSession(model, generic=False) as session:
             for _ in range(2):  # two steps: still one warning per module
                 cross_entropy(model, (x, y)).backward()
     messages = [str(w.message) for w in caught if "Gain" in str(w.message)]
@@ -166,7 +166,7 @@ def test_unsupported_warns_once_per_module_naming_path_and_type() -> None:
 
 def test_unsupported_error_raises_and_leaves_no_hooks() -> None:
     model = gain_model()
-    session = CaptureSession(model, unsupported="error")
+    session = CaptureSession(model, unsupported="error", generic=False)
     with pytest.raises(UnsupportedLayerError, match=r"'1' \(Gain\)"):
         session.attach()
     assert session.uncaptured_parameters() == ["1.gain"]
@@ -180,7 +180,7 @@ def test_unsupported_skip_is_silent_and_still_listed() -> None:
     x, y = torch.randn(3, 4), torch.randint(0, 3, (3,))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with CaptureSession(model, unsupported="skip") as session:
+        with CaptureSession(model, unsupported="skip", generic=False) as session:
             cross_entropy(model, (x, y)).backward()
     assert session.uncaptured_parameters() == ["1.gain", "3.0.gain"]
 
@@ -218,7 +218,7 @@ def test_unregister_capture_cleans_up() -> None:
         unregister_capture(Gain)
     assert find_rule(Gain(2)) is None
     with pytest.warns(UserWarning, match="Gain"):
-        with CaptureSession(gain_model()) as session:
+        with CaptureSession(gain_model(), generic=False) as session:
             pass
     assert session.uncaptured_parameters() == ["1.gain", "3.0.gain"]
     unregister_capture(Gain)  # no error when there is nothing to remove

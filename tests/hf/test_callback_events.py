@@ -223,17 +223,17 @@ def test_classes_constant_matches_model() -> None:
 
 
 def test_a_model_without_capturable_layers_fails_before_training(tmp_path: Path) -> None:
-    """Only a parameter of a module no rule knows is trainable: nothing could be stored."""
-    import torch
+    """Only parameters that no rule covers are trainable: nothing could be stored.
 
-    class Odd(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.scale = torch.nn.Parameter(torch.ones(1))
+    (Modules without a rule go through the generic rule; what a rule leaves out, such as the
+    ``bias_k`` of ``nn.MultiheadAttention(add_bias_kv=True)``, does not.)"""
+    import torch
 
     model = make_model()
     model.requires_grad_(False)
-    model.odd = Odd()
+    model.odd = torch.nn.MultiheadAttention(4, 2, add_bias_kv=True)
+    model.odd.requires_grad_(False)
+    model.odd.bias_k.requires_grad_(True)
     with pytest.raises(ValueError, match="register_capture"):
         simulate_train(tmp_path, model, make_dataset(8, 1), make_dataset(4, 2), [MetaStoreTrainerCallback()], epochs=1)
 

@@ -212,7 +212,8 @@ def as_computed(tensor: Tensor, dtype: torch.dtype) -> Tensor:
 
 def kept_rows(suffix: Tensor) -> Tensor:
     """Indices of rows of a ``(R, ...)`` suffix that are not exactly zero (rows holding NaN are kept)."""
-    return nonzero_rows(suffix.reshape(suffix.shape[0], -1)).nonzero().squeeze(1)  # (R_kept,)
+    flat = suffix.reshape(suffix.shape[0], math.prod(suffix.shape[1:]))  # (R, rest), also for R = 0
+    return nonzero_rows(flat).nonzero().squeeze(1)  # (R_kept,)
 
 
 def nonzero_rows(tensor: Tensor, dim: int = 1) -> Tensor:

@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol, get_args
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from metastore_plugins.core.capture.layers.generic import generic_rule, output_tensors
 from metastore_plugins.core.capture.records import LayerRecord, restore_all
 from metastore_plugins.core.capture.registry import CaptureRule, RecordsFn, find_rule, move_batch_first
 
@@ -100,14 +101,17 @@ class CaptureSession:
             example ``1 / accumulation_steps``); divided out.
         grad_scaler: a ``torch.amp.GradScaler`` whose scale is divided out. Read the
             factors before ``scaler.update()`` changes the scale.
-        unsupported: what to do with trainable parameters no rule covers: ``"warn"``
-            once per module, ``"error"``, or ``"skip"`` silently. They are listed by
-            :meth:`uncaptured_parameters` in every case.
+        unsupported: what to do with trainable parameters no rule covers (or that cannot be
+            captured exactly): ``"warn"`` once per module, ``"error"``, or ``"skip"`` silently.
+            They are listed by :meth:`uncaptured_parameters` in every case.
         batch_dims: module path -> dimension that indexes samples in its inputs, for
             modules fed ``(T, B, ...)`` tensors. Applies to the module and its children.
             Children of ``nn.Transformer``, ``nn.TransformerEncoder``/``Decoder`` and their
             layers with ``batch_first=False`` are detected without it.
         modules: capture only modules whose path starts with one of these (all by default).
+        generic: capture the own parameters of modules without a registered rule by the generic
+            rule (a per-sample ``vmap`` of the module, :mod:`~metastore_plugins.core.capture.layers.generic`;
+            listed by :meth:`generic_parameters`). ``False``: report them at attach instead.
     """
 
     def __init__(
@@ -119,6 +123,7 @@ class CaptureSession:
         unsupported: UnsupportedPolicy = "warn",
         batch_dims: Mapping[str, int] | None = None,
         modules: Sequence[str] | None = None,
+        generic: bool = True,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -134,9 +139,11 @@ class CaptureSession:
         self.unsupported = unsupported
         self.batch_dims = dict(batch_dims or {})
         self.modules = tuple(modules) if modules is not None else None
+        self.generic = generic
         self._handles: list[RemovableHandle] = []
         self._records: list[LayerRecord] = []
         self._uncaptured: dict[str, None] = {}
+        self._generic: dict[str, None] = {}  # parameters hooked by the generic rule
         self._reported: set[str] = set()
         self._attached = False
         self._paused = False
@@ -253,6 +260,10 @@ class CaptureSession:
         """Names of trainable parameters whose per-sample gradients are not captured."""
         return list(self._uncaptured)
 
+    def generic_parameters(self) -> list[str]:
+        """Names of trainable parameters captured by the generic rule (where a specific rule would be faster)."""
+        return [name for name in self._generic if name not in self._uncaptured]
+
     # -- internals -------------------------------------------------------------------
 
     def _collect(self, records: RecordsFn, grad: Tensor) -> None:
@@ -270,7 +281,7 @@ class CaptureSession:
             return
         callbacks, self._after_forward = self._after_forward, []
         if self._attached:
-            outputs = _tensors(output)
+            outputs = output_tensors(output)
             for callback in callbacks:
                 callback(outputs)
 
@@ -306,8 +317,14 @@ class CaptureSession:
     ) -> None:
         wanted = self._wanted(path)
         rule = find_rule(module) if wanted else None
+        generic = rule is None and wanted and self.generic
+        if generic:  # the module's own trainable parameters (None: it has none)
+            rule = generic_rule(module)
         if rule is not None:
             self._hook(module, path, ancestors, rule, canonical, covered)
+            if generic:
+                own = [p for _, p in module.named_parameters(recurse=False) if p.requires_grad]
+                self._generic.update({canonical[id(p)]: None for p in own})
             if rule.covers_children:
                 return
         elif wanted:  # modules left out by `modules=` are not reported
@@ -369,14 +386,3 @@ class CaptureSession:
                 "or pass unsupported='skip' to accept it.",
                 full,
             )
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    """The tensors in a model output (tensor, tuple, list, dict or ``ModelOutput``)."""
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [tensor for item in value for tensor in _tensors(item)]
-    return []
