@@ -11,7 +11,11 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from metastore_plugins.core.capture import CaptureSession
-from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
+from metastore_plugins.testing import (
+    autocast_reference_per_sample_gradients,
+    max_relative_error,
+    reference_per_sample_gradients,
+)
 
 TOLERANCE = 1e-5
 
@@ -54,6 +58,27 @@ def assert_exact(
     )
     assert session.uncaptured_parameters() == []
     assert max_model_relative_error(actual, expected) <= TOLERANCE
+    return session
+
+
+def assert_exact_under_autocast(
+    model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor], batch: Any, dtype: torch.dtype
+) -> CaptureSession:
+    """Under CPU autocast in ``dtype``: within ``4u`` of each sample's largest entry (plus 1e-5 of the batch's)
+    of per-sample autograd through the same autocast forward (``docs/capture.md``, Mixed precision)."""
+    expected = autocast_reference_per_sample_gradients(model, loss_fn, batch, dtype)
+    with CaptureSession(model) as session:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = loss_fn(model, batch)
+        loss.backward()
+    assert session.uncaptured_parameters() == []
+    actual = session.per_sample_gradients()
+    assert set(actual) == set(expected)
+    bound = 4 * torch.finfo(dtype).eps / 2
+    for name, want in expected.items():
+        error = (actual[name].double() - want.double()).abs().flatten(1).amax(1)  # (B,)
+        scale = want.double().abs().flatten(1).amax(1)  # (B,)
+        assert (error <= bound * scale + 1e-5 * scale.max()).all(), (name, (error / scale).max().item())
     return session
 
 

@@ -225,15 +225,20 @@ def test_classes_constant_matches_model() -> None:
 def test_a_model_without_capturable_layers_fails_before_training(tmp_path: Path) -> None:
     """Only parameters that no rule covers are trainable: nothing could be stored.
 
-    (Modules without a rule go through the generic rule; what a rule leaves out, such as the
-    ``bias_k`` of ``nn.MultiheadAttention(add_bias_kv=True)``, does not.)"""
+    (Modules without a rule go through the generic rule; a parameter that a module's own rule
+    leaves out, such as ``extra`` on a subclass of ``nn.Linear``, does not.)"""
     import torch
+
+    class LinearWithExtra(torch.nn.Linear):  # the Linear rule covers weight and bias, not `extra`
+        def __init__(self) -> None:
+            super().__init__(4, 2)
+            self.extra = torch.nn.Parameter(torch.zeros(2))
 
     model = make_model()
     model.requires_grad_(False)
-    model.odd = torch.nn.MultiheadAttention(4, 2, add_bias_kv=True)
+    model.odd = LinearWithExtra()
     model.odd.requires_grad_(False)
-    model.odd.bias_k.requires_grad_(True)
+    model.odd.extra.requires_grad_(True)
     with pytest.raises(ValueError, match="register_capture"):
         simulate_train(tmp_path, model, make_dataset(8, 1), make_dataset(4, 2), [MetaStoreTrainerCallback()], epochs=1)
 

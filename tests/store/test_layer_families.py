@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.testing import reference_per_sample_gradients
 
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # vmap: EmbeddingBag
+
 #: max |restored - reference| / max |reference| per encoding (measured errors are far below: see docs/store.md)
 BOUNDS = {"fp32": 1e-5, "fp16": 1e-3, "bf16": 2e-2, "int8": 2e-2}
 
@@ -38,16 +40,50 @@ class Families(nn.Module):
         return self.head(torch.tanh(self.proj(h.contiguous())).mean(1))
 
 
-def _loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
-    return F.cross_entropy(model(batch[0]), batch[1])
+class MoreFamilies(nn.Module):
+    """The record layouts of the other rules: EmbeddingBag (embedding rows per bag), ConvTranspose2d (factors
+    with the input as ``D``, and its ``.bias``), Conv3d, cross-attention (``in_proj`` as 3 row blocks, ``bias_k``
+    and ``bias_v``), and separate ``kdim``/``vdim`` projections (``in_proj_bias`` in one record per block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 8, mode="mean", padding_idx=0)
+        self.deconv = nn.ConvTranspose2d(8, 4, kernel_size=3, stride=2)  # (B, 8, 1, 1) -> (B, 4, 3, 3): factored
+        self.conv3d = nn.Conv3d(1, 2, kernel_size=2)
+        self.cross = nn.MultiheadAttention(8, 2, batch_first=True, add_bias_kv=True)
+        self.kv = nn.MultiheadAttention(8, 2, kdim=6, vdim=5)  # sequence-first
+        self.head = nn.Linear(8 + 2 * 2 * 2 * 2, 3)
+
+    def forward(self, ids: Tensor, memory: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        h = torch.tanh(self.bag(ids))  # (B, 8)
+        q = h.unsqueeze(1)  # (B, 1, 8)
+        a, _ = self.cross(q, memory, memory, need_weights=False)  # (B, 1, 8)
+        b, _ = self.kv(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1))  # (1, B, 8)
+        v = torch.tanh(self.deconv(h[:, :, None, None]))  # (B, 4, 3, 3)
+        v = torch.tanh(self.conv3d(v.unsqueeze(1)))  # (B, 2, 3, 2, 2)
+        return self.head(torch.cat([(a + b.transpose(0, 1)).squeeze(1), v[:, :, :2].flatten(1)], 1))
 
 
+def _loss(model: nn.Module, batch: tuple[Tensor, ...]) -> Tensor:
+    *inputs, y = batch
+    return F.cross_entropy(model(*inputs), y)
+
+
+def _batch(family: type[nn.Module], g: torch.Generator) -> tuple[Tensor, ...]:
+    y = torch.randint(0, 3, (5,), generator=g)
+    if family is Families:
+        return torch.randn(5, 4, 4, 4, generator=g), y
+    ids = torch.randint(0, 20, (5, 4), generator=g)  # a bag of 4 ids per sample (0 is padding)
+    memory, keys, values = (torch.randn(5, 3, d, generator=g) for d in (8, 6, 5))
+    return ids, memory, keys, values, y
+
+
+@pytest.mark.parametrize("family", [Families, MoreFamilies])
 @pytest.mark.parametrize("encoding", list(BOUNDS))
-def test_every_family_round_trips(tmp_path: Path, encoding: str) -> None:
+def test_every_family_round_trips(tmp_path: Path, encoding: str, family: type[nn.Module]) -> None:
     torch.manual_seed(0)
-    model = Families()
-    g = torch.Generator().manual_seed(1)
-    batch = (torch.randn(5, 4, 4, 4, generator=g), torch.randint(0, 3, (5,), generator=g))
+    model = family()
+    batch = _batch(family, torch.Generator().manual_seed(1))
     with CaptureSession(model, unsupported="error") as session:
         _loss(model, batch).backward()
     with StoreWriter(tmp_path, encoding=encoding) as writer:
@@ -55,7 +91,7 @@ def test_every_family_round_trips(tmp_path: Path, encoding: str) -> None:
     reference = reference_per_sample_gradients(model, _loss, batch)
     store = open_store(tmp_path)
     kinds = {store.layer_info(layer)["kinds"].popitem()[0] for layer in store.layers()}
-    assert kinds == {"outer", "dense"}
+    assert kinds == ({"outer", "dense"} if family is Families else {"outer", "dense", "embedding"})
     for i, sid in enumerate(range(10, 15)):
         restored = store.restore(sid)
         assert set(restored) == set(reference)

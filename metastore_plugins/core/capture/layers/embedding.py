@@ -22,6 +22,41 @@ from metastore_plugins.core.capture.records import LayerRecord, as_computed, non
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
 
 
+def embedding_rows_record(
+    layer: str,
+    ids: Tensor,
+    suffix: Tensor,
+    sample: Tensor,
+    position: Tensor,
+    batch: int,
+    weight_shape: tuple[int, ...],
+    params: dict[str, str],
+    keep: Tensor | None = None,
+) -> LayerRecord:
+    """The ``"embedding"`` record of candidate rows ``ids (R,)``, ``suffix (R, d)``, ``sample (R,)``, ``position (R,)``.
+
+    ``grad W_i[v] = sum_{r: sample_r = i, ids_r = v} suffix[r]``; ``sample`` must be ascending. Rows whose
+    suffix is exactly zero, and rows where ``keep`` (bool ``(R,)``) is False, are dropped.
+    """
+    kept = nonzero_rows(suffix)  # (R,)
+    if keep is not None:
+        kept &= keep
+    rows = kept.nonzero().squeeze(1)  # (R_kept,)
+    return LayerRecord(
+        layer=layer,
+        kind="embedding",
+        batch_size=batch,
+        params=params,
+        param_shapes={"weight": weight_shape},
+        tensors={
+            "ids": ids.index_select(0, rows).long(),
+            "suffix": as_computed(suffix.index_select(0, rows), suffix.dtype),
+            "sample": sample.index_select(0, rows).int(),
+            "position": position.index_select(0, rows).int(),
+        },
+    )
+
+
 def embedding_records(
     embedding: nn.Embedding, layer: str, ids: Tensor, grad_output: Tensor, params: dict[str, str]
 ) -> list[LayerRecord]:
@@ -35,24 +70,11 @@ def embedding_records(
     tokens = flat_ids.shape[1]
     flat_ids = flat_ids.reshape(-1)  # (B*T,)
     suffix = grad_output.reshape(batch * tokens, -1)  # (B*T, d)
-    keep = nonzero_rows(suffix)  # (B*T,)
-    if embedding.padding_idx is not None:
-        keep &= flat_ids.ne(embedding.padding_idx)
-    rows = keep.nonzero().squeeze(1)  # (R,)
-    record = LayerRecord(
-        layer=layer,
-        kind="embedding",
-        batch_size=batch,
-        params=params,
-        param_shapes={"weight": tuple(embedding.weight.shape)},
-        tensors={
-            "ids": flat_ids.index_select(0, rows).long(),
-            "suffix": as_computed(suffix.index_select(0, rows), suffix.dtype),
-            "sample": torch.div(rows, tokens, rounding_mode="floor").int(),
-            "position": torch.remainder(rows, tokens).int(),
-        },
-    )
-    return [record]
+    keep = flat_ids.ne(embedding.padding_idx) if embedding.padding_idx is not None else None  # (B*T,)
+    rows = torch.arange(batch * tokens, device=flat_ids.device)  # (B*T,)
+    sample, position = torch.div(rows, tokens, rounding_mode="floor"), torch.remainder(rows, tokens)
+    shape = tuple(embedding.weight.shape)
+    return [embedding_rows_record(layer, flat_ids, suffix, sample, position, batch, shape, params, keep)]
 
 
 @register_capture(nn.Embedding, params=("weight",))

@@ -10,6 +10,11 @@ from metastore_plugins.core.capture.records import LayerRecord, WeightLayout, ou
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
 
 
+def part_name(layer: str, part: str) -> str:
+    """The record name of part of module ``layer``: ``"<layer>.<part>"`` (``"<part>"`` for the root)."""
+    return f"{layer}.{part}" if layer else part
+
+
 def linear_records(
     layer: str,
     inputs: Tensor,

@@ -65,6 +65,10 @@ _PER_SAMPLE_NORMS: tuple[type[nn.Module], ...] = (
     nn.InstanceNorm2d,
     nn.BatchNorm1d,
     nn.BatchNorm2d,
+    nn.InstanceNorm3d,
+    nn.BatchNorm3d,
+    *(nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d),
+    *(nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d),
     *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
 )
 register_capture(*_PER_SAMPLE_NORMS)(capture_with_vmap)
