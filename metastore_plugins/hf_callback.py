@@ -225,6 +225,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._finish()
+        if self.run is not None:
+            self.run.optimizer_step(_lr(self._optimizer))  # the next checkpoint pass stands for this step
 
     def _finish(self) -> None:
         pending, self._pending = self._pending, None

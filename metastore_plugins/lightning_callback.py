@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
+from torch.optim import Optimizer
 from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
 
@@ -184,6 +185,10 @@ class MetaStoreCallback(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.run is not None:
             self.run.end_backward()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+        if self.run is not None:
+            self.run.optimizer_step(float(optimizer.param_groups[0]["lr"]))  # the next checkpoint pass stands for it
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

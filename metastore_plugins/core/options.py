@@ -22,7 +22,12 @@ from torch import nn
 from metastore_plugins.core.capture.session import UNSUPPORTED_POLICIES, CaptureSession, UnsupportedPolicy
 from metastore_plugins.core.policy.plan import POLICIES, Policy, RunShape
 from metastore_plugins.core.policy.runtime import CapturePolicy, parse_budget
-from metastore_plugins.core.reports.tables import OutlierSource, check_outlier_source
+from metastore_plugins.core.reports.tables import (
+    OUTLIER_RANKINGS,
+    OutlierRanking,
+    OutlierSource,
+    check_outlier_source,
+)
 from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.run import CheckpointSchedule, LabelsFn, LossReduction, PerSampleLossFn, RunCapture
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
@@ -46,6 +51,7 @@ class CaptureSettings(TypedDict, total=False):
     reports: bool
     report_k: int
     outliers_from: OutlierSource
+    rank_outliers_by: OutlierRanking
 
 
 #: The ``Args:`` text of :class:`CaptureSettings`, which each callback's docstring includes at ``{settings}``.
@@ -75,10 +81,14 @@ seed: the seed of the training subset (default 0).
 reports: build reports at the end of training: files, and TensorBoard where the trainer
     logs to it (default True).
 report_k: rows of the outlier table (default 20).
-outliers_from: ``"checkpoints"`` (default): the outlier table ranks the training samples of the
-    checkpoint passes by self-influence at the passes' weights; ``"training"``: it ranks every
-    trained sample by its in-run self-influence ``sum_t lr_t ||g_i(w_t)||^2`` over the captured
-    training steps (no pass over the whole training set needed)."""
+outliers_from: where the outlier table's self-influence comes from: ``"checkpoints"``
+    (default): the training samples of the checkpoint passes, at the passes' weights;
+    ``"training"``: every trained sample, in-run ``sum_t lr_t ||g_i(w_t)||^2`` over the captured
+    training steps (no pass over the whole training set needed).
+rank_outliers_by: ``"auto"`` (default): every trained sample by its area under the margin
+    (AUM, the labelled logit minus the largest other, averaged over its training steps; lowest
+    first) where the training steps hold margins (class logits), else by self-influence;
+    ``"aum"`` or ``"self_influence"`` to choose. docs/quality.md measures why."""
 
 
 def with_settings_doc(cls: type) -> type:
@@ -111,6 +121,7 @@ class CallbackOptions:
     reports: bool = True
     report_k: int = 20
     outliers_from: OutlierSource = "checkpoints"
+    rank_outliers_by: OutlierRanking = "auto"
 
     @classmethod
     def of(cls, owner: str, settings: CaptureSettings) -> CallbackOptions:
@@ -133,10 +144,16 @@ class CallbackOptions:
             ("policy", self.policy, POLICIES),
             ("encoding", self.encoding, ENCODINGS),
             ("unsupported", self.unsupported, UNSUPPORTED_POLICIES),
+            ("rank_outliers_by", self.rank_outliers_by, OUTLIER_RANKINGS),
         ):
             if value not in choices:
                 raise ValueError(f"{self.owner}({setting}=...) must be one of {', '.join(choices)}; got {value!r}")
         check_outlier_source(self.outliers_from, self.capture_train_steps, self.owner)
+        if self.rank_outliers_by == "aum" and not self.capture_train_steps:
+            raise ValueError(
+                f"{self.owner}(rank_outliers_by='aum') ranks by the training steps' margins; keep "
+                "capture_train_steps=True"
+            )
         for setting, least in (("report_k", 1), ("checkpoint_train_samples", 1), ("checkpoint_val_samples", 1)):
             self.whole_number(setting, getattr(self, setting), least)
         self.whole_number("seed", self.seed, None)
@@ -303,6 +320,7 @@ class CallbackOptions:
                     step=step,
                     k=self.report_k,
                     outliers_from=self.outliers_from,
+                    rank_outliers_by=self.rank_outliers_by,
                     **sources,
                 )
             if result is not None:

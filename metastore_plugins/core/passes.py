@@ -33,6 +33,35 @@ def predictions_of(outputs: Any) -> Tensor | None:
     return None
 
 
+def margins_of(outputs: Any, labels: Any) -> Tensor | None:
+    """Classification margins ``z_y - max_{k != y} z_k`` of ``(B, C)`` logits ``z`` and ``(B,)`` class labels ``y``.
+
+    Positive where the model predicts the label; averaged over training steps it is the "area
+    under the margin" (AUM, Pleiss et al. 2020) that flags mislabeled samples. Computed in float32
+    on the logits' device, detached.
+
+    Returns:
+        ``(B,)`` float32 margins, or ``None`` (nothing is stored, as for :func:`predictions_of`) when
+        the outputs are not ``(B, C)`` logits with ``C >= 2``, or the labels are not ``(B,)`` integers
+        in ``0..C-1`` (regression targets, multi-label rows, an ignore index such as -100 anywhere
+        in the batch). Capture never fails over this optional column.
+    """
+    logits = getattr(outputs, "logits", outputs)
+    if not (isinstance(logits, Tensor) and logits.dim() == 2 and logits.shape[1] > 1 and isinstance(labels, Tensor)):
+        return None
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex() or labels.dim() != 1:
+        return None
+    if labels.shape[0] != logits.shape[0]:
+        return None
+    z = logits.detach().float()  # (B, C)
+    y = labels.detach().to(z.device).long()  # (B,)
+    if y.numel() and not bool(((y >= 0) & (y < z.shape[1])).all()):
+        return None
+    own = z.gather(1, y[:, None])  # (B, 1)
+    others = z.scatter(1, y[:, None], float("-inf"))  # (B, C): the label's logit masked out
+    return (own - others.max(1, keepdim=True).values).squeeze(1)  # (B,)
+
+
 def capture_step(
     model: nn.Module,
     forward: Callable[[], Any],
@@ -68,6 +97,7 @@ def capture_step(
         labels=labels,
         losses=losses.detach(),
         predictions=predictions_of(outputs),
+        margins=margins_of(outputs, labels),
         lr=lr,
     )
     return losses.detach().mean()

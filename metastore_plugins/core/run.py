@@ -45,7 +45,7 @@ from metastore_plugins.core.losses import (
     default_per_sample_loss,
     logits_of,
 )
-from metastore_plugins.core.passes import predictions_of, weights_untouched
+from metastore_plugins.core.passes import margins_of, predictions_of, weights_untouched
 from metastore_plugins.core.policy.plan import CapturePlan
 from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.policy.tags import TagBook, tag_attributes
@@ -132,6 +132,7 @@ class RunCapture:
         self.skipped_steps = 0  # fp16 steps whose gradients overflowed: not stored
         self.owner = owner
         self._reduction_checked = False
+        self._lr_since_pass: float | None = None  # None until optimizer_step() is first called
 
     # -- one training step ---------------------------------------------------------------
 
@@ -210,6 +211,7 @@ class RunCapture:
             labels=labels,
             losses=losses,
             predictions=predictions_of(logits_of(forward_output)),
+            margins=margins_of(logits_of(forward_output), labels),
             lr=lr,
         )
 
@@ -238,6 +240,20 @@ class RunCapture:
         return labels.cpu(), losses.cpu()
 
     # -- checkpoint passes ---------------------------------------------------------------
+
+    def optimizer_step(self, lr: float | None) -> None:
+        """Note one optimizer step and the learning rate it applies (``None``: 1), for the next pass's weight."""
+        self._lr_since_pass = (self._lr_since_pass or 0.0) + (1.0 if lr is None else float(lr))
+
+    def pass_lr(self, lr: float | None) -> float | None:
+        """The learning rate a checkpoint pass is recorded with: ``sum_{t in (c-1, c]} lr_t``.
+
+        A pass stands for the optimizer steps since the previous one, so TracIn weights its
+        gradients by the sum of those steps' learning rates (never by the rate at one instant,
+        which a linear decay brings to 0 at the last pass). 0 when no step ran since the
+        previous pass. ``lr`` (the rate now) when :meth:`optimizer_step` was never called.
+        """
+        return lr if self._lr_since_pass is None else self._lr_since_pass
 
     def checkpoint_pass(
         self,
@@ -294,11 +310,15 @@ class RunCapture:
         """One checkpoint pass: each source's share for this rank (:func:`rank_share`), as capture point ``name/split``.
 
         ``to_device`` moves a collated batch to the model's device; the rest is :meth:`checkpoint_pass`'s.
-        The pass is tagged ``name`` (with ``epoch``, ``lr`` and ``attributes``: the metrics the trainer
-        logged), and takes a weight snapshot when the capture plan has one for it.
+        The pass is tagged ``name`` (with ``epoch``, ``lr``: the rate now, and ``attributes``: the
+        metrics the trainer logged), and takes a weight snapshot when the capture plan has one for it.
+        Its records carry :meth:`pass_lr` (the summed rate of the steps since the previous pass).
         """
         self.last_pass = (model, sources, loss_of, to_device, context)
-        attributes = {"epoch": epoch, "lr": lr, "checkpoint": True, **(attributes or {})}
+        weight = self.pass_lr(lr)
+        if self._lr_since_pass is not None:
+            self._lr_since_pass = 0.0
+        attributes = {"epoch": epoch, "lr": lr, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
         if self.policy.should_snapshot():
             self.snapshot(model, name=name, step=step, attributes=attributes)
         self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
@@ -311,7 +331,7 @@ class RunCapture:
                 capture_point=f"{name}/{source.split}",
                 step=step,
                 epoch=epoch,
-                lr=lr,
+                lr=weight,
                 context=context,
             )
 

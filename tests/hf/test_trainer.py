@@ -150,3 +150,33 @@ def test_torchrun_two_processes(tmp_path: Path) -> None:
     stored = store.restore(sid, capture_point="train", step=step)
     item = train_set[sid]
     assert relative_error(stored, reference_gradient(model, item["input_ids"], item["label"])) < 1e-4
+
+
+def test_checkpoint_passes_weigh_the_steps_since_the_previous_pass(tmp_path: Path) -> None:
+    """Linear decay to 0 over 2 epochs with accumulation: each pass is recorded with the sum of its epoch's rates.
+
+    The last pass is not weighted by the rate at that instant (0 under linear decay)."""
+    callback = MetaStoreTrainerCallback(capture_train_steps=False)
+    lr, batch, accumulation = 0.3, 2, 2
+    train(
+        tmp_path,
+        make_model(),
+        TorchDataset(N_TRAIN, 1),
+        TorchDataset(N_VAL, 2),
+        [callback],
+        learning_rate=lr,
+        optim="sgd",
+        lr_scheduler_type="linear",
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        remove_unused_columns=False,
+    )
+    store = open_store(callback.dirpath)
+    per_epoch = -(-N_TRAIN // (batch * accumulation))  # optimizer steps per epoch, the last window partial
+    total = 2 * per_epoch
+    rates = [lr * (total - t) / total for t in range(total)]  # transformers' linear schedule, no warm-up
+    for epoch in (0, 1):
+        want = sum(rates[epoch * per_epoch : (epoch + 1) * per_epoch])
+        for split in ("train", "val"):
+            assert store.learning_rate(f"epoch-{epoch}/{split}") == pytest.approx(want, rel=1e-6)
+    assert rates[-1] < store.learning_rate("epoch-1/train") / per_epoch  # the instant rate at the end is the smallest

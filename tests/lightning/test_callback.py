@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -231,3 +232,30 @@ def test_in_run_outliers_rank_every_trained_sample_not_only_the_checkpoint_subse
         MetaStoreCallback(outliers_from="steps")
     with pytest.raises(ValueError, match="capture_train_steps=True"):
         MetaStoreCallback(outliers_from="training", capture_train_steps=False)
+
+
+class _DecayingClassifier(Classifier):
+    """SGD at 0.2, decayed linearly per optimizer step to 0 at ``total`` steps."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__(lr=0.2)
+        self.total = total
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: (self.total - t) / self.total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def test_checkpoint_passes_weigh_the_steps_since_the_previous_pass(tmp_path: Path) -> None:
+    """Each epoch's pass is recorded with the sum of the rates of that epoch's optimizer steps (accumulating 2)."""
+    per_epoch = 3  # 5 batches of 8 (drop_last), accumulated by 2: 3 optimizer steps, the last window partial
+    module, callback = _DecayingClassifier(total=2 * per_epoch), MetaStoreCallback(capture_train_steps=False)
+    train, val = loaders(N_TRAIN, 12, BATCH, drop_last=True)
+    fit(tmp_path, module, train, val, [callback], accumulate_grad_batches=2)
+    store = open_store(callback.dirpath)
+    rates = [0.2 * (2 * per_epoch - t) / (2 * per_epoch) for t in range(2 * per_epoch)]
+    for epoch in (0, 1):
+        want = sum(rates[epoch * per_epoch : (epoch + 1) * per_epoch])
+        for split in ("train", "val"):
+            assert store.learning_rate(f"epoch-{epoch}/{split}") == pytest.approx(want, rel=1e-6)

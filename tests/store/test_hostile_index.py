@@ -205,7 +205,7 @@ def _set(group: str, key: str, values: Any, code: str) -> Any:
         (_set("batches", "lr", ["e4m3", "AA=="], ""), r"batches.lr must be \[dtype code"),  # float8: unknown
         (_set("batches", "lr", ["f8", "A*=="], ""), "batches.lr is not valid base64"),
         (_set("batches", "lr", ["f8", "AAAA"], ""), "batches.lr holds 3 bytes, not a whole number of f8 values"),
-        (_set("batches", "meta", [9], "u1"), r"batches.meta holds values outside \[0, 8\)"),
+        (_set("batches", "meta", [16], "u1"), r"batches.meta holds values outside \[0, 16\)"),
         (_set("batches", "capture_point", [1], "i4"), r"batches.capture_point holds values outside \[0, 1\)"),
         (_set("batches", "epoch", [0, 0], "i8"), "batches columns must have one equal, positive length"),
         (_set("batches", "weird", [0], "i8"), r"batches has unknown column\(s\) \['weird'\]"),
@@ -222,6 +222,7 @@ def _set(group: str, key: str, values: Any, code: str) -> Any:
         (_set("samples", "sample_id", [1, 2, 3], "i8"), r"samples columns must have one row per sample \(4\)"),
         (_set("samples", "label", [True] * 4, "b1"), "samples.label must be numbers; got bool"),
         (_set("samples", "loss", [1] * 4, "i4"), "samples.loss must be floats; got int32"),
+        (_set("samples", "margin", [1] * 4, "i8"), "samples.margin must be floats; got int64"),
         (lambda e: e["samples"].pop("sample_id"), r"samples lacks column\(s\) \['sample_id'\]"),
         (lambda e: e.update(capture_points=["\x1b]0;x\x07"]), r"capture_points name holds control characters"),
         (lambda e: e.update(layers=["fc", "ln\x1b[2K"]), r"layers name holds control characters"),

@@ -14,7 +14,7 @@ from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table, write_table
 from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows, outlier_points, outlier_rows
 
-OUTLIER_COLUMNS = ("rank", "sample_id", "label", "prediction", "loss", "self_influence", "class_zscore")
+OUTLIER_COLUMNS = ("rank", "sample_id", "label", "prediction", "loss", "aum", "self_influence", "class_zscore")
 #: test samples in the influence report by default (those with the smallest ids)
 INFLUENCE_SAMPLES = 16
 
@@ -35,6 +35,7 @@ def write_reports(
     influence_samples: int | None = INFLUENCE_SAMPLES,
     outliers_from: str = "checkpoints",
     recompute: RecomputeFn | None = None,
+    rank_outliers_by: str = "auto",
 ) -> dict[str, Any]:
     """Build the outlier and influence reports from the checkpoint passes and write them to ``directory``.
 
@@ -43,7 +44,9 @@ def write_reports(
     ``(ids, self-influence)`` when already computed (:func:`~.tables.self_influence_of`).
     ``influence_samples``: the influence report covers the test samples with the smallest
     ids, this many (``None``: all of them, at a cost that grows with train x test pairs).
-    ``outliers_from``: ``"checkpoints"`` or ``"training"`` (:func:`~.tables.outlier_points`).
+    ``outliers_from``: where self-influence is summed, ``"checkpoints"`` or ``"training"``
+    (:func:`~.tables.outlier_points`). ``rank_outliers_by``: ``"auto"`` (AUM where the training
+    steps hold margins, else self-influence), ``"aum"`` or ``"self_influence"`` (:func:`~.tables.outlier_scores`).
     ``recompute``: refines estimated influence scores exactly (:func:`~.tables.influence_rows`).
 
     Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths],
@@ -56,7 +59,7 @@ def write_reports(
             f"the store has no checkpoint passes 'epoch-*/{train_split}' or 'step-*/{train_split}'; "
             f"it has {store.capture_points()}"
         )
-    outliers = outlier_rows(store, outlier_points(store, train, outliers_from), k, scores)
+    outliers = outlier_rows(store, outlier_points(store, train, outliers_from), k, scores, rank_outliers_by)
     columns: tuple[str, ...] = OUTLIER_COLUMNS
     if render is not None:
         for row in outliers:

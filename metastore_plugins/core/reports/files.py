@@ -13,6 +13,8 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     """A GitHub-style markdown table of ``columns`` (floats to 4 significant digits)."""
 
     def cell(value: Any) -> str:
+        if value is None:
+            return ""
         if isinstance(value, float):
             return f"{value:.4g}"
         return " ".join(str(value).split()).replace("|", "\\|")  # one line, no column breaks

@@ -258,12 +258,14 @@ def report_run(
     samples: SampleLookup | None = None,
     outliers_from: str = "checkpoints",
     recompute: RecomputeFn | None = None,
+    rank_outliers_by: str = "auto",
 ) -> dict[str, Any] | None:
     """Files via :func:`write_reports` into ``reports_dir``, and the same reports to each writer.
 
     ``render(split, sample id)`` adds each sample's text to the tables (see :func:`write_reports`).
-    ``outliers_from="training"`` ranks every trained sample by its in-run self-influence instead of
-    the samples of the checkpoint passes (:func:`~metastore_plugins.core.reports.tables.outlier_points`).
+    ``outliers_from="training"`` takes self-influence in-run over the training steps instead of at
+    the checkpoint passes (:func:`~metastore_plugins.core.reports.tables.outlier_points`);
+    ``rank_outliers_by`` chooses the ranking (:func:`~metastore_plugins.core.reports.tables.outlier_scores`).
     The loss-vs-self-influence scatter is saved as ``loss_vs_self_influence.png`` and logged as
     ``metastore/loss_vs_self_influence``. ``samples(split, sample id)`` returns dataset items:
     where they are small images, thumbnail grids of the top outliers and of the influence rows
@@ -296,6 +298,7 @@ def report_run(
         scores=scores,
         outliers_from=outliers_from,
         recompute=recompute,
+        rank_outliers_by=rank_outliers_by,
     )
     table = self_influence_table(store, sources, scores)
     figures, pngs = report_figures(

@@ -22,7 +22,9 @@ BATCH_FIELDS = ("capture_point", "step", "epoch", "micro_batch", "size", "lr", "
 #: Kinds with one row per sample (no factor rows).
 PER_SAMPLE_KINDS = ("dense", "projected", "norms")
 RECORD_FIELDS = ("batch", "layer", "kind", "rows", "bytes", "dense_bytes")
-SAMPLE_FIELDS = ("sample_id", "label", "loss", "prediction")
+SAMPLE_FIELDS = ("sample_id", "label", "loss", "prediction", "margin")
+#: Sample columns that are always float32 (NaN where not stored); label and prediction keep their kind.
+FLOAT_SAMPLE_FIELDS = ("loss", "margin")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -158,9 +160,10 @@ def _samples(s: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
         if key in s:
             _need(s[key].dtype.kind in "iuf", f"samples.{key}", f"must be numbers; got {s[key].dtype}")
             samples[key] = s[key].astype(np.int64 if s[key].dtype.kind in "iu" else np.float64)
-    if "loss" in s:
-        _need(s["loss"].dtype.kind == "f", "samples.loss", f"must be floats; got {s['loss'].dtype}")
-        samples["loss"] = s["loss"].astype(np.float32)
+    for key in FLOAT_SAMPLE_FIELDS:
+        if key in s:
+            _need(s[key].dtype.kind == "f", f"samples.{key}", f"must be floats; got {s[key].dtype}")
+            samples[key] = s[key].astype(np.float32)
     return samples
 
 
@@ -227,7 +230,7 @@ def new_entry(
         **{key: np.array([r[key] for _, r in flat], dtype=np.int64) for key in ("rows", "bytes", "dense_bytes")},
     }
     samples = {"sample_id": np.concatenate([meta["sample_id"].numpy().astype(np.int64) for _, meta in batches])}
-    for key in ("label", "loss", "prediction"):
+    for key in SAMPLE_FIELDS[1:]:
         if any(key in meta for _, meta in batches):
             samples[key] = _scalar_column(key, [(info["size"], meta.get(key)) for info, meta in batches])
     return ShardEntry(file, nbytes, sha256, encoding, rank, points, layers, columns, records, samples)
@@ -238,8 +241,8 @@ def _scalar_column(key: str, parts: list[tuple[int, torch.Tensor | None]]) -> np
     arrays = [
         None if v is None or v.dim() != 1 else (v.float() if v.dtype == torch.bfloat16 else v).numpy() for _, v in parts
     ]
-    floating = key == "loss" or any(a is not None and a.dtype.kind not in "iub" for a in arrays)
-    dtype = np.float32 if key == "loss" else (np.float64 if floating else np.int64)
+    floating = key in FLOAT_SAMPLE_FIELDS or any(a is not None and a.dtype.kind not in "iub" for a in arrays)
+    dtype = np.float32 if key in FLOAT_SAMPLE_FIELDS else (np.float64 if floating else np.int64)
     fill = np.nan if floating else -1
     return np.concatenate(
         [np.full(n, fill, dtype) if a is None else a.astype(dtype) for (n, _), a in zip(parts, arrays)]

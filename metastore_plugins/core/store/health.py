@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from metastore_plugins.core.store.batches import ShardFiles
 from metastore_plugins.core.store.entries import ShardEntry
 from metastore_plugins.core.store.index import StoreIndex, expectation
+from metastore_plugins.core.store.journal import META_BITS
 from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.shardread import ShardData, read_shard
 
@@ -71,6 +73,11 @@ def check_store(directory: Path, index: StoreIndex, files: ShardFiles, checksums
             problems.append(
                 one_line(f"{entry.file}: batches {named(wrong)} do not hold the sample ids the index lists")
             )
+        wrong = _wrong_margins(data, index, s)
+        if wrong:
+            problems.append(
+                one_line(f"{entry.file}: batches {named(wrong)} do not hold (B,) float32 margins the index lists")
+            )
     return problems + [one_line(line) for line in unlisted_files(directory, {e.file for e in index.shards})]
 
 
@@ -82,6 +89,23 @@ def _wrong_sample_ids(data: ShardData, index: StoreIndex, shard: int) -> list[st
         stored = data.get(f"b{j}/meta/sample_id")
         listed = index.sample["sample_id"][row0 : row0 + size]
         if stored.dim() != 1 or stored.is_floating_point() or not np.array_equal(stored.long().numpy(), listed):
+            wrong.append(f"b{j}")
+    return wrong
+
+
+def _wrong_margins(data: ShardData, index: StoreIndex, shard: int) -> list[str]:
+    """Batches whose ``b{j}/meta/margin`` is not the ``(B,)`` float32 the journal's margin rows hold (NaN equal)."""
+    batch = index.batch
+    listed_all = index.sample.get("margin")
+    wrong = []
+    has_margin = (batch["meta"] >= 0) & ((batch["meta"] & META_BITS["margin"]) > 0)  # meta -1: version 1, never
+    for row in np.flatnonzero((batch["shard"] == shard) & has_margin):
+        j, row0, size = int(batch["j"][row]), int(batch["row0"][row]), int(batch["size"][row])
+        stored = data.get(f"b{j}/meta/margin")
+        listed = np.full(size, np.nan, np.float32) if listed_all is None else listed_all[row0 : row0 + size]
+        if stored.dtype != torch.float32 or tuple(stored.shape) != (size,):
+            wrong.append(f"b{j}")
+        elif not np.array_equal(stored.numpy(), listed, equal_nan=True):
             wrong.append(f"b{j}")
     return wrong
 

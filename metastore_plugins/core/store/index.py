@@ -18,7 +18,9 @@ import numpy as np
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import (
     BATCH_FIELDS,
+    FLOAT_SAMPLE_FIELDS,
     RECORD_FIELDS,
+    SAMPLE_FIELDS,
     ShardEntry,
     entry_from_json,
     entry_from_v1,
@@ -188,15 +190,13 @@ def expectation(entry: ShardEntry, layers: dict[str, dict[str, Any]], checksums:
 
 def join_samples(entries: list[ShardEntry]) -> dict[str, np.ndarray]:
     """The entries' sample columns joined; a column some entries lack is filled (-1, or NaN for floats)."""
-    names = [
-        key for key in ("sample_id", "label", "loss", "prediction") if any(key in (e.samples or {}) for e in entries)
-    ]
+    names = [key for key in SAMPLE_FIELDS if any(key in (e.samples or {}) for e in entries)]
     joined: dict[str, np.ndarray] = {}
     for key in names or ["sample_id"]:
         parts = [(e.samples or {}).get(key) for e in entries]
-        floating = key == "loss" or any(p is not None and p.dtype.kind == "f" for p in parts)
+        floating = key in FLOAT_SAMPLE_FIELDS or any(p is not None and p.dtype.kind == "f" for p in parts)
         fill = np.nan if floating else -1
-        dtype = np.float32 if key == "loss" else (np.float64 if floating else np.int64)
+        dtype = np.float32 if key in FLOAT_SAMPLE_FIELDS else (np.float64 if floating else np.int64)
         joined[key] = (
             np.concatenate(
                 [np.full(e.rows, fill, dtype) if p is None else p.astype(dtype) for e, p in zip(entries, parts)]

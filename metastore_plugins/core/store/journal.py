@@ -12,7 +12,8 @@ The JSON object of a line describes one shard (every field and bound: docs/forma
      "batches": {"capture_point": ["i4", b64], "step": ["i8", b64], "epoch": ..., "micro_batch": ...,
                  "size": ..., "lr": ["f8", b64], "meta": ["u1", b64]},
      "records": {"batch": ..., "layer": ..., "kind": ["u1", b64], "rows": ..., "bytes": ..., "dense_bytes": ...},
-     "samples": {"sample_id": ["i8", b64], "label": ..., "loss": ["f4", b64], "prediction": ...}}
+     "samples": {"sample_id": ["i8", b64], "label": ..., "loss": ["f4", b64], "prediction": ...,
+                 "margin": ["f4", b64]}}
 
 Columns are little-endian arrays in base64; ``capture_point`` and ``layer`` index the line's
 name lists; ``lr`` is NaN where none was given; ``meta`` is a bit mask of the optional metadata
@@ -41,7 +42,8 @@ DTYPES: dict[str, np.dtype[Any]] = {
     code: np.dtype(f"<{code}") for code in ("i1", "u1", "i2", "i4", "i8", "f4", "f8", "b1")
 }
 #: Bits of the ``meta`` batch column: the optional ``b{j}/meta/{column}`` tensors a shard holds.
-META_BITS = {"label": 1, "loss": 2, "prediction": 4}
+#: ``margin`` (8) came later: journals written before it never set the bit and have no ``margin`` column.
+META_BITS = {"label": 1, "loss": 2, "prediction": 4, "margin": 8}
 #: Record kinds by their code in the ``kind`` record column.
 KIND_CODES = ("outer", "embedding", "dense", "projected", "norms")
 #: The longest line a reader accepts (a shard of 64 MiB of a tiny MLP needs about 15 MiB).

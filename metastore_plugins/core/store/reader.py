@@ -133,7 +133,8 @@ class StoreReader:
     def metadata(self, capture_point: str | None = None, **where: Any) -> dict[str, np.ndarray]:
         """Per-sample columns.
 
-        sample_id, label, loss, prediction, step, epoch, micro_batch, rank, lr, capture_point.
+        sample_id, label, loss, prediction, margin (-1 or NaN where not stored), step, epoch,
+        micro_batch, rank, lr, capture_point.
         """
         return self.select(capture_point, **where).metadata()
 

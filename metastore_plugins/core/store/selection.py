@@ -18,10 +18,11 @@ from torch import Tensor
 from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.progress import progress
 from metastore_plugins.core.store.batches import BatchRef, ShardFiles, tensor_column
+from metastore_plugins.core.store.entries import FLOAT_SAMPLE_FIELDS
 
 #: Metadata columns every selection returns (missing values: -1 for ids/labels, NaN for floats).
 BATCH_COLUMNS = ("step", "epoch", "micro_batch", "rank")
-SAMPLE_COLUMNS = ("sample_id", "label", "loss", "prediction")
+SAMPLE_COLUMNS = ("sample_id", "label", "loss", "prediction", "margin")
 
 
 def subset_record(record: LayerRecord, keep: Tensor) -> LayerRecord:
@@ -146,7 +147,7 @@ class Selection:
     def metadata(self) -> dict[str, np.ndarray]:
         """Per-sample columns, one row per selected sample occurrence, in selection order.
 
-        sample_id, label, loss, prediction (-1 or NaN where not stored), step, epoch,
+        sample_id, label, loss, prediction, margin (-1 or NaN where not stored), step, epoch,
         micro_batch, rank, lr (NaN where none was given), capture_point.
         """
         index = self.files.index
@@ -157,7 +158,9 @@ class Selection:
             if key in index.sample:
                 columns[key] = index.sample[key][rows]
             else:
-                columns[key] = np.full(len(rows), np.nan if key == "loss" else -1)
+                columns[key] = (
+                    np.full(len(rows), np.nan, np.float32) if key in FLOAT_SAMPLE_FIELDS else np.full(len(rows), -1)
+                )
         for key in BATCH_COLUMNS:
             columns[key] = index.batch[key][batch]
         columns["lr"] = index.batch["lr"][batch]

@@ -130,7 +130,8 @@ BatchKeys = tuple[Collection[str] | None, Sequence[tuple[str, Sequence[str]]]]
 def expected_keys(batches: Sequence[BatchKeys], encoding: str) -> tuple[frozenset[str], frozenset[str]]:
     """``(required, optional)`` tensor keys of a shard from its batches' ``(meta columns, [(kind, roles)])``.
 
-    ``meta columns`` None (version 1: not recorded) makes label, loss and prediction optional.
+    ``meta columns`` None (version 1: not recorded) makes label, loss and prediction optional
+    (``margin`` came after version 1: a version 1 shard never holds it, so it stays unexpected there).
     With ``fp16`` and ``int8`` every floating tensor has its ``.scale`` key.
     """
     scaled = encoding in _SCALED_ENCODINGS

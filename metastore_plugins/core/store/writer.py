@@ -166,9 +166,13 @@ class StoreWriter:
         labels: ArrayLike | None = None,
         losses: ArrayLike | None = None,
         predictions: ArrayLike | None = None,
+        margins: ArrayLike | None = None,
         lr: float | None = None,
     ) -> None:
         """Queue one batch: its records and one metadata entry per sample (waits if the queue is full).
+
+        ``margins``: ``(B,)`` classification margins ``z_y - max_{k != y} z_k`` (stored float32;
+        :func:`~metastore_plugins.core.passes.margins_of` computes them from logits and labels).
 
         After a disk error with ``on_error="warn"`` this drops the batch (see :attr:`stopped`).
         """
@@ -187,9 +191,12 @@ class StoreWriter:
             ("label", "labels", labels, None),
             ("loss", "losses", losses, torch.float32),
             ("prediction", "predictions", predictions, None),
+            ("margin", "margins", margins, torch.float32),
         )
         for name, argument, values, dtype in columns:
             column = _column(argument, values, size, dtype)
+            if column is not None and name == "margin" and column.dim() != 1:
+                raise ValueError(f"margins must hold one value per sample, shape ({size},); got {tuple(column.shape)}")
             if column is not None:
                 meta[name] = column
         records = list(records)
