@@ -8,6 +8,7 @@ Example::
     metastore restore runs/text-classifier --sample 17 --capture-point epoch-1/val --out g.safetensors
     metastore compact runs/text-classifier          # merge small shards (crash-safe)
     metastore verify runs/text-classifier --repair  # remove what a killed run left behind
+    torchrun --nproc-per-node 4 -m metastore_plugins.cli influence runs/text-classifier  # partitioned
 
 User mistakes (unknown run, sample, layer, step) print one line and exit with status 2.
 """
@@ -15,8 +16,10 @@ User mistakes (unknown run, sample, layer, step) print one line and exit with st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,11 +28,20 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore, RunComparison, open_store
+from metastore_plugins.core.distributed import (
+    DistributedQueryError,
+    init_from_env,
+    launched,
+    open_distributed_store,
+    rank_of,
+    shutdown,
+)
+from metastore_plugins.core.distributed.launch import DEFAULT_TIMEOUT_S
 from metastore_plugins.core.policy.plan import CapturePlan
 from metastore_plugins.core.policy.tags import Tag, read_tags
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
 from metastore_plugins.core.reports.files import influence_markdown
-from metastore_plugins.core.reports.tables import influence_rows, outlier_rows
+from metastore_plugins.core.reports.tables import OUTLIER_RANKINGS, influence_rows, outlier_rows
 from metastore_plugins.core.store import StoreError, find_store_dir
 from metastore_plugins.core.store.maintenance import compact, repair
 from metastore_plugins.core.store.snapshots import list_snapshots
@@ -249,7 +261,7 @@ def comparison_text(comparison: RunComparison, k: int) -> str:
 
 
 def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
-    rows = outlier_rows(store, _train_points(store, args.capture_point), args.k)
+    rows = outlier_rows(store, _train_points(store, args.capture_point), args.k, rank_by=args.by)
     _emit(args, rows, markdown_table(rows, OUTLIER_COLUMNS))
 
 
@@ -325,9 +337,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for the report files (default: STORE/reports, as the callbacks)")
     p.add_argument("-k", type=_positive, default=20, help="rows of the outlier table")
     p.add_argument("--logdir", help="also write the reports as TensorBoard events into this directory")
-    p = add("outliers", cmd_outliers, "training samples with the largest self-influence")
+    p = add("outliers", cmd_outliers, "the training samples most likely mislabelled (lowest AUM, or self-influence)")
     p.add_argument("-k", type=_positive, default=20, help="rows (default 20)")
     p.add_argument("--capture-point", action="append", help="capture point(s) to sum (default: epoch-*/train)")
+    p.add_argument(
+        "--by",
+        choices=OUTLIER_RANKINGS,
+        default="auto",
+        help="ranking: auto (default: AUM where the training steps hold margins, else self-influence), aum, "
+        "self_influence",
+    )
     p = add("influence", cmd_influence, "training samples that drove each test sample (TracIn)")
     p.add_argument("--test", type=_ids, help="comma-separated test sample ids (default: all)")
     p.add_argument("--capture-point", help="one test capture point, paired with the last train pass")
@@ -339,6 +358,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-point", help="where the sample is stored (default: the last train pass)")
     p.add_argument("--candidates", help="capture point to search (default: the sample's)")
     p.add_argument("-k", type=_positive, default=10, help="rows (default 10)")
+    for name in PARTITIONED:
+        p = sub.choices[name]
+        p.add_argument(
+            "--device",
+            help="where the queries compute (cuda, cuda:1; default: the CPU, or under "
+            "torchrun with NCCL each rank's GPU)",
+        )
+        p.add_argument(
+            "--timeout",
+            type=float,
+            default=DEFAULT_TIMEOUT_S,
+            help="under torchrun: seconds a rank waits for the others before naming the missing one",
+        )
     p = add(
         "query",
         cmd_query,
@@ -362,17 +394,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Subcommands that run partitioned under ``torchrun`` (docs/distributed.md); the others refuse to.
+PARTITIONED = ("outliers", "influence", "similar")
+
+
+def _open(args: argparse.Namespace) -> Any:
+    """The store (a partitioned one under ``torchrun`` or with ``--device``), or the directory for maintenance."""
+    if getattr(args, "on_directory", False):
+        return find_store_dir(args.run)
+    if launched() or getattr(args, "device", None):
+        init_from_env(timeout_s=args.timeout)
+        return open_distributed_store(args.run, device=args.device)
+    return open_store(args.run)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if launched() and args.command not in PARTITIONED:
+        print(
+            f"metastore {args.command}: error: it does not run partitioned; run it without torchrun "
+            f"(partitioned: {', '.join(PARTITIONED)})",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        target = find_store_dir(args.run) if getattr(args, "on_directory", False) else open_store(args.run)
-        status = args.func(args, target) or 0
+        target = _open(args)
+        quiet = rank_of() != 0  # every rank computes, rank 0 prints
+        with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout) as out:
+            with contextlib.redirect_stdout(out):
+                status = args.func(args, target) or 0
     except (StoreError, ValueError, FileNotFoundError) as exc:
         print(f"metastore {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except DistributedQueryError as exc:
+        print(f"metastore {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("metastore: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if launched():  # under torchrun the command owns its process group
+            shutdown()
     return status
 
 

@@ -186,7 +186,9 @@ class MetaStoreCallback(Callback):
         if self.run is not None:
             self.run.end_backward()
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
         if self.run is not None:
             self.run.optimizer_step(float(optimizer.param_groups[0]["lr"]))  # the next checkpoint pass stands for it
 

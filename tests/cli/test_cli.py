@@ -88,7 +88,7 @@ def test_inspect_matches_the_store(run_dir: Path) -> None:
 
 
 def test_outliers_match_self_influence(run_dir: Path) -> None:
-    rows = json_of("outliers", str(run_dir), "-k", "5")
+    rows = json_of("outliers", str(run_dir), "-k", "5", "--by", "self_influence")
     store = open_store(run_dir)
     points = ["epoch-0/train", "epoch-1/train"]
     values = store.self_influence(points)
@@ -96,6 +96,17 @@ def test_outliers_match_self_influence(run_dir: Path) -> None:
     assert len(rows) == 5
     ranking = list(zip(ids.tolist(), values.tolist()))
     assert_top_ranking([(row["sample_id"], row["self_influence"]) for row in rows], ranking, tolerance(values))
+
+
+def test_outliers_rank_by_lowest_area_under_the_margin_by_default(run_dir: Path) -> None:
+    rows = json_of("outliers", str(run_dir), "-k", "6")
+    meta = open_store(run_dir).metadata("train")
+    ids = np.unique(meta["sample_id"])
+    aum = np.array([meta["margin"][meta["sample_id"] == i].astype(np.float64).mean() for i in ids])  # (N,)
+    assert np.isfinite(aum).all()
+    ranking = list(zip(ids.tolist(), (-aum).tolist()))
+    assert_top_ranking([(row["sample_id"], -row["aum"]) for row in rows], ranking, tolerance(aum))
+    assert all(row["self_influence"] is None or row["self_influence"] >= 0 for row in rows)
 
 
 def test_influence_of_chosen_test_samples(run_dir: Path) -> None:

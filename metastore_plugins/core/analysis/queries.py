@@ -9,7 +9,8 @@ same arguments. Memory stays within ``max_bytes`` of records (plus the result ma
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,16 @@ from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreReader
 
+#: One stored batch of the column side of a product: its sample count and its records.
+ColumnBatch = tuple[int, list[LayerRecord]]
+
+
+def on_device(records: list[LayerRecord], device: torch.device | str | None) -> list[LayerRecord]:
+    """The records with their tensors on ``device`` (unchanged when ``None``)."""
+    if device is None:
+        return records
+    return [replace(r, tensors={key: value.to(device) for key, value in r.tensors.items()}) for r in records]
+
 
 def _sq_norms(records: list[LayerRecord], by_layer: bool) -> dict[str, Tensor]:
     if not by_layer:
@@ -32,20 +43,27 @@ def _sq_norms(records: list[LayerRecord], by_layer: bool) -> dict[str, Tensor]:
     return {layer: ops.total_sq_norms(records) for layer, records in layers.items()}
 
 
-def sq_norms(selection: Selection, by_layer: bool = False, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, np.ndarray]:
+def sq_norms(
+    selection: Selection,
+    by_layer: bool = False,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    device: torch.device | str | None = None,
+) -> dict[str, np.ndarray]:
     """Squared per-sample gradient norms (key ``"total"``, or one key per layer), in selection order.
 
     Samples of batches that hold no records (kept as ``"nothing"`` by a capture policy) get NaN.
 
-    Consecutive batches with the same records go through each op together (:meth:`Selection.merged`).
+    Consecutive batches with the same records go through each op together (:meth:`Selection.merged`),
+    on ``device`` when given (the records are read on the CPU).
     """
     parts: list[tuple[int, dict[str, Tensor]]] = []
     for run, records in selection.merged(max_bytes // 2):
         size = sum(b.size for b in run)  # a batch kept as "nothing" (capture policy) has no norms: NaN
-        parts.append((size, _sq_norms(records, by_layer) if records else {"total": torch.full((size,), np.nan)}))
+        found = _sq_norms(on_device(records, device), by_layer) if records else {"total": torch.full((size,), np.nan)}
+        parts.append((size, found))
     keys = list(dict.fromkeys(key for _, part in parts for key in part))
     return {
-        key: np.concatenate([p[key].double().numpy() if key in p else np.zeros(n) for n, p in parts])
+        key: np.concatenate([p[key].double().cpu().numpy() if key in p else np.zeros(n) for n, p in parts])
         if parts
         else np.zeros(0)
         for key in keys
@@ -53,17 +71,39 @@ def sq_norms(selection: Selection, by_layer: bool = False, max_bytes: int = DEFA
 
 
 def dot_matrix(
-    rows: Selection, cols: Selection, weighted: bool = False, max_bytes: int = DEFAULT_MAX_BYTES
+    rows: Selection,
+    cols: Selection,
+    weighted: bool = False,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    device: torch.device | str | None = None,
 ) -> np.ndarray:
     """``(N, M)`` gradient inner products between two selections (times each row batch's lr if ``weighted``)."""
+    col_chunks = ([(c.size, c.records) for c in chunk] for chunk in cols.chunks(max_bytes // 2))
+    return dot_blocks(rows, col_chunks, weighted, device)
+
+
+def dot_blocks(
+    rows: Selection,
+    col_chunks: Iterable[Sequence[ColumnBatch]],
+    weighted: bool = False,
+    device: torch.device | str | None = None,
+) -> np.ndarray:
+    """:func:`dot_matrix` against column batches given chunk by chunk (read here, or received from another process).
+
+    Row batches are read once per column chunk; every ``(row batch, column batch)`` block is one
+    :func:`~metastore_plugins.core.ops.total_dots` call, so a row's scores do not depend on the
+    other rows of the selection.
+    """
     col_parts = []
-    for col_chunk in cols.chunks(max_bytes // 2):
+    for col_chunk in col_chunks:
+        chunk = [(size, on_device(records, device)) for size, records in col_chunk]
         row_parts = []
         for row_batch in rows.batches():
             factor = row_batch.ref.lr_weight if weighted else 1.0
-            block = [factor * ops.total_dots(row_batch.records, c.records) for c in col_chunk]  # (n, m_c) each
-            row_parts.append(torch.cat(block, 1))
-        col_parts.append(torch.cat(row_parts, 0) if row_parts else torch.zeros(0, sum(c.size for c in col_chunk)))
+            records = on_device(row_batch.records, device)
+            block = [factor * ops.total_dots(records, c) for _, c in chunk]  # (n, m_c) each
+            row_parts.append(torch.cat(block, 1).cpu())
+        col_parts.append(torch.cat(row_parts, 0) if row_parts else torch.zeros(0, sum(n for n, _ in chunk)))
     if not col_parts:
         return np.zeros((len(rows), 0))
     return torch.cat(col_parts, 1).double().numpy()
@@ -120,12 +160,27 @@ def self_influence(store: StoreReader, capture_point: str | Sequence[str] | None
     parts = []
     for point in points:
         selection = store.select(point, **where)
-        values = [
-            np.repeat([b.ref.lr_weight for b in run], [b.size for b in run])
-            * ops.total_sq_norms(records).double().numpy()
-            for run, records in selection.merged(DEFAULT_MAX_BYTES // 2)
-        ]
-        parts.append((selection.sample_ids(), np.concatenate(values) if values else np.zeros(0)))
+        parts.append((selection.sample_ids(), lr_sq_norms(selection)))
+    return summed_by_id(parts)
+
+
+def lr_sq_norms(
+    selection: Selection, max_bytes: int = DEFAULT_MAX_BYTES, device: torch.device | str | None = None
+) -> np.ndarray:
+    """``(N,)`` ``lr_b ||g_i||^2`` of a selection's samples (``lr_b`` of each sample's batch), in selection order."""
+    values = [
+        np.repeat([b.ref.lr_weight for b in run], [b.size for b in run])
+        * ops.total_sq_norms(on_device(records, device)).double().cpu().numpy()
+        for run, records in selection.merged(max_bytes // 2)
+    ]
+    return np.concatenate(values) if values else np.zeros(0)
+
+
+def summed_by_id(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Per-occurrence values of several capture points ``(ids_c, values_c)`` summed per sample id (first-seen order).
+
+    One capture point is returned as it is (one value per occurrence, in selection order).
+    """
     if len(parts) == 1:
         return parts[0][1]
     ids, positions = _union([ids for ids, _ in parts], "train")

@@ -19,7 +19,7 @@ from torch import Tensor
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import sketch_cache
 from metastore_plugins.core.analysis.per_batch import positive_int
-from metastore_plugins.core.analysis.queries import paired_points, summed_scores
+from metastore_plugins.core.analysis.queries import on_device, paired_points, summed_scores
 from metastore_plugins.core.analysis.results import Clusters, Scores
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreReader
@@ -28,17 +28,25 @@ Combine = Literal["sum", "concat"]
 
 
 def compute_sketches(
-    selection: Selection, order: Sequence[str], dim: int, seed: int, combine: Combine, max_bytes: int
+    selection: Selection,
+    order: Sequence[str],
+    dim: int,
+    seed: int,
+    combine: Combine,
+    max_bytes: int,
+    device: torch.device | str | None = None,
 ) -> tuple[np.ndarray, Tensor]:
     """``(sample ids (N,), sketches)`` of a selection: ``(N, dim^2)`` summed, or ``(N, L dim^2)`` side by side.
 
-    The projections are drawn once for the pass (:class:`~metastore_plugins.core.ops.Projections`).
+    The projections are drawn once for the pass (:class:`~metastore_plugins.core.ops.Projections`,
+    on the CPU, then moved: the same on every device); each batch is sketched on its own
+    (on ``device`` when given), so a sample's sketch does not depend on the other batches.
     """
     k, draw = dim * dim, ops.Projections()
     ids, parts = [], []
     for batch in selection.batches():
         block = torch.zeros(batch.size, 1 if combine == "sum" else len(order), k)  # (B, 1 or L, k)
-        for record in batch.records:
+        for record in on_device(batch.records, device):
             slot = 0 if combine == "sum" else order.index(record.layer)
             block[:, slot] += ops.sketch(record, dim, dim, seed, max_bytes=max_bytes, projections=draw).cpu()  # (B, k)
         parts.append(block.reshape(batch.size, -1))
@@ -49,19 +57,19 @@ def compute_sketches(
     return np.concatenate(ids), torch.cat(parts)
 
 
-def _seed(seed: int) -> int:
+def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     return int(seed)
 
 
-def _sketch_layers(store: StoreReader, layers: Sequence[str] | str | None) -> list[str]:
+def sketch_layers(store: StoreReader, layers: Sequence[str] | str | None) -> list[str]:
     order = list(store.layers()) if layers is None else ([layers] if isinstance(layers, str) else list(layers))
     store.check_layers(order)
     return order
 
 
-def _sketch_key(
+def sketch_key(
     store: StoreReader, capture_point: str, dim: int, seed: int, layers: Sequence[str]
 ) -> sketch_cache.SketchKey:
     refs = store.batch_refs(capture_point)
@@ -81,8 +89,8 @@ def _summed_sketches(
     max_bytes: int,
 ) -> tuple[np.ndarray, Tensor]:
     """``(sample ids (N,), summed sketches (N, dim^2) float32)`` of a whole capture point, from the cache if sound."""
-    order = _sketch_layers(store, layers)
-    key = _sketch_key(store, capture_point, dim, seed, order) if cache else None
+    order = sketch_layers(store, layers)
+    key = sketch_key(store, capture_point, dim, seed, order) if cache else None
     found = sketch_cache.load(store.path, key) if key is not None else None
     if found is not None:
         return found
@@ -115,13 +123,13 @@ def sketches(
     Summed sketches of a whole capture point (no ``where``) are read from, or written to,
     the store's sketch cache unless ``cache=False`` (see :meth:`build_sketches`).
     """
-    dim, seed = positive_int("dim", dim), _seed(seed)
+    dim, seed = positive_int("dim", dim), check_seed(seed)
     if combine not in ("sum", "concat"):
         raise ValueError(f"combine must be 'sum' or 'concat', got {combine!r}")
     where = {name: value for name, value in where.items() if value is not None}
     if combine == "sum" and not where:
         return _summed_sketches(store, capture_point, dim, seed, layers, cache, max_bytes)[1].double().numpy()
-    order = _sketch_layers(store, layers)
+    order = sketch_layers(store, layers)
     selection = store.select(capture_point, layers=order, **where)
     return compute_sketches(selection, order, dim, seed, combine, max_bytes)[1].double().numpy()
 
@@ -145,8 +153,8 @@ def build_sketches(
         The cache file, or ``None`` when the store cannot be written (queries then compute
         the sketches each time, without error).
     """
-    dim, seed, order = positive_int("dim", dim), _seed(seed), _sketch_layers(store, layers)
-    key = _sketch_key(store, capture_point, dim, seed, order)
+    dim, seed, order = positive_int("dim", dim), check_seed(seed), sketch_layers(store, layers)
+    key = sketch_key(store, capture_point, dim, seed, order)
     if sketch_cache.load(store.path, key) is not None:
         return sketch_cache.cache_path(store.path, key)
     ids, summed = compute_sketches(store.select(capture_point, layers=order), order, dim, seed, "sum", max_bytes)
@@ -169,7 +177,7 @@ def sketched_influence(
     (``docs/queries.md`` gives its error); capture points pair and ``lr_c`` is taken as in
     :meth:`influence`. Sketches come from the cache (built on first use) unless ``cache=False``.
     """
-    dim, seed = positive_int("dim", dim), _seed(seed)
+    dim, seed = positive_int("dim", dim), check_seed(seed)
     row_parts, col_parts = [], []
     for train_cp, test_cp in paired_points(train, test):
         row_ids, rows = _summed_sketches(store, train_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES)  # (N,), (N, k)

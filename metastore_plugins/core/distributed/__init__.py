@@ -1,0 +1,42 @@
+"""Analytics over ``torch.distributed``: queries partitioned by shard across ranks, results identical to one process.
+
+- :mod:`.partition` -- which rank scores which shards (balanced by rows);
+- :mod:`.collectives` -- gathers and broadcasts with timeouts, whose errors name the rank that died;
+- :mod:`.queries` -- ``partitioned_self_influence``, ``partitioned_influence`` (and its top-k),
+  ``partitioned_similar``, ``partitioned_norms``, ``partitioned_sketches``;
+- :mod:`.store` -- ``DistributedStore``: a ``GradientStore`` whose scanning queries are those;
+- :mod:`.launch` -- the process group from ``torchrun``'s environment.
+
+See ``docs/distributed.md``.
+"""
+
+from metastore_plugins.core.distributed.collectives import DistributedQueryError
+from metastore_plugins.core.distributed.launch import init_from_env, launched, shutdown
+from metastore_plugins.core.distributed.partition import assign_shards, split
+from metastore_plugins.core.distributed.queries import (
+    partitioned_influence,
+    partitioned_influence_top,
+    partitioned_norms,
+    partitioned_self_influence,
+    partitioned_similar,
+    partitioned_sketches,
+)
+from metastore_plugins.core.distributed.store import DistributedStore, open_distributed_store, rank_of
+
+__all__ = [
+    "DistributedQueryError",
+    "DistributedStore",
+    "assign_shards",
+    "init_from_env",
+    "launched",
+    "open_distributed_store",
+    "partitioned_influence",
+    "partitioned_influence_top",
+    "partitioned_norms",
+    "partitioned_self_influence",
+    "partitioned_similar",
+    "partitioned_sketches",
+    "rank_of",
+    "shutdown",
+    "split",
+]
