@@ -8,9 +8,10 @@ example (no third-party text; seeded; Apache-2.0 like the project), labelled pos
 negative, with 10% of the training labels flipped on purpose.
 
 The only change to a plain fine-tuning script is ``callbacks=[MetaStoreTrainerCallback(...)]``.
-After training the script reads the outlier report (top 10% of training samples by TracIn
-self-influence) and prints its precision against the flipped labels, next to a random pick
-and to ranking by the final per-sample loss (the loss-only baseline).
+After training the script reads the outlier report (the 10% of training samples with the lowest
+area under the margin, each with its TracIn self-influence) and prints its precision against
+the flipped labels, next to a random pick and to ranking by the final per-sample loss (the
+loss-only baseline).
 
 Run::
 
@@ -262,8 +263,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if result["reports"]:
         result.update(flagged_precision(out / "metastore", set(flipped), top, len(train)))
         print(
-            f"top 10% ({top} samples) by self-influence holds {result['found']} of the {len(flipped)} flipped labels: "
-            f"precision {result['precision']:.2f}; ranking by final loss: {result['loss_precision']:.2f}; "
+            f"the outlier report's top 10% ({top} samples) holds {result['found']} of the {len(flipped)} flipped "
+            f"labels: precision {result['precision']:.2f}; ranking by final loss: {result['loss_precision']:.2f}; "
             f"a random pick: {result['random_precision']:.2f}"
         )
     out.mkdir(parents=True, exist_ok=True)

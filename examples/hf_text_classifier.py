@@ -4,8 +4,8 @@ Offline: the tokenizer is a word-level vocabulary built here and the model is a 
 ``BertForSequenceClassification`` from a config (random weights; nothing is downloaded).
 The data are synthetic sentences of two topics with 10% of the training labels flipped on
 purpose. After training, the callback's outlier report (``<out>/metastore/reports``) ranks
-training samples by self-influence; the script prints how many flipped labels are in its
-top 10%, next to the 10% a random pick would find. TensorBoard: ``tensorboard --logdir <out>/runs``.
+training samples (lowest area under the margin first); the script prints how many flipped
+labels are in its top 10%, next to the 10% a random pick would find. TensorBoard: ``tensorboard --logdir <out>/runs``.
 
 Run::
 
@@ -138,7 +138,7 @@ def main() -> None:
     found = sum(row["sample_id"] in set(flipped) for row in outliers)
     result = {"flipped": len(flipped), "top": len(outliers), "found": found, "recall": found / max(1, len(flipped))}
     print(
-        f"top 10% by self-influence ({len(outliers)} samples) holds {found} of the {len(flipped)} flipped labels "
+        f"the outlier report's top 10% ({len(outliers)} samples) holds {found} of the {len(flipped)} flipped labels "
         f"({result['recall']:.0%}); a random 10% would hold 10%"
     )
     (out / "result.json").write_text(json.dumps(result))

@@ -4,9 +4,10 @@ The 8x8 digits ship with scikit-learn (no download). A fixed 10% of the training
 flipped to another digit on purpose; a small MLP is trained with ``MetaStoreCallback`` in the
 trainer's callbacks, which captures per-sample gradients, runs a checkpoint pass over all
 training samples (and the validation set) at every epoch end, and writes the reports at the
-end of ``fit``. The example then reads the outlier report (the top 10% of the training samples
-by TracIn self-influence) and prints how many of the flipped labels are in it, next to the
-10% a random pick would find.
+end of ``fit``. The example then reads the outlier report (the 10% of the training samples
+with the lowest area under the margin over their training steps, each with its TracIn
+self-influence) and prints how many of the flipped labels are in it, next to the 10% a random
+pick would find.
 
 Run (``pip install -e ".[examples]"``)::
 
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["store_bytes"] = sum(f.stat().st_size for f in (out / "store").rglob("*") if f.is_file())
     if result["reports"]:
         reports = out / "store" / "reports"
-        outliers = json.loads((reports / "outliers.json").read_text())  # the top 10% by self-influence, ranked
+        outliers = json.loads((reports / "outliers.json").read_text())  # the report's top 10%, ranked
         flipped_ids = set(flipped.tolist())
         found = sum(row["sample_id"] in flipped_ids for row in outliers)
         result.update(
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"with MetaStoreCallback; val accuracy {result['val_accuracy']:.3f}"
         )
         print(
-            f"top 10% by self-influence ({len(outliers)} samples) "
+            f"the outlier report's top 10% ({len(outliers)} samples) "
             f"holds {found} of the {len(flipped_ids)} flipped labels "
             f"({100 * result['recall']:.0f}%); a random 10% would hold {100 * result['random_baseline']:.0f}%"
         )

@@ -5,7 +5,7 @@ The data are synthetic token sequences of two classes, padded to different lengt
 (``runs/text-classifier/store``), checkpoint passes at every epoch end over the validation
 set and the training set, and reports (``runs/text-classifier/store/reports``, where
 the callbacks and ``metastore report`` put them too): the training
-samples with the largest self-influence (where the flipped labels should rank high) and,
+samples most likely mislabelled (lowest area under the margin, with their self-influence) and,
 per validation sample, the training samples that drove its prediction, with the
 loss-vs-self-influence figure as a PNG; the same reports, histograms and figure go to
 TensorBoard (``runs/text-classifier/tb``).
@@ -111,7 +111,7 @@ def main() -> None:
                     capture_point=f"epoch-{epoch}/{split}",
                     step=step,
                     epoch=epoch,
-                    lr=lr,
+                    lr=lr * len(order.split(32)),  # the pass stands for this epoch's steps: their summed rate
                 )
             with torch.no_grad():
                 accuracy = (model(val_ids, val_mask).argmax(1) == val_labels).float().mean()
@@ -134,9 +134,7 @@ def main() -> None:
         f"store: {summary['bytes_on_disk'] / 2**20:.2f} MiB on disk for {summary['samples']} stored samples "
         f"({summary['dense_bytes'] / 2**20:.1f} MiB as dense fp32 per-sample gradients), problems: {store.verify()}"
     )
-    print(
-        f"flipped labels among the top {len(reports['outliers'])} self-influence samples: {found} of {len(flipped_ids)}"
-    )
+    print(f"flipped labels among the outlier report's top {len(reports['outliers'])}: {found} of {len(flipped_ids)}")
     print("reports:", ", ".join(reports["files"]))
     print(f"TensorBoard: tensorboard --logdir {out / 'tb'}")
     (out / "store" / "reports" / "flipped.json").write_text(json.dumps(sorted(flipped_ids)))

@@ -181,19 +181,21 @@ def cmd_compact(args: argparse.Namespace, path: Path) -> int:
 
 def cmd_report(args: argparse.Namespace, store: GradientStore) -> None:
     """Files into --out (default ``<store>/reports``, where the callbacks write theirs), and TensorBoard
-    events (tables, histograms, figures, dynamics, projector) into --logdir."""
+    events (tables, histograms, figures, dynamics, projector) into --logdir. Under torchrun every rank
+    scores its share and rank 0 writes."""
+    from metastore_plugins.core.reports.partitioned import writes
     from metastore_plugins.core.reports.tensorboard import report_run, summary_writer
 
     out = Path(args.out) if args.out else store.path / "reports"
-    writers = [] if args.logdir is None else [summary_writer(args.logdir)]
+    writers = [summary_writer(args.logdir)] if args.logdir is not None and writes(store) else []
     try:
-        result = report_run(store.path, out, writers, k=args.k)
+        result = report_run(store, out, writers, k=args.k)
     finally:
         for writer in writers:
             writer.close()
     if result is None:
         raise StoreError(f"{store.path} holds no checkpoint passes to report on; see `metastore inspect`")
-    files = [*result["files"], *([] if args.logdir is None else [str(args.logdir)])]
+    files = [*result.get("files", []), *([] if args.logdir is None else [str(args.logdir)])]
     _emit(args, {"files": files}, "\n".join(["wrote:", *(f"  {f}" for f in files)]))
 
 
@@ -395,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Subcommands that run partitioned under ``torchrun`` (docs/distributed.md); the others refuse to.
-PARTITIONED = ("outliers", "influence", "similar")
+PARTITIONED = ("outliers", "influence", "similar", "report")
 
 
 def _open(args: argparse.Namespace) -> Any:

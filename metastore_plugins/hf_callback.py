@@ -324,7 +324,13 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self._close()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
-        if not (state.is_world_process_zero and self.dirpath is not None):
+        if self.dirpath is None:
+            return
+        if not state.is_world_process_zero:  # under DDP each rank scores its share of the reports
+            if self.options.reports:
+                self.report_result = self.options.build_reports(
+                    self.dirpath, [], step=state.global_step, rank=args.process_index
+                )
             return
         if self.passes and not self._val_passes:
             logger.warning(
@@ -347,7 +353,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         )
         try:
             self.report_result = self.options.build_reports(
-                self.dirpath, writers, step=state.global_step, render=render, recompute=recompute
+                self.dirpath, writers, step=state.global_step, rank=0, render=render, recompute=recompute
             )
         finally:
             for writer in writers:

@@ -268,17 +268,23 @@ class MetaStoreCallback(Callback):
         recompute = self.run.recomputer() if self.run is not None else None
         self._close()
         trainer.strategy.barrier("metastore-reports")
-        if self.options.reports and trainer.is_global_zero and self.dirpath is not None:
+        if self.options.reports and self.dirpath is not None:  # every rank: under DDP each scores its share
             from metastore_plugins.core.reports.render import dataset_lookup
 
-            experiments = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+            zero = trainer.is_global_zero  # writes; the others' loggers and datasets are not read
+            experiments = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)] if zero else []
             datasets = {
                 "train": getattr(trainer.train_dataloader, "dataset", None),
                 "val": getattr(_first(trainer.val_dataloaders), "dataset", None),
             }
-            samples = dataset_lookup(datasets)  # thumbnails where samples are images
+            samples = dataset_lookup(datasets) if zero else None  # thumbnails where samples are images
             self.report_result = self.options.build_reports(
-                self.dirpath, experiments, step=trainer.global_step, samples=samples, recompute=recompute
+                self.dirpath,
+                experiments,
+                step=trainer.global_step,
+                rank=trainer.global_rank,
+                samples=samples,
+                recompute=recompute,
             )
         if trainer.is_global_zero and self.dirpath is not None:
             logdirs = [Path(lg.log_dir) for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]

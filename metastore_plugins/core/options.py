@@ -299,36 +299,45 @@ class CallbackOptions:
         return f"{self.owner}: store {store_dir} written, {made}; open with: {' | '.join(how)}"
 
     def build_reports(
-        self, store_dir: Path, writers: Sequence[Any], *, step: int, **sources: Any
+        self, store_dir: Path, writers: Sequence[Any], *, step: int, rank: int = 0, **sources: Any
     ) -> dict[str, Any] | None:
         """The end-of-training reports into ``<store_dir>/reports`` and ``writers`` (see ``report_run``).
 
-        ``sources`` are ``report_run``'s ``render=`` or ``samples=``. A store the reports cannot
-        be built from (no class predictions of a regression model, say) gives a warning, not an
+        Call it on every rank. Under a process group of several ranks, each opens the store
+        partitioned and scores its share; rank 0 writes (docs/distributed.md): ``writers`` and
+        ``sources`` (``report_run``'s ``render=``, ``samples=``, ``recompute=``) count on rank 0
+        only, and the other ranks return ``{"partition": ...}``. Without one, ranks other than 0
+        return ``None`` at once. A store the reports cannot be built from (no class predictions
+        of a regression model, say), or a rank that failed mid-pass, gives a warning, not an
         error: the store is complete, and training ended well. Whatever building them draws from
         the global random number generators (a dataset's augmentation, read for thumbnails) is undone.
         """
+        from metastore_plugins.core.distributed import DistributedQueryError
+        from metastore_plugins.core.reports.partitioned import distributed, report_store
         from metastore_plugins.core.reports.tensorboard import report_run  # matplotlib and tensorboard: only now
 
+        if rank != 0 and not distributed():
+            return None
         started = time.perf_counter()
         try:
             with preserved_rng():
                 result = report_run(
-                    store_dir,
+                    report_store(store_dir),
                     store_dir / "reports",
-                    writers,
+                    writers if rank == 0 else (),
                     step=step,
                     k=self.report_k,
                     outliers_from=self.outliers_from,
                     rank_outliers_by=self.rank_outliers_by,
-                    **sources,
+                    **(sources if rank == 0 else {}),
                 )
             if result is not None:
                 result["seconds"] = time.perf_counter() - started
             return result
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, DistributedQueryError) as exc:
+            where = f" on rank {rank}" if distributed() else ""
             warnings.warn(
-                f"{self.owner} could not build the reports ({exc!r}); the store {store_dir} is complete. "
+                f"{self.owner} could not build the reports{where} ({exc!r}); the store {store_dir} is complete. "
                 "Pass reports=False to skip them",
                 stacklevel=3,
             )

@@ -132,6 +132,9 @@ def checkpoint_pass(
 ) -> None:
     """Capture ``(sample ids, forward, labels)`` batches at the current weights, in eval mode.
 
+    ``lr``: the weight TracIn gives the pass, the summed learning rate of the optimizer steps
+    since the previous pass (``sum_{t in (c-1, c]} lr_t``, the steps the pass stands for).
+
     The weights, the parameters' ``.grad`` and the global random number generators are left
     as they were: a checkpoint pass never changes training.
     """

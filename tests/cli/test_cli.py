@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reportcases import assert_top_ranking
 from safetensors.torch import load_file
 
 from metastore_plugins import open_store
@@ -51,26 +52,6 @@ def json_of(*args: str) -> object:
     done = metastore(*args, "--json")
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
-
-
-def assert_top_ranking(got: list[tuple[object, float]], ranking: list[tuple[object, float]], tol: float) -> None:
-    """``got`` (key, value) pairs, largest first, are a top ``len(got)`` of ``ranking`` up to ties within ``tol``.
-
-    ``ranking`` holds every key with its value from the Python API. The command computes the same values in
-    another process (and sometimes for a subset of columns), so they agree up to fp32 round-off, not bit for
-    bit: keys whose values are within ``tol`` may come in either order, and either may make the cut. Equal
-    values are common here: the two rows of the 2-class head have gradients of opposite sign and equal size.
-    """
-    reference = dict(ranking)
-    keys = [key for key, _ in got]
-    assert len(set(keys)) == len(keys), keys
-    for key, value in got:
-        assert key in reference, key
-        assert abs(value - reference[key]) <= tol, (key, value, reference[key])
-    values = [value for _, value in got]
-    assert all(a >= b - tol for a, b in zip(values, values[1:])), values  # largest first
-    cut = min(values)
-    assert all(value <= cut + tol for key, value in ranking if key not in keys)  # nothing larger left out
 
 
 def tolerance(values: object) -> float:

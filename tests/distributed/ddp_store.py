@@ -143,18 +143,3 @@ def assert_close(got: Any, expected: Any, rtol: float = 1e-6) -> None:
     expected = np.asarray(expected, dtype=np.float64)
     scale = float(np.abs(expected).max()) if expected.size else 0.0
     np.testing.assert_allclose(np.asarray(got, dtype=np.float64), expected, rtol=0, atol=rtol * scale)
-
-
-def assert_top_ranking(got: list[tuple[Any, float]], ranking: list[tuple[Any, float]], tol: float) -> None:
-    """``got`` (key, value) pairs, largest first, are a top ``len(got)`` of ``ranking`` up to ties within ``tol``
-    (as ``tests/store_queries/runcases.py``)."""
-    reference = dict(ranking)
-    keys = [key for key, _ in got]
-    assert len(set(keys)) == len(keys), keys
-    for key, value in got:
-        assert key in reference, key
-        assert abs(value - reference[key]) <= tol, (key, value, reference[key])
-    values = [value for _, value in got]
-    assert all(a >= b - tol for a, b in zip(values, values[1:])), values  # largest first
-    cut = min(values)
-    assert all(value <= cut + tol for key, value in ranking if key not in keys)  # nothing larger left out

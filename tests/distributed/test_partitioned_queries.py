@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ddp_store import assert_close, assert_top_ranking, run_ranks, write_ddp_store
+from ddp_store import assert_close, run_ranks, write_ddp_store
+from reportcases import assert_top_ranking
 
 from metastore_plugins import open_store
 from metastore_plugins.core.distributed import (

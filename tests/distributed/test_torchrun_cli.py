@@ -1,4 +1,5 @@
-"""``torchrun --nproc-per-node 2 -m metastore_plugins.cli influence RUN`` prints what one process prints."""
+"""``torchrun --nproc-per-node 2 -m metastore_plugins.cli influence RUN`` prints what one process prints, and
+``report`` writes what one process writes."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ddp_store import assert_top_ranking, write_ddp_store
+from ddp_store import write_ddp_store
+from reportcases import assert_tables_match, assert_top_ranking, read_tables
 
 from metastore_plugins import open_store
 from metastore_plugins.cli import main
+from metastore_plugins.core.reports.tensorboard import report_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,6 +59,19 @@ def test_influence_and_outliers_under_torchrun_print_the_single_process_answer(
     assert [r["sample_id"] for r in rows] == [r["sample_id"] for r in outliers]  # the report's own order
     for row in rows:
         assert abs(row["self_influence"] - reference[row["sample_id"]]) <= 1e-6 * float(values.max())
+
+
+def test_report_under_torchrun_writes_the_single_process_reports(store_dir: Path, tmp_path: Path) -> None:
+    alone = report_run(store_dir, tmp_path / "alone")
+    assert alone is not None
+    done = _torchrun(
+        "report", str(store_dir), "--out", str(tmp_path / "ddp"), "--logdir", str(tmp_path / "tb"), "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)  # printed once: by rank 0
+    assert {"outliers.json", "influence.json", "summary.json"} <= {Path(f).name for f in printed["files"]}
+    assert_tables_match(store_dir, read_tables(tmp_path / "ddp"), alone)
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1  # rank 0's writer only
 
 
 def test_a_command_that_does_not_run_partitioned_refuses(

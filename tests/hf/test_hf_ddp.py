@@ -1,8 +1,10 @@
 """DDP with 2 CPU processes (gloo): each rank records the ids its sampler shard drew, writes its own shards,
-and stores each sample's own gradient; rank zero reports."""
+and stores each sample's own gradient; every rank scores its share of the reports and rank zero writes what one
+process writes."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +16,10 @@ pytest.importorskip("datasets")
 pytest.importorskip("tensorboard")
 
 from hf_cases import make_dataset, make_model, reference_gradient, relative_error  # noqa: E402
+from reportcases import assert_shares, assert_tables_match, read_tables  # noqa: E402
 
 from metastore_plugins import open_store  # noqa: E402
+from metastore_plugins.core.reports.tensorboard import report_run  # noqa: E402
 
 
 def test_two_processes_exact_ids_and_gradients(tmp_path: Path) -> None:
@@ -41,3 +45,9 @@ def test_two_processes_exact_ids_and_gradients(tmp_path: Path) -> None:
     assert len(passes["sample_id"]) == 12 and set(passes["rank"].tolist()) == {0, 1}
     assert sorted(store.sample_ids("epoch-1/val").tolist()) == list(range(10))
     assert (store_dir / "reports" / "outliers.md").is_file()
+    ranks = [json.loads((tmp_path / f"report-rank{r}.json").read_text()) for r in (0, 1)]
+    assert_shares([r["partition"] for r in ranks])  # rank 1 scored its share, not rank 0 alone
+    assert "metastore/gradient_sketches" in ranks[0]["tags"] and ranks[1]["tags"] == []
+    alone = report_run(store_dir, tmp_path / "alone")
+    assert alone is not None
+    assert_tables_match(store_dir, read_tables(store_dir / "reports"), alone)

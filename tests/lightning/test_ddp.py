@@ -1,10 +1,12 @@
-"""DDP with 2 CPU processes (gloo): each rank writes its own shards, ids stay exact, rank zero reports.
+"""DDP with 2 CPU processes (gloo): each rank writes its own shards, ids stay exact, every rank scores its share
+of the reports and rank zero writes what one process writes.
 
 The train set is a plain TensorDataset: ids come from what the DistributedSampler of each rank drew.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,8 +21,10 @@ pytest.importorskip("lightning")
 pytest.importorskip("tensorboard")
 
 from lightning_cases import Classifier, make_data  # noqa: E402
+from reportcases import assert_shares, assert_tables_match, read_tables  # noqa: E402
 
 from metastore_plugins import open_store  # noqa: E402
+from metastore_plugins.core.reports.tensorboard import report_run  # noqa: E402
 from metastore_plugins.testing import reference_per_sample_gradients  # noqa: E402
 
 
@@ -55,3 +59,10 @@ def test_two_cpu_processes_write_their_own_shards_with_exact_ids(tmp_path: Path)
             torch.testing.assert_close(got[f"net.{name}"], want[sid], rtol=1e-5, atol=1e-6)
     assert (store_dir / "reports" / "outliers.md").is_file()
     assert len(list((tmp_path / "lightning_logs" / "version_0").glob("events.out.tfevents.*"))) >= 1
+    ranks = [json.loads((tmp_path / f"report-rank{r}.json").read_text()) for r in (0, 1)]
+    assert_shares([r["partition"] for r in ranks])  # rank 1 scored its share, not rank 0 alone
+    assert {"metastore/gradient_sketches", "metastore/exploding_fraction"} <= set(ranks[0]["tags"])
+    assert ranks[1]["tags"] == []  # rank 1 logged nothing
+    alone = report_run(store_dir, tmp_path / "alone")
+    assert alone is not None
+    assert_tables_match(store_dir, read_tables(store_dir / "reports"), alone)

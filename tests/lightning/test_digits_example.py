@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from metastore_plugins.core.reports.render import as_image, dataset_lookup, outlier_grid, sample_input  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["--train-size", "600", "--epochs", "3"]  # measured: 53 of the 60 flipped labels in the top 10% (88%)
+FAST = ["--train-size", "600", "--epochs", "3"]  # measured: 52 of the 60 flipped labels in the top 10% (87%)
 
 
 def test_digits_example_finds_flipped_labels(tmp_path: Path) -> None:
@@ -37,7 +37,7 @@ def test_digits_example_finds_flipped_labels(tmp_path: Path) -> None:
     result = json.loads((out / "result.json").read_text())
     assert result["train_size"] == 600 and result["flipped"] == 60 and result["top"] == 60
     assert result["random_baseline"] == pytest.approx(0.1)
-    assert result["recall"] >= 0.6, result  # the top 10% by self-influence holds >= 60% of the flipped labels
+    assert result["recall"] >= 0.6, result  # the outlier report's top 10% holds >= 60% of the flipped labels
     assert "flipped labels" in done.stdout and "a random 10% would hold 10%" in done.stdout
 
     outliers = json.loads((out / "store" / "reports" / "outliers.json").read_text())

@@ -165,26 +165,6 @@ def expected_sketch(grads: dict[str, Tensor], layer: str, dim: int, seed: int) -
     return (p_out @ weight @ p_in.T + (p_out @ bias)[:, None] @ p_bias.T).reshape(-1)
 
 
-def assert_top_ranking(got: list[tuple[object, float]], ranking: list[tuple[object, float]], tol: float) -> None:
-    """``got`` (key, value) pairs, largest first, are a top ``len(got)`` of ``ranking`` up to ties within ``tol``.
-
-    ``ranking`` holds every candidate key with its reference value. Each reported value must match its
-    key's reference within ``tol``, come in descending order, and leave out no key whose reference is
-    larger by more than ``tol``. Keys whose values are within ``tol`` of each other (equal up to round-off)
-    may come in either order and either may make the cut: that order is rounding, not a property of the code.
-    """
-    reference = dict(ranking)
-    keys = [key for key, _ in got]
-    assert len(set(keys)) == len(keys), keys
-    for key, value in got:
-        assert key in reference, key
-        assert abs(value - reference[key]) <= tol, (key, value, reference[key])
-    values = [value for _, value in got]
-    assert all(a >= b - tol for a, b in zip(values, values[1:])), values  # largest first
-    cut = min(values)
-    assert all(value <= cut + tol for key, value in ranking if key not in keys)  # nothing larger left out
-
-
 def sum_by_id(ids: list[int], matrix: Tensor) -> tuple[list[int], Tensor]:
     """An ``(N_occ, N_occ)`` matrix of occurrences summed over rows and columns of the same sample id.
 

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from runcases import Run, assert_top_ranking, expected_sketch, make_data, occurrences, per_sample_ce
+from reportcases import assert_top_ranking
+from runcases import Run, expected_sketch, make_data, occurrences, per_sample_ce
 from torch import Tensor
 
 from metastore_plugins import StoreWriter, open_store

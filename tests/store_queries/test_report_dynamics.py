@@ -6,7 +6,8 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
-from runcases import Run, assert_top_ranking, occurrences
+from reportcases import assert_top_ranking
+from runcases import Run, occurrences
 
 from metastore_plugins.core.reports.tensorboard import write_dynamics
 
@@ -58,7 +59,7 @@ def test_in_run_outlier_scores_sum_every_training_occurrence_of_a_sample(run_a: 
     ids, values = self_influence_of(run_a.store, points)
     assert sorted(ids.tolist()) == sorted(expected)
     np.testing.assert_allclose(values, [expected[int(i)] for i in ids], rtol=1e-5)
-    rows = outlier_rows(run_a.store, points, k=3)
+    rows = outlier_rows(run_a.store, points, k=3, rank_by="self_influence")
     assert len(rows) == 3
     got = [(row["sample_id"], expected[row["sample_id"]]) for row in rows]
     assert_top_ranking(got, list(expected.items()), 1e-5 * max(expected.values()))

@@ -52,6 +52,15 @@ class Part:
     total: int
 
 
+@dataclass(frozen=True)
+class Share:
+    """What one rank scored of one partitioned query: ``rows`` of the selection's ``total`` sample occurrences."""
+
+    query: str
+    rows: int
+    total: int
+
+
 def batch_owners(selection: Selection, world: int) -> np.ndarray:
     """``(n_b,)`` the rank that scores each of the selection's batches."""
     names = [selection.files.ref(int(row)).file.name for row in selection.batch_rows]

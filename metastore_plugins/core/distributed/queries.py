@@ -36,7 +36,7 @@ from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.sketches import check_seed, compute_sketches, sketch_key, sketch_layers
 from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.distributed.collectives import Comm
-from metastore_plugins.core.distributed.partition import Part, place, split
+from metastore_plugins.core.distributed.partition import Part, Share, place, split
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreReader
 
@@ -56,6 +56,15 @@ def _collect(comm: Comm, block: np.ndarray, parts: list[Part], what: str, dst: i
         return place(comm.all_gather_rows(block, what), positions, total)
     gathered = comm.gather_rows(block, what, dst)
     return None if gathered is None else place(gathered, positions, total)
+
+
+def _mine(store: StoreReader, comm: Comm, parts: list[Part], what: str) -> Part:
+    """This rank's part; a store that keeps a ledger (``DistributedStore.shares``) notes the rows it scores."""
+    part = parts[comm.rank]
+    ledger = getattr(store, "shares", None)
+    if isinstance(ledger, list):
+        ledger.append(Share(what, len(part.positions), part.total))
+    return part
 
 
 def _portable(records: list[LayerRecord]) -> list[LayerRecord]:
@@ -101,7 +110,8 @@ def partitioned_self_influence(
     for point in points:
         selection = store.select(point, **where)
         parts = split(selection, comm.world)
-        local = queries.lr_sq_norms(parts[comm.rank].selection, max_bytes, device)  # (n_r,)
+        mine = _mine(store, comm, parts, f"self_influence of {point!r}")
+        local = queries.lr_sq_norms(mine.selection, max_bytes, device)  # (n_r,)
         values = _collect(comm, local, parts, f"self_influence of {point!r}", None)
         results.append((selection.sample_ids(), values if values is not None else np.zeros(0)))
     return queries.summed_by_id(results)
@@ -121,7 +131,7 @@ def partitioned_norms(
     comm, device = _setup(group, device)
     selection = store.select(capture_point, **where)
     parts = split(selection, comm.world)
-    mine = parts[comm.rank]
+    mine = _mine(store, comm, parts, f"norms of {capture_point!r}")
     local = queries.sq_norms(mine.selection, by_layer, max_bytes, device)  # {key: (n_r,)}
     keys = list(dict.fromkeys(k for ks in comm.all_gather_objects(list(local), "norms (keys)") for k in ks))
     roots = {}
@@ -158,7 +168,8 @@ def partitioned_influence(
         cols = store.select(test_cp, sample_ids=test_ids, layers=layers)
         parts = split(rows, comm.world)
         columns = broadcast_columns(comm, cols, max_bytes, f"influence: test gradients of {test_cp!r}")
-        local = queries.dot_blocks(parts[comm.rank].selection, columns, weighted=True, device=device)  # (n_r, M)
+        mine = _mine(store, comm, parts, f"influence of {train_cp!r}").selection
+        local = queries.dot_blocks(mine, columns, weighted=True, device=device)  # (n_r, M)
         full = _collect(comm, local, parts, f"influence: scores of {train_cp!r}", dst)  # (N, M)
         if full is not None:
             row_parts.append((rows.sample_ids(), full))
@@ -188,7 +199,7 @@ def partitioned_similar(
     rows = store.select(candidates, layers=layers)
     cols = store.select(query, sample_ids=query_ids, layers=layers)
     parts = split(rows, comm.world)
-    mine = parts[comm.rank].selection
+    mine = _mine(store, comm, parts, f"similar in {candidates!r}").selection
     local = queries.dot_blocks(
         mine, broadcast_columns(comm, cols, max_bytes, "similar: query gradients"), device=device
     )
@@ -227,7 +238,8 @@ def partitioned_sketches(
         return np.asarray(kept, dtype=np.float64)
     selection = store.select(capture_point, layers=order)
     parts = split(selection, comm.world)
-    _, local = compute_sketches(parts[comm.rank].selection, order, dim, seed, "sum", max_bytes, device)  # (n_r, k)
+    mine = _mine(store, comm, parts, f"sketches of {capture_point!r}").selection
+    _, local = compute_sketches(mine, order, dim, seed, "sum", max_bytes, device)  # (n_r, k)
     full = _collect(comm, local.numpy(), parts, f"sketches of {capture_point!r}", None)  # (N, k) float32
     summed = full if full is not None else np.zeros((0, dim * dim), np.float32)
     if key is not None and comm.rank == 0:
@@ -264,12 +276,13 @@ def partitioned_influence_top(
         cols = store.select(test_cp, sample_ids=test_ids, layers=layers)
         parts = split(rows, comm.world)
         columns = broadcast_columns(comm, cols, max_bytes, f"influence: test gradients of {test_cp!r}")
-        local = queries.dot_blocks(parts[comm.rank].selection, columns, weighted=True, device=device)  # (n_r, M)
+        mine = _mine(store, comm, parts, f"influence of {train_cp!r}")
+        local = queries.dot_blocks(mine.selection, columns, weighted=True, device=device)  # (n_r, M)
         ids = rows.sample_ids()
         owners = np.zeros(len(ids), np.int64)
         for rank, part in enumerate(parts):
             owners[part.positions] = rank
-        mine_rows.append((ids[parts[comm.rank].positions], local))
+        mine_rows.append((ids[mine.positions], local))
         col_parts.append((cols.sample_ids(), local))
         ids_owners.append(np.stack([ids, owners], 1))  # (N_c, 2)
     with warnings.catch_warnings():  # a rank's share of several capture points holds different samples

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -30,8 +30,12 @@ from metastore_plugins.core.analysis import GradientStore, sketch_cache
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.sketches import Combine, check_seed, sketch_key, sketch_layers
 from metastore_plugins.core.distributed import queries as dq
+from metastore_plugins.core.distributed.collectives import Comm
+from metastore_plugins.core.distributed.partition import Share
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import find_store_dir
+
+T = TypeVar("T")
 
 
 class DistributedStore(GradientStore):
@@ -42,6 +46,9 @@ class DistributedStore(GradientStore):
         group: the ``torch.distributed`` process group (the default one when ``None``).
         device: where ops run (the local GPU under NCCL by default, else the CPU).
         checksums: as :func:`~metastore_plugins.core.analysis.open_store`.
+
+    Attributes:
+        shares: what this rank scored, one :class:`~.partition.Share` per partitioned query, in call order.
     """
 
     def __init__(
@@ -54,6 +61,17 @@ class DistributedStore(GradientStore):
     ) -> None:
         super().__init__(path, checksums=checksums)
         self.group, self.device = group, device
+        self.shares: list[Share] = []
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group (0 without a process group)."""
+        return rank_of(self.group)
+
+    def from_rank_zero(self, value: T, what: str) -> T:
+        """Rank 0's ``value`` (small, picklable) on every rank: a collective, named ``what`` in its errors."""
+        comm = Comm.of(self.group)
+        return comm.broadcast(value if comm.rank == 0 else None, what)
 
     def _on(self) -> dict[str, Any]:
         return {"group": self.group, "device": self.device}

@@ -52,7 +52,39 @@ def write_reports(
     Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths],
     "outlier_columns": columns}``.
     """
-    directory = Path(directory)
+    tables = report_tables(
+        store,
+        train_split=train_split,
+        test_split=test_split,
+        k=k,
+        render=render,
+        scores=scores,
+        influence_samples=influence_samples,
+        outliers_from=outliers_from,
+        recompute=recompute,
+        rank_outliers_by=rank_outliers_by,
+    )
+    return write_tables(store, directory, tables)
+
+
+def report_tables(
+    store: GradientStore,
+    *,
+    train_split: str = "train",
+    test_split: str = "val",
+    k: int = 20,
+    render: RenderFn | None = None,
+    scores: tuple[np.ndarray, np.ndarray] | None = None,
+    influence_samples: int | None = INFLUENCE_SAMPLES,
+    outliers_from: str = "checkpoints",
+    recompute: RecomputeFn | None = None,
+    rank_outliers_by: str = "auto",
+) -> dict[str, Any]:
+    """The rows :func:`write_reports` writes, without writing them: ``{"outliers", "influence", "outlier_columns"}``.
+
+    Its store queries are those a partitioned report pass makes on every rank, in this order:
+    ``self_influence`` (unless ``scores`` is given), then one ``influence``.
+    """
     train, test = checkpoint_points(store, train_split), checkpoint_points(store, test_split)
     if not train:
         raise ValueError(
@@ -65,8 +97,7 @@ def write_reports(
         for row in outliers:
             row["text"] = render(train_split, row["sample_id"])
         columns = (*OUTLIER_COLUMNS, "text")
-    files = write_table(directory, "outliers", outliers, columns)
-    influence: list[dict[str, Any]] = []
+    influence: list[dict[str, Any]] | None = None
     if test:
         pairs = [(a, a.split("/")[0] + "/" + test_split) for a in train if a.split("/")[0] + "/" + test_split in test]
         influence = influence_rows(
@@ -77,12 +108,24 @@ def write_reports(
                 row["test_text"] = render(test_split, row["test_id"])
                 for entry in (*row["proponents"], *row["opponents"]):
                     entry["text"] = render(train_split, entry["sample_id"])
+    return {"outliers": outliers, "influence": influence, "outlier_columns": columns}
+
+
+def write_tables(store: GradientStore, directory: str | Path, tables: dict[str, Any]) -> dict[str, Any]:
+    """Write :func:`report_tables`'s rows and the store's summary into ``directory``; returns them with ``"files"``.
+
+    ``tables["influence"] is None`` (no test passes): no influence files.
+    """
+    directory = Path(directory)
+    files = write_table(directory, "outliers", tables["outliers"], tables["outlier_columns"])
+    influence = tables["influence"]
+    if influence is not None:
         (directory / "influence.json").write_text(json.dumps(influence, indent=1))
         (directory / "influence.md").write_text(influence_markdown(influence))
         files += [directory / "influence.json", directory / "influence.md"]
     (directory / "summary.json").write_text(json.dumps(store.summary(), indent=1))
     files.append(directory / "summary.json")
-    return {"outliers": outliers, "influence": influence, "files": [str(p) for p in files], "outlier_columns": columns}
+    return {**tables, "influence": influence or [], "files": [str(p) for p in files]}
 
 
 __all__ = [
@@ -93,5 +136,7 @@ __all__ = [
     "influence_rows",
     "markdown_table",
     "outlier_rows",
+    "report_tables",
     "write_reports",
+    "write_tables",
 ]

@@ -31,8 +31,9 @@ from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.policy.plan import projected_size
-from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, write_reports
+from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, report_tables, write_tables
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table
+from metastore_plugins.core.reports.partitioned import agreed, share_of, writes
 from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid, save_png, scatter_figure
 from metastore_plugins.core.reports.tables import _last_metadata, checkpoint_points, outlier_points, self_influence_of
 
@@ -144,23 +145,24 @@ def write_dynamics(
     capture_point: str = "train",
     prefix: str = "metastore",
     explode_factor: float = 10.0,
+    norms: dict[str, np.ndarray] | None = None,
 ) -> list[str]:
     """Gradient-norm scalars per layer and step, norm histograms per epoch, and exploding fractions.
 
     A per-sample gradient "explodes" when its norm exceeds ``explode_factor`` times the
-    median norm of the run.
+    median norm of the run. ``norms``: :func:`dynamics_norms` when at hand.
     """
-    if capture_point not in store.capture_points():
+    by_layer = norms if norms is not None else dynamics_norms(store, capture_point)
+    if by_layer is None:
         return []
     meta = store.metadata(capture_point)
     steps, epochs = meta["step"], meta["epoch"]
     tags = []
-    by_layer = store.norms(capture_point, by_layer=True)  # {layer: (N,)}: the one pass over the records
-    for layer, norms in by_layer.items():
+    for layer, values in by_layer.items():
         for step in np.unique(steps):
-            writer.add_scalar(f"{prefix}/grad_norm/{layer}", float(norms[steps == step].mean()), int(step))
+            writer.add_scalar(f"{prefix}/grad_norm/{layer}", float(values[steps == step].mean()), int(step))
         tags.append(f"{prefix}/grad_norm/{layer}")
-    total = np.sqrt(sum((norms**2 for norms in by_layer.values()), np.zeros(len(steps))))  # (N,) whole-model norms
+    total = np.sqrt(sum((values**2 for values in by_layer.values()), np.zeros(len(steps))))  # (N,) whole-model norms
     for epoch in np.unique(epochs):
         writer.add_histogram(f"{prefix}/grad_norm_per_epoch", total[epochs == epoch], int(epoch))
     threshold = explode_factor * float(np.median(total)) if len(total) else 0.0
@@ -172,11 +174,33 @@ def write_dynamics(
     return [*tags, f"{prefix}/grad_norm_per_epoch", f"{prefix}/exploding_fraction"]
 
 
+def dynamics_norms(store: GradientStore, capture_point: str = "train") -> dict[str, np.ndarray] | None:
+    """Per-layer gradient norms ``{layer: (N,)}`` of ``capture_point`` (one pass over its records), or ``None``."""
+    if capture_point not in store.capture_points():
+        return None
+    return dict(store.norms(capture_point, by_layer=True))
+
+
+def projector_dim(store: GradientStore) -> int:
+    """The sketch size of the projector view: a projected store's projections, else 8."""
+    return projected_size(store.config) or 8
+
+
 def write_projector(
-    writer: Any, store: GradientStore, capture_point: str, *, step: int = 0, dim: int = 8, prefix: str = "metastore"
+    writer: Any,
+    store: GradientStore,
+    capture_point: str,
+    *,
+    step: int = 0,
+    dim: int = 8,
+    prefix: str = "metastore",
+    sketches: np.ndarray | None = None,
 ) -> list[str]:
-    """Gradient sketches (``dim * dim`` numbers per sample) with id and label metadata, via ``add_embedding``."""
-    sketches = store.sketches(capture_point, dim=dim)  # (N, dim * dim)
+    """Gradient sketches (``dim * dim`` numbers per sample) with id and label metadata, via ``add_embedding``.
+
+    ``sketches``: ``store.sketches(capture_point, dim=dim)`` when at hand."""
+    if sketches is None:
+        sketches = store.sketches(capture_point, dim=dim)  # (N, dim * dim)
     meta = store.metadata(capture_point)
     labels = [[str(int(i)), str(label)] for i, label in zip(meta["sample_id"], meta["label"].tolist())]
     tag = f"{prefix}/gradient_sketches"
@@ -244,7 +268,7 @@ def report_figures(
 
 
 def report_run(
-    store_dir: str | os.PathLike[str],
+    store_dir: str | os.PathLike[str] | GradientStore,
     reports_dir: str | os.PathLike[str],
     writers: Sequence[SummaryWriterLike] = (),
     *,
@@ -262,6 +286,15 @@ def report_run(
 ) -> dict[str, Any] | None:
     """Files via :func:`write_reports` into ``reports_dir``, and the same reports to each writer.
 
+    ``store_dir``: the store's path, or an opened store. A
+    :class:`~metastore_plugins.core.distributed.DistributedStore` runs the pass on every rank of its
+    group (call it on each, with the same arguments): the queries split the scoring, in this order
+    on every rank: self-influence; when rank 0 has writers (a broadcast flag), the norms of the
+    training steps and the sketches of the last pass; influence. Then rank 0 alone refines
+    (``recompute``), renders, draws and writes files and events; the other ranks ignore ``writers``,
+    ``render``, ``samples`` and ``recompute``, and return ``{"partition": ...}``
+    (:func:`~metastore_plugins.core.reports.partitioned.share_of`), which rank 0's result holds too.
+
     ``render(split, sample id)`` adds each sample's text to the tables (see :func:`write_reports`).
     ``outliers_from="training"`` takes self-influence in-run over the training steps instead of at
     the checkpoint passes (:func:`~metastore_plugins.core.reports.tables.outlier_points`);
@@ -277,29 +310,39 @@ def report_run(
     Returns ``write_reports``'s result with ``"figures"`` (the figure tags) and ``"tags"`` added,
     or ``None`` (with a warning) when the store holds no checkpoint passes to report on.
     """
-    store = open_store(store_dir)
+    store = store_dir if isinstance(store_dir, GradientStore) else open_store(store_dir)
+    writing, since = writes(store), len(getattr(store, "shares", ()))
     points = checkpoint_points(store, train_split)
     if not points:
-        warnings.warn(
-            f"no reports: the store {store_dir} holds no checkpoint passes 'epoch-*/{train_split}' "
-            "(checkpoint passes were turned off or no epoch finished)",
-            stacklevel=2,
-        )
+        if writing:
+            warnings.warn(
+                f"no reports: the store {store.path} holds no checkpoint passes 'epoch-*/{train_split}' "
+                "(checkpoint passes were turned off or no epoch finished)",
+                stacklevel=2,
+            )
         return None
     sources = outlier_points(store, points, outliers_from)
     scores = self_influence_of(store, sources)  # read once, for the table and the histograms
-    result = write_reports(
+    views = agreed(store, bool(writers), "report: whether rank 0 writes TensorBoard events")
+    norms = dynamics_norms(store) if views and dynamics else None
+    sketches = store.sketches(points[-1], dim=projector_dim(store)) if views and projector else None  # (N, d^2)
+    tables = report_tables(
         store,
-        Path(reports_dir),
         train_split=train_split,
         test_split=test_split,
         k=k,
-        render=render,
+        render=render if writing else None,
         scores=scores,
         outliers_from=outliers_from,
-        recompute=recompute,
+        recompute=recompute if writing else None,  # the model runs on rank 0 only, without collectives
         rank_outliers_by=rank_outliers_by,
-    )
+    )  # its influence query is the last collective: what follows on rank 0 keeps no other rank waiting
+    partition = share_of(store, since)
+    if not writing:
+        return {"partition": partition}
+    result = write_tables(store, Path(reports_dir), tables)
+    if partition is not None:
+        result["partition"] = partition
     table = self_influence_table(store, sources, scores)
     figures, pngs = report_figures(
         result, table, samples, Path(reports_dir), train_split=train_split, test_split=test_split
@@ -311,10 +354,10 @@ def report_run(
     for writer in writers:
         result["tags"] += write_tensorboard(writer, result, table, step=step, figures=figures)
         if dynamics:
-            result["tags"] += write_dynamics(writer, store)
+            result["tags"] += write_dynamics(writer, store, norms=norms)
         if projector:
-            dim = projected_size(store.config) or 8  # a projected store's sketches are its projections
-            result["tags"] += write_projector(writer, store, points[-1], step=step, dim=dim)
+            dim = projector_dim(store)
+            result["tags"] += write_projector(writer, store, points[-1], step=step, dim=dim, sketches=sketches)
         flush = getattr(writer, "flush", None)
         if callable(flush):
             flush()

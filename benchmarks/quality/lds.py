@@ -1,0 +1,308 @@
+"""LDS (linear datamodeling score) of TracIn from the store, next to dattri's TRAK and influence functions.
+
+``python -m benchmarks.quality.lds [--quick] [--kinds mlp cnn] [--out benchmarks/results/quality_lds.json]``
+
+The setup (TRAK, Park et al. 2023; dattri):
+
+- ``S`` random subsets ``D_s`` holding a ``fraction`` (50%) of the ``N`` training samples
+  (seeded), each trained from the *same* initialisation and shuffle seed as the full run,
+  so that the subset alone differs between runs;
+- model output on held-out test sample ``j``: the margin
+  ``f_j(D_s) = log(p_y / (1 - p_y)) = z_y - log sum_{k != y} exp z_k`` of the model trained on ``D_s``;
+- an attributor gives ``tau_ij``, with ``tau_ij > 0`` meaning that training on ``i`` raises
+  ``f_j`` (lowers test sample ``j``'s loss), and predicts ``g_j(D_s) = sum_{i in D_s} tau_ij``;
+- ``LDS_j = Spearman_s(g_j(D_s), f_j(D_s))``; LDS is the mean over the test samples, with a
+  percentile bootstrap 95% interval over test samples (and a paired one for differences).
+
+Attributors: TracIn from one captured run (fp32 store, exact factors of every layer):
+``influence`` over the epoch-end checkpoint passes (exact), ``in_run_influence`` (the
+training steps' gradients against the last pass's test gradients) and ``sketched_influence``
+(Kronecker sketches ``dim x dim`` per layer); and dattri's ``TRAKAttributor`` (final model,
+the epoch checkpoints, an ensemble of independently trained models) and
+``IFAttributorExplicit`` (exact damped Hessian). A peer that fails is reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.stats import rankdata
+from torch import Tensor, nn
+
+from benchmarks.quality.digits import Capture, ModelKind, load_digits_arrays, make_model, train_model
+from benchmarks.quality.lds_peers import dattri_attributors, timed
+from benchmarks.timing import machine, versions
+from metastore_plugins import StoreWriter, open_store
+from metastore_plugins.core.analysis.results import Scores
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One LDS measurement. Peers' hyperparameters are picked on a tuning split: held-out rows
+    ``test_samples .. test_samples + tune_samples - 1`` against ``tune_subsets`` other subsets;
+    the LDS is reported on rows ``0 .. test_samples - 1``. ``quick()`` is the one-minute variant."""
+
+    kind: ModelKind = "mlp"
+    train_size: int = 1497
+    test_samples: int = 200
+    tune_samples: int = 100
+    subsets: int = 256
+    tune_subsets: int = 64
+    fraction: float = 0.5
+    epochs: int = 4
+    seed: int = 0
+    sketch_dims: tuple[int, ...] = (8, 16)
+    ensemble: int = 5
+    trak_regularizations: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
+    dampings: tuple[float, ...] = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0)
+    influence_functions: bool = True
+    bootstrap: int = 2000
+
+    @staticmethod
+    def full(kind: ModelKind = "mlp") -> Setup:
+        """The reported run. No explicit IF on the CNN: dattri's Hessian of all 1,497 samples, a vmapped
+        jacfwd over 3,818 parameters, needs ~12 GB per intermediate (killed here), and its CG variant
+        took 174 s at 10 iterations (docs/quality-lds.md)."""
+        return Setup(kind=kind, influence_functions=kind == "mlp")
+
+    @staticmethod
+    def quick(kind: ModelKind = "mlp") -> Setup:
+        """600 training samples, 64 subsets, 100 test samples; TRAK at the full run's pick (no tuning), no IF."""
+        return Setup(
+            kind=kind,
+            train_size=600,
+            test_samples=100,
+            tune_samples=0,
+            subsets=64,
+            ensemble=3,
+            trak_regularizations=(0.1,),
+            dampings=(1.0,),
+            influence_functions=False,  # its explicit Hessian alone takes 15-40 s here
+        )
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Subsets and their models' margins on the tuning rows: scores a ``(N, T)`` attribution."""
+
+    masks: np.ndarray  # (S', N) bool
+    outputs: np.ndarray  # (S', T)
+
+    def lds(self, scores: np.ndarray) -> float:
+        return float(np.nanmean(lds_per_sample(scores, self.masks, self.outputs)))
+
+
+def margins(model: nn.Module, x: Tensor, y: Tensor) -> np.ndarray:
+    """``(M,)`` margins ``z_y - logsumexp_{k != y} z_k`` (= ``log(p_y / (1 - p_y))``)."""
+    with torch.no_grad():
+        z = model(x).double()  # (M, C)
+    own = z.gather(1, y[:, None]).squeeze(1)  # (M,)
+    others = z.scatter(1, y[:, None], float("-inf")).logsumexp(1)  # (M,)
+    return (own - others).numpy()
+
+
+def subset_masks(n: int, count: int, fraction: float, seed: int) -> np.ndarray:
+    """``(S, N)`` bool: ``count`` seeded random subsets of ``round(fraction * n)`` samples each."""
+    rng = np.random.default_rng(seed)
+    masks = np.zeros((count, n), dtype=bool)
+    for s in range(count):
+        masks[s, rng.choice(n, size=round(fraction * n), replace=False)] = True
+    return masks
+
+
+def subset_outputs(setup: Setup, x: Tensor, y: Tensor, x_test: Tensor, y_test: Tensor, masks: np.ndarray) -> np.ndarray:
+    """``(S, M)`` test margins of models trained on each subset (same init and shuffle seed as the full run)."""
+    out = np.zeros((len(masks), len(y_test)))
+    for s, mask in enumerate(masks):
+        rows = torch.from_numpy(np.flatnonzero(mask))  # (N/2,)
+        model = train_model(make_model(setup.kind, setup.seed), x[rows], y[rows], epochs=setup.epochs, seed=setup.seed)
+        out[s] = margins(model, x_test, y_test)
+    return out
+
+
+def lds_per_sample(scores: np.ndarray, masks: np.ndarray, outputs: np.ndarray) -> np.ndarray:
+    """``(M,)`` Spearman over subsets of ``masks @ scores`` against ``outputs`` (NaN where one is constant).
+
+    Args:
+        scores: ``(N, M)`` attributions ``tau_ij``; masks: ``(S, N)`` bool; outputs: ``(S, M)`` ``f_j(D_s)``.
+    """
+    predicted = masks.astype(np.float64) @ scores  # (S, M)
+    a = rankdata(predicted, axis=0)  # (S, M) average ranks, as scipy.stats.spearmanr
+    b = rankdata(outputs, axis=0)  # (S, M)
+    a, b = a - a.mean(0), b - b.mean(0)
+    denom = np.sqrt((a * a).sum(0) * (b * b).sum(0))  # (M,)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(denom > 0, (a * b).sum(0) / denom, np.nan)
+
+
+def bootstrap_interval(values: np.ndarray, reps: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``nanmean(values)``, resampling the entries with replacement."""
+    values = values[~np.isnan(values)]
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), (reps, len(values)))].mean(1)  # (reps,)
+    tail = (1 - level) / 2
+    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
+
+
+def ordered(scores: Scores, n: int, m: int) -> np.ndarray:
+    """``(n, m)`` scores with rows = train ids ``0..n-1`` and columns = test ids ``0..m-1`` (zero when absent)."""
+    out = np.zeros((n, m))
+    cols = np.flatnonzero(scores.col_ids < m)
+    out[np.ix_(scores.row_ids, scores.col_ids[cols])] = scores.scores[:, cols]
+    return out
+
+
+def store_attributors(store_dir: Path, setup: Setup, n: int) -> dict[str, tuple[np.ndarray, float]]:
+    """TracIn from the captured store: ``{name: ((N, M) scores, query seconds)}``."""
+    store, m = open_store(store_dir), setup.test_samples
+    trains = [f"epoch-{e}/train" for e in range(setup.epochs)]
+    tests = [f"epoch-{e}/test" for e in range(setup.epochs)]
+    out = {
+        "TracIn exact (checkpoint passes)": timed(
+            lambda: ordered(store.influence(trains, tests, test_ids=list(range(m))), n, m)
+        ),
+        "TracIn in-run (training steps)": timed(lambda: ordered(store.in_run_influence(tests[-1]), n, m)),
+    }
+    for dim in setup.sketch_dims:
+        out[f"TracIn projected {dim}x{dim} (checkpoint passes)"] = timed(
+            partial(lambda d: ordered(store.sketched_influence(trains, tests, dim=d, seed=setup.seed), n, m), dim)
+        )
+    return out
+
+
+def run(setup: Setup) -> dict[str, Any]:
+    """Train, capture, retrain on the subsets, attribute, and score: the result for one model kind."""
+    x, y, x_test, y_test = load_digits_arrays(setup.seed, setup.train_size)
+    n, m, t = len(y), setup.test_samples, setup.tune_samples
+    if m + t > len(y_test):
+        raise ValueError(f"test_samples + tune_samples must be at most {len(y_test)}, got {m} + {t}")
+    train_model(make_model(setup.kind, setup.seed), x[:64], y[:64], epochs=1, seed=setup.seed)  # warm-up
+    plain, plain_seconds = timed(
+        lambda: train_model(make_model(setup.kind, setup.seed), x, y, epochs=setup.epochs, seed=setup.seed)
+    )
+    checkpoints: list[dict[str, Tensor]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        store_dir = Path(tmp) / "store"
+        with StoreWriter(store_dir, encoding="fp32") as writer:
+            model, capture_seconds = timed(
+                lambda: train_model(
+                    make_model(setup.kind, setup.seed),
+                    x,
+                    y,
+                    epochs=setup.epochs,
+                    seed=setup.seed,
+                    capture=Capture(writer, passes={"train": (x, y), "test": (x_test[:m], y_test[:m])}),
+                    on_epoch_end=lambda e, mod: checkpoints.append(
+                        {k: p.detach().clone() for k, p in mod.state_dict().items()}
+                    ),
+                )
+            )
+        if not np.allclose(margins(model, x_test, y_test), margins(plain, x_test, y_test), atol=1e-4):
+            raise RuntimeError("capture changed training: the captured and plain runs disagree")
+        store_bytes = sum(f.stat().st_size for f in store_dir.rglob("*") if f.is_file())
+        overhead = capture_seconds - plain_seconds
+        attributions: dict[str, dict[str, Any]] = {
+            name: {"scores": scores, "seconds": overhead + seconds, "query_seconds": seconds, "trainings": 1}
+            for name, (scores, seconds) in store_attributors(store_dir, setup, n).items()
+        }
+    tuning = None
+    if t > 0:
+        tune_masks = subset_masks(n, setup.tune_subsets, setup.fraction, setup.seed + 1)
+        rows = slice(m, m + t)
+        tuning = Tuning(tune_masks, subset_outputs(setup, x, y, x_test[rows], y_test[rows], tune_masks))
+    attributions.update(dattri_attributors(setup, (x, y, x_test[: m + t], y_test[: m + t]), checkpoints, tuning))
+
+    masks = subset_masks(n, setup.subsets, setup.fraction, setup.seed)
+    outputs, truth_seconds = timed(lambda: subset_outputs(setup, x, y, x_test[:m], y_test[:m], masks))
+    exact = lds_per_sample(attributions["TracIn exact (checkpoint passes)"]["scores"], masks, outputs)
+    results = []
+    for name, result in attributions.items():
+        if "error" in result:
+            results.append({"attributor": name, **result})
+            continue
+        per_sample = lds_per_sample(result["scores"], masks, outputs)
+        diff = per_sample - exact  # paired over the same test samples
+        row: dict[str, Any] = {"attributor": name, "lds": float(np.nanmean(per_sample))}
+        row["ci95"] = bootstrap_interval(per_sample, setup.bootstrap, setup.seed)
+        row["minus_exact_tracin"] = float(np.nanmean(diff))
+        row["minus_exact_tracin_ci95"] = bootstrap_interval(diff, setup.bootstrap, setup.seed)
+        row.update({k: v for k, v in result.items() if k != "scores"})
+        results.append(row)
+    return {
+        "setup": asdict(setup),
+        "test_accuracy": float((model(x_test).argmax(1) == y_test).float().mean()),
+        "train_seconds": plain_seconds,
+        "capture_seconds": capture_seconds,
+        "store_bytes": store_bytes,
+        "subset_trainings": setup.subsets + (setup.tune_subsets if t > 0 else 0),
+        "subset_seconds": truth_seconds,
+        "attributors": results,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The markdown table of one model kind's result."""
+    lines = [
+        "| attributor | LDS | 95% interval | minus exact TracIn (95%) | trainings | seconds | picked |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["attributors"]:
+        if "error" in row:
+            lines.append(f"| {row['attributor']} | failed: {row['error']} | | | | | |")
+            continue
+        (lo, hi), (dlo, dhi) = row["ci95"], row["minus_exact_tracin_ci95"]
+        picked = "" if row.get("value") is None else f"{row['value']:g}"
+        lines.append(
+            f"| {row['attributor']} | {row['lds']:.3f} | [{lo:.3f}, {hi:.3f}] | {row['minus_exact_tracin']:+.3f} "
+            f"[{dlo:+.3f}, {dhi:+.3f}] | {row['trainings']} | {row['seconds']:.2f} | {picked} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="600 train samples, 64 subsets, 100 test samples, MLP")
+    parser.add_argument(
+        "--kinds", nargs="+", choices=("mlp", "cnn"), default=None, help="default: mlp cnn (quick: mlp)"
+    )
+    parser.add_argument("--subsets", type=int, default=None, help="number of random 50%% subsets (at least 50)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/quality_lds.json")
+    args = parser.parse_args(argv)
+    if args.subsets is not None and args.subsets < 50:
+        parser.error("--subsets must be at least 50")
+    torch.set_num_threads(args.threads)
+    kinds = args.kinds or (["mlp"] if args.quick else ["mlp", "cnn"])
+    results: dict[str, Any] = {"machine": machine(), "versions": versions("torch", "dattri", "scipy")}
+    results["threads"] = args.threads
+    start = time.perf_counter()
+    for kind in kinds:
+        setup = Setup.quick(kind) if args.quick else Setup.full(kind)
+        if args.subsets is not None:
+            setup = replace(setup, subsets=args.subsets)
+        results[kind] = run(setup)
+        print(
+            f"{kind}: {setup.subsets} subsets, {setup.test_samples} test samples, "
+            f"test accuracy {results[kind]['test_accuracy']:.3f}"
+        )
+        print(table(results[kind]), flush=True)
+    results["seconds"] = time.perf_counter() - start
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"{results['seconds']:.0f} s; written to {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""LDS harness: the score against scipy's Spearman, the digits split, pass learning rates, and a tiny run.
+
+The tiny run is a smoke test (seconds), not a measurement: the figures are in docs/quality-lds.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import spearmanr
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this repository's ``benchmarks`` (opacus installs another one)
+
+pytest.importorskip("sklearn")
+
+from benchmarks.quality import lds  # noqa: E402
+from benchmarks.quality.digits import Capture, ModelKind, load_digits_arrays, make_model, train_model  # noqa: E402
+from metastore_plugins import StoreWriter, open_store  # noqa: E402
+
+
+def test_lds_is_spearman_of_subset_sums_against_outputs() -> None:
+    rng = np.random.default_rng(3)
+    scores = rng.normal(size=(12, 5))  # (N, M)
+    masks = rng.random((9, 12)) < 0.5  # (S, N)
+    outputs = rng.integers(0, 4, size=(9, 5)).astype(float)  # (S, M): ties, as margins rarely have
+    outputs[:, 4] = 1.0  # a constant output: no correlation defined
+    got = lds.lds_per_sample(scores, masks, outputs)
+    for j in range(4):
+        predicted = [scores[masks[s], j].sum() for s in range(9)]  # sum over the subset, by hand
+        assert got[j] == pytest.approx(spearmanr(predicted, outputs[:, j]).statistic, abs=1e-12)
+    assert np.isnan(got[4])
+
+
+def test_lds_signs_and_bootstrap() -> None:
+    rng = np.random.default_rng(0)
+    tau = rng.normal(size=(40, 3))  # (N, M)
+    masks = rng.random((60, 40)) < 0.5  # (S, N)
+    outputs = masks @ tau  # (S, M): a linear datamodel exactly
+    assert np.allclose(lds.lds_per_sample(tau, masks, outputs), 1.0)
+    assert np.allclose(lds.lds_per_sample(-tau, masks, outputs), -1.0)
+    values = rng.normal(0.3, 0.1, size=200)
+    lo, hi = lds.bootstrap_interval(values, reps=500)
+    assert lo < values.mean() < hi and hi - lo < 0.05
+
+
+def test_subsets_hold_half_the_samples_and_are_seeded() -> None:
+    masks = lds.subset_masks(11, 50, 0.5, seed=4)
+    assert masks.shape == (50, 11) and (masks.sum(1) == 6).all()
+    assert np.array_equal(masks, lds.subset_masks(11, 50, 0.5, seed=4))
+    assert len({row.tobytes() for row in masks}) > 40
+
+
+def test_the_split_is_the_lightning_example_s() -> None:
+    pytest.importorskip("lightning")
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from lightning_digits import load_digits_split
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    train, val, flipped = load_digits_split(1497, 0, 0.1)
+    x, y, x_test, y_test = load_digits_arrays(seed=0, flip=0.1)
+    assert x.shape == (1497, 1, 8, 8) and x_test.shape == (300, 1, 8, 8) and x.dtype == torch.float32
+    assert torch.equal(x, train.tensors[0]) and torch.equal(y, train.tensors[1])
+    assert torch.equal(x_test, val.tensors[0]) and torch.equal(y_test, val.tensors[1])
+    clean = load_digits_arrays(seed=0)[1]
+    assert np.array_equal(np.flatnonzero((clean != y).numpy()), flipped)
+    assert 0.0 <= float(x.min()) and float(x.max()) <= 1.0
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_checkpoint_passes_carry_the_sum_of_the_step_learning_rates(kind: ModelKind, tmp_path: Path) -> None:
+    x, y, x_test, y_test = load_digits_arrays(train_size=40)
+    schedule = [0.1 / (1 + t) for t in range(15)]  # 5 steps per epoch, 3 epochs
+
+    with StoreWriter(tmp_path / "store", encoding="fp32") as writer:
+        capture = Capture(writer, passes={"train": (x[:10], y[:10]), "test": (x_test[:4], y_test[:4])})
+        train_model(
+            make_model(kind, 0), x, y, epochs=3, batch_size=8, seed=0, capture=capture, lr_at=schedule.__getitem__
+        )
+    store = open_store(tmp_path / "store")
+    steps = store.metadata("train")
+    assert np.allclose(steps["lr"], np.array(schedule)[steps["step"]])  # each step: its own lr
+    for epoch in range(3):
+        expected = sum(schedule[5 * epoch : 5 * epoch + 5])  # the steps since the previous pass
+        for name in ("train", "test"):
+            meta = store.metadata(f"epoch-{epoch}/{name}")
+            assert np.allclose(meta["lr"], expected) and (meta["step"] == 5 * epoch + 5).all()
+    assert np.array_equal(store.sample_ids("epoch-0/train"), np.arange(10))
+
+
+def test_a_tiny_run_reports_every_attributor() -> None:
+    setup = lds.Setup(
+        train_size=100, test_samples=8, tune_samples=6, subsets=50, tune_subsets=50, epochs=2, sketch_dims=(4,),
+        ensemble=2, trak_regularizations=(0.1, 1.0), influence_functions=False, bootstrap=100,
+    )  # fmt: skip
+    result = lds.run(setup)
+    rows = {row["attributor"]: row for row in result["attributors"]}
+    for name in (
+        "TracIn exact (checkpoint passes)",
+        "TracIn in-run (training steps)",
+        "TracIn projected 4x4 (checkpoint passes)",
+    ):
+        row = rows[name]
+        assert -1 <= row["ci95"][0] <= row["lds"] <= row["ci95"][1] <= 1 and row["trainings"] == 1
+    assert rows["TracIn exact (checkpoint passes)"]["minus_exact_tracin"] == 0.0
+    assert result["subset_trainings"] == 100
+    assert "| TracIn exact (checkpoint passes) |" in lds.table(result)
+
+
+def test_dattri_peers_run_and_are_tuned() -> None:
+    pytest.importorskip("dattri")
+    setup = lds.Setup(
+        train_size=60,
+        test_samples=5,
+        tune_samples=5,
+        subsets=50,
+        tune_subsets=50,
+        epochs=1,
+        sketch_dims=(),
+        ensemble=2,
+        trak_regularizations=(0.1, 1.0),
+        dampings=(3.0,),
+        bootstrap=100,
+    )  # fmt: skip  (one damping: tuning it diagonalises a 4810 x 4810 Hessian, a minute here)
+    rows = {row["attributor"]: row for row in lds.run(setup)["attributors"]}
+    for name in (
+        "dattri TRAK (final model)",
+        "dattri TRAK (1 epoch checkpoints)",
+        "dattri TRAK (ensemble of 2 models)",
+    ):
+        row = rows[name]
+        assert "error" not in row, row.get("trace")
+        assert np.isfinite(row["lds"]) and row["value"] in (0.1, 1.0) and len(row["tuning"]) == 2
+    explicit = rows["dattri IF explicit (final model)"]
+    assert "error" not in explicit, explicit.get("trace")
+    assert np.isfinite(explicit["lds"]) and explicit["value"] == 3.0 and explicit["tuning"] == {}
+    assert rows["dattri TRAK (ensemble of 2 models)"]["trainings"] == 2
