@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--by",
         choices=OUTLIER_RANKINGS,
         default="auto",
-        help="ranking: auto (default: AUM where the training steps hold margins, else self-influence), aum, "
+        help="ranking: auto (default: AUM where the training steps hold margins, else self-influence), aum, loss, "
         "self_influence",
     )
     p = add("influence", cmd_influence, "training samples that drove each test sample (TracIn)")

@@ -75,28 +75,33 @@ def cost_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], detectors: list[str], path: Path) -> None:
-    """Precision at k against the noise rate: a panel per (task, noise), a line per detector."""
+def plot(rows: list[dict[str, Any]], detectors: dict[str, str], path: Path) -> None:
+    """Precision at k against the noise rate: a panel per (task, noise), a line per detector (``{name: label}``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = sorted({(row["task"], row["noise"]) for row in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False)
-    for ax, (task, noise) in zip(axes[0], panels):
+    columns = min(4, len(panels))
+    grid_rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(3.6 * columns, 3.2 * grid_rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (task, noise) in zip(axes.flat, panels):
         mine = [row for row in rows if (row["task"], row["noise"]) == (task, noise)]
         rates = sorted({row["rate"] for row in mine})
-        for name in detectors:
+        for name, label in detectors.items():
             values = [_mean([r for r in mine if r["rate"] == rate], name, "precision") for rate in rates]
             if not np.isnan(values).all():
-                ax.plot([100 * r for r in rates], values, marker="o", label=name)
+                ax.plot([100 * r for r in rates], values, marker="o", label=label)
         ax.set_title(f"{task}: {noise}", fontsize=9)
         ax.set_xlabel("labels flipped (%)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("precision at k = flipped")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    for row_axes in axes:
+        row_axes[0].set_ylabel("precision at k = flipped")
+    axes.flat[len(panels) - 1].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

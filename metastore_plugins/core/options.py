@@ -88,7 +88,8 @@ outliers_from: where the outlier table's self-influence comes from: ``"checkpoin
 rank_outliers_by: ``"auto"`` (default): every trained sample by its area under the margin
     (AUM, the labelled logit minus the largest other, averaged over its training steps; lowest
     first) where the training steps hold margins (class logits), else by self-influence;
-    ``"aum"`` or ``"self_influence"`` to choose. docs/quality.md measures why."""
+    ``"aum"``, ``"loss"`` (the loss at the last pass: best on short fine-tunes of pretrained
+    models) or ``"self_influence"`` to choose. docs/quality.md measures why."""
 
 
 def with_settings_doc(cls: type) -> type:

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.quality --quick --only label-errors`` as a smoke test: every detector scored, docs written."""
+"""``python -m benchmarks.quality --quick`` as a smoke test: every detector and attributor scored, docs written."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("cleanlab")
+pytest.importorskip("dattri")
 pytest.importorskip("sklearn")
 
 from benchmarks.quality.__main__ import main  # noqa: E402
@@ -15,10 +16,10 @@ from benchmarks.quality.detectors import STORE_DETECTORS  # noqa: E402
 from benchmarks.quality.label_errors import REPORT_DEFAULT  # noqa: E402
 
 
-def test_quick_label_error_run(tmp_path: Path) -> None:
+def test_quick_run(tmp_path: Path) -> None:
     doc = tmp_path / "quality.md"
     doc.write_text("# Quality\n")
-    result = main(["--quick", "--only", "label-errors", "--out", str(tmp_path), "--doc", str(doc)])
+    result = main(["--quick", "--out", str(tmp_path), "--doc", str(doc)])
     rows = result["label_errors"]["rows"]
     assert [(r["task"], r["noise"]) for r in rows] == [("digits-mlp", "uniform"), ("digits-cnn", "hard")]
     for row in rows:
@@ -33,3 +34,7 @@ def test_quick_label_error_run(tmp_path: Path) -> None:
     text = doc.read_text()
     assert "<!-- label-errors:start -->" in text and "| report default |" in text
     assert (tmp_path / "quality-precision.png").stat().st_size > 0
+    lds = {row["attributor"]: row for row in result["lds"]["mlp"]["attributors"]}
+    assert "error" not in lds["TracIn exact (checkpoint passes)"] and "<!-- lds:start -->" in text
+    assert lds["TracIn exact (checkpoint passes)"]["lds"] > 0.1  # retraining follows the scores (0.35 measured)
+    assert (tmp_path / "quality_lds_quick.json").is_file()

@@ -90,6 +90,14 @@ def test_outliers_rank_by_lowest_area_under_the_margin_by_default(run_dir: Path)
     assert all(row["self_influence"] is None or row["self_influence"] >= 0 for row in rows)
 
 
+def test_outliers_by_final_loss(run_dir: Path) -> None:
+    rows = json_of("outliers", str(run_dir), "-k", "4", "--by", "loss")
+    last = open_store(run_dir).metadata("epoch-1/train")  # the last checkpoint pass
+    ranking = list(zip(last["sample_id"].tolist(), last["loss"].astype(np.float64).tolist()))
+    assert_top_ranking([(row["sample_id"], row["loss"]) for row in rows], ranking, tolerance(last["loss"]))
+    assert all(row["aum"] is not None and row["self_influence"] is not None for row in rows)
+
+
 def test_influence_of_chosen_test_samples(run_dir: Path) -> None:
     rows = json_of("influence", str(run_dir), "--test", "3,5", "-k", "4")
     scores = open_store(run_dir).influence(["epoch-0/train", "epoch-1/train"], ["epoch-0/val", "epoch-1/val"])

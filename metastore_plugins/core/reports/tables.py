@@ -98,7 +98,7 @@ def self_influence_of(store: GradientStore, points: Sequence[str]) -> tuple[np.n
 
 
 #: what ranks the outlier report: ``"auto"`` is AUM where the training steps hold margins, else self-influence
-OutlierRanking = Literal["auto", "aum", "self_influence"]
+OutlierRanking = Literal["auto", "aum", "loss", "self_influence"]
 OUTLIER_RANKINGS: tuple[str, ...] = get_args(OutlierRanking)
 
 
@@ -106,8 +106,8 @@ OUTLIER_RANKINGS: tuple[str, ...] = get_args(OutlierRanking)
 class OutlierScores:
     """Every ranked training sample: ``ids``, the ranking ``score`` (larger: more suspicious) and its parts.
 
-    ``by``: ``"aum"`` (score ``-AUM``) or ``"self_influence"``; ``self_influence`` and ``aum``
-    are NaN for samples without one (not in the passes; no margins stored).
+    ``by``: ``"aum"`` (score ``-AUM``), ``"loss"`` or ``"self_influence"``; ``self_influence``
+    and ``aum`` are NaN for samples without one (not in the passes; no margins stored).
     """
 
     ids: np.ndarray  # (N,) int64
@@ -123,20 +123,31 @@ def _has_margins(store: GradientStore) -> bool:
     return bool(np.isfinite(store.metadata(TRAINING_STEPS)["margin"]).any())
 
 
+def _aligned(ids: np.ndarray, source_ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``values`` of ``source_ids`` at ``ids`` (NaN where a sample has none)."""
+    out = np.full(len(ids), np.nan)
+    position = {int(sid): k for k, sid in enumerate(source_ids.tolist())}
+    for k, sid in enumerate(ids.tolist()):
+        if sid in position:
+            out[k] = values[position[sid]]
+    return out
+
+
 def outlier_scores(
     store: GradientStore,
     points: Sequence[str],
     rank_by: str = "auto",
     self_influence: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> OutlierScores:
-    """The outlier report's ranking of the training samples (docs/quality.md says why AUM by default).
+    """The outlier report's ranking of the training samples (docs/quality.md measures the choice).
 
     ``"aum"``: every trained sample by its area under the margin over the training steps
-    (:mod:`~metastore_plugins.core.analysis.signals`), lowest first: on digits and MiniLM it
-    finds flipped labels as well as or better than self-influence and cleanlab. ``"self_influence"``:
-    the samples of ``points`` by TracIn self-influence. ``"auto"``: AUM where the training
-    steps hold margins (classification), else self-influence. ``self_influence``: the result
-    of :func:`self_influence_of` over ``points`` when at hand.
+    (:mod:`~metastore_plugins.core.analysis.signals`), lowest first: on the digits it finds flipped
+    labels better than self-influence, the final loss and cleanlab. ``"loss"``: by the loss at the
+    last pass of ``points`` (else the last training step), which does best on a short fine-tune
+    of a pretrained model. ``"self_influence"``: the samples of ``points`` by TracIn
+    self-influence. ``"auto"``: AUM where the training steps hold margins (classification), else
+    self-influence. ``self_influence``: :func:`self_influence_of` over ``points`` when at hand.
     """
     if rank_by not in OUTLIER_RANKINGS:
         raise ValueError(f"rank_outliers_by must be one of {OUTLIER_RANKINGS}, got {rank_by!r}")
@@ -147,14 +158,22 @@ def outlier_scores(
             "class logits); use 'self_influence' or 'auto'"
         )
     si_ids, si_values = self_influence if self_influence is not None else self_influence_of(store, points)
-    if rank_by == "self_influence" or not margins:
-        return OutlierScores(si_ids, si_values, "self_influence", si_values, np.full(len(si_ids), np.nan))
-    signals = training_signals(store)
-    ids = signals.sample_ids
-    influence = np.full(len(ids), np.nan)
-    found = np.isin(si_ids, ids)
-    influence[np.searchsorted(ids, si_ids[found])] = si_values[found]
-    return OutlierScores(ids, -signals.aum, "aum", influence, signals.aum)
+    signals = training_signals(store) if TRAINING_STEPS in store.capture_points() else None
+    if rank_by == "loss":
+        if points:
+            last = store.metadata(points[-1])
+            ids, score = last["sample_id"].astype(np.int64), last["loss"].astype(np.float64)
+        elif signals is not None:
+            ids, score = signals.sample_ids, signals.last_loss
+        else:
+            raise ValueError("rank_outliers_by='loss' needs checkpoint passes or training steps in the store")
+    elif rank_by == "self_influence" or not margins:
+        ids, score, rank_by = si_ids, si_values, "self_influence"
+    else:
+        assert signals is not None  # margins are read from the training steps
+        ids, score, rank_by = signals.sample_ids, -signals.aum, "aum"
+    aum = np.full(len(ids), np.nan) if signals is None else _aligned(ids, signals.sample_ids, signals.aum)
+    return OutlierScores(ids, score, rank_by, _aligned(ids, si_ids, si_values), aum)
 
 
 def _number(value: float) -> float | None:
