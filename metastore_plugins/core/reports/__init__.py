@@ -46,7 +46,8 @@ def write_reports(
     ids, this many (``None``: all of them, at a cost that grows with train x test pairs).
     ``outliers_from``: where self-influence is summed, ``"checkpoints"`` or ``"training"``
     (:func:`~.tables.outlier_points`). ``rank_outliers_by``: ``"auto"`` (AUM where the training
-    steps hold margins, else self-influence), ``"aum"`` or ``"self_influence"`` (:func:`~.tables.outlier_scores`).
+    steps hold margins, else self-influence), ``"aum"``, ``"loss"`` or ``"self_influence"``
+    (:func:`~.tables.outlier_scores`).
     ``recompute``: refines estimated influence scores exactly (:func:`~.tables.influence_rows`).
 
     Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths],
