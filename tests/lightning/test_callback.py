@@ -234,7 +234,9 @@ def test_in_run_outliers_rank_every_trained_sample_not_only_the_checkpoint_subse
         MetaStoreCallback(outliers_from="training", capture_train_steps=False)
     with pytest.raises(ValueError, match=r"rank_outliers_by='aum'\) ranks by the training steps' margins"):
         MetaStoreCallback(rank_outliers_by="aum", capture_train_steps=False)
-    with pytest.raises(ValueError, match=r"MetaStoreCallback\(rank_outliers_by=\.\.\.\) must be one of auto, aum, loss"):
+    with pytest.raises(
+        ValueError, match=r"MetaStoreCallback\(rank_outliers_by=\.\.\.\) must be one of auto, aum, loss"
+    ):
         MetaStoreCallback(rank_outliers_by="margin")  # type: ignore[arg-type]
 
 
