@@ -41,10 +41,10 @@ def margins_of(outputs: Any, labels: Any) -> Tensor | None:
     on the logits' device, detached.
 
     Returns:
-        ``(B,)`` float32 margins, or ``None`` (nothing is stored, as for :func:`predictions_of`) when
-        the outputs are not ``(B, C)`` logits with ``C >= 2``, or the labels are not ``(B,)`` integers
-        in ``0..C-1`` (regression targets, multi-label rows, an ignore index such as -100 anywhere
-        in the batch). Capture never fails over this optional column.
+        ``(B,)`` float32 margins, NaN for a sample whose label is not a class in ``0..C-1`` (an
+        ignore index such as -100); or ``None`` (nothing is stored, as for :func:`predictions_of`)
+        when the outputs are not ``(B, C)`` logits with ``C >= 2``, or the labels are not ``(B,)``
+        integers (regression targets, multi-label rows). Capture never fails over this optional column.
     """
     logits = getattr(outputs, "logits", outputs)
     if not (isinstance(logits, Tensor) and logits.dim() == 2 and logits.shape[1] > 1 and isinstance(labels, Tensor)):
@@ -55,11 +55,12 @@ def margins_of(outputs: Any, labels: Any) -> Tensor | None:
         return None
     z = logits.detach().float()  # (B, C)
     y = labels.detach().to(z.device).long()  # (B,)
-    if y.numel() and not bool(((y >= 0) & (y < z.shape[1])).all()):
-        return None
+    valid = (y >= 0) & (y < z.shape[1])  # (B,)
+    y = torch.where(valid, y, torch.zeros_like(y))
     own = z.gather(1, y[:, None])  # (B, 1)
     others = z.scatter(1, y[:, None], float("-inf"))  # (B, C): the label's logit masked out
-    return (own - others.max(1, keepdim=True).values).squeeze(1)  # (B,)
+    margins = (own - others.max(1, keepdim=True).values).squeeze(1)  # (B,)
+    return torch.where(valid, margins, torch.full_like(margins, float("nan")))
 
 
 def capture_step(

@@ -120,9 +120,6 @@ def test_margins_of_is_detached_and_empty_batches_work() -> None:
         (torch.randn(4, 3), torch.tensor([0.0, 1.0, 2.0, 1.0])),  # class ids as floats: not labels
         (torch.randn(4, 3), torch.tensor([True, False, True, False])),
         (torch.randn(4, 3), torch.zeros(4, 3, dtype=torch.long)),  # multi-label rows
-        (torch.randn(4, 3), torch.tensor([0, 1, 3, 2])),  # out of range (C)
-        (torch.randn(4, 3), torch.tensor([0, -1, 2, 2])),  # negative
-        (torch.randn(4, 3), torch.tensor([0, -100, 2, 2])),  # an ignore index: the whole batch has none
         (torch.randn(4, 3), torch.tensor([0, 1, 2])),  # one label short
         (torch.randn(4, 3), [0, 1, 2, 2]),  # not a tensor
         ({"logits": torch.randn(4, 3)}, torch.tensor([0, 1, 2, 2])),  # a dict: the caller picks the logits
@@ -131,6 +128,16 @@ def test_margins_of_is_detached_and_empty_batches_work() -> None:
 )
 def test_margins_of_is_none_where_no_class_margin_exists(logits: object, labels: object) -> None:
     assert margins_of(logits, labels) is None
+
+
+@pytest.mark.parametrize("other", [3, -1, -100])  # out of range (C), negative, an ignore index
+def test_a_label_that_is_no_class_gets_nan_and_the_others_keep_theirs(other: int) -> None:
+    logits = torch.randn(4, 3)
+    labels = torch.tensor([0, other, 2, 1])
+    margins = margins_of(logits, labels)
+    assert margins is not None and torch.isnan(margins[1])
+    keep = torch.tensor([0, 2, 3])
+    torch.testing.assert_close(margins[keep], _topk_margins(logits[keep], labels[keep]), rtol=1e-6, atol=1e-6)
 
 
 # -- writer -> journal -> reader -----------------------------------------------------------------
@@ -341,3 +348,16 @@ def test_run_capture_records_margins_of_a_dict_output(tmp_path: Path) -> None:
         run.close()
     meta = open_store(tmp_path).metadata()
     np.testing.assert_allclose(meta["margin"], expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_nan_margin_is_stored_and_verified(tmp_path: Path) -> None:
+    """An ignore index (-100) gives that sample a NaN margin; the batch's other margins are kept and verify passes."""
+    records, _ = synthetic_batch(0)
+    logits, labels, margin = _margins(0)
+    labels[2] = -100
+    with StoreWriter(tmp_path / "store") as writer:
+        writer.write(records, sample_ids=torch.arange(4), step=0, labels=labels, margins=margins_of(logits, labels))
+    store = open_store(tmp_path / "store")
+    got = store.metadata()["margin"]
+    assert np.isnan(got[2]) and store.verify() == []
+    np.testing.assert_allclose(got[[0, 1, 3]], margin[[0, 1, 3]].numpy(), rtol=1e-6, atol=1e-6)
