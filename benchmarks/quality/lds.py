@@ -16,8 +16,10 @@ The setup (TRAK, Park et al. 2023; dattri):
 
 Attributors: TracIn from one captured run (fp32 store, exact factors of every layer):
 ``influence`` over the epoch-end checkpoint passes (exact), ``in_run_influence`` (the
-training steps' gradients against the last pass's test gradients) and ``sketched_influence``
-(Kronecker sketches ``dim x dim`` per layer); and dattri's ``TRAKAttributor`` (final model,
+training steps' gradients against the last pass's test gradients), ``sketched_influence``
+(Kronecker sketches ``dim x dim`` per layer) and ``kernel_influence`` (the sketches through a
+ridge-regularised kernel inverse, TRAK's estimator; the ridge picked on the tuning split as the
+peers' are); and dattri's ``TRAKAttributor`` (final model,
 the epoch checkpoints, an ensemble of independently trained models) and
 ``IFAttributorExplicit`` (exact damped Hessian). A peer that fails is reported, not fatal.
 """
@@ -39,7 +41,7 @@ from scipy.stats import rankdata
 from torch import Tensor, nn
 
 from benchmarks.quality.digits import Capture, ModelKind, load_digits_arrays, make_model, train_model
-from benchmarks.quality.lds_peers import dattri_attributors, timed
+from benchmarks.quality.lds_peers import dattri_attributors, pick, timed
 from benchmarks.timing import machine, versions
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis.results import Scores
@@ -63,6 +65,8 @@ class Setup:
     epochs: int = 4
     seed: int = 0
     sketch_dims: tuple[int, ...] = (8, 16)
+    kernel_dim: int = 32
+    kernel_regularizations: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
     ensemble: int = 5
     trak_regularizations: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
     dampings: tuple[float, ...] = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -87,6 +91,7 @@ class Setup:
             subsets=64,
             ensemble=3,
             trak_regularizations=(0.1,),
+            kernel_regularizations=(1.0,),
             dampings=(1.0,),
             influence_functions=False,  # its explicit Hessian alone takes 15-40 s here
         )
@@ -181,6 +186,15 @@ def store_attributors(store_dir: Path, setup: Setup, n: int) -> dict[str, tuple[
     return out
 
 
+def kernel_scores(store_dir: Path, setup: Setup, n: int, regularization: float) -> np.ndarray:
+    """``(N, M + T)`` :meth:`kernel_influence` over the epoch passes (reported rows, then tuning rows)."""
+    store, columns = open_store(store_dir), setup.test_samples + setup.tune_samples
+    trains = [f"epoch-{e}/train" for e in range(setup.epochs)]
+    tests = [f"epoch-{e}/test" for e in range(setup.epochs)]
+    scores = store.kernel_influence(trains, tests, dim=setup.kernel_dim, seed=setup.seed, regularization=regularization)
+    return ordered(scores, n, columns)
+
+
 def run(setup: Setup) -> dict[str, Any]:
     """Train, capture, retrain on the subsets, attribute, and score: the result for one model kind."""
     x, y, x_test, y_test = load_digits_arrays(setup.seed, setup.train_size)
@@ -191,6 +205,11 @@ def run(setup: Setup) -> dict[str, Any]:
     plain, plain_seconds = timed(
         lambda: train_model(make_model(setup.kind, setup.seed), x, y, epochs=setup.epochs, seed=setup.seed)
     )
+    tuning = None
+    if t > 0:
+        tune_masks = subset_masks(n, setup.tune_subsets, setup.fraction, setup.seed + 1)
+        rows = slice(m, m + t)
+        tuning = Tuning(tune_masks, subset_outputs(setup, x, y, x_test[rows], y_test[rows], tune_masks))
     checkpoints: list[dict[str, Tensor]] = []
     with tempfile.TemporaryDirectory() as tmp:
         store_dir = Path(tmp) / "store"
@@ -202,7 +221,7 @@ def run(setup: Setup) -> dict[str, Any]:
                     y,
                     epochs=setup.epochs,
                     seed=setup.seed,
-                    capture=Capture(writer, passes={"train": (x, y), "test": (x_test[:m], y_test[:m])}),
+                    capture=Capture(writer, passes={"train": (x, y), "test": (x_test[: m + t], y_test[: m + t])}),
                     on_epoch_end=lambda e, mod: checkpoints.append(
                         {k: p.detach().clone() for k, p in mod.state_dict().items()}
                     ),
@@ -216,11 +235,9 @@ def run(setup: Setup) -> dict[str, Any]:
             name: {"scores": scores, "seconds": overhead + seconds, "query_seconds": seconds, "trainings": 1}
             for name, (scores, seconds) in store_attributors(store_dir, setup, n).items()
         }
-    tuning = None
-    if t > 0:
-        tune_masks = subset_masks(n, setup.tune_subsets, setup.fraction, setup.seed + 1)
-        rows = slice(m, m + t)
-        tuning = Tuning(tune_masks, subset_outputs(setup, x, y, x_test[rows], y_test[rows], tune_masks))
+        kernel = pick(setup.kernel_regularizations, partial(kernel_scores, store_dir, setup, n), m, tuning)
+        kernel.update(seconds=overhead + kernel["seconds"], query_seconds=kernel["seconds"], trainings=1)
+        attributions[f"TracIn kernel {setup.kernel_dim}x{setup.kernel_dim} (checkpoint passes)"] = kernel
     attributions.update(dattri_attributors(setup, (x, y, x_test[: m + t], y_test[: m + t]), checkpoints, tuning))
 
     masks = subset_masks(n, setup.subsets, setup.fraction, setup.seed)

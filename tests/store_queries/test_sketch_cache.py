@@ -256,3 +256,29 @@ def test_a_read_only_store_still_answers(run: Run, monkeypatch: pytest.MonkeyPat
     store.build_sketches("train", DIM, SEED)
     with read_only(store.path, path.parent):  # a sound cache in a read-only store is read
         assert rel(from_cache_only(store, monkeypatch), expected) <= TOL
+
+
+def test_kernel_influence_against_an_explicit_inverse_of_reference_sketches(run: Run) -> None:
+    """``sum lr S (S^T S + lambda I)^-1 T^T`` with ``S`` from torch.func gradients; the inverse is taken explicitly.
+
+    Tolerance 1e-4: the solve multiplies the fp32 sketches' round-off by the kernel's condition number (the
+    ridge, half the mean eigenvalue, keeps it small)."""
+    store = run.store
+    grads = [(sid, g, lr) for _, sid, g, lr in occurrences(run)]
+    sketch = reference_sketches([g for _, g, _ in grads], store.layers()).double()  # (N_occ, k)
+    lrs = torch.tensor([lr for _, _, lr in grads], dtype=torch.float64)
+    gram = sketch.T @ sketch  # (k, k)
+    ridge = 0.5 * torch.trace(gram) / gram.shape[0]
+    kernel = sketch @ torch.linalg.inv(gram + ridge * torch.eye(gram.shape[0], dtype=torch.float64)) @ sketch.T
+    unique, expected = sum_by_id([sid for sid, _, _ in grads], lrs[:, None] * kernel)
+    got = store.kernel_influence("train", "train", dim=DIM, seed=SEED, regularization=0.5, cache=False)
+    assert got.row_ids.tolist() == unique and got.col_ids.tolist() == unique
+    assert rel(got.scores, expected) <= 1e-4
+    # a ridge that dwarfs every eigenvalue leaves plain sketched TracIn, divided by the ridge
+    large = store.kernel_influence("train", "train", dim=DIM, seed=SEED, regularization=1e8)
+    plain = store.sketched_influence("train", "train", dim=DIM, seed=SEED)
+    mean_eigenvalue = float(torch.trace(gram)) / gram.shape[0]
+    assert rel(large.scores * 1e8 * mean_eigenvalue, plain.scores) <= 1e-4
+    for bad in (0.0, -1.0, True, "1"):
+        with pytest.raises(ValueError, match="regularization must be a positive number"):
+            store.kernel_influence("train", "train", dim=DIM, seed=SEED, regularization=bad)  # type: ignore[arg-type]

@@ -48,6 +48,7 @@ class GradientStore(StoreReader):
     sketches = sketch_queries.sketches
     build_sketches = sketch_queries.build_sketches
     sketched_influence = sketch_queries.sketched_influence
+    kernel_influence = sketch_queries.kernel_influence
     clusters = sketch_queries.clusters
 
     def find(self, tag: str | None = None, **attributes: Any) -> list[dict[str, Any]]:

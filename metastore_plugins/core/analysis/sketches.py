@@ -189,6 +189,45 @@ def sketched_influence(
     return summed_scores(row_parts, col_parts)
 
 
+def kernel_influence(
+    store: StoreReader,
+    train: str | Sequence[str],
+    test: str | Sequence[str],
+    *,
+    dim: int = 32,
+    seed: int = 0,
+    regularization: float = 1.0,
+    layers: Sequence[str] | None = None,
+    cache: bool = True,
+) -> Scores:
+    """TracIn through a kernel inverse on Kronecker sketches (TRAK's estimator, on the loss gradients).
+
+    Per paired checkpoint pass ``c``, with ``S_c`` the ``(N, k)`` sketches of the training samples and
+    ``T_c`` the ``(M, k)`` sketches of the test samples (``k = dim^2``, as :meth:`sketched_influence`):
+    ``sum_c lr_c S_c (S_c^T S_c + lambda_c I)^-1 T_c^T``, with the ridge ``lambda_c = regularization *
+    tr(S_c^T S_c) / k`` relative to the mean eigenvalue. Where plain TracIn credits every similar
+    training sample with the same effect, the inverse shares it out between them (its LDS: the
+    ``benchmarks.quality.lds`` harness). Costs one ``(k, k)`` solve per pass.
+    """
+    dim, seed = positive_int("dim", dim), check_seed(seed)
+    if isinstance(regularization, bool) or not isinstance(regularization, (int, float)) or not regularization > 0:
+        raise ValueError(f"regularization must be a positive number, got {regularization!r}")
+    row_parts, col_parts = [], []
+    for train_cp, test_cp in paired_points(train, test):
+        row_ids, rows = _summed_sketches(store, train_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES)  # (N,), (N, k)
+        col_ids, cols = _summed_sketches(store, test_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES)  # (M,), (M, k)
+        s = rows.double()  # (N, k)
+        gram = s.T @ s  # (k, k)
+        ridge = regularization * float(torch.trace(gram)) / gram.shape[0]
+        eye = torch.eye(gram.shape[0], dtype=gram.dtype)
+        solved = torch.linalg.solve(gram + max(ridge, 1e-300) * eye, cols.double().T)  # (k, M)
+        lr = torch.from_numpy(_learning_rates(store, train_cp))  # (N,)
+        matrix = ((lr[:, None] * s) @ solved).numpy()  # (N, M)
+        row_parts.append((row_ids, matrix))
+        col_parts.append((col_ids, matrix))
+    return summed_scores(row_parts, col_parts)
+
+
 def _learning_rates(store: StoreReader, capture_point: str) -> np.ndarray:
     """``(N,)`` the learning rate recorded with each sample's batch (1 where none was), from the manifests."""
     refs = store.batch_refs(capture_point)
