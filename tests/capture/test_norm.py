@@ -10,8 +10,6 @@ import torch
 from capturecases import assert_exact, cross_entropy
 from torch import nn
 
-from metastore_plugins.core.capture import CaptureSession
-
 
 @dataclass(frozen=True)
 class NormCase:
@@ -46,10 +44,4 @@ def test_norm_is_exact(case: NormCase) -> None:
     assert [r.kind for r in norm_records] == ["dense"]
 
 
-def test_batchnorm_in_training_mode_is_reported() -> None:
-    """Batch statistics mix samples: there is no per-sample gradient to capture, and we say so."""
-    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2))
-    with pytest.warns(UserWarning, match="BatchNorm"):
-        with CaptureSession(model) as session:
-            model(torch.randn(5, 4)).sum().backward()
-    assert sorted(session.uncaptured_parameters()) == ["0.bias", "0.weight"]
+# BatchNorm in training mode (its own weight and bias, and the layers below it): test_batchnorm_mixing.py

@@ -20,9 +20,10 @@ from typing import Any, Literal, Protocol, get_args
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from metastore_plugins.core.capture.batch_mixing import batch_mixed_message, parameters_below, uses_batch_statistics
 from metastore_plugins.core.capture.layers.generic import generic_rule, output_tensors
 from metastore_plugins.core.capture.records import LayerRecord, restore_all
-from metastore_plugins.core.capture.registry import CaptureRule, RecordsFn, find_rule, move_batch_first
+from metastore_plugins.core.capture.registry import CaptureRule, RecordsFn, find_rule, first_input, move_batch_first
 
 LossReduction = Literal["mean", "sum"]
 UnsupportedPolicy = Literal["warn", "error", "skip"]
@@ -73,10 +74,12 @@ class _ModuleContext:
     def on_output_grad(self, output: Tensor, records: RecordsFn) -> None:
         if isinstance(output, Tensor) and output.requires_grad:
             batch_dim = self.batch_dim
-            output.register_hook(lambda grad: self._session._collect(records, move_batch_first(grad, batch_dim)))
+            output.register_hook(
+                lambda grad: self._session._collect(records, move_batch_first(grad, batch_dim), self._params)
+            )
 
     def on_node_grad(self, node: Any, records: RecordsFn) -> None:
-        node.register_prehook(lambda grads: self._session._collect(records, grads[0]))
+        node.register_prehook(lambda grads: self._session._collect(records, grads[0], self._params))
 
     def after_model_forward(self, callback: Callable[[list[Tensor]], None]) -> None:
         self._session._after_forward.append(callback)
@@ -103,7 +106,8 @@ class CaptureSession:
             factors before ``scaler.update()`` changes the scale.
         unsupported: what to do with trainable parameters no rule covers (or that cannot be
             captured exactly): ``"warn"`` once per module, ``"error"``, or ``"skip"`` silently.
-            They are listed by :meth:`uncaptured_parameters` in every case.
+            They are listed by :meth:`uncaptured_parameters` in every case. The same policy reports
+            parameters below a BatchNorm that uses batch statistics (:meth:`batch_mixed_parameters`).
         batch_dims: module path -> dimension that indexes samples in its inputs, for
             modules fed ``(T, B, ...)`` tensors. Applies to the module and its children.
             Children of ``nn.Transformer``, ``nn.TransformerEncoder``/``Decoder`` and their
@@ -144,6 +148,10 @@ class CaptureSession:
         self._records: list[LayerRecord] = []
         self._uncaptured: dict[str, None] = {}
         self._generic: dict[str, None] = {}  # parameters hooked by the generic rule
+        self._hooked: set[str] = set()  # parameters some rule captures
+        self._mixed: dict[str, str] = {}  # parameter -> the BatchNorm that mixed it, since attach
+        self._mixed_now: dict[str, str] = {}  # the same, for the forwards since the last reset()
+        self._below: dict[str, list[str]] = {}  # BatchNorm path -> hooked parameters below it (graph walked once)
         self._reported: set[str] = set()
         self._attached = False
         self._paused = False
@@ -199,6 +207,7 @@ class CaptureSession:
     def reset(self) -> None:
         """Forget the records collected so far (call between optimizer steps)."""
         self._records.clear()
+        self._mixed_now.clear()
 
     def pause(self) -> None:
         """Stop collecting while staying attached: forward passes until :meth:`resume` cost nothing.
@@ -260,20 +269,62 @@ class CaptureSession:
         """Names of trainable parameters whose per-sample gradients are not captured."""
         return list(self._uncaptured)
 
+    def batch_mixed_parameters(self) -> dict[str, str]:
+        """Parameter -> the BatchNorm above it that used batch statistics in a captured forward.
+
+        Their gradients in such forwards are not per sample (see
+        :mod:`~metastore_plugins.core.capture.batch_mixing`): those records are dropped.
+        """
+        return dict(self._mixed)
+
     def generic_parameters(self) -> list[str]:
         """Names of trainable parameters captured by the generic rule (where a specific rule would be faster)."""
         return [name for name in self._generic if name not in self._uncaptured]
 
     # -- internals -------------------------------------------------------------------
 
-    def _collect(self, records: RecordsFn, grad: Tensor) -> None:
+    def _collect(self, records: RecordsFn, grad: Tensor, params: Mapping[str, str] | None = None) -> None:
         if not self._attached:  # gradients reaching a closed session are not collected
             return
+        mixed = self._mixed_now
+        if mixed and params and all(name in mixed for name in params.values()):
+            return  # not per sample in this forward: not computed
         self._in_records = True  # a rule that re-runs its module (capture_with_vmap) must not re-hook it
         try:
-            self._records.extend(records(grad))
+            collected = records(grad)
         finally:
             self._in_records = False
+        for record in collected:
+            names = list(record.params.values())
+            norm = next((mixed[name] for name in names if name in mixed), None)
+            if norm is None:
+                self._records.append(record)
+            else:  # dropped whole: its other parameters are named too
+                self._mixed.update({name: self._mixed.get(name, norm) for name in names})
+
+    def _batch_norm_called(
+        self, path: str, canonical: dict[int, str], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Mark the captured parameters below a BatchNorm that normalizes with batch statistics (walked once)."""
+        if not self._attached or self._paused or self._in_records or not uses_batch_statistics(module):
+            return
+        below = self._below.get(path)
+        if below is None:
+            x = first_input(args, kwargs)
+            if x.grad_fn is None:  # nothing below it requires grad (in this call)
+                return
+            found = set(parameters_below(x, canonical))
+            below = self._below[path] = [n for n in canonical.values() if n in found and n in self._hooked]
+        if not below:
+            return
+        self._mixed_now.update({name: path for name in below if name not in self._mixed_now})
+        new = [name for name in below if name not in self._mixed]
+        self._mixed.update(dict.fromkeys(new, path))
+        if self.unsupported == "error" or (self.unsupported == "warn" and new):
+            message = batch_mixed_message(path or "<root>", type(module).__name__, new or below)
+            if self.unsupported == "error":
+                raise UnsupportedLayerError(message)
+            warnings.warn(message, stacklevel=3)
 
     def _model_forward_done(self, model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """Run the callbacks rules deferred until the whole graph of this forward exists."""
@@ -294,6 +345,12 @@ class CaptureSession:
             self._reported.add(where)
             warnings.warn(message, stacklevel=3)
 
+    def _norm_hook(self, path: str, canonical: dict[int, str]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            self._batch_norm_called(path, canonical, module, args, kwargs)
+
+        return hook
+
     def _wanted(self, path: str) -> bool:
         return self.modules is None or any(path == m or path.startswith(m + ".") for m in self.modules)
 
@@ -308,6 +365,9 @@ class CaptureSession:
         covered: set[int] = set()
         self._walk(self.model, "", [], canonical, covered)
         self._handles.append(self.model.register_forward_hook(self._model_forward_done))
+        for path, module in self.model.named_modules():  # every one, captured or not: it mixes what is below it
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                self._handles.append(module.register_forward_hook(self._norm_hook(path, canonical), with_kwargs=True))
         for name, param in self.model.named_parameters():
             if param.requires_grad and id(param) not in covered and self._wanted(name):
                 self._uncaptured[name] = None
@@ -351,6 +411,7 @@ class CaptureSession:
         self._check_uncovered_parameters(module, path, rule)
         if not params:
             return
+        self._hooked.update(params.values())
         context = _ModuleContext(self, path, self._batch_dim(path, ancestors), params)
 
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:

@@ -11,6 +11,7 @@ import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.refine import RecomputeFn
+from metastore_plugins.core.capture.batch_mixing import batch_mixed_note
 from metastore_plugins.core.reports.files import influence_markdown, markdown_table, write_table
 from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows, outlier_points, outlier_rows
 
@@ -124,7 +125,7 @@ def write_tables(store: GradientStore, directory: str | Path, tables: dict[str, 
         (directory / "influence.json").write_text(json.dumps(influence, indent=1))
         (directory / "influence.md").write_text(influence_markdown(influence))
         files += [directory / "influence.json", directory / "influence.md"]
-    (directory / "summary.json").write_text(json.dumps(store.summary(), indent=1))
+    (directory / "summary.json").write_text(json.dumps({**store.summary(), **batch_mixed_note(store.config)}, indent=1))
     files.append(directory / "summary.json")
     return {**tables, "influence": influence or [], "files": [str(p) for p in files]}
 

@@ -3,6 +3,12 @@
 ``nn.LayerNorm``: with ``x_hat`` the normalized input and ``D`` the output gradient,
 ``grad gamma_i = sum_t D_i[t] * x_hat_i[t]`` and ``grad beta_i = sum_t D_i[t]``.
 
+``BatchNorm`` with batch statistics (training mode): ``y_i = gamma x_hat_i + beta`` with
+``x_hat = (x - mean_B) / sqrt(var_B + eps)`` (the batch's mean and biased variance over the batch
+and spatial positions), held as computed on the batch, so ``grad gamma_i = sum_s D_i[:, s] * x_hat_i[:, s]``
+and ``grad beta_i = sum_s D_i[:, s]`` are each sample's own-loss gradients. The layers *below* it are
+not per sample (:mod:`~metastore_plugins.core.capture.batch_mixing`).
+
 Other modules whose output for a sample depends only on that sample's input
 (``GroupNorm``, ``RMSNorm``, ``InstanceNorm``, ``BatchNorm`` in eval mode) use
 :func:`capture_with_vmap`, the generic rule of :mod:`.generic`: the vector-Jacobian
@@ -15,9 +21,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from metastore_plugins.core.capture.batch_mixing import BATCH_MIXED_FIX, uses_batch_statistics
 from metastore_plugins.core.capture.layers.generic import capture_generic
 from metastore_plugins.core.capture.records import LayerRecord, as_computed, dense_record
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
@@ -53,22 +61,69 @@ def capture_with_vmap(
 ) -> None:
     """Hook body for modules whose output for a sample depends only on that sample's input: the
     generic rule (:func:`~metastore_plugins.core.capture.layers.generic.capture_generic`), registered.
-
-    ``BatchNorm`` in training mode normalizes with batch statistics, which mix samples: reported.
     """
     capture_generic(module, args, kwargs, output, ctx)
+
+
+def batch_norm_records(
+    layer: str, x: Tensor, grad_output: Tensor, eps: float, params: dict[str, str]
+) -> list[LayerRecord]:
+    """Dense per-sample gradients of a BatchNorm's weight and bias, its batch statistics held as computed.
+
+    ``x``, ``grad_output``: the input and the output gradient, ``(B, C, *spatial)``.
+    """
+    grad = as_computed(grad_output, grad_output.dtype)  # (B, C, *S) fp32
+    x = as_computed(x, grad_output.dtype)  # (B, C, *S) fp32
+    dims = [0, *range(2, x.dim())]
+    mean = x.mean(dims, keepdim=True)  # (1, C, 1, ...)
+    var = x.var(dims, unbiased=False, keepdim=True)  # (1, C, 1, ...): the biased variance F.batch_norm divides by
+    x_hat = (x - mean) * torch.rsqrt(var + eps)  # (B, C, *S)
+    batch, channels = x.shape[:2]
+    grads: dict[str, Tensor] = {}
+    if "weight" in params:
+        grads["weight"] = (grad * x_hat).reshape(batch, channels, -1).sum(2)  # (B, C)
+    if "bias" in params:
+        grads["bias"] = grad.reshape(batch, channels, -1).sum(2)  # (B, C)
+    return [dense_record(layer, grads, params)]
+
+
+def _synchronized(module: nn.Module) -> bool:
+    """Whether a ``SyncBatchNorm`` takes its statistics over the batches of several processes."""
+    if not isinstance(module, nn.SyncBatchNorm) or not torch.distributed.is_available():
+        return False
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size(module.process_group) > 1
+
+
+def capture_batch_norm(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext
+) -> None:
+    """Hook body for BatchNorms: :func:`batch_norm_records` with batch statistics, else the generic rule."""
+    if not uses_batch_statistics(module):  # running statistics: each sample by itself
+        capture_generic(module, args, kwargs, output, ctx)
+        return
+    if _synchronized(module):
+        ctx.unsupported(
+            f"'{ctx.name}' (SyncBatchNorm) normalizes with the statistics of every process's batch, which one "
+            "process cannot recompute: its weight and bias are not captured in training mode. To fix: "
+            f"{BATCH_MIXED_FIX}; or pass unsupported='skip' to accept it."
+        )
+        return
+    x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, C, *S)
+    params, eps = ctx.param_names(module), float(module.eps)  # type: ignore[arg-type]
+    ctx.on_output_grad(output, lambda grad: batch_norm_records(ctx.name, x, grad, eps, params))
 
 
 _PER_SAMPLE_NORMS: tuple[type[nn.Module], ...] = (
     nn.GroupNorm,
     nn.InstanceNorm1d,
     nn.InstanceNorm2d,
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
     nn.InstanceNorm3d,
-    nn.BatchNorm3d,
     *(nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d),
-    *(nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d),
     *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
 )
 register_capture(*_PER_SAMPLE_NORMS)(capture_with_vmap)
+_BATCH_NORMS: tuple[type[nn.Module], ...] = (
+    *(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
+    *(nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d),
+)
+register_capture(*_BATCH_NORMS)(capture_batch_norm)
