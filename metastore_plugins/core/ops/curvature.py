@@ -1,0 +1,351 @@
+"""K-FAC and EK-FAC curvature of per-sample gradient records, and gradients preconditioned by it.
+
+The curvature is the empirical Fisher ``F = (1/N) sum_i g_i g_i^T`` of the per-sample gradients
+``g_i`` that records hold (each sample's own loss, the loss reduction undone), approximated
+block-diagonally, one block per layer (a record's parameters together):
+
+- **factored layers** (``"outer"`` records). Per weight group, ``[W_i | b_i] = sum_t D_it^T A'_it``
+  with ``A'`` the prefix and a column of ones when the layer has a bias (the bias is the last
+  column). K-FAC approximates the block by ``G ⊗ C`` (row-major ``(d_out, d_in')`` order) with
+
+  - ``C = (1/R) sum_{i,t} a'_it a'_it^T``: the mean over the ``R`` kept token rows;
+  - ``G = (1/N) sum_{i,t} d_it d_it^T``: summed over a sample's rows, averaged over the ``N`` samples.
+
+  This is the "expand" estimator for sequences (Eschenhagen et al. 2023; Grosse & Martens' KFC for
+  convolutions, which puts the ``1/T`` on the other factor: the product is the same): cross-token
+  terms are dropped, so ``G ⊗ C`` has the scale of ``F`` whatever the length. With one row per sample
+  it is plain K-FAC (Martens & Grosse 2015) as Kronfluence fits it; for sequences Kronfluence divides
+  ``G`` by the token count too, which scales a layer by ``1/T_mean``. Rows a capture dropped (exactly
+  zero suffix: padding, positions the loss never reads) count in neither mean. In the eigenbases
+  ``C = Q_A diag(l_A) Q_A^T`` and ``G = Q_D diag(l_D) Q_D^T``, the K-FAC eigenvalues are
+  ``Lambda = l_D l_A^T`` ``(d_out, d_in')``; EK-FAC's (George et al. 2018) are the exact diagonal of
+  ``F`` in that basis, ``Lambda = (1/N) sum_i (Q_D^T [W_i | b_i] Q_A)^2``, formed from rotated factors
+  ``(D_i Q_D)^T (A'_i Q_A)``.
+- **dense layers** (``"dense"`` records: norms, small parameters): the flattened gradient's full
+  ``F`` (eigendecomposed) up to :data:`FULL_FISHER_MAX_PARAMS` entries, its diagonal above. K-FAC and
+  EK-FAC treat them alike.
+
+Preconditioning: ``(F + delta I)^-1 g = Q [(Q^T g) / (Lambda + delta)]``, for a factored layer
+``Q_D [(Q_D^T [W | b] Q_A) / (Lambda + delta)] Q_A^T``: no ``(d_out d_in)^2`` matrix is ever built.
+The damping ``delta`` of a layer is given, or :data:`DEFAULT_RELATIVE_DAMPING` times the mean of its
+``Lambda`` (Kronfluence's rule). Sums accumulate batch by batch (:class:`CurvatureSums`,
+:class:`EigenvalueCorrection`), so a writer can feed them as a run goes; all maths is float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from metastore_plugins.core.capture.records import LayerRecord, WeightLayout, dense_key
+from metastore_plugins.core.ops._common import (
+    DEFAULT_MAX_BYTES,
+    chunks,
+    need_gradients,
+    rebuild_outer,
+    restore_chunk,
+    weight_groups,
+)
+from metastore_plugins.core.ops.represent import by_layer, shared_layers
+
+CurvatureMethod = Literal["kfac", "ekfac"]
+CURVATURE_METHODS: tuple[CurvatureMethod, ...] = ("kfac", "ekfac")
+#: Damping of a layer when none is given: this fraction of the mean eigenvalue of its curvature (Kronfluence).
+DEFAULT_RELATIVE_DAMPING = 0.1
+#: Dense layers with at most this many parameters get a full empirical Fisher; larger ones its diagonal.
+FULL_FISHER_MAX_PARAMS = 2048
+_F64 = torch.float64
+
+
+@dataclass
+class LayerSums:
+    """Running sums of one layer over training batches.
+
+    A layer's batches may be held factored or dense (capture keeps whichever is smaller, batch by
+    batch): the Kronecker sums come from its factored batches, the dense Fisher sums from its
+    dense ones, and :meth:`CurvatureSums.fit` uses the Kronecker sums wherever there are any.
+
+    Attributes:
+        params: role -> parameter name of the layer's records.
+        inputs: ``(G, d_in', d_in')`` ``sum_r a'_r a'_r^T`` over the factored batches' rows.
+        outputs: ``(G, d_out, d_out)`` ``sum_r d_r d_r^T`` over the same rows.
+        rows, factored_samples: token rows ``R`` and samples ``N`` of the factored batches.
+        dense: ``(P, P)`` ``sum_i g_i g_i^T`` over the dense batches, or ``(P,)`` ``sum_i g_i^2`` above
+            :data:`FULL_FISHER_MAX_PARAMS`.
+        dense_samples: samples of the dense batches.
+        layout: the weight layout of the factored records (dense records do not say).
+    """
+
+    params: dict[str, str]
+    inputs: Tensor | None = None
+    outputs: Tensor | None = None
+    rows: int = 0
+    factored_samples: int = 0
+    dense: Tensor | None = None
+    dense_samples: int = 0
+    layout: WeightLayout = "out_in"
+
+    def covariances(self) -> tuple[Tensor, Tensor | None]:
+        """``(C, G)`` = ``(inputs / R, outputs / N)`` where there are factored batches, else ``(F, None)``."""
+        if self.inputs is not None and self.outputs is not None:
+            return self.inputs / max(1, self.rows), self.outputs / max(1, self.factored_samples)
+        assert self.dense is not None
+        return self.dense / max(1, self.dense_samples), None
+
+
+@dataclass(frozen=True)
+class LayerCurvature:
+    """One layer's fitted curvature in its eigenbasis.
+
+    Attributes:
+        kind: ``"outer"`` or ``"dense"``.
+        params: role -> parameter name.
+        q_in: outer: ``(G, d_in', d_in')`` ``Q_A``; dense: ``(P, P)`` ``Q``, or ``None`` (diagonal).
+        q_out: outer: ``(G, d_out, d_out)`` ``Q_D``; dense: ``None``.
+        eigenvalues: outer: ``(G, d_out, d_in')`` ``Lambda``; dense: ``(P,)``.
+        samples: training samples it was fitted on.
+        layout: the weight's layout (``"in_out"``: transformers' ``Conv1D``).
+    """
+
+    kind: Literal["outer", "dense"]
+    params: dict[str, str]
+    q_in: Tensor | None
+    q_out: Tensor | None
+    eigenvalues: Tensor
+    samples: int
+    layout: WeightLayout = "out_in"
+
+    def damping(self, damping: float | None = None, relative: float = DEFAULT_RELATIVE_DAMPING) -> float:
+        """``damping`` if given, else ``relative`` times the mean eigenvalue (1 for a layer without curvature)."""
+        if damping is not None:
+            return float(damping)
+        mean = float(self.eigenvalues.mean()) if self.eigenvalues.numel() else 0.0
+        return relative * mean if mean > 0 else 1.0
+
+
+def layer_groups(records: Sequence[LayerRecord]) -> dict[str, list[LayerRecord]]:
+    """Records of one batch by layer (a module called twice gives a layer several), checked for K-FAC.
+
+    Raises:
+        RepresentationError: for a projected or norms-only layer.
+        ValueError: for an embedding layer or layers that share a parameter (tied weights), named.
+    """
+    tied = shared_layers(records)
+    for record in records:
+        need_gradients(record, "K-FAC curvature")
+        if record.layer in tied:
+            raise ValueError(
+                f"layer '{record.layer}' shares a parameter with another layer (tied weights: {sorted(tied)}); "
+                "K-FAC fits one block per layer: leave one of them out with layers="
+            )
+        if record.kind not in ("outer", "dense"):
+            raise ValueError(
+                f"layer '{record.layer}' is kept as {record.kind!r} records, which K-FAC does not fit yet; "
+                "leave it out with layers="
+            )
+    return by_layer(records)
+
+
+def augmented_prefix(record: LayerRecord) -> Tensor:
+    """``(R, G, d_in')`` float64: the prefix where the record holds a weight, then ones where it holds a bias."""
+    prefix = record.tensors["prefix"].to(_F64)  # (R, G, d_in)
+    parts = [prefix] if "weight" in record.params else []
+    if "bias" in record.params:
+        parts.append(prefix.new_ones(*prefix.shape[:2], 1))  # (R, G, 1)
+    return torch.cat(parts, 2)
+
+
+def flat_gradients(record: LayerRecord, lo: int, hi: int) -> Tensor:
+    """``(n, P)`` float64: samples ``lo..hi-1``'s gradients of any exact record, its roles flattened in order."""
+    grads = restore_chunk(record, lo, hi, list(record.params.values()))
+    return torch.cat([grads[name].to(_F64).reshape(hi - lo, -1) for name in record.params.values()], 1)
+
+
+def _block_gradients(record: LayerRecord, lo: int, hi: int, layout: WeightLayout, groups: int, d_out: int) -> Tensor:
+    """``(n, G, d_out, d_in')`` float64 ``[W_i | b_i]`` of samples ``lo..hi-1`` of a dense record (factored layer)."""
+    n, parts = hi - lo, []
+    if "weight" in record.params:
+        weight = record.dense_grad("weight")[lo:hi].to(_F64)  # (n, *shape)
+        d_in = weight[0].numel() // (groups * d_out)
+        parts.append(weight_groups(weight, layout, groups, d_out, d_in))  # (n, G, d_out, d_in)
+    if "bias" in record.params:
+        parts.append(record.dense_grad("bias")[lo:hi].to(_F64).reshape(n, groups, d_out, 1))
+    return torch.cat(parts, 3)
+
+
+class CurvatureSums:
+    """K-FAC sums over training batches, per layer: :meth:`add` each batch's records, then :meth:`fit`."""
+
+    def __init__(self) -> None:
+        self.layers: dict[str, LayerSums] = {}
+
+    def add(self, records: Sequence[LayerRecord]) -> None:
+        """Add one batch (all of a layer's records of the batch together)."""
+        for layer, group in layer_groups(records).items():
+            first = group[0]
+            sums = self.layers.setdefault(layer, LayerSums(dict(first.params)))
+            if sums.params != first.params:
+                raise ValueError(f"layer '{layer}' has records of two parameter sets; fit records of one model")
+            if all(r.kind == "outer" for r in group):
+                prefixes = torch.cat([augmented_prefix(r) for r in group]).transpose(0, 1)  # (G, R, d_in')
+                suffixes = torch.cat([r.tensors["suffix"].to(_F64) for r in group]).transpose(0, 1)  # (G, R, d_out)
+                sums.inputs = _added(sums.inputs, prefixes.transpose(1, 2) @ prefixes, layer)  # (G, d_in', d_in')
+                sums.outputs = _added(sums.outputs, suffixes.transpose(1, 2) @ suffixes, layer)  # (G, d_out, d_out)
+                sums.rows += prefixes.shape[1]
+                sums.layout = first.layout
+                sums.factored_samples += first.batch_size
+                continue
+            flat = sum(
+                (flat_gradients(r, 0, r.batch_size) for r in group[1:]), flat_gradients(first, 0, first.batch_size)
+            )
+            square = flat.T @ flat if flat.shape[1] <= FULL_FISHER_MAX_PARAMS else (flat * flat).sum(0)  # (P, P) / (P,)
+            sums.dense = _added(sums.dense, square, layer)
+            sums.dense_samples += first.batch_size
+
+    def fit(self) -> dict[str, LayerCurvature]:
+        """Each layer's eigenbasis and K-FAC eigenvalues."""
+        out = {}
+        for layer, sums in self.layers.items():
+            first, second = sums.covariances()
+            if second is None:
+                if first.dim() == 1:
+                    out[layer] = LayerCurvature("dense", sums.params, None, None, first, sums.dense_samples)
+                else:
+                    values, q = torch.linalg.eigh(first)  # (P,), (P, P)
+                    out[layer] = LayerCurvature("dense", sums.params, q, None, values.clamp_min(0), sums.dense_samples)
+                continue
+            l_in, q_in = torch.linalg.eigh(first)  # (G, d_in'), (G, d_in', d_in')
+            l_out, q_out = torch.linalg.eigh(second)  # (G, d_out), (G, d_out, d_out)
+            values = l_out.clamp_min(0)[:, :, None] * l_in.clamp_min(0)[:, None, :]  # (G, d_out, d_in')
+            out[layer] = LayerCurvature("outer", sums.params, q_in, q_out, values, sums.factored_samples, sums.layout)
+        return out
+
+
+def _added(total: Tensor | None, part: Tensor, layer: str) -> Tensor:
+    if total is None:
+        return part
+    if total.shape != part.shape:
+        raise ValueError(f"layer '{layer}' has records of two shapes ({tuple(total.shape)}, {tuple(part.shape)})")
+    return total + part
+
+
+def rotated(group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi: int) -> Tensor:
+    """Per-sample gradients of samples ``lo..hi-1`` of one layer in its eigenbasis, summed over its records.
+
+    Kronecker layer: ``(n, G, d_out, d_in')`` ``Q_D^T [W_i | b_i] Q_A``, from the rotated factors
+    ``(D Q_D)^T (A' Q_A)`` of factored records (rotating the gradient of dense ones); dense layer:
+    ``(n, P)`` ``Q^T g_i`` (``g_i`` itself under a diagonal Fisher).
+    """
+    n = hi - lo
+    if curvature.kind == "dense":
+        flat = sum((flat_gradients(r, lo, hi) for r in group[1:]), flat_gradients(group[0], lo, hi))  # (n, P)
+        return flat if curvature.q_in is None else flat @ curvature.q_in
+    q_in, q_out = curvature.q_in, curvature.q_out
+    assert q_in is not None and q_out is not None
+    total = torch.zeros(n, *curvature.eigenvalues.shape, dtype=_F64)  # (n, G, d_out, d_in')
+    for record in group:
+        if record.kind == "dense":
+            total += q_out.transpose(1, 2) @ _block_gradients(record, lo, hi, curvature.layout, *q_out.shape[:2]) @ q_in
+            continue
+        sample = record.tensors["sample"].long()  # (R,)
+        rows = ((sample >= lo) & (sample < hi)).nonzero().squeeze(1)  # (R_chunk,)
+        prefix = torch.einsum("rgi,gij->rgj", augmented_prefix(record)[rows], q_in)  # (R_chunk, G, d_in')
+        suffix = torch.einsum("rgo,gop->rgp", record.tensors["suffix"][rows].to(_F64), q_out)  # (R_chunk, G, d_out)
+        total += rebuild_outer(prefix, suffix, sample[rows] - lo, n)  # (n, G, d_out, d_in')
+    return total
+
+
+def _sample_chunk(curvature: LayerCurvature, max_bytes: int) -> int:
+    """Samples per chunk so that a few float64 copies of their rotated gradients stay within ``max_bytes``."""
+    return max(1, max_bytes // (32 * max(1, curvature.eigenvalues.numel())))
+
+
+class EigenvalueCorrection:
+    """EK-FAC: ``(1/N) sum_i (Q_D^T [W_i | b_i] Q_A)^2`` over training batches, in a fitted K-FAC eigenbasis."""
+
+    def __init__(self, curvature: dict[str, LayerCurvature]) -> None:
+        self.curvature = curvature
+        self.sums = {layer: torch.zeros_like(c.eigenvalues) for layer, c in curvature.items() if c.kind == "outer"}
+        self.samples = dict.fromkeys(self.sums, 0)
+
+    def add(self, records: Sequence[LayerRecord], max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        """Add one batch's squared rotated per-sample gradients (in sample chunks within ``max_bytes``)."""
+        for layer, group in layer_groups(records).items():
+            if layer not in self.sums:
+                continue
+            curvature = self.curvature[layer]
+            for lo, hi in chunks(group[0].batch_size, _sample_chunk(curvature, max_bytes)):
+                self.sums[layer] += rotated(group, curvature, lo, hi).square().sum(0)  # (G, d_out, d_in')
+            self.samples[layer] += group[0].batch_size
+
+    def fit(self) -> dict[str, LayerCurvature]:
+        """The curvature with EK-FAC's corrected eigenvalues for every layer that saw a batch."""
+        out = dict(self.curvature)
+        for layer, sums in self.sums.items():
+            if self.samples[layer]:
+                c = self.curvature[layer]
+                out[layer] = replace(c, eigenvalues=sums / self.samples[layer])
+        return out
+
+
+def _dense_record(record: LayerRecord, curvature: LayerCurvature, values: Tensor) -> LayerRecord:
+    """A ``"dense"`` record of ``record``'s parameters from ``(B, G, d_out, d_in')`` or ``(B, P)`` values."""
+    batch, tensors = values.shape[0], {}
+    dtype = record.tensors["suffix" if record.kind == "outer" else dense_key(next(iter(record.params)))].dtype
+    if curvature.kind == "dense":
+        start = 0
+        for role in record.params:
+            size = math.prod(record.param_shapes[role])
+            tensors[dense_key(role)] = values[:, start : start + size].reshape(batch, *record.param_shapes[role])
+            start += size
+    else:
+        groups, d_out, d_in = values.shape[1], values.shape[2], values.shape[3] - ("bias" in record.params)
+        if "weight" in record.params:
+            weight = values[..., :d_in].reshape(batch, groups * d_out, d_in)
+            if curvature.layout == "in_out":
+                weight = weight.transpose(1, 2)  # (B, d_in, d_out)
+            tensors[dense_key("weight")] = weight.reshape(batch, *record.param_shapes["weight"])
+        if "bias" in record.params:
+            tensors[dense_key("bias")] = values[..., -1].reshape(batch, *record.param_shapes["bias"])
+    tensors = {key: value.to(dtype).contiguous() for key, value in tensors.items()}
+    return LayerRecord(record.layer, "dense", batch, dict(record.params), dict(record.param_shapes), tensors)
+
+
+def precondition(
+    records: Sequence[LayerRecord],
+    curvature: dict[str, LayerCurvature],
+    damping: float | None = None,
+    relative_damping: float = DEFAULT_RELATIVE_DAMPING,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> list[LayerRecord]:
+    """``(F_l + delta_l I)^-1 g_i`` for every layer ``l`` of one batch: one ``"dense"`` record per layer.
+
+    ``<g_j, (F + delta I)^-1 g_i>`` is then :func:`~metastore_plugins.core.ops.total_dots` of other
+    records against these (factored x dense, nothing rebuilt on that side). The result holds the
+    batch's dense gradients (``B P`` numbers per layer), in the records' dtype.
+
+    Raises:
+        ValueError: if a layer has no fitted curvature (name it in the fit, or leave it out with ``layers=``).
+    """
+    out = []
+    for layer, group in layer_groups(records).items():
+        c = curvature.get(layer)
+        if c is None:
+            raise ValueError(f"layer '{layer}' has no fitted curvature; fit on records holding it, or leave it out")
+        denominator = c.eigenvalues + c.damping(damping, relative_damping)  # (G, d_out, d_in') or (P,)
+        parts = []
+        for lo, hi in chunks(group[0].batch_size, _sample_chunk(c, max_bytes)):
+            scaled = rotated(group, c, lo, hi) / denominator  # (n, G, d_out, d_in') or (n, P)
+            if c.kind == "outer":
+                assert c.q_in is not None and c.q_out is not None
+                scaled = c.q_out @ scaled @ c.q_in.transpose(1, 2)  # (n, G, d_out, d_in')
+            elif c.q_in is not None:
+                scaled = scaled @ c.q_in.T  # (n, P)
+            parts.append(scaled)
+        out.append(_dense_record(group[0], c, torch.cat(parts)))
+    return out
