@@ -70,7 +70,7 @@ def test_layers_below_a_training_batchnorm_are_reported_and_left_out() -> None:
     shares = torch.einsum("bo,bi->boi", h.grad, x)  # (B, 8, 5)
     own = expected["0.weight"]  # (B, 8, 5)
     errors = (shares - own).flatten(1).norm(dim=1) / own.flatten(1).norm(dim=1)  # (B,)
-    assert errors.max() > 0.1  # measured 1.2 here; the issue saw 0.66
+    assert errors.min() > 0.1  # measured 0.44 to 1.53 here; the issue saw up to 0.66
     assert torch.allclose(shares.sum(0), own.sum(0), rtol=1e-9, atol=1e-12)
 
 
