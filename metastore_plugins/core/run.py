@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from metastore_plugins.core.analysis.recompute import pass_recomputer
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
+from metastore_plugins.core.capture.batch_mixing import batch_mixed_config, batch_mixed_lines
 from metastore_plugins.core.capture.layers.generic import generic_rule_lines
 from metastore_plugins.core.checkpoints import (
     CheckpointSchedule,
@@ -366,10 +367,11 @@ class RunCapture:
         )  # fmt: skip
 
     def _plan_changed(self, plan: CapturePlan) -> None:
-        self.writer.update_config({"capture_plan": plan.to_json()})
+        mixed = self._session.batch_mixed_parameters() if self._session is not None else {}  # below a train-mode BN
+        self.writer.update_config({"capture_plan": plan.to_json(), **batch_mixed_config(mixed)})
         if self._announce is not None and not plan.degraded:  # one message, once; slow rules named
             generic = generic_rule_lines(self._session.generic_parameters() if self._session is not None else [])
-            self._announce(f"{self.owner}: " + "\n".join([*plan.lines(), *generic]))
+            self._announce(f"{self.owner}: " + "\n".join([*plan.lines(), *generic, *batch_mixed_lines(mixed)]))
 
     # -- lifecycle -----------------------------------------------------------------------
 
