@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore, RunComparison, open_store
+from metastore_plugins.core.analysis.queries import nearest_occurrences
+from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.distributed import (
     DistributedQueryError,
     init_from_env,
@@ -99,8 +101,42 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 def _train_points(store: GradientStore, given: Sequence[str] | None) -> list[str]:
     points = list(given or checkpoint_points(store, "train"))
     if not points:
-        raise StoreError("the store has no checkpoint passes 'epoch-*/train'; pass --capture-point NAME")
+        raise StoreError(
+            f"the store has no checkpoint passes 'epoch-*/train'{_damage(store)}; pass --capture-point NAME "
+            f"(it has {', '.join(store.capture_points()) or 'no capture point'})"
+        )
     return points
+
+
+def _damage(store: GradientStore) -> str:
+    """``""``, or the damage the store's opening found (journal lines it ignored): why something may be missing."""
+    problems = store.open_problems
+    if not problems:
+        return ""
+    return (
+        f", and its index is damaged: {problems[0]}"
+        + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+        + f"; run `metastore verify {store.path}` to see the damage"
+    )
+
+
+def _holders(store: GradientStore, sample_id: int) -> list[str]:
+    """The capture points that hold ``sample_id``."""
+    return [cp for cp in store.capture_points() if sample_id in set(store.sample_ids(cp).tolist())]
+
+
+def _not_stored(store: GradientStore, sample_ids: Sequence[int], where: Sequence[str], what: str) -> StoreError:
+    """The error for samples missing from ``where`` (``what``: "sample 3 is"), naming the capture points that hold
+    them and the ``--capture-point`` to pass."""
+    holders = {cp for sid in sample_ids for cp in _holders(store, sid)}
+    found = sorted(holders)
+    suggested = TRAINING_STEPS if TRAINING_STEPS in holders else found[-1] if found else ""
+    hint = (
+        f"; stored in {', '.join(repr(cp) for cp in found)}: pass --capture-point {suggested}"
+        if found
+        else f"; no capture point holds it{_damage(store)}"
+    )
+    return StoreError(f"{what} not stored in {', '.join(map(repr, where))}{hint}")
 
 
 def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
@@ -268,6 +304,7 @@ def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
 
 
 def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
+    """TracIn over paired passes; a test sample stored several times in its capture point has its occurrences summed."""
     train = _train_points(store, args.train)
     test = [cp.split("/")[0] + "/" + args.test_split for cp in train]
     if args.capture_point:
@@ -279,25 +316,52 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
             "gradients, which the callbacks store when evaluation runs during training (HF: eval_strategy='epoch'); "
             "pass --capture-point CP to use another capture point as the test side"
         )
+    if args.test is not None:
+        stored = {int(i) for cp in test for i in store.sample_ids(cp).tolist()}
+        missing = sorted(set(args.test) - stored)
+        if missing:
+            raise _not_stored(store, missing, test, f"test sample(s) {missing} are")
     rows = influence_rows(store, train, test, args.k)
     if args.test is not None:
-        wanted = set(args.test)
-        missing = wanted - {row["test_id"] for row in rows}
-        if missing:
-            raise StoreError(f"test sample(s) {sorted(missing)} are not stored in {', '.join(test)}")
-        rows = [row for row in rows if row["test_id"] in wanted]
-    _emit(args, rows, influence_markdown(rows))
+        rows = [row for row in rows if row["test_id"] in set(args.test)]
+    notes = _occurrence_notes(store, test, [row["test_id"] for row in rows])
+    _emit(args, rows, "".join(f"{line}\n" for line in notes) + influence_markdown(rows))
+
+
+def _occurrence_notes(store: GradientStore, test: Sequence[str], test_ids: Sequence[int]) -> list[str]:
+    """One line per capture point where the shown test samples occur more than once: their scores are summed."""
+    notes = []
+    for cp in test:
+        counts = np.unique(store.sample_ids(cp, sample_ids=list(test_ids)), return_counts=True)[1]  # per test id
+        if len(counts) and counts.max() > 1:
+            notes.append(
+                f"test samples occur up to {int(counts.max())} times in {cp!r} (once per step they were trained "
+                "at): each score sums every occurrence of the test sample against every occurrence of the train one"
+            )
+    return notes
 
 
 def cmd_similar(args: argparse.Namespace, store: GradientStore) -> None:
+    """The query is the sample's last occurrence in its capture point (the latest weights); each candidate sample
+    is compared through its occurrence nearest in step to it (the later on a tie), one row per candidate."""
     query_point = args.capture_point or _train_points(store, None)[-1]
     candidates = args.candidates or query_point
     if args.sample not in set(store.sample_ids(query_point).tolist()):
-        raise StoreError(f"sample {args.sample} is not stored in capture point {query_point!r}")
+        raise _not_stored(store, [args.sample], [query_point], f"sample {args.sample} is")
+    query_steps = store.metadata(query_point, sample_ids=[args.sample])["step"]  # (Q,) in column order
+    column = int(np.flatnonzero(query_steps == query_steps.max())[-1])
     scores = store.similar(query_point, candidates, query_ids=[args.sample])
-    ranked = sorted(zip(scores.row_ids.tolist(), scores.scores[:, 0].tolist()), key=lambda r: -r[1])
-    rows = [{"sample_id": i, "cosine": s} for i, s in ranked if i != args.sample][: args.k]
-    _emit(args, rows, markdown_table(rows, ("sample_id", "cosine")))
+    steps = store.metadata(candidates)["step"]  # (N,) aligned with scores.row_ids
+    ids, cosine, at = nearest_occurrences(scores.row_ids, steps, scores.scores[:, column], int(query_steps[column]))
+    order = [i for i in np.argsort(-cosine, kind="stable") if ids[i] != args.sample][: args.k]
+    rows = [{"sample_id": int(ids[i]), "cosine": float(cosine[i]), "step": int(at[i])} for i in order]
+    occurrences = len(query_steps)
+    note = (
+        f"query: sample {args.sample} at step {int(query_steps[column])} in {query_point!r}"
+        + (f" (the last of its {occurrences} occurrences)" if occurrences > 1 else "")
+        + f"; each candidate of {candidates!r} at its occurrence nearest that step"
+    )
+    _emit(args, rows, note + "\n" + markdown_table(rows, ("sample_id", "cosine", "step")))
 
 
 def cmd_restore(args: argparse.Namespace, store: GradientStore) -> None:

@@ -376,3 +376,22 @@ def test_bad_input_names_the_argument(run_a: Run) -> None:
     for error, message, call in cases:
         with pytest.raises(error, match=message):
             call()
+
+
+def test_in_run_influence_restricted_to_train_and_test_ids(run_a: Run) -> None:
+    """``in_run_influence(train_ids=, test_ids=)`` as ``influence`` has them (issue 28, item 13): every occurrence
+    of a chosen train sample against every occurrence of a chosen test sample, weighted by the train step's lr."""
+    train_ids, test_ids = [3, 17, 5], [0, 11]
+    scores = run_a.store.in_run_influence("train", train="train", steps=(0, 5), train_ids=train_ids, test_ids=test_ids)
+    assert sorted(scores.row_ids.tolist()) == sorted(train_ids) and sorted(scores.col_ids.tolist()) == test_ids
+    trained, tested = occurrences(run_a, 0, 5), occurrences(run_a)  # the test side: every step
+    for r, i in enumerate(scores.row_ids.tolist()):
+        for c, j in enumerate(scores.col_ids.tolist()):
+            expected = sum(
+                lr * float(sum((g[n].double() * h[n].double()).sum() for n in g))
+                for _, sid, g, lr in trained
+                if sid == i
+                for _, tid, h, _ in tested
+                if tid == j
+            )
+            assert abs(scores.scores[r, c] - expected) <= TOL * np.abs(scores.scores).max(), (i, j)

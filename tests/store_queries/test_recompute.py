@@ -227,3 +227,24 @@ def test_recompute_errors_name_the_fix(tmp_path: Path) -> None:
         recompute(MLP(), data, [0], snapshot="s")
     with pytest.raises(ValueError, match="at least one sample id"):
         recompute(MLP(), data, [], store_dir=tmp_path, snapshot="s")
+
+
+def test_the_store_method_recomputes_as_the_free_function_and_torch_func(tmp_path: Path) -> None:
+    """``store.recompute`` (issue 28, item 13): the query as a method of the store that holds the snapshot."""
+    from metastore_plugins import StoreWriter, open_store
+
+    model, data = MLP(), _mlp_data(8)
+    batches = [torch.utils.data.default_collate(data[k::2]) for k in range(2)]
+    _train(model, batches[:1], _mlp_loss)
+    with StoreWriter(tmp_path):  # an (empty) store around the snapshot
+        pass
+    write_snapshot(tmp_path, model, name="epoch-0", step=1)
+    at_snapshot = copy.deepcopy(model)
+    _train(model, batches[1:] * 3, _mlp_loss)
+    ids = [5, 1, 6]
+    records = open_store(tmp_path).recompute(model, data, ids, snapshot="epoch-0", batch_size=2)
+    free = recompute(model, data, ids, store_dir=tmp_path, snapshot="epoch-0", batch_size=2)
+    batch = torch.utils.data.default_collate([data[i] for i in ids])
+    _check(records, _func_grads(at_snapshot, batch, _mlp_forward), _func_grads(model, batch, _mlp_forward))
+    got, expected = restore_all(records), restore_all(free)
+    assert set(got) == set(expected) and all(_rel(got[n], expected[n]) < TOL for n in expected)

@@ -7,16 +7,22 @@ Example::
     ids = store.sample_ids("epoch-0/val")       # aligned with every per-sample result
     scores = store.influence("epoch-0/train", "epoch-0/val")
     grads = store.restore(ids[0], capture_point="epoch-0/val", layer="classifier")
+    records = store.recompute(model, val_set, [3, 17], snapshot="epoch-0")  # exact, at the pass's weights
     assert store.verify() == []
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
-from metastore_plugins.core.analysis import dynamics, queries
+from torch import Tensor, nn
+
+from metastore_plugins.core.analysis import curvature, dynamics, queries
+from metastore_plugins.core.analysis import recompute as recompute_module
 from metastore_plugins.core.analysis import sketches as sketch_queries
+from metastore_plugins.core.capture.records import LayerRecord, RepresentationError
 from metastore_plugins.core.policy.tags import find_tags, read_tags
 from metastore_plugins.core.store import StoreReader, find_store_dir
 from metastore_plugins.core.store.snapshots import list_snapshots
@@ -49,7 +55,45 @@ class GradientStore(StoreReader):
     build_sketches = sketch_queries.build_sketches
     sketched_influence = sketch_queries.sketched_influence
     kernel_influence = sketch_queries.kernel_influence
+    kfac_influence = curvature.kfac_influence
     clusters = sketch_queries.clusters
+
+    def recompute(
+        self, model: nn.Module, dataset: Any, sample_ids: Sequence[int], *, snapshot: str | None, **options: Any
+    ) -> list[LayerRecord]:
+        """Exact records of ``dataset[i]`` for ``i`` in ``sample_ids``, at this store's weight snapshot ``snapshot``.
+
+        :func:`~metastore_plugins.core.analysis.recompute.recompute` with ``store_dir`` this store
+        (``options``: its keyword arguments: ``rank``, ``loss_fn``, ``collate_fn``, ``batch_size``, ...).
+        ``snapshot=None`` takes the model's live weights. What a projected or norms-only layer
+        cannot give back (:meth:`restore`, exact dots), this gives exactly.
+        """
+        return recompute_module.recompute(model, dataset, sample_ids, store_dir=self.path, snapshot=snapshot, **options)
+
+    def restore(
+        self, sample_id: int, *, capture_point: str | None = None, step: int | None = None, layer: str | None = None
+    ) -> dict[str, Tensor]:
+        """:meth:`StoreReader.restore <metastore_plugins.core.store.StoreReader.restore>`; a layer kept projected or
+        as norms raises a ``RepresentationError`` naming the :meth:`recompute` call that gives it exactly."""
+        try:
+            return super().restore(sample_id, capture_point=capture_point, step=step, layer=layer)
+        except RepresentationError as exc:
+            raise RepresentationError(f"{exc}: {self._recompute_call(sample_id, capture_point, step)}") from None
+
+    def _recompute_call(self, sample_id: int, capture_point: str | None, step: int | None) -> str:
+        """How to get the sample's exact gradient: the :meth:`recompute` call, with the snapshot of its pass."""
+        snapshots = list_snapshots(self.path)
+        prefix = (capture_point or "").split("/")[0]
+        named = [s.name for s in snapshots if s.name == prefix or (step is not None and s.step == step)]
+        snapshot = (
+            repr(named[0])
+            if named
+            else "NAME" + (f" (one of {sorted({s.name for s in snapshots})})" if snapshots else "")
+        )
+        return (
+            f"open_store(RUN).recompute(model, dataset, [{sample_id}], snapshot={snapshot}) in Python "
+            "(the command line has no model to run)"
+        )
 
     def find(self, tag: str | None = None, **attributes: Any) -> list[dict[str, Any]]:
         """The tagged moments named ``tag`` (any when None) whose attributes include ``attributes``.

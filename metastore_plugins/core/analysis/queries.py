@@ -231,18 +231,36 @@ def in_run_influence(
     train: str = "train",
     steps: int | tuple[int, int] | None = None,
     layers: Sequence[str] | None = None,
+    train_ids: Sequence[int] | None = None,
+    test_ids: Sequence[int] | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Scores:
     """In-run TracIn: ``sum_t lr_t <g_i(w_t), g_test_j>`` over the gradients recorded *while training*.
 
     An approximation, named as such: the train gradients ``g_i(w_t)`` were taken at the
     weights of each step, the test gradients at the weights of the ``test`` pass. Rows
-    are the train sample ids (occurrences at several steps are summed).
+    are the train sample ids (occurrences at several steps are summed). ``train_ids``,
+    ``test_ids``: restrict to these samples, as :func:`influence` does.
     """
-    rows = store.select(train, steps=steps, layers=layers)
-    cols = store.select(test, layers=layers)
+    rows = store.select(train, steps=steps, sample_ids=train_ids, layers=layers)
+    cols = store.select(test, sample_ids=test_ids, layers=layers)
     matrix = dot_matrix(rows, cols, weighted=True, max_bytes=max_bytes)
     return summed_scores([(rows.sample_ids(), matrix)], [(cols.sample_ids(), matrix)])
+
+
+def nearest_occurrences(
+    ids: np.ndarray, steps: np.ndarray, scores: np.ndarray, step: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One entry per sample id of per-occurrence ``ids``, ``steps`` and ``scores`` (each ``(N,)``): the occurrence
+    whose step is nearest ``step`` (the later on a tie). Returns ``(ids, scores, steps)``, ids ascending.
+
+    For a query taken at ``step``, the gradients of the other samples taken at the nearest weights.
+    """
+    distance = np.abs(np.asarray(steps, dtype=np.int64) - step)  # (N,)
+    order = np.lexsort((-np.asarray(steps), distance, ids))  # by id, then nearest, then later
+    first = np.unique(np.asarray(ids)[order], return_index=True)[1]
+    chosen = order[first]
+    return np.asarray(ids)[chosen], np.asarray(scores)[chosen], np.asarray(steps)[chosen]
 
 
 def similar(

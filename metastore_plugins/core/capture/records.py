@@ -74,6 +74,10 @@ def dense_key(role: str) -> str:
     return DENSE_PREFIX + role
 
 
+#: The way out for a gradient a projected or norms-only record no longer holds (one wording for every error).
+RECOMPUTE_HINT = "recompute the samples exactly from a weight snapshot with GradientStore.recompute"
+
+
 class RepresentationError(ValueError):
     """A query asked of a layer kept in a representation that cannot answer it (norms only, projections)."""
 
@@ -143,7 +147,7 @@ class LayerRecord:
         if self.kind not in EXACT_KINDS:
             raise RepresentationError(
                 f"layer '{self.layer}' is kept as {self.kind!r}: its per-sample gradients cannot be rebuilt; "
-                "capture with policy='exact', or recompute the samples exactly (metastore_plugins.recompute)"
+                f"capture with policy='exact', or {RECOMPUTE_HINT}"
             )
         return _RESTORERS[self.kind](self)
 

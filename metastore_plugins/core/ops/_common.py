@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord, RepresentationError
+from metastore_plugins.core.capture.records import RECOMPUTE_HINT, LayerRecord, RepresentationError
 
 #: Default memory budget, in bytes, of one operator call (largest intermediate it builds) and of
 #: one store query (decoded records it holds at once); the one default every ``max_bytes`` uses.
@@ -33,8 +33,7 @@ def unsupported(record: LayerRecord, what: str) -> RepresentationError:
     kept = {"projected": "a projected gradient with exact norms", "norms": "exact squared norms only"}[record.kind]
     return RepresentationError(
         f"{what} needs the per-sample gradients of layer '{record.layer}', which this store keeps as {kept} "
-        f"(capture policy); capture it with policy='exact' (or a tag keep='exact' on those steps), or recompute "
-        "the samples exactly from a weight snapshot (metastore_plugins.core.analysis.recompute)"
+        f"(capture policy); capture it with policy='exact' (or a tag keep='exact' on those steps), or {RECOMPUTE_HINT}"
     )
 
 
