@@ -19,7 +19,10 @@ Attributors: TracIn from one captured run (fp32 store, exact factors of every la
 training steps' gradients against the last pass's test gradients), ``sketched_influence``
 (Kronecker sketches ``dim x dim`` per layer) and ``kernel_influence`` (the sketches through a
 ridge-regularised kernel inverse, TRAK's estimator; the ridge picked on the tuning split as the
-peers' are); and dattri's ``TRAKAttributor`` (final model,
+peers' are), and ``kfac_influence`` (EK-FAC and K-FAC curvature fitted on each checkpoint pass's
+stored factors, ``g_train^T (F_c + delta I)^-1 g_test`` summed with the passes' rates; the damping's
+fraction of the mean eigenvalue picked on the tuning split, 0.1 by default); and dattri's
+``TRAKAttributor`` (final model,
 the epoch checkpoints, an ensemble of independently trained models) and
 ``IFAttributorExplicit`` (exact damped Hessian). A peer that fails is reported, not fatal.
 """
@@ -67,6 +70,7 @@ class Setup:
     sketch_dims: tuple[int, ...] = (8, 16)
     kernel_dim: int = 32
     kernel_regularizations: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
+    kfac_dampings: tuple[float, ...] = (0.01, 0.1, 1.0)  # relative_damping of kfac_influence
     ensemble: int = 5
     trak_regularizations: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
     dampings: tuple[float, ...] = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -92,6 +96,7 @@ class Setup:
             ensemble=3,
             trak_regularizations=(0.1,),
             kernel_regularizations=(1.0,),
+            kfac_dampings=(0.1,),
             dampings=(1.0,),
             influence_functions=False,  # its explicit Hessian alone takes 15-40 s here
         )
@@ -195,6 +200,15 @@ def kernel_scores(store_dir: Path, setup: Setup, n: int, regularization: float) 
     return ordered(scores, n, columns)
 
 
+def kfac_scores(store_dir: Path, setup: Setup, n: int, method: str, relative_damping: float) -> np.ndarray:
+    """``(N, M + T)`` :meth:`kfac_influence` (``"ekfac"`` or ``"kfac"``) over the epoch passes."""
+    store, columns = open_store(store_dir), setup.test_samples + setup.tune_samples
+    trains = [f"epoch-{e}/train" for e in range(setup.epochs)]
+    tests = [f"epoch-{e}/test" for e in range(setup.epochs)]
+    scores = store.kfac_influence(trains, tests, method=method, relative_damping=relative_damping)  # type: ignore[arg-type]
+    return ordered(scores, n, columns)
+
+
 def run(setup: Setup) -> dict[str, Any]:
     """Train, capture, retrain on the subsets, attribute, and score: the result for one model kind."""
     x, y, x_test, y_test = load_digits_arrays(setup.seed, setup.train_size)
@@ -238,6 +252,10 @@ def run(setup: Setup) -> dict[str, Any]:
         kernel = pick(setup.kernel_regularizations, partial(kernel_scores, store_dir, setup, n), m, tuning)
         kernel.update(seconds=overhead + kernel["seconds"], query_seconds=kernel["seconds"], trainings=1)
         attributions[f"TracIn kernel {setup.kernel_dim}x{setup.kernel_dim} (checkpoint passes)"] = kernel
+        for method, label in (("ekfac", "EK-FAC"), ("kfac", "K-FAC")):
+            fitted = pick(setup.kfac_dampings, partial(kfac_scores, store_dir, setup, n, method), m, tuning)
+            fitted.update(seconds=overhead + fitted["seconds"], query_seconds=fitted["seconds"], trainings=1)
+            attributions[f"{label} (checkpoint passes)"] = fitted
     attributions.update(dattri_attributors(setup, (x, y, x_test[: m + t], y_test[: m + t]), checkpoints, tuning))
 
     masks = subset_masks(n, setup.subsets, setup.fraction, setup.seed)

@@ -105,6 +105,8 @@ def test_a_tiny_run_reports_every_attributor() -> None:
         "TracIn exact (checkpoint passes)",
         "TracIn in-run (training steps)",
         "TracIn projected 4x4 (checkpoint passes)",
+        "EK-FAC (checkpoint passes)",
+        "K-FAC (checkpoint passes)",
     ):
         row = rows[name]
         assert -1 <= row["ci95"][0] <= row["lds"] <= row["ci95"][1] <= 1 and row["trainings"] == 1
