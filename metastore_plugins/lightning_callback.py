@@ -36,6 +36,7 @@ from typing_extensions import Unpack
 from metastore_plugins.core.checkpoints import dataset_size
 from metastore_plugins.core.options import CallbackOptions, CaptureSettings, check_writable, with_settings_doc
 from metastore_plugins.core.rng import preserved_rng
+from metastore_plugins.core.sample_ids import loader_batch_size
 from metastore_plugins.core.run import (
     SAMPLE_ID_KEYS,
     IndexedDataset,
@@ -43,6 +44,7 @@ from metastore_plugins.core.run import (
     RecordingBatchSampler,
     RunCapture,
     batch_size_of,
+    claim_store_dir,
     missing_ids_error,
     record_sampler_ids,
     take_sample_ids,
@@ -84,6 +86,8 @@ class MetaStoreCallback(Callback):
         self._watched: tuple[Any, Any] | None = None  # (strategy, its own process_dataloader attribute or None)
         self._step = 0
         self._step_lr: float | None = None
+        self._restored = False  # load_state_dict ran: this fit resumes from a checkpoint
+        self._early_tags: list[tuple[str, dict[str, Any]]] = []  # tag(steps=...) before fit
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -107,6 +111,17 @@ class MetaStoreCallback(Callback):
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "metastore"
         check_writable(self.dirpath, "MetaStoreCallback(dirpath=...)")
+        moved = claim_store_dir(
+            self.dirpath,
+            continuing=self._restored or trainer.global_step > 0,
+            overwrite=self.options.overwrite,
+            owner="MetaStoreCallback",
+            resume="trainer.fit(model, ..., ckpt_path=...)",
+            rank=trainer.global_rank,
+            agree=lambda decision: trainer.strategy.broadcast(decision, src=0),
+        )
+        if moved is not None:
+            rank_zero_info(f"MetaStoreCallback: overwrite=True: the earlier store in {self.dirpath} moved to {moved}")
         config = {
             "framework": "lightning",
             "loss_reduction": self.loss_reduction,
@@ -123,6 +138,7 @@ class MetaStoreCallback(Callback):
             config=config,
             world_size=trainer.world_size,
             announce=rank_zero_info,
+            early_tags=self._early_tags,
         )
         self._expect(trainer, pl_module, self.run)
         self._record_sampler(trainer)
@@ -152,7 +168,7 @@ class MetaStoreCallback(Callback):
             pl_module,
             self.schedule,
             train_batches=batches,
-            train_batch_size=getattr(loader, "batch_size", None) or 0,
+            train_batch_size=loader_batch_size(loader) or 0,
             periods=epochs,
             sizes=(
                 dataset_size(getattr(loader, "dataset", None)),
@@ -242,7 +258,7 @@ class MetaStoreCallback(Callback):
     def _checkpoint_passes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: RunCapture) -> None:
         epoch = trainer.current_epoch
         train_loader = trainer.train_dataloader
-        batch_size = lambda loader: getattr(loader, "batch_size", None) or 32  # noqa: E731
+        batch_size = lambda loader: loader_batch_size(loader) or 32  # noqa: E731
         val_loader = _first(trainer.val_dataloaders)
         sources = self.schedule.sources(
             train_loader, val_loader, train_batch_size=batch_size(train_loader), val_batch_size=batch_size(val_loader)
@@ -293,10 +309,11 @@ class MetaStoreCallback(Callback):
     def tag(self, name: str, **options: Any) -> Any:
         """Tag the current step (or ``steps=(first, last)``) with ``name`` and attributes while training runs;
         ``keep="exact"`` (``"projected"``, ``"norms"``, ``"nothing"``, ``"snapshot"``) sets what those steps keep.
+        Before ``fit``, a tag needs ``steps=`` and is written when training starts (it returns None then).
 
         Example: ``callback.tag("lr-drop", steps=(a, b), keep="exact", reason="plateau")``; see docs/policies.md.
         """
-        return self.options.tag(self.run, name, getattr(self, "_step", 0), **options)
+        return self.options.tag(self.run, name, getattr(self, "_step", 0), self._early_tags, **options)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()
@@ -313,6 +330,7 @@ class MetaStoreCallback(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = True  # fit(ckpt_path=...): the store of the checkpoint's run is continued
         if state_dict.get("dirpath"):
             self.dirpath = Path(state_dict["dirpath"])
         self.schedule.train_indices = state_dict.get("train_indices")

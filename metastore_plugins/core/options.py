@@ -267,6 +267,7 @@ class CallbackOptions:
                 passes=passes,
                 pass_samples=pass_samples,
                 rank=rank,
+                reports=self.reports,
             )
         )
 

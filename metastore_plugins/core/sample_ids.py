@@ -158,6 +158,22 @@ def batch_size_of(batch: Any) -> int | None:
     return None
 
 
+def loader_batch_size(loader: Any) -> int | None:
+    """The samples per batch a loader yields: its ``batch_size``, else its batch sampler's (``DataLoader(
+    batch_sampler=...)`` leaves ``loader.batch_size`` None), else the mean of a sized batch sampler over a sized
+    dataset (rounded up); ``None`` when none of them tells."""
+    size = getattr(loader, "batch_size", None)
+    sampler = getattr(loader, "batch_sampler", None)
+    size = size or getattr(sampler, "batch_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    try:
+        batches, samples = len(sampler), len(loader.dataset)  # type: ignore[arg-type]
+    except (TypeError, AttributeError):
+        return None
+    return -(-samples // batches) if batches > 0 and samples > 0 else None
+
+
 def missing_ids_error(where: str) -> SampleIdError:
     return SampleIdError(
         f"the {where} batches carry no sample ids and the loader's sampler cannot tell them (an IterableDataset, "

@@ -3,10 +3,14 @@
 It sits between capture and the writer (``RunCapture.finish_step``). The first batch makes the
 plan (:func:`~metastore_plugins.core.policy.plan.make_plan`); every batch is then turned into the
 plan's representations (:func:`~metastore_plugins.core.ops.represent.represent`), and its bytes
-counted. A batch that would take the run past its budget is lowered rung by rung (projection
-16 -> 8 -> 4, exact norms, nothing) for the rest of its part (training steps or passes): said once
-per change with a warning, and recorded in the plan (``degraded``). A tag with ``keep=`` sets the
-representation of the steps it covers, within the budget like everything else.
+counted (shards and their index lines; snapshots once written; the other files are reserved from the
+budget: :func:`~metastore_plugins.core.policy.plan.files_bytes`). A batch that would take the run past
+its budget is lowered rung by rung (projection 16 -> 8 -> 4, exact norms, metadata only, then not
+stored) for the rest of its part (training steps or passes): said once per change with a warning, and
+recorded in the plan (``degraded``). The last planned checkpoint pass is the most informative: its
+planned bytes stay reserved until it runs, so the training steps and the earlier passes degrade
+first. A tag with ``keep=`` sets the representation of the steps it covers, within the budget like
+everything else.
 """
 
 from __future__ import annotations
@@ -16,10 +20,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from metastore_plugins.core.capture.records import LayerRecord
-from metastore_plugins.core.ops.cost import SAMPLE_METADATA_BYTES, TENSOR_OVERHEAD_BYTES
+from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADATA_BYTES, TENSOR_OVERHEAD_BYTES
 from metastore_plugins.core.ops.represent import Representation, represent
 from metastore_plugins.core.ops.sketch import Projections
-from metastore_plugins.core.policy.plan import LADDER, POLICIES, CapturePlan, Policy, RunShape, make_plan
+from metastore_plugins.core.policy.plan import (
+    HEADROOM,
+    LADDER,
+    POLICIES,
+    CapturePlan,
+    Policy,
+    RunShape,
+    check_budget,
+    files_bytes,
+    in_words,
+    make_plan,
+    planned_snapshots,
+)
 from metastore_plugins.core.store.encoding import Encoding, encoded_nbytes
 
 #: ``(step, capture_point) -> keep`` of a tag covering that step, or None.
@@ -56,8 +72,8 @@ class CapturePolicy:
     Args:
         policy: ``"auto"`` (plan under the budget) or ``"exact"`` (every layer exact; a budget then
             only degrades what would overflow it).
-        budget: bytes this rank may write (shards and snapshots); ``None``: the plan's default
-            (``"auto"``) or no limit (``"exact"``).
+        budget: bytes this rank may write into the store directory (every file); ``None``: the plan's
+            default (``"auto"``) or no limit (``"exact"``).
         encoding: the store's encoding (bytes per value).
         owner: who runs the capture, for messages.
         on_change: called with the plan after it is made or changed (the manifest keeps it).
@@ -86,14 +102,29 @@ class CapturePolicy:
         self._said: set[str] = set()
 
     def expect(self, shape: RunShape) -> None:
-        """What the run will be (before its first batch; a later call before the plan replaces it)."""
+        """What the run will be (before its first batch; a later call before the plan replaces it).
+
+        Raises:
+            ValueError: the budget is below what the run's metadata and files alone take, with the figure
+                and the ways out (:func:`~metastore_plugins.core.policy.plan.check_budget`).
+        """
+        check_budget(self.budget, shape, self.owner)
         self.shape = shape
 
     @property
     def limit(self) -> float:
-        """Bytes this rank may spend: the plan's budget, without the headroom kept for the index and reports."""
+        """Bytes this rank may spend on shards and snapshots: the budget less the headroom and the other files."""
         budget = self.plan.budget if self.plan is not None else self.budget
-        return float("inf") if budget is None else 0.95 * budget
+        return float("inf") if budget is None else (1 - HEADROOM) * budget - files_bytes(self.shape)
+
+    def _reserved(self, part: str) -> float:
+        """Bytes kept for the last planned checkpoint pass (and its snapshot) until it runs."""
+        plan = self.plan
+        if part == "last" or plan is None or plan.planned_passes <= 0 or self._passes_seen >= plan.planned_passes:
+            return 0.0
+        snapshot = self.shape.snapshot_bytes if plan.snapshots != 0 else 0
+        metadata = SAMPLE_METADATA_BYTES * self.shape.pass_samples + BATCH_METADATA_BYTES * self.shape.pass_batches
+        return plan.planned.get("checkpoint passes", 0) / plan.planned_passes + metadata + snapshot
 
     def apply(self, records: Sequence[LayerRecord], *, capture_point: str, step: int) -> list[LayerRecord] | None:
         """The batch's records as the plan (and any tag) says, lowered if they would exceed the budget.
@@ -104,11 +135,14 @@ class CapturePolicy:
             self.plan = make_plan(records, self.shape, policy=self.policy, budget=self.budget, encoding=self.encoding)
             self._changed()
         part = "train" if capture_point == "train" else "passes"
+        if part == "passes" and 0 < self.plan.planned_passes <= self._passes_seen:
+            part = "last"  # the last planned pass starts again from its planned rung, on the bytes kept for it
         planned = self.plan.part(capture_point)
+        limit = self.limit - self._reserved(part)
         keep = self.keep_for(step, capture_point)
         if keep in ("exact", "projected", "norms", "nothing"):
             kept, size = self._kept(records, {layer: keep for layer in planned}, self.plan.k)  # type: ignore[misc]
-            if self.spent + size <= self.limit:
+            if self.spent + size <= limit:
                 self.spent += size
                 return kept
             self._say_once(
@@ -124,11 +158,11 @@ class CapturePolicy:
                 chosen = {layer: _no_richer(rep, floor) for layer, rep in planned.items()}
                 k = k or self.plan.k
             kept, size = self._kept(records, chosen, k)
-            if self.spent + size <= self.limit:
+            if self.spent + size <= limit:
                 self.spent += size
                 return kept
-            if rung == len(LADDER) - 1:
-                self._degrade(part, step, stop=True)
+            if (rung if rung is not None else _rung_of(planned, self.plan.k)) == len(LADDER) - 1:
+                self._degrade(part, step, stop=True)  # metadata only does not fit either
                 return None
             self._degrade(part, step)
 
@@ -150,14 +184,21 @@ class CapturePolicy:
             warnings.warn(message, stacklevel=4)
 
     def should_snapshot(self) -> bool:
-        """Whether the checkpoint pass about to run takes a weight snapshot (call once per pass)."""
+        """Whether the checkpoint pass about to run takes a weight snapshot (call once per pass, at its start).
+
+        Before the plan is made (the first pass of a run that captures no training steps), the snapshots
+        the plan will have are known from the run's shape and budget alone.
+        """
         self._passes_seen += 1
-        if self.plan is None or not self.plan.snapshots:
+        snapshots = (
+            self.plan.snapshots if self.plan is not None else planned_snapshots(self.shape, self.policy, self.budget)
+        )
+        if not snapshots:
             return False
-        if self.plan.snapshots < 0:
-            return self.spent + self.shape.snapshot_bytes <= self.limit
-        first = self.plan.planned_passes - self.plan.snapshots + 1
-        return self._passes_seen >= first and self.spent + self.shape.snapshot_bytes <= self.limit
+        fits = self.spent + self.shape.snapshot_bytes <= self.limit - self._reserved("passes")
+        if snapshots < 0:
+            return fits
+        return self._passes_seen >= self.shape.passes - snapshots + 1 and fits
 
     def spend(self, nbytes: int) -> None:
         """Count bytes written outside the shards (a snapshot)."""
@@ -167,23 +208,24 @@ class CapturePolicy:
         assert self.plan is not None
         current = self._rungs.get(part, _rung_of(self.plan.train if part == "train" else self.plan.passes, self.plan.k))
         self._rungs[part] = lowered = min(current + 1, len(LADDER) - 1)
-        name = "training steps" if part == "train" else "checkpoint passes"
+        name = {"train": "training steps", "passes": "checkpoint passes", "last": "the last checkpoint pass"}[part]
         if stop and any(c["part"] == name and c["to"] == "not stored" for c in self.plan.degraded):
             return  # said once
         before, after = _label(LADDER[current]), "not stored" if stop else _label(LADDER[lowered])
         self.plan.degraded.append({"step": step, "part": name, "from": before, "to": after})
-        warnings.warn(
-            f"{self.owner}: the run outgrew its capture plan (budget {self.plan.budget:,} bytes, {self.spent:,} "
-            f"spent): {name} are kept as {after} instead of {before} from step {step} on",
-            stacklevel=4,
-        )
+        budget, verb = f"budget {self.plan.budget:,} bytes, {self.spent:,} spent", "is" if part == "last" else "are"
+        if stop:
+            message = f"{name} {verb} no longer stored from step {step} on, not even their sample ids and losses"
+        else:
+            message = f"{name} {verb} kept as {in_words(after)} instead of {in_words(before)} from step {step} on"
+        warnings.warn(f"{self.owner}: the run outgrew its capture plan ({budget}): {message}", stacklevel=4)
         self._changed()
 
     def _nbytes(self, records: Sequence[LayerRecord], batch: int) -> int:
         """Bytes a batch will take in a shard: encoded tensors, their header entries, and per-sample metadata."""
         tensors = [t for record in records for t in record.tensors.values()]
         size = sum(encoded_nbytes(t, self.encoding) for t in tensors)
-        return size + TENSOR_OVERHEAD_BYTES * (len(tensors) + 4) + SAMPLE_METADATA_BYTES * batch
+        return size + TENSOR_OVERHEAD_BYTES * len(tensors) + BATCH_METADATA_BYTES + SAMPLE_METADATA_BYTES * batch
 
     def _changed(self) -> None:
         if self.on_change is not None and self.plan is not None:
