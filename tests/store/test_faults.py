@@ -34,7 +34,7 @@ from storecases import synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.store import StoreError, batches, shardread
-from metastore_plugins.core.store import journal as journal_module
+from metastore_plugins.core.store import files as files_module
 from metastore_plugins.core.store import writer as writer_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,12 +133,12 @@ def _full_disk_after(monkeypatch: pytest.MonkeyPatch, good: int) -> list[str]:
     calls: list[str] = []
     save = writer_module.write_shard
 
-    def save_until_full(filename: Path, *args: Any) -> tuple[int, str]:
-        calls.append(str(filename))
+    def save_until_full(handle: Any, *args: Any) -> tuple[int, str]:
+        calls.append(str(handle.name))
         if len(calls) <= good:
-            return save(filename, *args)
-        Path(filename).write_bytes(b"\0" * 100)  # a partial file
-        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+            return save(handle, *args)
+        handle.write(b"\0" * 100)  # a partial file
+        raise OSError(errno.ENOSPC, "No space left on device", str(handle.name))
 
     monkeypatch.setattr(writer_module, "write_shard", save_until_full)
     return calls
@@ -197,10 +197,10 @@ def test_a_full_disk_while_writing_the_manifest_keeps_the_last_one(
     before = (tmp_path / "manifest-rank0.json").read_bytes()
     replace = os.replace
 
-    def replace_no_json(src: Any, dst: Any) -> None:
+    def replace_no_json(src: Any, dst: Any, **dir_fds: Any) -> None:
         if str(dst).endswith(".json"):
             raise OSError(errno.ENOSPC, "No space left on device", str(dst))
-        replace(src, dst)
+        replace(src, dst, **dir_fds)
 
     monkeypatch.setattr(os, "replace", replace_no_json)
     records, _ = synthetic_batch(2)
@@ -226,16 +226,16 @@ def test_a_full_disk_while_appending_a_journal_line_cuts_it_off(
     writer.flush()
     before = journal(tmp_path).read_bytes()
 
-    class HalfWrites:  # the journal's os module: a write stores half the line, then the disk is full
+    class HalfWrites:  # the store files' os module: a write stores half the line, then the disk is full
         def __getattr__(self, name: str) -> Any:
             return getattr(os, name)
 
         @staticmethod
-        def write(fd: int, data: Any) -> int:
-            os.write(fd, bytes(data)[: len(data) // 2])
+        def pwrite(fd: int, data: Any, offset: int) -> int:
+            os.pwrite(fd, bytes(data)[: len(data) // 2], offset)
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(journal_module, "os", HalfWrites())
+    monkeypatch.setattr(files_module, "os", HalfWrites())
     with pytest.warns(RuntimeWarning, match="STOPPED CAPTURING.*2 shard\\(s\\) and 8 sample\\(s\\)"):
         write_batches(writer, range(2, 3))
         writer.close()

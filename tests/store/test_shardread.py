@@ -192,7 +192,7 @@ def _swap_on_open(monkeypatch: pytest.MonkeyPatch, target: Path, swap: Callable[
     real_open = os.open
 
     def open_after_swap(path: Any, *args: Any, **kwargs: Any) -> int:
-        if Path(path) == target:
+        if Path(path).name == target.name:  # opened relative to the directory's fd
             swap()
         return real_open(path, *args, **kwargs)
 

@@ -13,6 +13,7 @@ import torch
 
 from metastore_plugins.core.store.batches import ShardFiles
 from metastore_plugins.core.store.entries import ShardEntry
+from metastore_plugins.core.store.files import TEMPORARY_SUFFIX
 from metastore_plugins.core.store.index import StoreIndex, expectation
 from metastore_plugins.core.store.journal import META_BITS
 from metastore_plugins.core.store.manifest import StoreError
@@ -20,11 +21,12 @@ from metastore_plugins.core.store.shardread import ShardData, read_shard
 
 #: Files a writer or compaction leaves behind when it stops: shards and temporary files.
 SHARD_LIKE = re.compile(r"rank(0|[1-9][0-9]{0,8})-[0-9]{6,9}\.safetensors", re.ASCII)
-#: A writer's, compaction's or repair's temporary files (the name of what it replaces + ``.tmp``): only these are
-#: reported and removed by repair, never another program's ``*.tmp``.
+#: A writer's, compaction's or repair's temporary files (the name of what it replaces + :data:`TEMPORARY_SUFFIX`,
+#: or + ``.tmp`` in stores written before): only these are reported and removed by repair, never another
+#: program's ``*.tmp``.
 TEMPORARY = re.compile(
     r"(?:manifest-rank(0|[1-9][0-9]{0,8})\.json|index-rank(0|[1-9][0-9]{0,8})\.jsonl"
-    r"|rank(0|[1-9][0-9]{0,8})-[0-9]{6,9}\.safetensors)\.tmp",
+    r"|rank(0|[1-9][0-9]{0,8})-[0-9]{6,9}\.safetensors)(?:" + TEMPORARY_SUFFIX + r"|\.tmp)",
     re.ASCII,
 )
 

@@ -26,9 +26,9 @@ from metastore_plugins.core.store.entries import (
     entry_from_v1,
     meta_columns,
 )
+from metastore_plugins.core.store.files import StoreError, open_regular, read_bounded
 from metastore_plugins.core.store.journal import KIND_CODES, JournalError, decode_line, journal_name, read_lines
-from metastore_plugins.core.store.manifest import StoreError
-from metastore_plugins.core.store.shardread import ShardExpectation, expected_keys, open_regular
+from metastore_plugins.core.store.shardread import ShardExpectation, expected_keys
 
 
 @dataclass
@@ -44,20 +44,6 @@ class RankIndex:
     @property
     def version(self) -> int:
         return int(self.manifest["schema_version"])
-
-
-def read_bounded(path: Path, directory: Path, cap: int, what: str) -> bytes:
-    """The bytes of a regular file of ``directory`` (no link, FIFO or device), refused above ``cap`` bytes."""
-    fd, stat = open_regular(path, directory)
-    with os.fdopen(fd, "rb") as handle:
-        if stat.st_size > cap:
-            raise StoreError(f"{path}: {what} of {stat.st_size} bytes is larger than the {cap} bytes a reader accepts")
-        data = handle.read(stat.st_size + 1)  # not read(cap + 1): that allocates the whole cap up front
-        if len(data) > stat.st_size:
-            data += handle.read(cap + 1 - len(data))
-    if len(data) > cap:
-        raise StoreError(f"{path}: {what} grew past {cap} bytes while it was read")
-    return data
 
 
 def read_rank(directory: Path, rank: int, path: Path) -> RankIndex:

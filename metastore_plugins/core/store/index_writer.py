@@ -9,9 +9,9 @@ from typing import Any
 
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import ShardEntry, shard_pattern
+from metastore_plugins.core.store.files import StoreDir, StoreError, temporary_target
 from metastore_plugins.core.store.index import read_rank
 from metastore_plugins.core.store.journal import JournalAppender, RankLock, encode_line, journal_name
-from metastore_plugins.core.store.manifest import StoreError
 
 
 class RankIndexWriter:
@@ -26,16 +26,20 @@ class RankIndexWriter:
     def __init__(self, directory: Path, rank: int, config: dict[str, Any]) -> None:
         self.directory, self.rank = directory, rank
         self.lock = RankLock(directory, rank)
+        self.files = StoreDir(directory)
         try:
             self._open(config)
         except BaseException:
+            self.files.close()
             self.lock.release()
             raise
 
     def _open(self, config: dict[str, Any]) -> None:
-        names = (f"{mf.manifest_name(self.rank)}.tmp", f"{journal_name(self.rank)}.tmp")
-        for stale in [*(self.directory / name for name in names), *self.directory.glob(f"rank{self.rank}-*.tmp")]:
-            stale.unlink(missing_ok=True)
+        for stale in self.files.listdir():  # a killed writer's temporaries of this rank (old names: name.tmp)
+            target = temporary_target(stale) or (stale.removesuffix(".tmp") if stale.endswith(".tmp") else None)
+            own = target in (mf.manifest_name(self.rank), journal_name(self.rank))
+            if own or (target is not None and shard_pattern(self.rank).fullmatch(target)):
+                self.files.remove(stale, missing_ok=True)
         path = self.directory / mf.manifest_name(self.rank)
         good_size, self.shards, self.samples = 0, 0, 0
         listed: list[str] = []
@@ -58,7 +62,7 @@ class RankIndexWriter:
         if merged != self.manifest.get("config") or upgrade or not os.path.lexists(path):
             self.manifest["config"], self.manifest["schema_version"] = merged, mf.SCHEMA_VERSION
             mf.write_manifest(self.directory, self.manifest)
-        self.journal = JournalAppender(self.directory / journal_name(self.rank), good_size)
+        self.journal = JournalAppender(self.files, journal_name(self.rank), good_size)
         self._lock = threading.Lock()
         self._changed = False  # layers or config changed since the manifest was written
         self._config_changed = False  # config changed since: written at close even without a new shard
@@ -87,7 +91,7 @@ class RankIndexWriter:
         try:
             if manifest is not None:
                 mf.write_manifest(self.directory, manifest)
-            mf.fsync_dir(self.directory)  # the shard's rename first
+            self.files.fsync()  # the shard's rename first
             self.journal.append(line)
         except BaseException:
             with self._lock:
@@ -113,6 +117,7 @@ class RankIndexWriter:
                     mf.write_manifest(self.directory, manifest)
         finally:
             self.journal.close()
+            self.files.close()
             self.lock.release()
 
 

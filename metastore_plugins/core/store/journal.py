@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from metastore_plugins.core.store.manifest import StoreError, atomic_write_bytes, fsync_dir
+from metastore_plugins.core.store.files import StoreDir, StoreError, atomic_write_bytes
 
 #: Dtype codes a column may use (all little-endian).
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -136,34 +136,16 @@ def read_lines(handle: Any) -> Iterator[tuple[int, bytes | None, int]]:
 class JournalAppender:
     """Appends lines to a rank's journal, each written whole and fsynced before :meth:`append` returns."""
 
-    def __init__(self, path: Path, good_size: int) -> None:
-        """Open ``path`` for appending after truncating it to ``good_size`` (dropping a torn tail)."""
-        self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            if os.fstat(self._fd).st_size != good_size:
-                os.ftruncate(self._fd, good_size)
-                os.fsync(self._fd)
-        except BaseException:
-            os.close(self._fd)
-            raise
+    def __init__(self, directory: StoreDir, name: str, good_size: int) -> None:
+        """Open journal ``name`` of ``directory`` (never through a link) after cutting it to ``good_size``
+        (dropping a torn tail)."""
+        self.path = directory.path / name
+        self._fd = directory.open_append(name, good_size)
         self.size = good_size
-        fsync_dir(path.parent)
 
     def append(self, line: bytes) -> None:
         """Write ``line`` at the end and fsync; on failure cut the journal back to where it was."""
-        try:
-            os.lseek(self._fd, self.size, os.SEEK_SET)
-            view = memoryview(line)
-            while view:
-                view = view[os.write(self._fd, view) :]
-            os.fsync(self._fd)
-        except BaseException:
-            try:
-                os.ftruncate(self._fd, self.size)
-            except OSError:
-                pass  # the torn tail is ignored by readers and dropped by the next writer
-            raise
+        StoreDir.append(self._fd, self.size, line)
         self.size += len(line)
 
     def close(self) -> None:
@@ -193,7 +175,8 @@ class RankLock:
 
     def __init__(self, directory: Path, rank: int) -> None:
         self.path = directory / lock_name(rank)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        with StoreDir(directory) as opened:
+            self._fd = opened.open_lock(lock_name(rank))  # never through a link, never a directory or FIFO
         stat = os.fstat(self._fd)
         self._key = (stat.st_dev, stat.st_ino)
         with _HELD_LOCK:
@@ -237,4 +220,4 @@ def _lock(fd: int) -> bool:
 
 def rewrite(path: Path, lines: list[bytes]) -> None:
     """Replace the journal atomically by ``lines`` (compaction and repair; under :class:`RankLock`)."""
-    atomic_write_bytes(path, b"".join(lines))
+    atomic_write_bytes(path, b"".join(lines))  # through a new temporary: never a planted file or link

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any
+
+# their home is files.py; many modules import them from here
+from metastore_plugins.core.store.files import StoreError as StoreError
+from metastore_plugins.core.store.files import atomic_write_bytes as atomic_write_bytes
+from metastore_plugins.core.store.files import fsync_dir as fsync_dir
 
 FORMAT = "metastore"
 SCHEMA_VERSION = 3
@@ -38,11 +42,6 @@ MAX_INT = 2**53
 MAX_PARAM_NUMEL = 2**34
 MAX_NAME_CHARS = 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-class StoreError(ValueError):
-    """A user mistake about a store (not a store, unknown capture point, sample, step or layer),
-    or a damaged or malformed store (a checksum mismatch, a hostile manifest or shard)."""
 
 
 def manifest_name(rank: int) -> str:
@@ -63,36 +62,6 @@ def meta_key(batch: int, column: str) -> str:
 
 def new_manifest(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT, "schema_version": SCHEMA_VERSION, "rank": rank, "config": config, "layers": {}}
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file, fsync, rename and fsync the directory.
-
-    On failure (a full disk) the temporary file is removed and ``path`` is left as it was.
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:

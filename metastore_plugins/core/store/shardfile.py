@@ -18,7 +18,8 @@ import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
@@ -26,6 +27,7 @@ from torch import Tensor
 from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import EXACT_KEYS, Encoding, encode_into, stored_specs
+from metastore_plugins.core.store.files import StoreDir
 
 _DTYPE_NAMES = {
     torch.float64: "F64",
@@ -63,14 +65,16 @@ class ShardBuffer:
 
 
 def write_shard(
-    path: str | os.PathLike[str],
+    target: BinaryIO | str | os.PathLike[str],
     batches: Batches,
     encoding: Encoding,
     metadata: dict[str, str],
     buffer: ShardBuffer | None = None,
 ) -> tuple[int, str]:
-    """Write ``(records, metadata columns)`` batches as one safetensors file, synced to disk.
+    """Write ``(records, metadata columns)`` batches as one safetensors file.
 
+    ``target``: an open binary file (the store writes through :meth:`~.files.StoreDir.atomic_write`,
+    which syncs it), or a path, replaced the same way.
     Records are encoded (:mod:`~metastore_plugins.core.store.encoding`), metadata columns stored
     as they are, through ``buffer`` (a new one when not given). Returns the file's size in
     bytes and its sha256.
@@ -110,11 +114,13 @@ def write_shard(
     data = data_section.numpy().data
     digest = hashlib.sha256(head)
     digest.update(data)
-    with open(path, "wb") as handle:
-        handle.write(head)
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    if isinstance(target, (str, os.PathLike)):
+        path = Path(target)
+        with StoreDir(path.parent) as directory:
+            directory.atomic_write(path.name, lambda handle: (handle.write(head), handle.write(data)))
+    else:
+        target.write(head)
+        target.write(data)
     return len(head) + size, digest.hexdigest()
 
 

@@ -9,13 +9,11 @@ hostile header cannot cost more than the index allows. Tensors are copies of the
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
 import math
 import os
-import stat
 import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -25,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.files import StoreDir, StoreError, not_regular, open_regular, os_problem
 
 _DTYPES = {
     "F64": torch.float64,
@@ -52,65 +50,18 @@ _KIND_TENSORS = {
 _HEADER_BYTES_PER_KEY = 256
 _HEADER_SLACK = 1 << 16
 _MAX_DIMS = 16
-_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-
-
-def _kind_of(mode: int) -> str | None:
-    """Why a file of this mode is not read, or None for a regular file."""
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISLNK(mode):
-        return "is a symbolic link; links are not followed"
-    if stat.S_ISDIR(mode):
-        return "is a directory, not a regular file"
-    if stat.S_ISFIFO(mode):
-        return "is a FIFO, not a regular file; not read"
-    if stat.S_ISSOCK(mode):
-        return "is a socket, not a regular file; not read"
-    return "is a device, not a regular file; not read"
-
-
-def _os_problem(exc: OSError) -> str:
-    if isinstance(exc, FileNotFoundError):
-        return "missing on disk"
-    if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link put in place after the check
-        return "is a symbolic link; links are not followed"
-    return f"cannot be read ({exc.strerror or exc}); check its permissions"
-
-
-def _lstat(path: Path, directory: Path) -> tuple[str | None, os.stat_result | None]:
-    if path.parent != directory:
-        return f"is not a file of the store directory {directory}; not read", None
-    try:
-        before = os.lstat(path)
-    except OSError as exc:
-        return _os_problem(exc), None
-    return _kind_of(before.st_mode), before
 
 
 def file_problem(path: Path, directory: Path) -> str | None:
     """What keeps ``path`` from being read as a regular file of ``directory`` (it is not opened), or None."""
-    return _lstat(path, directory)[0]
-
-
-def open_regular(path: Path, directory: Path) -> tuple[int, os.stat_result]:
-    """A read-only descriptor of a regular file of ``directory`` and its ``fstat``; the caller closes it.
-
-    Links are not followed and FIFOs or devices are not opened (no blocking); a file swapped
-    between the check and the open is refused. Raises :class:`StoreError` naming the file.
-    """
-    problem, before = _lstat(path, directory)
-    if problem is not None or before is None:
-        raise StoreError(f"{path}: {problem}")
+    if path.parent != directory:
+        return f"is not a file of the store directory {directory}; not read"
     try:
-        fd = os.open(path, _FLAGS)
-    except OSError as exc:
-        raise StoreError(f"{path}: {_os_problem(exc)}") from exc
-    opened = os.fstat(fd)
-    if _kind_of(opened.st_mode) is not None or (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino):
-        os.close(fd)
-        raise StoreError(f"{path}: was replaced while it was opened; not read")
-    return fd, opened
+        with StoreDir(directory) as opened:
+            found = opened.lstat(path.name)
+    except (OSError, StoreError) as exc:
+        return os_problem(exc) if isinstance(exc, OSError) else str(exc)
+    return "missing on disk" if found is None else not_regular(found.st_mode)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import torch
 from torch import Tensor
@@ -389,20 +389,21 @@ class StoreWriter:
     def _write_shard(self, pending: list[_Batch], buffer: ShardBuffer) -> None:
         """Write ``pending`` as the next shard, whole on disk, then list it with one journal line."""
         name = mf.shard_name(self.rank, self._index.next_shard)
-        final, tmp = self.path / name, self.path / (name + ".tmp")
-        try:
-            metadata = {"format": mf.FORMAT, "encoding": self.encoding}
-            size, sha256 = write_shard(tmp, [(b.records, b.meta) for b in pending], self.encoding, metadata, buffer)
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a partial file on a full disk
-            raise
+        files = self._index.files
+        written: list[tuple[int, str]] = []
+        metadata = {"format": mf.FORMAT, "encoding": self.encoding}
+
+        def write(handle: BinaryIO) -> None:
+            written.append(write_shard(handle, [(b.records, b.meta) for b in pending], self.encoding, metadata, buffer))
+
+        files.atomic_write(name, write)  # a partial temporary (full disk) is removed
+        size, sha256 = written[0]
         batches = [(b.info | {"records": [self._record_info(r) for r in b.records]}, b.meta) for b in pending]
         entry = new_entry(name, size, sha256, self.encoding, self.rank, batches)
         try:
             self._index.append(entry)
         except BaseException:
-            final.unlink(missing_ok=True)  # never listed: free its space; the journal stays valid
+            files.remove(name, missing_ok=True)  # never listed: free its space; the journal stays valid
             raise
         self.stats.shards += 1
         self.stats.batches += len(batches)
