@@ -21,6 +21,7 @@ See ``docs/hf.md`` for defaults, sample ids, loss scaling and the reports.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import time
@@ -43,10 +44,13 @@ from metastore_plugins.core.run import (
     RunCapture,
     SampleIdError,
     batch_size_of,
+    claim_store_dir,
     record_sampler_ids,
 )
 
-logger = hf_logging.get_logger(__name__)  # the Trainer's verbosity (TrainingArguments(log_level=...)) applies
+#: Under transformers' own logger, whose handler and level TrainingArguments(log_level=...) sets, as for the Trainer's
+#: "***** Running training *****" (a logger outside it would show nothing without logging.basicConfig).
+logger = hf_logging.get_logger(f"transformers.{__name__}")
 
 
 @with_settings_doc
@@ -92,6 +96,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self._optimizer: Any = None
         self._epoch = self._micro = self._evals = self._skip = 0
         self._started = 0.0
+        self._say = logging.INFO  # the level of the start and end lines (see on_train_begin)
+        self._early_tags: list[tuple[str, dict[str, Any]]] = []  # tag(steps=...) before train()
 
     # -- start ---------------------------------------------------------------------------
 
@@ -102,6 +108,20 @@ class MetaStoreTrainerCallback(TrainerCallback):
         if self.dirpath is None:
             self.dirpath = Path(args.output_dir or ".") / "metastore"
         check_writable(self.dirpath, "MetaStoreTrainerCallback(dirpath=...) or TrainingArguments(output_dir=...)")
+        # log_level="info" (or "debug") shows them as info, like the Trainer's own lines; by default ("passive",
+        # transformers at warning level) they are logged at warning level, so a default run says where its store went
+        self._say = logging.INFO if getattr(args, "log_level", "passive") != "passive" else logging.WARNING
+        moved = claim_store_dir(
+            self.dirpath,
+            continuing=state.global_step > 0,  # resume_from_checkpoint: the saved state is loaded before this event
+            overwrite=self.options.overwrite,
+            owner="MetaStoreTrainerCallback",
+            resume="trainer.train(resume_from_checkpoint=...)",
+            rank=args.process_index,
+            agree=_from_rank_zero,
+        )
+        if moved is not None and state.is_world_process_zero:
+            logger.log(self._say, f"MetaStoreTrainerCallback: overwrite=True: the earlier store moved to {moved}")
         self.options.check_model(model, capturable=True)
         if self.options.capture_train_steps:
             loader = kwargs.get("train_dataloader")  # accelerate's DataLoaderShard iterates the DataLoader it wraps
@@ -128,10 +148,11 @@ class MetaStoreTrainerCallback(TrainerCallback):
             config=config,
             world_size=args.world_size,
             announce=logger.info if state.is_world_process_zero else None,
+            early_tags=self._early_tags,
         )
         self._expect(args, state, model, kwargs)
         if state.is_world_process_zero:
-            logger.info(self.options.start_line(self.dirpath, self.schedule, "evaluation(s)"))
+            logger.log(self._say, self.options.start_line(self.dirpath, self.schedule, "evaluation(s)"))
         self._state, self._optimizer, self._started = state, kwargs.get("optimizer"), time.time()
         self._epoch, self._evals, self.passes = int(state.epoch or 0), 0, []
         self._hooks = [
@@ -305,8 +326,10 @@ class MetaStoreTrainerCallback(TrainerCallback):
 
     def tag(self, name: str, **options: Any) -> Any:
         """Tag the current step (or ``steps=(first, last)``) while training runs; ``keep=`` sets what those steps
-        keep (see :meth:`MetaStoreCallback.tag <metastore_plugins.MetaStoreCallback.tag>`, docs/policies.md)."""
-        return self.options.tag(self.run, name, self._state.global_step if self._state else 0, **options)
+        keep (see :meth:`MetaStoreCallback.tag <metastore_plugins.MetaStoreCallback.tag>`, docs/policies.md).
+        Before ``train()``, a tag needs ``steps=`` and is written when training starts (it returns None then)."""
+        step = self._state.global_step if self._state else 0
+        return self.options.tag(self.run, name, step, self._early_tags, **options)
 
     # -- end of training -----------------------------------------------------------------
 
@@ -339,7 +362,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
                 "'steps') with an eval_dataset to get one"
             )
         if not self.options.reports:
-            logger.info(self.options.end_line(self.dirpath, None, []))
+            logger.log(self._say, self.options.end_line(self.dirpath, None, []))
             return
         from metastore_plugins.core.reports.tensorboard import summary_writer
 
@@ -358,7 +381,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         finally:
             for writer in writers:
                 writer.close()
-        logger.info(self.options.end_line(self.dirpath, self.report_result, logdirs))
+        logger.log(self._say, self.options.end_line(self.dirpath, self.report_result, logdirs))
 
     def _close(self) -> None:
         for handle in self._hooks:
@@ -370,6 +393,15 @@ class MetaStoreTrainerCallback(TrainerCallback):
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+
+def _from_rank_zero(decision: tuple[str, str]) -> tuple[str, str]:
+    """Rank 0's ``decision`` on every rank of the process group (itself without one)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return decision
+    box = [decision]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _lr(optimizer: Any) -> float | None:

@@ -36,7 +36,6 @@ from typing_extensions import Unpack
 from metastore_plugins.core.checkpoints import dataset_size
 from metastore_plugins.core.options import CallbackOptions, CaptureSettings, check_writable, with_settings_doc
 from metastore_plugins.core.rng import preserved_rng
-from metastore_plugins.core.sample_ids import loader_batch_size
 from metastore_plugins.core.run import (
     SAMPLE_ID_KEYS,
     IndexedDataset,
@@ -44,10 +43,12 @@ from metastore_plugins.core.run import (
     RecordingBatchSampler,
     RunCapture,
     batch_size_of,
+    claim_store_dir,
     missing_ids_error,
     record_sampler_ids,
     take_sample_ids,
 )
+from metastore_plugins.core.sample_ids import loader_batch_size
 
 
 @with_settings_doc
@@ -85,6 +86,8 @@ class MetaStoreCallback(Callback):
         self._watched: tuple[Any, Any] | None = None  # (strategy, its own process_dataloader attribute or None)
         self._step = 0
         self._step_lr: float | None = None
+        self._restored = False  # load_state_dict ran: this fit resumes from a checkpoint
+        self._early_tags: list[tuple[str, dict[str, Any]]] = []  # tag(steps=...) before fit
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -108,6 +111,17 @@ class MetaStoreCallback(Callback):
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "metastore"
         check_writable(self.dirpath, "MetaStoreCallback(dirpath=...)")
+        moved = claim_store_dir(
+            self.dirpath,
+            continuing=self._restored or trainer.global_step > 0,
+            overwrite=self.options.overwrite,
+            owner="MetaStoreCallback",
+            resume="trainer.fit(model, ..., ckpt_path=...)",
+            rank=trainer.global_rank,
+            agree=lambda decision: trainer.strategy.broadcast(decision, src=0),
+        )
+        if moved is not None:
+            rank_zero_info(f"MetaStoreCallback: overwrite=True: the earlier store in {self.dirpath} moved to {moved}")
         config = {
             "framework": "lightning",
             "loss_reduction": self.loss_reduction,
@@ -124,6 +138,7 @@ class MetaStoreCallback(Callback):
             config=config,
             world_size=trainer.world_size,
             announce=rank_zero_info,
+            early_tags=self._early_tags,
         )
         self._expect(trainer, pl_module, self.run)
         self._record_sampler(trainer)
@@ -294,10 +309,11 @@ class MetaStoreCallback(Callback):
     def tag(self, name: str, **options: Any) -> Any:
         """Tag the current step (or ``steps=(first, last)``) with ``name`` and attributes while training runs;
         ``keep="exact"`` (``"projected"``, ``"norms"``, ``"nothing"``, ``"snapshot"``) sets what those steps keep.
+        Before ``fit``, a tag needs ``steps=`` and is written when training starts (it returns None then).
 
         Example: ``callback.tag("lr-drop", steps=(a, b), keep="exact", reason="plateau")``; see docs/policies.md.
         """
-        return self.options.tag(self.run, name, getattr(self, "_step", 0), **options)
+        return self.options.tag(self.run, name, getattr(self, "_step", 0), self._early_tags, **options)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()
@@ -314,6 +330,7 @@ class MetaStoreCallback(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = True  # fit(ckpt_path=...): the store of the checkpoint's run is continued
         if state_dict.get("dirpath"):
             self.dirpath = Path(state_dict["dirpath"])
         self.schedule.train_indices = state_dict.get("train_indices")

@@ -52,6 +52,7 @@ class CaptureSettings(TypedDict, total=False):
     report_k: int
     outliers_from: OutlierSource
     rank_outliers_by: OutlierRanking
+    overwrite: bool
 
 
 #: The ``Args:`` text of :class:`CaptureSettings`, which each callback's docstring includes at ``{settings}``.
@@ -89,7 +90,11 @@ rank_outliers_by: ``"auto"`` (default): every trained sample by its area under t
     (AUM, the labelled logit minus the largest other, averaged over its training steps; lowest
     first) where the training steps hold margins (class logits), else by self-influence;
     ``"aum"``, ``"loss"`` (the loss at the last pass: best on short fine-tunes of pretrained
-    models) or ``"self_influence"`` to choose. docs/quality.md measures why."""
+    models) or ``"self_influence"`` to choose. docs/quality.md measures why.
+overwrite: a fresh run (not resumed from a checkpoint) into a directory that already holds a
+    store moves that store aside (``<dirpath>.replaced-<UTC time>``, never deleted) and starts a
+    new one; default False: such a run stops at its start with an error naming both ways out.
+    A resumed run always continues its store."""
 
 
 def with_settings_doc(cls: type) -> type:
@@ -123,6 +128,7 @@ class CallbackOptions:
     report_k: int = 20
     outliers_from: OutlierSource = "checkpoints"
     rank_outliers_by: OutlierRanking = "auto"
+    overwrite: bool = False
 
     @classmethod
     def of(cls, owner: str, settings: CaptureSettings) -> CallbackOptions:
@@ -158,6 +164,8 @@ class CallbackOptions:
         for setting, least in (("report_k", 1), ("checkpoint_train_samples", 1), ("checkpoint_val_samples", 1)):
             self.whole_number(setting, getattr(self, setting), least)
         self.whole_number("seed", self.seed, None)
+        if not isinstance(self.overwrite, bool):
+            raise ValueError(f"{self.owner}(overwrite=...) must be True or False; got {self.overwrite!r}")
         seconds = self.flush_seconds
         if seconds is not None and (
             isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf")
@@ -215,12 +223,16 @@ class CallbackOptions:
         config: dict[str, Any],
         world_size: int = 1,
         announce: Callable[[str], None] | None = None,
+        early_tags: list[tuple[str, dict[str, Any]]] | None = None,
     ) -> RunCapture:
-        """The :class:`RunCapture` of one process rank, with these settings (the budget split between ranks)."""
+        """The :class:`RunCapture` of one process rank, with these settings (the budget split between ranks).
+
+        ``early_tags``: the tags :meth:`tag` kept before training; written now (and the list emptied).
+        """
         budget = None if self.budget is None else int(self.budget) // max(1, world_size)
         policy = CapturePolicy(self.policy, budget, encoding=self.encoding, owner=self.owner)
         session = {"unsupported": self.unsupported, **({"modules": list(self.modules)} if self.modules else {})}
-        return RunCapture(
+        run = RunCapture(
             path,
             rank=rank,
             loss_reduction=loss_reduction,
@@ -234,6 +246,14 @@ class CallbackOptions:
             policy=policy,
             announce=announce,
         )
+        try:
+            while early_tags:
+                name, options = early_tags.pop(0)
+                run.tag(name, step=0, **options)
+        except BaseException:
+            run.close()  # a bad tag: its lock and writer thread go with it
+            raise
+        return run
 
     def expect(
         self,
@@ -271,14 +291,21 @@ class CallbackOptions:
             )
         )
 
-    def tag(self, run: RunCapture | None, name: str, step: int, **options: Any) -> Any:
-        """``run.tag(...)`` at ``step`` (see :meth:`RunCapture.tag`), or an error naming when tags can be set."""
-        if run is None:
+    def tag(
+        self, run: RunCapture | None, name: str, step: int, early: list[tuple[str, dict[str, Any]]], **options: Any
+    ) -> Any:
+        """``run.tag(...)`` at ``step`` (see :meth:`RunCapture.tag`); before training (``run`` None) a tag with
+        ``steps=`` is kept in ``early`` and written when the run starts (:meth:`run_capture`), and returns None."""
+        if run is not None:
+            return run.tag(name, step=step, **options)
+        if options.get("steps") is None or options.get("keep") == "snapshot":
             raise RuntimeError(
-                f"{self.owner}.tag() sets tags while training runs: call it from a hook of your model or of a "
-                "callback (before training starts, tag with steps=(first, last) from the first step on)"
+                f"{self.owner}.tag() before training starts needs steps=(first, last) (or steps=one step), and is "
+                "written when training starts; a tag of the current step, or keep='snapshot' (the weights now), "
+                "must be set while training runs: call it from a hook of your model or of a callback"
             )
-        return run.tag(name, step=step, **options)
+        early.append((name, dict(options)))
+        return None
 
     def start_line(self, store_dir: Path, schedule: CheckpointSchedule, period: str) -> str:
         """The one line a callback logs when training starts: where the store goes, and what it keeps."""

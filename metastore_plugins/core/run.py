@@ -5,7 +5,9 @@ The Lightning and Hugging Face callbacks map their framework's events onto these
 - :func:`default_labels` and :func:`default_per_sample_loss` (from :mod:`~metastore_plugins.core.losses`);
 - :class:`CheckpointSchedule` and :func:`indexed_batches` (from :mod:`~metastore_plugins.core.checkpoints`);
 - :class:`RunCapture` owns the :class:`~metastore_plugins.core.capture.CaptureSession` of each step, the
-  :class:`~metastore_plugins.core.store.StoreWriter`, the capture policy, the tags and the snapshots of the run.
+  :class:`~metastore_plugins.core.store.StoreWriter`, the capture policy, the tags and the snapshots of the run;
+- :func:`claim_store_dir` (from :mod:`~metastore_plugins.core.run_start`): may a run write into a directory
+  that already holds a store.
 
 Example::
 
@@ -51,6 +53,7 @@ from metastore_plugins.core.policy.plan import CapturePlan
 from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.policy.tags import TagBook, tag_attributes
 from metastore_plugins.core.rng import preserved_rng
+from metastore_plugins.core.run_start import ExistingStoreError, claim_store_dir
 from metastore_plugins.core.sample_ids import (
     SAMPLE_ID_KEYS,
     IndexedDataset,
@@ -68,8 +71,9 @@ from metastore_plugins.core.store.snapshots import SnapshotInfo, SnapshotWriter
 from metastore_plugins.core.store.writer import StoreWriter
 
 __all__ = [
-    "SAMPLE_ID_KEYS", "CheckpointSchedule", "IndexedDataset", "LossReduction", "PassSource", "RecordingBatchSampler",
-    "RunCapture", "SampleIdError", "batch_size_of", "default_labels", "default_per_sample_loss",
+    "SAMPLE_ID_KEYS", "CheckpointSchedule", "ExistingStoreError", "IndexedDataset", "LossReduction", "PassSource",
+    "RecordingBatchSampler", "RunCapture", "SampleIdError", "batch_size_of", "claim_store_dir", "default_labels",
+    "default_per_sample_loss",
     "indexed_batches", "logits_of", "missing_ids_error", "rank_share", "record_sampler_ids", "stream_batches",
     "take_sample_ids", "unwrap_dataset",
 ]  # fmt: skip
@@ -134,6 +138,7 @@ class RunCapture:
         self.owner = owner
         self._reduction_checked = False
         self._lr_since_pass: float | None = None  # None until optimizer_step() is first called
+        self._last_step_lr: float | None = None  # the rate the last optimizer step since the last pass applied
 
     # -- one training step ---------------------------------------------------------------
 
@@ -245,6 +250,7 @@ class RunCapture:
     def optimizer_step(self, lr: float | None) -> None:
         """Note one optimizer step and the learning rate it applies (``None``: 1), for the next pass's weight."""
         self._lr_since_pass = (self._lr_since_pass or 0.0) + (1.0 if lr is None else float(lr))
+        self._last_step_lr = None if lr is None else float(lr)
 
     def pass_lr(self, lr: float | None) -> float | None:
         """The learning rate a checkpoint pass is recorded with: ``sum_{t in (c-1, c]} lr_t``.
@@ -311,15 +317,18 @@ class RunCapture:
         """One checkpoint pass: each source's share for this rank (:func:`rank_share`), as capture point ``name/split``.
 
         ``to_device`` moves a collated batch to the model's device; the rest is :meth:`checkpoint_pass`'s.
-        The pass is tagged ``name`` (with ``epoch``, ``lr``: the rate now, and ``attributes``: the
-        metrics the trainer logged), and takes a weight snapshot when the capture plan has one for it.
-        Its records carry :meth:`pass_lr` (the summed rate of the steps since the previous pass).
+        The pass is tagged ``name`` (with ``epoch``, ``lr``: the rate the last optimizer step before
+        the pass trained at, ``lr`` given (the rate now) when none ran since the previous pass, and
+        ``attributes``: the metrics the trainer logged), and takes a weight snapshot when the capture
+        plan has one for it. Its records carry :meth:`pass_lr` (the summed rate of the steps since the
+        previous pass).
         """
         self.last_pass = (model, sources, loss_of, to_device, context)
         weight = self.pass_lr(lr)
+        trained_at = lr if self._last_step_lr is None else self._last_step_lr  # not the rate a scheduler set since
         if self._lr_since_pass is not None:
-            self._lr_since_pass = 0.0
-        attributes = {"epoch": epoch, "lr": lr, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
+            self._lr_since_pass, self._last_step_lr = 0.0, None
+        attributes = {"epoch": epoch, "lr": trained_at, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
         if self.policy.should_snapshot():
             self.snapshot(model, name=name, step=step, attributes=attributes)
         self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))

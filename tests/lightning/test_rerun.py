@@ -1,0 +1,132 @@
+"""A second, fresh ``fit`` into a directory that holds a store is refused (or, with ``overwrite=True``, the old
+store is moved aside, byte for byte); a resumed ``fit(ckpt_path=...)`` continues the store. Also: tags set
+before ``fit``, and the learning rate the automatic ``epoch-N`` tags record."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+pytest.importorskip("tensorboard")
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
+from lightning_cases import Classifier, fit, loaders  # noqa: E402
+
+from metastore_plugins import MetaStoreCallback, open_store  # noqa: E402
+from metastore_plugins.core.policy.tags import read_tags  # noqa: E402
+from metastore_plugins.core.run import ExistingStoreError  # noqa: E402
+
+N_TRAIN = 24
+
+
+def _files(directory: Path) -> dict[str, str]:
+    """sha256 of every regular file under ``directory``, by relative path."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _counts(store_dir: Path) -> dict[int, int]:
+    """How many times each sample id is stored at capture point ``train``."""
+    ids, counts = torch.unique(torch.as_tensor(open_store(store_dir).sample_ids("train")), return_counts=True)
+    return dict(zip(ids.tolist(), counts.tolist(), strict=True))
+
+
+def _callback(store: Path, **settings: object) -> MetaStoreCallback:
+    return MetaStoreCallback(store, reports=False, checkpoint_train_samples=8, **settings)  # type: ignore[arg-type]
+
+
+def test_a_second_fresh_fit_into_the_same_dirpath_is_refused_and_the_store_is_untouched(tmp_path: Path) -> None:
+    train, val = loaders(N_TRAIN, 6, 8)
+    store = tmp_path / "store"
+    fit(tmp_path, Classifier(), train, val, [_callback(store)], max_epochs=1)
+    assert _counts(store) == dict.fromkeys(range(N_TRAIN), 1)
+    before = _files(store)
+    module = Classifier()
+    with pytest.raises(ExistingStoreError) as refused:
+        fit(tmp_path, module, train, val, [_callback(store)], max_epochs=1)
+    message = str(refused.value)
+    assert str(store) in message and "ckpt_path" in message and "overwrite=True" in message
+    assert module.trainer.global_step == 0  # refused at the start, before any step
+    assert _files(store) == before  # nothing written, nothing removed
+    assert _counts(store) == dict.fromkeys(range(N_TRAIN), 1)  # not 2: the runs were not merged
+
+
+def test_overwrite_moves_the_earlier_store_aside_and_starts_a_new_one(tmp_path: Path) -> None:
+    train, val = loaders(N_TRAIN, 6, 8)
+    store = tmp_path / "store"
+    fit(tmp_path, Classifier(), train, val, [_callback(store)], max_epochs=1)
+    before = _files(store)
+    fit(tmp_path, Classifier(), train, val, [_callback(store, overwrite=True)], max_epochs=2)
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("store.replaced-")]
+    assert len(moved) == 1 and _files(moved[0]) == before  # the earlier store, byte for byte
+    assert _counts(store) == dict.fromkeys(range(N_TRAIN), 2)  # only the new run: 2 epochs
+    assert sorted(open_store(store).metadata("train")["epoch"].tolist()) == [0] * N_TRAIN + [1] * N_TRAIN
+
+
+def test_a_fit_resumed_from_a_checkpoint_continues_the_same_store(tmp_path: Path) -> None:
+    train, val = loaders(N_TRAIN, 6, 8)
+    store = tmp_path / "store"
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit(tmp_path, Classifier(), train, val, [_callback(store), saver], max_epochs=1, enable_checkpointing=True)
+    trainer = L.Trainer(
+        max_epochs=2,
+        callbacks=[_callback(store), ModelCheckpoint(dirpath=tmp_path / "ckpt")],
+        logger=TensorBoardLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Classifier(), train, val, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    meta = open_store(store).metadata("train")
+    assert sorted(meta["epoch"].tolist()) == [0] * N_TRAIN + [1] * N_TRAIN  # epoch 0 from the first run, 1 resumed
+    assert _counts(store) == dict.fromkeys(range(N_TRAIN), 2)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("store.replaced-")]
+
+
+class _Stepped(Classifier):
+    """SGD at 0.05, divided by 10 after each epoch; records the rate each training step ran at."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        self.rates: dict[int, set[float]] = {}
+
+    def training_step(self, batch, batch_idx):
+        if self.training:  # not a checkpoint pass (eval mode), which runs after the epoch's scheduler step
+            self.rates.setdefault(self.current_epoch, set()).add(self.trainer.optimizers[0].param_groups[0]["lr"])
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)]
+
+
+def test_the_automatic_epoch_tag_records_the_rate_the_epoch_trained_at(tmp_path: Path) -> None:
+    train, val = loaders(N_TRAIN, 6, 8)
+    module = _Stepped()
+    fit(tmp_path, module, train, val, [_callback(tmp_path / "store")], max_epochs=2)
+    tags = {tag.name: tag for tag in read_tags(tmp_path / "store") if tag.automatic}
+    for epoch, expected in ((0, 0.05), (1, 0.005)):  # the scheduler's rate during epoch e: 0.05 * 0.1**e
+        assert sorted(module.rates[epoch]) == [pytest.approx(expected)]
+        assert tags[f"epoch-{epoch}"].attributes["lr"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_tag_with_steps_set_before_fit_is_written_when_training_starts(tmp_path: Path) -> None:
+    train, val = loaders(N_TRAIN, 6, 8)
+    callback = _callback(tmp_path / "store")
+    with pytest.raises(RuntimeError, match=r"steps=\(first, last\)"):
+        callback.tag("now")  # no step to tag before training
+    with pytest.raises(RuntimeError, match="while training runs"):
+        callback.tag("weights", steps=0, keep="snapshot")
+    assert callback.tag("warm-up", steps=(0, 1), keep="exact", reason="first steps") is None
+    fit(tmp_path, Classifier(), train, val, [callback], max_epochs=1)
+    found = [tag for tag in read_tags(tmp_path / "store") if tag.name == "warm-up"]
+    assert len(found) == 1
+    assert (found[0].first_step, found[0].last_step, found[0].keep) == (0, 1, "exact")
+    assert found[0].attributes == {"reason": "first steps"}
