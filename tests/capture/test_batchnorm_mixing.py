@@ -191,3 +191,53 @@ def test_a_run_names_them_in_its_plan_its_store_config_and_its_reports(tmp_path)
     write_tables(store, tmp_path / "reports", {"outliers": [], "influence": None, "outlier_columns": ("rank",)})
     summary = json.loads((tmp_path / "reports" / "summary.json").read_text())
     assert "0.weight" in summary["batch_mixed"] and "BatchNorm '1'" in summary["batch_mixed"]
+
+
+def test_a_lightning_run_names_them_at_start_and_its_reports_say_so(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The user's path: the plan line at the first step, the config, the reports built from eval-mode passes."""
+    import lightning as L  # noqa: N812  (optional dependency: imported where used)
+
+    from metastore_plugins import IndexedDataset, MetaStoreCallback
+
+    class Classifier(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.net(x)  # (B, 3)
+
+        def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
+            return F.cross_entropy(self(batch[0]), batch[1])
+
+        def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
+            pass
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    x, y = data(24)
+    loader = torch.utils.data.DataLoader(
+        IndexedDataset(torch.utils.data.TensorDataset(x.float(), y)), batch_size=8, shuffle=False
+    )
+    trainer = L.Trainer(
+        max_epochs=1,
+        logger=False,
+        default_root_dir=tmp_path,
+        callbacks=[MetaStoreCallback(tmp_path / "store")],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with caplog.at_level("INFO"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Classifier(), loader, loader)
+    plan = [r.getMessage() for r in caplog.records if "capture plan:" in r.getMessage()]
+    assert len(plan) == 1
+    assert re.search(r"left out of them: 2 parameters below BatchNorm 'net.1'.*net\.0\.weight, net\.0\.bias", plan[0])
+    store = open_store(tmp_path / "store")
+    assert store.config[BATCH_MIXED_KEY] == {"net.0.weight": "net.1", "net.0.bias": "net.1"}
+    layers = {cp: {r.layer for b in store.select(cp).batches() for r in b.records} for cp in ("train", "epoch-0/train")}
+    assert layers == {"train": {"net.1", "net.3"}, "epoch-0/train": {"net.0", "net.1", "net.3"}}
+    summary = json.loads((tmp_path / "store" / "reports" / "summary.json").read_text())
+    assert "net.0.weight" in summary["batch_mixed"]

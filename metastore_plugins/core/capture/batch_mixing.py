@@ -70,10 +70,10 @@ def batch_mixed_message(norm: str, norm_type: str, params: list[str]) -> str:
     """The report of parameters below a norm that uses batch statistics: which, why, what to do."""
     return (
         f"per-sample gradients of {', '.join(params)} are not captured in this forward: their layers are below "
-        f"'{norm}' ({norm_type}), which normalizes with batch statistics (training mode), so each sample's loss "
-        "depends on the whole batch and back-propagation gives these layers each sample's share of the batch "
-        "gradient, not its own-loss gradient (layers above it and its own weight and bias are captured). To fix: "
-        f"{BATCH_MIXED_FIX}; pass unsupported='skip' to accept it silently."
+        f"'{norm}' ({norm_type}), which normalizes with batch statistics (training mode, or no running "
+        "statistics), so each sample's loss depends on the whole batch and back-propagation gives these layers "
+        "each sample's share of the batch gradient, not its own-loss gradient (layers above it and its own weight "
+        f"and bias are captured). To fix: {BATCH_MIXED_FIX}; pass unsupported='skip' to accept it silently."
     )
 
 
@@ -87,7 +87,7 @@ def batch_mixed_lines(mixed: Mapping[str, str], shown: int = 4) -> list[str]:
     return [
         f"  not per sample in training-mode steps, so left out of them: {len(names)} parameter"
         f"{'s' * (len(names) != 1)} below BatchNorm {norms} (batch statistics mix the samples): "
-        f"{', '.join(names[:shown])}{more}. To capture them: {BATCH_MIXED_FIX}"
+        f"{', '.join(names[:shown])}{more}. What to do: {BATCH_MIXED_FIX}"
     ]
 
 
