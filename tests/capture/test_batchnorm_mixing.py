@@ -25,6 +25,7 @@ from metastore_plugins.core.capture import CaptureSession, UnsupportedLayerError
 from metastore_plugins.core.capture.batch_mixing import BATCH_MIXED_KEY
 from metastore_plugins.core.reports import write_tables
 from metastore_plugins.core.run import RunCapture
+from metastore_plugins.testing import reference_per_sample_gradients
 
 
 def own_loss_gradients(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
@@ -241,3 +242,23 @@ def test_a_lightning_run_names_them_at_start_and_its_reports_say_so(tmp_path, ca
     assert layers == {"train": {"net.1", "net.3"}, "epoch-0/train": {"net.0", "net.1", "net.3"}}
     summary = json.loads((tmp_path / "store" / "reports" / "summary.json").read_text())
     assert "net.0.weight" in summary["batch_mixed"]
+
+
+def test_a_later_eval_mode_forward_of_the_same_session_captures_every_layer() -> None:
+    """What is left out is per forward: after ``reset()``, an eval-mode step keeps the layers below (torch.func)."""
+    model, (x, y) = mlp().float(), data()
+    x = x.float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with CaptureSession(model) as session:
+            model.train()
+            F.cross_entropy(model(x), y).backward()
+            assert "0.weight" not in session.per_sample_gradients()
+            session.reset()
+            model.eval()
+            F.cross_entropy(model(x), y).backward()
+            actual = session.per_sample_gradients()
+    expected = reference_per_sample_gradients(model, cross_entropy, (x, y))
+    assert set(actual) == set(expected)
+    assert max_model_relative_error(actual, expected) <= TOLERANCE
+    assert set(session.batch_mixed_parameters()) == {"0.weight", "0.bias"}  # still said: some steps left them out

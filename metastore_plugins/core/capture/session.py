@@ -151,6 +151,7 @@ class CaptureSession:
         self._hooked: set[str] = set()  # parameters some rule captures
         self._mixed: dict[str, str] = {}  # parameter -> the BatchNorm that mixed it, since attach
         self._mixed_now: dict[str, str] = {}  # the same, for the forwards since the last reset()
+        self._norms_now: set[str] = set()  # BatchNorms that used batch statistics since the last reset()
         self._below: dict[str, list[str]] = {}  # BatchNorm path -> hooked parameters below it (graph walked once)
         self._reported: set[str] = set()
         self._attached = False
@@ -208,6 +209,7 @@ class CaptureSession:
         """Forget the records collected so far (call between optimizer steps)."""
         self._records.clear()
         self._mixed_now.clear()
+        self._norms_now.clear()
 
     def pause(self) -> None:
         """Stop collecting while staying attached: forward passes until :meth:`resume` cost nothing.
@@ -294,6 +296,9 @@ class CaptureSession:
             collected = records(grad)
         finally:
             self._in_records = False
+        if not mixed:
+            self._records.extend(collected)
+            return
         for record in collected:
             names = list(record.params.values())
             norm = next((mixed[name] for name in names if name in mixed), None)
@@ -315,8 +320,9 @@ class CaptureSession:
                 return
             found = set(parameters_below(x, canonical))
             below = self._below[path] = [n for n in canonical.values() if n in found and n in self._hooked]
-        if not below:
-            return
+        if not below or (path in self._norms_now and self.unsupported != "error"):
+            return  # nothing below it, or marked already since the last reset()
+        self._norms_now.add(path)
         self._mixed_now.update({name: path for name in below if name not in self._mixed_now})
         new = [name for name in below if name not in self._mixed]
         self._mixed.update(dict.fromkeys(new, path))
