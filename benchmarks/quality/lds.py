@@ -48,6 +48,7 @@ from benchmarks.quality.lds_peers import dattri_attributors, pick, timed
 from benchmarks.timing import machine, versions
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis.results import Scores
+from metastore_plugins.core.ops.curvature import CurvatureMethod
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -200,12 +201,12 @@ def kernel_scores(store_dir: Path, setup: Setup, n: int, regularization: float) 
     return ordered(scores, n, columns)
 
 
-def kfac_scores(store_dir: Path, setup: Setup, n: int, method: str, relative_damping: float) -> np.ndarray:
+def kfac_scores(store_dir: Path, setup: Setup, n: int, method: CurvatureMethod, relative_damping: float) -> np.ndarray:
     """``(N, M + T)`` :meth:`kfac_influence` (``"ekfac"`` or ``"kfac"``) over the epoch passes."""
     store, columns = open_store(store_dir), setup.test_samples + setup.tune_samples
     trains = [f"epoch-{e}/train" for e in range(setup.epochs)]
     tests = [f"epoch-{e}/test" for e in range(setup.epochs)]
-    scores = store.kfac_influence(trains, tests, method=method, relative_damping=relative_damping)  # type: ignore[arg-type]
+    scores = store.kfac_influence(trains, tests, method=method, relative_damping=relative_damping)
     return ordered(scores, n, columns)
 
 
@@ -252,7 +253,8 @@ def run(setup: Setup) -> dict[str, Any]:
         kernel = pick(setup.kernel_regularizations, partial(kernel_scores, store_dir, setup, n), m, tuning)
         kernel.update(seconds=overhead + kernel["seconds"], query_seconds=kernel["seconds"], trainings=1)
         attributions[f"TracIn kernel {setup.kernel_dim}x{setup.kernel_dim} (checkpoint passes)"] = kernel
-        for method, label in (("ekfac", "EK-FAC"), ("kfac", "K-FAC")):
+        methods: tuple[tuple[CurvatureMethod, str], ...] = (("ekfac", "EK-FAC"), ("kfac", "K-FAC"))
+        for method, label in methods:
             fitted = pick(setup.kfac_dampings, partial(kfac_scores, store_dir, setup, n, method), m, tuning)
             fitted.update(seconds=overhead + fitted["seconds"], query_seconds=fitted["seconds"], trainings=1)
             attributions[f"{label} (checkpoint passes)"] = fitted
