@@ -8,7 +8,10 @@ automatically (``automatic=True``) with their epoch, step, learning rate and log
 
 Each rank appends its tags to ``tags-rank{r}.jsonl``, one checksummed journal line each
 (:func:`~metastore_plugins.core.store.journal.encode_line`), fsynced: a crash tears at most the
-last line, which readers skip and the rank's next :class:`TagBook` cuts; a damaged earlier line is an error.
+last line, which readers skip (:func:`check_tags` reports it) and the rank's next :class:`TagBook`
+cuts; a damaged earlier line is an error. The file is read and appended through
+:class:`~metastore_plugins.core.store.files.StoreDir`: never through a link, never a FIFO, device or
+directory, and at most :data:`MAX_TAGS_BYTES` of it.
 
 Example::
 
@@ -20,18 +23,19 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
+import io
 import math
 import operator
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from metastore_plugins.core.store.files import StoreDir, StoreError
 from metastore_plugins.core.store.journal import JournalError, decode_line, encode_line, read_lines
-from metastore_plugins.core.store.manifest import StoreError, fsync_dir
 
 #: What a tag may ask to keep of its steps (``"snapshot"``: a weight snapshot).
 KEEP_CHOICES = ("exact", "projected", "norms", "nothing", "snapshot")
@@ -39,6 +43,8 @@ KEEP_CHOICES = ("exact", "projected", "norms", "nothing", "snapshot")
 Scalar = str | int | float | bool | None
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _TAGS_FILE = re.compile(r"tags-rank(\d+)\.jsonl")
+#: The largest tags file read (a tag line is about 200 bytes: over a million tags).
+MAX_TAGS_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -86,11 +92,20 @@ class TagBook:
         """
         self.path = Path(store_dir) / f"tags-rank{rank}.jsonl"
         self.rank = rank
-        self._tags, good = _read_file(self.path) if self.path.exists() else ([], 0)
-        if self.path.exists() and self.path.stat().st_size != good:
-            with open(self.path, "r+b") as handle:
-                handle.truncate(good)
-                os.fsync(handle.fileno())
+        self._tags: list[Tag] = []
+        try:
+            root = StoreDir(self.path.parent)
+        except StoreError:  # no store directory yet: no tags
+            return
+        with root:
+            if not root.exists(self.path.name):
+                return
+            self._tags, good, damage = _read_file(root, self.path.name)
+            found = root.lstat(self.path.name)
+            if found is not None and found.st_size != good:
+                if damage is not None:
+                    warnings.warn(f"{self.path}: {damage}; cut, so the next tag starts clean", stacklevel=2)
+                os.close(root.open_append(self.path.name, good))
 
     @property
     def tags(self) -> list[Tag]:
@@ -151,22 +166,13 @@ class TagBook:
 
     def _append(self, line: bytes) -> None:
         """Write ``line`` at the end and fsync; on failure cut the file back, so no torn line precedes the next."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            size = os.lseek(fd, 0, os.SEEK_END)
+        with StoreDir(self.path.parent, create=True) as root:
+            found = root.lstat(self.path.name)
+            fd = root.open_append(self.path.name, found.st_size if found is not None else 0)
             try:
-                view = memoryview(line)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            except BaseException:
-                with contextlib.suppress(OSError):  # else the torn tail is skipped by readers, cut by the next book
-                    os.ftruncate(fd, size)
-                raise
-        finally:
-            os.close(fd)
-        if size == 0:
-            fsync_dir(self.path.parent)  # the new file's name
+                StoreDir.append(fd, os.fstat(fd).st_size, line)
+            finally:
+                os.close(fd)
 
 
 def _steps(steps: Any) -> tuple[int, int]:
@@ -204,39 +210,77 @@ def _tag_of(data: dict[str, Any]) -> Tag:
     return tag
 
 
-def _read_file(path: Path) -> tuple[list[Tag], int]:
-    """The tags of one file and the size of its trusted part; a bad last line is left out, a bad earlier one raises."""
+def _read_file(root: StoreDir, name: str) -> tuple[list[Tag], int, str | None]:
+    """The tags of one file, the size of its trusted part, and what is wrong with its last line (None: nothing).
+
+    Raises:
+        StoreError: naming the file, when it is not a regular file, too large, or a line before the last is damaged.
+    """
+    data = root.read(name, MAX_TAGS_BYTES, "a tags file")
     tags: list[Tag] = []
     good = 0
     failure: tuple[int, str] | None = None
-    with open(path, "rb") as handle:
-        for number, line, offset in read_lines(handle):
-            if failure is not None:  # the bad line was not the last one
-                raise StoreError(f"{path}: line {failure[0]} is damaged ({failure[1]}); remove it to read the rest")
-            try:
-                if line is None:
-                    raise JournalError("longer than any tag line")
-                tags.append(_tag_of(decode_line(line)))
-                good = offset
-            except JournalError as exc:
-                failure = (number, str(exc))
-    return tags, good
+    for number, line, offset in read_lines(io.BytesIO(data)):
+        if failure is not None:  # the bad line was not the last one
+            raise StoreError(
+                f"{root.path / name}: line {failure[0]} is damaged ({failure[1]}); remove it to read the rest"
+            )
+        try:
+            if line is None:
+                raise JournalError("longer than any tag line")
+            tags.append(_tag_of(decode_line(line)))
+            good = offset
+        except JournalError as exc:
+            failure = (number, str(exc))
+    return tags, good, None if failure is None else f"line {failure[0]} is damaged ({failure[1]})"
+
+
+def _tag_files(store_dir: str | os.PathLike[str]) -> tuple[StoreDir | None, list[str]]:
+    """The store directory (None when missing) and its tags files, by rank."""
+    try:
+        root = StoreDir(Path(store_dir))
+    except StoreError:
+        return None, []
+    ranks = sorted((int(m.group(1)), m.group(0)) for n in root.listdir() if (m := _TAGS_FILE.fullmatch(n)))
+    return root, [name for _, name in ranks]
 
 
 def read_tags(store_dir: str | os.PathLike[str]) -> list[Tag]:
     """Every rank's tags, by rank then order written.
 
-    A torn or damaged last line of a file (a crash while appending) is skipped without error.
+    A torn or damaged last line of a file (a crash while appending) is skipped without error
+    (:func:`check_tags` reports it).
 
     Raises:
-        StoreError: naming the file and line, when a line before a file's last is damaged.
+        StoreError: naming the file and line, when a line before a file's last is damaged, or naming
+            the file when it is a link, FIFO, device or directory, or larger than :data:`MAX_TAGS_BYTES`.
     """
-    directory = Path(store_dir)
-    try:
-        names = sorted((int(m.group(1)), m.group(0)) for n in os.listdir(directory) if (m := _TAGS_FILE.fullmatch(n)))
-    except OSError:
+    root, names = _tag_files(store_dir)
+    if root is None:
         return []
-    return [tag for _, name in names for tag in _read_file(directory / name)[0]]
+    with root:
+        return [tag for name in names for tag in _read_file(root, name)[0]]
+
+
+def check_tags(store_dir: str | os.PathLike[str]) -> tuple[list[Tag], list[str]]:
+    """The readable tags of every rank and one line per problem: a damaged or torn last line, a file
+    that cannot be read (its tags are left out) (``metastore inspect``)."""
+    root, names = _tag_files(store_dir)
+    if root is None:
+        return [], []
+    tags: list[Tag] = []
+    problems: list[str] = []
+    with root:
+        for name in names:
+            try:
+                found, _, damage = _read_file(root, name)
+            except StoreError as exc:
+                problems.append(str(exc))
+                continue
+            tags += found
+            if damage is not None:
+                problems.append(f"{root.path / name}: {damage}; skipped (the rank's next tag book cuts it)")
+    return tags, problems
 
 
 def find_tags(tags: list[Tag], tag: str | None = None, **attributes: Any) -> list[Tag]:

@@ -14,29 +14,34 @@ in order, every value a bitwise copy. Files are written whole to a temporary nam
 ``__metadata__`` holds the format tag, name, step, rank, base, attributes (JSON), the parameters'
 shapes (``shapes``, JSON) and the buffers' (``buffer_shapes``; absent in snapshots written before
 buffers were kept). Writing a name again first rewrites in full the snapshots whose base it is.
+
+Every file of ``snapshots/`` is opened through :class:`~metastore_plugins.core.store.files.StoreDir`
+(never through a link, never a FIFO or device) and checked by
+:mod:`~metastore_plugins.core.store.snapshot_check` before a value of it is used: its sha256 against
+``snapshots-rank{r}.jsonl`` (appended before the file is renamed into place), its header, dtypes,
+shapes and values.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save
+from safetensors import SafetensorError
+from safetensors.torch import load, save
 from torch import Tensor, nn
 
-from metastore_plugins.core.store.manifest import StoreError, atomic_write_bytes
+from metastore_plugins.core.store import snapshot_check as check
+from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.store.journal import encode_line
 
-FORMAT = "metastore-snapshot/1"
+FORMAT = check.FORMAT
 DIRECTORY = "snapshots"
-BUFFERS = "buffers/"  # key prefix of the buffers' entries
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
-_FILE = re.compile(r"(.+)-rank(\d+)\.safetensors")
+BUFFERS = check.BUFFERS
 
 #: A snapshot's contents: (parameters, buffers) by name; buffers None where the snapshot kept none.
 Weights = tuple[dict[str, Tensor], dict[str, Tensor] | None]
@@ -44,7 +49,8 @@ Weights = tuple[dict[str, Tensor], dict[str, Tensor] | None]
 
 @dataclass(frozen=True)
 class SnapshotInfo:
-    """One snapshot: its name, the step it was taken at, its rank, file and size, base and attributes."""
+    """One snapshot: its name, step, rank, file and size, base, attributes, and the sha256 recorded for it
+    (None: written before checksums)."""
 
     name: str
     step: int
@@ -53,6 +59,7 @@ class SnapshotInfo:
     nbytes: int
     base: str | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
+    sha256: str | None = None
 
 
 def trainable(model: nn.Module) -> dict[str, Tensor]:
@@ -71,13 +78,17 @@ def snapshot_bytes(model: nn.Module) -> int:
     return 4 * sum(p.numel() for p in trainable(model).values()) + buffers
 
 
-def snapshot_path(store_dir: str | os.PathLike[str], name: str, rank: int = 0) -> Path:
-    """``<store_dir>/snapshots/<name>-rank<rank>.safetensors``, for a valid name and rank."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+def _checked(name: str, rank: int) -> None:
+    if not isinstance(name, str) or not check.NAME.fullmatch(name):
         raise ValueError(f"a snapshot name must be 1-100 letters, digits, '_', '.' or '-'; got {name!r}")
     if not isinstance(rank, int) or rank < 0:
         raise ValueError(f"a snapshot rank must be an int >= 0; got {rank!r}")
-    return Path(store_dir) / DIRECTORY / f"{name}-rank{rank}.safetensors"
+
+
+def snapshot_path(store_dir: str | os.PathLike[str], name: str, rank: int = 0) -> Path:
+    """``<store_dir>/snapshots/<name>-rank<rank>.safetensors``, for a valid name and rank."""
+    _checked(name, rank)
+    return Path(store_dir) / DIRECTORY / check.file_name(name, rank)
 
 
 class SnapshotWriter:
@@ -103,22 +114,37 @@ class SnapshotWriter:
     def write(
         self, model: nn.Module, *, name: str, step: int, attributes: dict[str, Any] | None = None
     ) -> SnapshotInfo:
-        """Write ``model``'s trainable weights (and floating buffers) as snapshot ``name``; returns what was written."""
-        path = snapshot_path(self.store_dir, name, self.rank)
+        """Write ``model``'s trainable weights (and floating buffers) as snapshot ``name``; returns what was written.
+
+        Raises:
+            ValueError: naming the parameter, when a weight is NaN or inf (nothing is written).
+            StoreError: naming the file, when ``snapshots/`` or the journal is a link or not what it should be.
+        """
+        _checked(name, self.rank)
         params = {
             key: p.detach().to("cpu", torch.float32, copy=True).contiguous() for key, p in trainable(model).items()
         }
         buffers = {key: b.detach().to("cpu", copy=True).contiguous() for key, b in floating_buffers(model).items()}
-        if path.exists():
-            self._detach_dependents(name)
-        base_name, base, base_buffers = self._base if self._base is not None and self._base[0] != name else ("", {}, {})
-        tensors = _delta(params, base, "") | _delta(buffers, base_buffers or {}, BUFFERS)
-        meta = {"name": name, "step": str(int(step)), "rank": str(self.rank), "base": base_name}
-        _save(path, tensors, {**meta, "attributes": json.dumps(attributes or {}, allow_nan=False)}, (params, buffers))
+        bad = [key for key, value in (params | buffers).items() if not bool(torch.isfinite(value).all())]
+        if bad:
+            raise ValueError(
+                f"snapshot {name!r} at step {step}: {bad[:5]} hold NaN or inf values, which no recomputation can use; "
+                "the run diverged (lower the learning rate) or take the snapshot earlier"
+            )
+        with StoreDir(self.store_dir, create=True) as root, root.subdir(DIRECTORY, create=True) as folder:
+            if folder.exists(check.file_name(name, self.rank)):
+                self._detach_dependents(root, folder, name)
+            base_name, base, base_buffers = (
+                self._base if self._base is not None and self._base[0] != name else ("", {}, {})
+            )
+            tensors = _delta(params, base, "") | _delta(buffers, base_buffers or {}, BUFFERS)
+            meta = {"name": name, "step": str(int(step)), "rank": str(self.rank), "base": base_name}
+            attrs = json.dumps(attributes or {}, allow_nan=False)
+            _save(root, folder, tensors, {**meta, "attributes": attrs}, (params, buffers))
         self._base = (name, params, buffers)
-        return _info(path)
+        return _infos(self.store_dir, self.rank, only=name, strict=True)[0]
 
-    def _detach_dependents(self, name: str) -> None:
+    def _detach_dependents(self, root: StoreDir, folder: StoreDir, name: str) -> None:
         """Rewrite in full each snapshot whose base is ``name`` (about to be replaced); broken ones stay as they are."""
         for info in _infos(self.store_dir, self.rank):
             if info.base != name:
@@ -130,7 +156,7 @@ class SnapshotWriter:
             tensors = {f"full/{k}": v for k, v in params.items()}
             tensors |= {f"{BUFFERS}full/{k}": v for k, v in (buffers or {}).items()}
             meta = {"name": info.name, "step": str(info.step), "rank": str(self.rank), "base": ""}
-            _save(info.path, tensors, {**meta, "attributes": json.dumps(info.attributes)}, (params, buffers))
+            _save(root, folder, tensors, {**meta, "attributes": json.dumps(info.attributes)}, (params, buffers))
 
 
 def _delta(new: dict[str, Tensor], old: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -158,57 +184,150 @@ def _bits(value: Tensor, rows: int) -> Tensor:
     return value.reshape(-1).view(torch.uint8).reshape(rows, -1)  # (rows, row_bytes)
 
 
-def _save(path: Path, tensors: dict[str, Tensor], meta: dict[str, str], params: Weights) -> None:
-    """Write a snapshot file whole to a temporary name, then rename it (``params``: what it resolves to)."""
+def _save(root: StoreDir, folder: StoreDir, tensors: dict[str, Tensor], meta: dict[str, str], params: Weights) -> None:
+    """Record the file's sha256 in the rank's journal, then write the file whole through a temporary and rename it.
+
+    ``params``: what it resolves to. A failed write cuts the journal line back (a crash between the two
+    leaves a line whose file is the earlier one or none: never a file without its line).
+    """
     shapes = [json.dumps({key: list(value.shape) for key, value in (group or {}).items()}) for group in params]
-    metadata = {"format": FORMAT, **meta, "shapes": shapes[0], "buffer_shapes": shapes[1]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, save(tensors, metadata=metadata))
-
-
-def _info(path: Path) -> SnapshotInfo:
-    meta = _metadata(path)
+    data = save(tensors, metadata={"format": FORMAT, **meta, "shapes": shapes[0], "buffer_shapes": shapes[1]})
+    rank = int(meta["rank"])
+    good = check.read_journal(root, rank).good_size
+    _, line = check.record_line(meta["name"], rank, int(meta["step"]), data)
+    fd = root.open_append(check.journal_name(rank), good)
     try:
-        step, rank, size = int(meta["step"]), int(meta["rank"]), path.stat().st_size
-        return SnapshotInfo(meta["name"], step, rank, path, size, meta["base"] or None, json.loads(meta["attributes"]))
-    except (ValueError, OSError) as exc:
-        raise StoreError(f"{path}: a damaged snapshot ({exc}); delete it and take it again") from exc
+        StoreDir.append(fd, good, encode_line(line))
+        try:
+            folder.atomic_write(check.file_name(meta["name"], rank), data)
+        except BaseException:
+            os.ftruncate(fd, good)
+            raise
+    finally:
+        os.close(fd)
 
 
-def _metadata(path: Path) -> dict[str, str]:
+def _open(store_dir: Path) -> tuple[StoreDir, StoreDir] | None:
+    """The store's root and ``snapshots/`` (None when either is missing); StoreError when ``snapshots/`` is a link."""
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            meta = handle.metadata() or {}
-    except (OSError, SafetensorError) as exc:
-        raise StoreError(f"{path}: a damaged snapshot, not readable ({exc}); delete it and take it again") from exc
-    missing = {"format", "name", "step", "rank", "base", "attributes", "shapes"} - set(meta)
-    if meta.get("format") != FORMAT or missing:
-        what = f"format {meta.get('format')!r}, missing {sorted(missing)}"
-        raise StoreError(f"{path}: not a metastore snapshot ({what}); move it out of snapshots/")
-    return meta
+        root = StoreDir(store_dir)
+    except StoreError:
+        return None
+    if root.kind(DIRECTORY) is None:
+        root.close()
+        return None
+    try:
+        return root, root.subdir(DIRECTORY)
+    except BaseException:
+        root.close()
+        raise
 
 
-def _infos(store_dir: Path, rank: int | None = None, strict: bool = False) -> list[SnapshotInfo]:
+def _read_info(folder: StoreDir, name: str, rank: int, journal: check.Journal) -> SnapshotInfo:
+    """The snapshot's header (every field checked), read alone: no tensor is read."""
+    file = check.file_name(name, rank)
+    path = folder.path / file
+    fd, stat = folder.open_read(file)
+    try:
+        length = check.header_of(os.pread(fd, 8, 0), stat.st_size, path)
+        meta, _ = check.check_header(os.pread(fd, length, 8), path, name, rank)
+    finally:
+        os.close(fd)
+    records = journal.records.get(name, [])
+    sha = next((r.sha256 for r in reversed(records) if r.bytes == stat.st_size), None)
+    base = meta["base"] or None
+    return SnapshotInfo(name, int(meta["step"]), rank, path, stat.st_size, base, meta["attributes"], sha)
+
+
+def _infos(
+    store_dir: Path, rank: int | None = None, strict: bool = False, only: str | None = None
+) -> list[SnapshotInfo]:
     """The snapshots of ``rank`` (all: None) by step, rank, name; damaged ones raise if ``strict``, else are skipped."""
-    directory, found = store_dir / DIRECTORY, []
-    for name in sorted(os.listdir(directory)) if directory.is_dir() else []:
-        match = _FILE.fullmatch(name)
-        if match and (rank is None or int(match.group(2)) == rank):
+    opened = _open(store_dir) if strict else _try(lambda: _open(store_dir))
+    if opened is None:
+        return []
+    root, folder = opened
+    found, journals = [], {}
+    with root, folder:
+        for file in sorted(folder.listdir()):
+            match = check.FILE.fullmatch(file)
+            if not match or (rank is not None and int(match.group(2)) != rank) or only not in (None, match.group(1)):
+                continue
+            name, file_rank = match.group(1), int(match.group(2))
             try:
-                found.append(_info(directory / name))
+                if file_rank not in journals:
+                    journals[file_rank] = check.read_journal(root, file_rank)
+                found.append(_read_info(folder, name, file_rank, journals[file_rank]))
             except StoreError:
                 if strict:
                     raise
     return sorted(found, key=lambda info: (info.step, info.rank, info.name))
 
 
+def _try(opener: Any) -> Any:
+    try:
+        return opener()
+    except StoreError:
+        return None
+
+
 def list_snapshots(store_dir: str | os.PathLike[str]) -> list[SnapshotInfo]:
-    """The snapshots of a store, by step then rank (none: an empty list).
+    """The snapshots of a store, by step then rank (none: an empty list). Headers only: no tensor is read.
 
     Raises:
-        StoreError: naming the file, when a snapshot's header is damaged.
+        StoreError: naming the file, when a snapshot's header is damaged, or a file is a link, FIFO or device.
     """
     return _infos(Path(store_dir), strict=True)
+
+
+def check_snapshots(store_dir: str | os.PathLike[str], checksums: bool = True) -> tuple[list[SnapshotInfo], list[str]]:
+    """The readable snapshots of a store and one line per problem (``metastore inspect``).
+
+    Problems: a damaged or unreadable file (with ``checksums``, every file read whole and checked),
+    a damaged journal line, and a snapshot a journal records whose file is gone (``snapshots/`` deleted).
+    """
+    store_dir = Path(store_dir)
+    try:
+        root = StoreDir(store_dir)
+    except StoreError:
+        return [], []
+    infos: list[SnapshotInfo] = []
+    problems: list[str] = []
+    journals: dict[int, check.Journal] = {}
+    with root:
+        for entry in sorted(root.listdir()):
+            if match := check.JOURNAL.fullmatch(entry):
+                try:
+                    journals[int(match.group(1))] = journal = check.read_journal(root, int(match.group(1)))
+                except StoreError as exc:
+                    journals[int(match.group(1))] = journal = check.Journal({}, [str(exc)], 0)
+                problems += journal.problems
+        folder = None
+        try:
+            folder = root.subdir(DIRECTORY) if root.kind(DIRECTORY) is not None else None
+        except StoreError as exc:
+            problems.append(str(exc))
+        files = sorted(folder.listdir()) if folder is not None else []
+        for match in filter(None, map(check.FILE.fullmatch, files)):
+            name, rank = match.group(1), int(match.group(2))
+            journal = journals.get(rank, check.Journal({}, [], 0))
+            try:
+                infos.append(_read_info(folder, name, rank, journal))  # type: ignore[arg-type]  # files: folder's
+                if checksums:
+                    _read(folder, name, rank, journal)  # type: ignore[arg-type]
+            except StoreError as exc:
+                problems.append(str(exc))
+        if folder is not None:
+            folder.close()
+    for rank, journal in journals.items():
+        gone = sorted(name for name in journal.records if check.file_name(name, rank) not in files)
+        if gone:
+            problems.append(
+                f"{store_dir / check.journal_name(rank)} records snapshots {gone[:10]} of rank {rank} whose files are "
+                f"missing from {store_dir / DIRECTORY}{'' if folder is not None else ' (the folder is gone)'}: "
+                "recomputing at them cannot run; take them again, or remove their lines if deleted on purpose"
+            )
+    return sorted(infos, key=lambda info: (info.step, info.rank, info.name)), problems
 
 
 def load_snapshot(store_dir: str | os.PathLike[str], name: str, rank: int = 0) -> dict[str, Tensor]:
@@ -226,51 +345,77 @@ def load_snapshot_state(store_dir: str | os.PathLike[str], name: str, rank: int 
     return _resolve(Path(store_dir), name, rank)
 
 
+def _read(folder: StoreDir, name: str, rank: int, journal: check.Journal) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The checked metadata and tensors of one snapshot file, its bytes verified against the journal."""
+    path = folder.path / check.file_name(name, rank)
+    data, _ = check.verified_bytes(folder, name, rank, journal)
+    length = check.header_of(data[:8], len(data), path)
+    meta, _ = check.check_header(data[8 : 8 + length], path, name, rank)
+    try:
+        tensors = load(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise StoreError(f"{path}: a damaged snapshot ({exc}); delete it and take it again") from exc
+    for key, value in tensors.items():
+        check.check_values(key, value, path)
+    return meta, tensors
+
+
 def _resolve(store_dir: Path, name: str, rank: int) -> Weights:
-    chain: list[tuple[Path, dict[str, str]]] = []
-    current: str | None = name
-    while current:
-        path = snapshot_path(store_dir, current, rank)
-        if not path.is_file():
-            known = ", ".join(info.name for info in _infos(store_dir, rank)) or "none"
-            what = "snapshot is" if current == name else f"base snapshot {current!r} of {name!r} is"
-            raise StoreError(f"{path}: the {what} missing (snapshots of rank {rank}: {known}); take it again")
-        if any(path == seen for seen, _ in chain):
-            raise StoreError(f"{path}: snapshot {name!r} refers to itself through its bases; take it again")
-        meta = _metadata(path)
-        chain.append((path, meta))
-        current = meta["base"] or None
-    groups: dict[str, dict[str, Tensor]] = {"": {}, BUFFERS: {}}
-    for path, meta in reversed(chain):  # the oldest first
-        try:
-            _apply(path, groups)
-        except (OSError, SafetensorError, ValueError, IndexError, RuntimeError) as exc:
-            raise StoreError(
-                f"{path}: a damaged snapshot ({type(exc).__name__}: {exc}); delete it and take it again"
-            ) from exc
-        for prefix, shapes in ("", json.loads(meta["shapes"])), (BUFFERS, json.loads(meta.get("buffer_shapes", "{}"))):
-            values = groups[prefix] = {key: value for key, value in groups[prefix].items() if key in shapes}
-            wrong = sorted(key for key, shape in shapes.items() if key not in values or [*values[key].shape] != shape)
-            if wrong:
-                what = "buffers" if prefix else "parameters"
-                raise StoreError(f"{path}: a damaged snapshot: {what} {wrong[:5]} missing or of the wrong shape")
-    return groups[""], groups[BUFFERS] if "buffer_shapes" in chain[0][1] else None
+    _checked(name, rank)
+    opened = _open(store_dir)
+    if opened is None:
+        raise StoreError(
+            f"{snapshot_path(store_dir, name, rank)}: the snapshot is missing (no snapshots/); take it again"
+        )
+    root, folder = opened
+    with root, folder:
+        journal = check.read_journal(root, rank)
+        chain: list[str] = []
+        current: str | None = name
+        while current:
+            if not folder.exists(check.file_name(current, rank)):
+                known = ", ".join(info.name for info in _infos(store_dir, rank)) or "none"
+                what = "snapshot is" if current == name else f"base snapshot {current!r} of {name!r} is"
+                path = snapshot_path(store_dir, current, rank)
+                raise StoreError(f"{path}: the {what} missing (snapshots of rank {rank}: {known}); take it again")
+            if current in chain:
+                path = snapshot_path(store_dir, current, rank)
+                raise StoreError(f"{path}: snapshot {name!r} refers to itself through its bases; take it again")
+            chain.append(current)
+            current = _read_info(folder, current, rank, journal).base
+        groups: dict[str, dict[str, Tensor]] = {"": {}, BUFFERS: {}}
+        meta: dict[str, Any] = {}
+        for current in reversed(chain):  # the oldest first: the last is ``name`` itself
+            meta, tensors = _read(folder, current, rank, journal)
+            path = folder.path / check.file_name(current, rank)
+            _apply(tensors, groups, path)
+            for prefix, shapes in ("", meta["shapes"]), (BUFFERS, meta.get("buffer_shapes", {})):
+                values = groups[prefix] = {key: value for key, value in groups[prefix].items() if key in shapes}
+                wrong = sorted(k for k, shape in shapes.items() if k not in values or [*values[k].shape] != shape)
+                if wrong:
+                    what = "buffers" if prefix else "parameters"
+                    raise StoreError(f"{path}: a damaged snapshot: {what} {wrong[:5]} missing or of the wrong shape")
+    return groups[""], groups[BUFFERS] if "buffer_shapes" in meta else None
 
 
-def _apply(path: Path, groups: dict[str, dict[str, Tensor]]) -> None:
+def _apply(tensors: dict[str, Tensor], groups: dict[str, dict[str, Tensor]], path: Path) -> None:
     """Apply the entries of one snapshot file to the parameters (``groups[""]``) and buffers of its base."""
-    with safe_open(str(path), framework="pt") as handle:
-        for key in handle.keys():
-            prefix = BUFFERS if key.startswith(BUFFERS) else ""
-            kind, entry = key[len(prefix) :].split("/", 1)
-            values = groups[prefix]
-            if kind == "full":
-                values[entry] = handle.get_tensor(key)
-            elif kind == "rows":
-                if entry not in values:
-                    raise ValueError(f"{entry!r} changes rows of a tensor its base does not hold")
-                values[entry] = values[entry].clone()
-                values[entry][handle.get_tensor(key)] = handle.get_tensor(f"{prefix}part/{entry}")
+    for key, value in tensors.items():
+        buffer, kind, entry = check.entry_kind(key)
+        prefix = BUFFERS if buffer else ""
+        values = groups[prefix]
+        if kind == "full":
+            values[entry] = value
+        elif kind == "rows":
+            part = tensors.get(f"{prefix}part/{entry}")
+            if entry not in values or part is None:
+                raise StoreError(
+                    f"{path}: a damaged snapshot ({key!r} changes rows of a tensor its base does not hold, or has no "
+                    "part); delete it and take it again"
+                )
+            values[entry] = check.apply_rows(values[entry], value, part, key, path)
+        elif f"{prefix}rows/{entry}" not in tensors:  # a part without its rows
+            raise StoreError(f"{path}: a damaged snapshot ({key!r} has no rows); delete it and take it again")
 
 
 def write_snapshot(
