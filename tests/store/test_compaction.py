@@ -82,7 +82,9 @@ def test_compaction_merges_small_shards_and_keeps_every_batch(tmp_path: Path) ->
     for name in report.written:  # plain safetensors files, for safetensors' own reader too
         with safe_open(str(tmp_path / name), framework="pt") as handle:
             keys += len(list(handle.keys()))
-            assert handle.metadata() == {"format": "metastore", "encoding": "fp32"}
+            metadata = handle.metadata()
+            assert {k: metadata[k] for k in ("format", "encoding")} == {"format": "metastore", "encoding": "fp32"}
+            assert set(metadata) == {"format", "encoding", "index"}  # the shard's own description (repair)
     assert keys == 8 * STEPS  # per batch: sample_id, label, loss, an outer record (4 keys) and a dense one (1)
     meta_after = after.metadata()
     for column, values in meta_before.items():
@@ -163,11 +165,14 @@ def test_repair_never_touches_a_listed_shard(tmp_path: Path) -> None:
     with open(tmp_path / "index-rank0.jsonl", "ab") as journal:
         journal.write(b'{"file": "rank0-0000')  # a torn tail
     removed = repair(tmp_path)
-    assert any("rank0-000009.safetensors" in line for line in removed)
+    assert any(line.startswith("rank0-000009.safetensors: set aside as quarantine/") for line in removed)  # unreadable
     assert any("rank0-000010.safetensors.tmp" in line for line in removed)
     assert any("line 5" in line for line in removed)
     assert _digest(tmp_path) == listed
-    assert open_store(tmp_path).verify() == []
+    assert (tmp_path / "quarantine" / "rank0-000009.safetensors").read_bytes() == b"left by a killed writer"
+    assert open_store(tmp_path).verify() == [
+        "quarantine/: 1 file(s) set aside by `metastore verify --repair`; see docs/store.md#compaction-and-repair"
+    ]
     _check(tmp_path, expected)
 
 
@@ -176,9 +181,10 @@ def test_cli_compact_and_repair(tmp_path: Path, capsys: pytest.CaptureFixture[st
     (tmp_path / "rank0-000042.safetensors").write_bytes(b"orphan")
     assert cli_main(["verify", str(tmp_path)]) == 1
     assert "rank0-000042.safetensors" in capsys.readouterr().out
-    assert cli_main(["verify", str(tmp_path), "--repair"]) == 0
+    assert cli_main(["verify", str(tmp_path), "--repair"]) == 1  # an unreadable shard is set aside, not deleted
     out = capsys.readouterr().out
-    assert "repaired: rank0-000042.safetensors" in out and out.rstrip().endswith("problems: none")
+    assert "repaired: rank0-000042.safetensors: set aside as quarantine/rank0-000042.safetensors" in out
+    assert "quarantine/: 1 file(s) set aside" in out
     assert cli_main(["compact", str(tmp_path)]) == 0
     assert "shards     6 -> 1" in capsys.readouterr().out
     _check(tmp_path, expected)

@@ -269,6 +269,9 @@ def test_todays_writer_writes_the_golden_format(tmp_path: Path) -> None:
     golden, today = _layout(STORE_V3), _layout(tmp_path)
     assert sorted(today) == sorted(golden)
     for name in golden:
+        if name.endswith(".safetensors"):  # the shard's own description: an additive header key (repair's source)
+            assert "index" in today[name]["metadata"] and "index" not in golden[name]["metadata"], name
+            del today[name]["metadata"]["index"]
         assert today[name] == golden[name], name
     # fp32 shards hold the same numbers (up to float rounding across torch versions)
     for name in ("rank0-000000.safetensors", "rank0-000001.safetensors"):

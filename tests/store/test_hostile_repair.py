@@ -1,6 +1,6 @@
 """A broken journal and leftovers (issue 18): a torn tail, a damaged line in the middle, a shard without its
 line, a line without its shard; the store opens, the rest reads exactly, ``verify()`` lists each, and
-``repair`` removes them without touching a listed shard.
+``repair`` re-lists shards whose line was lost, removes copies and never touches a listed shard.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_a_store_with_no_trusted_line_opens_empty(tmp_path: Path, journal_state:
             writer.close()
 
 
-def test_repair_removes_every_leftover_and_never_touches_a_listed_shard(store6: tuple) -> None:
+def test_repair_relists_what_it_can_removes_copies_and_never_touches_a_listed_shard(store6: tuple) -> None:
     path, expected = store6
     for make, _, _ in DAMAGE.values():
         make(path)
@@ -138,16 +138,17 @@ def test_repair_removes_every_leftover_and_never_touches_a_listed_shard(store6: 
         (path / name).write_bytes(b"half")
     (path / "rank3-000000.safetensors.tmp").write_bytes(b"a rank with no manifest")
     (path / "notes.tmp").write_text("not the store's: left alone")
-    sound = {i: sha256(shard(path, i)) for i in (0, 1, 3)}
+    sound = {i: sha256(shard(path, i)) for i in (0, 1, 2, 3, 5)}
     assert len(open_store(path).verify()) == 10  # 6 lines for the 4 damages, 4 temporary files
     removed = repair(path)
+    relisted = "listed again (its journal line rebuilt from the shard's own description)"
     assert sorted(removed) == sorted(
         [
             "index-rank0.jsonl.tmp: removed (a temporary file)",
             "manifest-rank0.json.tmp: removed (a temporary file)",
-            "rank0-000002.safetensors: removed (a shard the index does not list)",
-            "rank0-000005.safetensors: removed (a shard the index does not list)",
-            "rank0-000007.safetensors: removed (a shard the index does not list)",
+            f"rank0-000002.safetensors: {relisted}",  # its line was damaged: the shard is good data
+            f"rank0-000005.safetensors: {relisted}",  # its line was torn
+            "rank0-000007.safetensors: removed (a copy: listed shards hold each of its batches byte for byte)",
             "rank0-000009.safetensors.tmp: removed (a temporary file)",
             "rank3-000000.safetensors.tmp: removed (a temporary file)",
             "index-rank0.jsonl: removed the entry of rank0-000004.safetensors (the file is gone)",
@@ -156,18 +157,19 @@ def test_repair_removes_every_leftover_and_never_touches_a_listed_shard(store6: 
             "ignored",
         ]
     )
-    assert {i: sha256(shard(path, i)) for i in (0, 1, 3)} == sound
+    assert {i: sha256(shard(path, i)) for i in (0, 1, 2, 3, 5)} == sound
     assert (path / "notes.tmp").exists()
     store = open_store(path)
     assert store.verify() == []
-    for i in (0, 1, 3):
+    kept = (0, 1, 2, 3, 5)
+    for i in kept:
         check(store, of_shard(expected, i))
-    assert store.sample_ids().tolist() == sorted(k for i in (0, 1, 3) for k in of_shard(expected, i))
-    assert repair(path) == []  # nothing is left to remove
+    assert store.sample_ids().tolist() == sorted(k for i in kept for k in of_shard(expected, i))
+    assert repair(path) == []  # nothing is left to do
     with StoreWriter(path, encoding="fp32", shard_bytes=1) as writer:  # a writer continues the repaired store
         more = write_batches(writer, range(10, 11))
-    assert writer.stats.files == ["rank0-000004.safetensors"]  # after the highest number on disk or listed
-    assert {i: sha256(shard(path, i)) for i in (0, 1, 3)} == sound
+    assert writer.stats.files == ["rank0-000006.safetensors"]  # after the highest number on disk or listed
+    assert {i: sha256(shard(path, i)) for i in kept} == sound
     check(open_store(path), more)
 
 
@@ -204,7 +206,7 @@ def test_repair_removes_a_link_not_its_target_and_leaves_a_directory(store6: tup
     assert problems[0].startswith("rank0-000008.safetensors: a symbolic link not listed in the index")
     assert problems[1].startswith("rank0-000009.safetensors: a directory not listed") and "yourself" in problems[1]
     assert repair(path) == [
-        "rank0-000008.safetensors: removed (a shard the index does not list)",
+        "rank0-000008.safetensors: removed (a link, not a shard; a link's target is left alone)",
         "rank0-000009.safetensors: a directory where a shard would be; NOT removed, remove it yourself",
     ]
     assert target.read_bytes() == b"someone else's file" and not os.path.lexists(shard(path, 8))
@@ -219,10 +221,12 @@ def test_repair_refuses_to_run_beside_a_writer(store6: tuple) -> None:
     assert shard(path, 7).exists()
 
 
-def test_repair_of_a_version_1_store_removes_orphans_and_keeps_its_manifests(tmp_path: Path) -> None:
+def test_repair_of_a_version_1_store_removes_copies_and_keeps_its_manifests(tmp_path: Path) -> None:
     path = golden_v1(tmp_path / "store")
     manifests = {p.name: p.read_bytes() for p in path.glob("manifest-*.json")}
     shutil.copyfile(path / "rank0-000000.safetensors", path / "rank0-000002.safetensors")
-    assert repair(path) == ["rank0-000002.safetensors: removed (a shard the index does not list)"]
+    assert repair(path) == [
+        "rank0-000002.safetensors: removed (a copy: listed shards hold each of its batches byte for byte)"
+    ]
     assert {p.name: p.read_bytes() for p in path.glob("manifest-*.json")} == manifests
     assert open_store(path).verify() == []

@@ -26,6 +26,10 @@ SAMPLE_FIELDS = ("sample_id", "label", "loss", "prediction", "margin")
 #: Sample columns that are always float32 (NaN where not stored); label and prediction keep their kind.
 FLOAT_SAMPLE_FIELDS = ("loss", "margin")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+#: The most capture-point or layer names one journal line may list.
+MAX_NAMES = 2**16
+#: The highest shard number a name ``rank{r}-NNNNNN(NNN).safetensors`` can hold (6 to 9 digits).
+MAX_SHARD_NUMBER = 10**9 - 1
 
 
 @dataclass
@@ -95,7 +99,7 @@ def _integer(columns: dict[str, np.ndarray], key: str, where: str, low: float, h
 
 
 def _names(raw: Any, where: str, empty_ok: bool = False) -> list[str]:
-    _need(isinstance(raw, list) and len(raw) <= 2**16, where, "must be a list of names")
+    _need(isinstance(raw, list) and len(raw) <= MAX_NAMES, where, f"must be a list of at most {MAX_NAMES} names")
     for name in raw:
         problem = name_problem(name, empty_ok)
         _need(problem is None, where, f"name {problem}")
@@ -211,13 +215,16 @@ def new_entry(
     """The entry of a shard just written: ``batches`` are ``(info, meta)`` per stored batch, where ``info``
     holds capture_point, step, epoch, micro_batch, size, lr and ``records`` (layer, kind, rows, bytes,
     dense_bytes) and ``meta`` the batch's metadata tensors (``(B,)`` or ``(B, ...)``, on the CPU)."""
-    points = list(dict.fromkeys(info["capture_point"] for info, _ in batches))
-    layers = list(dict.fromkeys(r["layer"] for info, _ in batches for r in info["records"]))
+    point_of = {name: i for i, name in enumerate(dict.fromkeys(info["capture_point"] for info, _ in batches))}
+    layer_of = {
+        name: i for i, name in enumerate(dict.fromkeys(r["layer"] for info, _ in batches for r in info["records"]))
+    }
+    points, layers = list(point_of), list(layer_of)
     columns = {
         key: np.array([info[key] for info, _ in batches], dtype=np.int64)
         for key in ("step", "epoch", "micro_batch", "size")
     }
-    columns["capture_point"] = np.array([points.index(info["capture_point"]) for info, _ in batches], dtype=np.int32)
+    columns["capture_point"] = np.array([point_of[info["capture_point"]] for info, _ in batches], dtype=np.int32)
     columns["lr"] = np.array([np.nan if info["lr"] is None else info["lr"] for info, _ in batches], dtype=np.float64)
     columns["meta"] = np.array(
         [sum(bit for key, bit in META_BITS.items() if key in meta) for _, meta in batches], dtype=np.uint8
@@ -225,15 +232,21 @@ def new_entry(
     flat = [(j, r) for j, (info, _) in enumerate(batches) for r in info["records"]]
     records: dict[str, np.ndarray] = {
         "batch": np.array([j for j, _ in flat], dtype=np.int32),
-        "layer": np.array([layers.index(r["layer"]) for _, r in flat], dtype=np.int32),
+        "layer": np.array([layer_of[r["layer"]] for _, r in flat], dtype=np.int32),
         "kind": np.array([KIND_CODES.index(r["kind"]) for _, r in flat], dtype=np.uint8),
         **{key: np.array([r[key] for _, r in flat], dtype=np.int64) for key in ("rows", "bytes", "dense_bytes")},
     }
+    samples = sample_columns([(info["size"], meta) for info, meta in batches])
+    return ShardEntry(file, nbytes, sha256, encoding, rank, points, layers, columns, records, samples)
+
+
+def sample_columns(batches: list[tuple[int, dict[str, torch.Tensor]]]) -> dict[str, np.ndarray]:
+    """The journal's sample columns of ``(size, metadata tensors)`` batches (``sample_id`` required)."""
     samples = {"sample_id": np.concatenate([meta["sample_id"].numpy().astype(np.int64) for _, meta in batches])}
     for key in SAMPLE_FIELDS[1:]:
         if any(key in meta for _, meta in batches):
-            samples[key] = _scalar_column(key, [(info["size"], meta.get(key)) for info, meta in batches])
-    return ShardEntry(file, nbytes, sha256, encoding, rank, points, layers, columns, records, samples)
+            samples[key] = _scalar_column(key, [(size, meta.get(key)) for size, meta in batches])
+    return samples
 
 
 def _scalar_column(key: str, parts: list[tuple[int, torch.Tensor | None]]) -> np.ndarray:

@@ -31,6 +31,10 @@ TEMPORARY = re.compile(
 )
 
 
+#: Where repair sets aside a shard it can neither list again nor prove to be a copy (a folder of the store).
+QUARANTINE = "quarantine"
+
+
 def leftover_rank(name: str) -> int | None:
     """The rank of a shard-like or temporary file name (:data:`SHARD_LIKE`, :data:`TEMPORARY`), else None."""
     match = SHARD_LIKE.fullmatch(name) or TEMPORARY.fullmatch(name)
@@ -131,6 +135,13 @@ def unlisted_files(directory: Path, listed: set[str]) -> list[str]:
             )
         elif TEMPORARY.fullmatch(name):
             lines.append(f"{ascii(name)[1:-1]}: a temporary file left by a stopped writer; `--repair` removes it")
+    if QUARANTINE in names and _kind(directory / QUARANTINE) == "a directory":
+        aside = len(os.listdir(directory / QUARANTINE))
+        if aside:
+            lines.append(
+                f"{QUARANTINE}/: {aside} file(s) set aside by `metastore verify --repair`; "
+                "see docs/store.md#compaction-and-repair"
+            )
     return lines
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from metastore_plugins.core.store import manifest as mf
-from metastore_plugins.core.store.entries import ShardEntry, shard_pattern
+from metastore_plugins.core.store.entries import MAX_SHARD_NUMBER, ShardEntry, shard_pattern
 from metastore_plugins.core.store.files import StoreDir, StoreError, temporary_target
 from metastore_plugins.core.store.index import read_rank
 from metastore_plugins.core.store.journal import JournalAppender, RankLock, encode_line, journal_name
@@ -122,7 +122,23 @@ class RankIndexWriter:
 
 
 def first_free_shard(directory: Path, rank: int, listed: list[str]) -> int:
-    """After the highest shard number of ``rank`` on disk or listed (a killed writer's file is never overwritten)."""
+    """After the highest shard number of ``rank`` on disk or listed (a killed writer's file is never overwritten).
+
+    Raises :class:`StoreError` naming the file when that number would not fit a shard name (a stray
+    ``rank{r}-999999999.safetensors``): a shard under a name readers refuse would be lost.
+    """
     pattern = shard_pattern(rank)
-    names = [*listed, *(n for n in os.listdir(directory) if pattern.fullmatch(n.removesuffix(".tmp")))]
-    return max((int(n.split("-")[1].split(".")[0]) for n in names), default=-1) + 1
+    on_disk = [temporary_target(n) or n.removesuffix(".tmp") for n in os.listdir(directory)]
+    names = [*listed, *(n for n in on_disk if pattern.fullmatch(n))]
+    highest = max(names, key=shard_number, default=None)
+    if highest is not None and shard_number(highest) >= MAX_SHARD_NUMBER:
+        raise StoreError(
+            f"{directory / highest} takes the last shard number of rank {rank} ({MAX_SHARD_NUMBER}): no new shard "
+            "name is left; if it is not a shard this store listed, move it out of the store directory"
+        )
+    return 0 if highest is None else shard_number(highest) + 1
+
+
+def shard_number(name: str) -> int:
+    """The number of a shard name ``rank{r}-{n}.safetensors``."""
+    return int(name.split("-")[1].split(".")[0])

@@ -1,10 +1,14 @@
-"""Compaction (small shards merged into large ones) and repair (leftovers of a stopped writer removed).
+"""Compaction: small shards merged into large ones, every sample kept (repair: :mod:`.repair`).
 
-Both hold the rank's lock (:class:`~metastore_plugins.core.store.journal.RankLock`), so they
-refuse to run beside a writer of the same rank, and both are crash-safe: new files are whole
-on disk before the journal is replaced atomically, and files are removed only once nothing
-lists them. A compaction killed before the journal's rename leaves new unlisted shards; after
-it, the old ones. Either way the store reads the same, and :func:`repair` removes the leftovers.
+Compaction holds the rank's lock (:class:`~metastore_plugins.core.store.journal.RankLock`), so it
+refuses to run beside a writer of the same rank, and it is crash-safe: new shards are whole on
+disk before the journal is replaced atomically, the new journal is read back with the reader
+and must list every sample it listed before, and only then are the old shards removed. It
+writes only lines the reader accepts: a merge whose line would pass a cap (its bytes, its
+capture-point or layer names, the shard numbers a name can hold) is split or not made. Lines
+the reader ignores are kept byte for byte. Killed before the journal's rename, it leaves new
+unlisted shards; after it, the old ones. Either way the store reads the same, and
+:func:`~metastore_plugins.core.store.repair.repair` removes the leftovers (they are copies).
 """
 
 from __future__ import annotations
@@ -19,16 +23,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from metastore_plugins.core.store import journal
 from metastore_plugins.core.store import manifest as mf
-from metastore_plugins.core.store.entries import ShardEntry, shard_pattern
-from metastore_plugins.core.store.health import TEMPORARY, leftover_rank, one_line
+from metastore_plugins.core.store.entries import MAX_NAMES, MAX_SHARD_NUMBER, ShardEntry
+from metastore_plugins.core.store.files import StoreDir
+from metastore_plugins.core.store.health import one_line
 from metastore_plugins.core.store.index import RankIndex, expectation, join_samples, read_rank
 from metastore_plugins.core.store.index_writer import first_free_shard
 from metastore_plugins.core.store.journal import RankLock, encode_line, journal_name, rewrite
 from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.repair import JournalLine, repair, scan_journal
 from metastore_plugins.core.store.shardfile import header_bytes, tensor_layout
+from metastore_plugins.core.store.shardinfo import describe
 from metastore_plugins.core.store.shardread import ShardData, read_shard
 from metastore_plugins.core.store.writer import StoreWriter
+
+__all__ = ["CompactionReport", "close_and_compact", "compact", "merge_entries", "repair"]
 
 #: Shards are merged up to this size (the writer's default ``shard_bytes``).
 TARGET_BYTES = 64 * 2**20
@@ -79,63 +89,140 @@ def compact(
     return report
 
 
-def _groups(entries: list[ShardEntry], target_bytes: int) -> list[list[int]]:
-    """Runs of consecutive entries of one encoding whose files together stay within ``target_bytes``."""
+def _groups(entries: list[ShardEntry], line_bytes: list[int], target_bytes: int) -> list[list[int]]:
+    """Runs of consecutive entries of one encoding whose files together stay within ``target_bytes`` and whose
+    journal lines within nine tenths of the longest line a reader accepts (the merged line is checked again)."""
+    line_cap = journal.MAX_LINE_BYTES * 9 // 10
     groups: list[list[int]] = []
     run: list[int] = []
-    size = 0
+    size = length = 0
     for i, entry in enumerate(entries):
-        fits = run and entries[run[0]].encoding == entry.encoding and size + entry.bytes <= target_bytes
+        fits = (
+            run
+            and entries[run[0]].encoding == entry.encoding
+            and size + entry.bytes <= target_bytes
+            and length + line_bytes[i] <= line_cap
+        )
         if not fits:
             if len(run) > 1:
                 groups.append(run)
-            run, size = [], 0
-        if entry.bytes <= target_bytes // 2:
+            run, size, length = [], 0, 0
+        if entry.bytes <= target_bytes // 2 and line_bytes[i] <= line_cap // 2:
             run.append(i)
             size += entry.bytes
+            length += line_bytes[i]
         elif run:
             if len(run) > 1:
                 groups.append(run)
-            run, size = [], 0
+            run, size, length = [], 0, 0
     if len(run) > 1:
         groups.append(run)
     return groups
 
 
+def _fitting(members: list[ShardEntry], rank: int) -> list[tuple[list[ShardEntry], ShardEntry | None]]:
+    """``members`` split in halves until each part's merged line is one a reader accepts: at most
+    ``MAX_LINE_BYTES`` (with room for the real name and size) and ``MAX_NAMES`` capture points and layers.
+    A part of one member is not merged (None)."""
+    if len(members) == 1:
+        return [(members, None)]
+    merged = merge_entries(members, mf.shard_name(rank, MAX_SHARD_NUMBER), 0, "0" * 64)
+    names_fit = len(merged.capture_points) <= MAX_NAMES and len(merged.layers) <= MAX_NAMES
+    if names_fit and len(encode_line(merged.to_json())) + 64 <= journal.MAX_LINE_BYTES:
+        return [(members, merged)]
+    half = len(members) // 2
+    return _fitting(members[:half], rank) + _fitting(members[half:], rank)
+
+
 def _compact_rank(directory: Path, index: RankIndex, target_bytes: int, report: CompactionReport) -> None:
-    layers = index.manifest["layers"]
-    replaced: dict[int, ShardEntry] = {}  # first member -> merged entry
-    dropped: set[int] = set()
-    next_number = first_free_shard(directory, index.rank, [e.file for e in index.entries])
-    for group in _groups(index.entries, target_bytes):
-        members = [index.entries[i] for i in group]
-        try:
-            datas = [read_shard(directory / e.file, directory, expectation(e, layers, True)) for e in members]
-        except StoreError as exc:
-            report.skipped.append(one_line(f"{exc}; its run of shards is not compacted"))
-            continue
-        name = mf.shard_name(index.rank, next_number)
-        next_number += 1
-        blob = _merged_shard(members, datas)
-        mf.atomic_write_bytes(directory / name, blob)
-        merged = merge_entries(members, name, len(blob), hashlib.sha256(blob).hexdigest())
-        replaced[group[0]] = merged
-        dropped.update(group[1:])
-        report.merged += [e.file for e in members]
-        report.written.append(name)
+    rank, layers = index.rank, index.manifest["layers"]
+    lines = scan_journal(directory, rank, layers)
+    positions = [i for i, line in enumerate(lines) if line.entry is not None]
+    entries = [entry for i in positions if (entry := lines[i].entry) is not None]
     report.skipped += index.problems
-    kept = [replaced.get(i, e) for i, e in enumerate(index.entries) if i not in dropped]
-    report.shards_after += len(kept)
-    if replaced or index.problems:
-        rewrite(directory / journal_name(index.rank), [encode_line(e.to_json()) for e in kept])
-    for i in sorted([*replaced, *dropped]):
-        (directory / index.entries[i].file).unlink(missing_ok=True)
-    mf.fsync_dir(directory)
+    report.shards_after += len(entries)
+    try:
+        if any(line.raw is None for line in lines):
+            raise StoreError(f"{journal_name(rank)} holds a line longer than a reader accepts: repair it first")
+        if [e.file for e in entries] != [e.file for e in index.entries]:
+            raise StoreError(f"{journal_name(rank)} changed while it was read")
+        next_number = first_free_shard(directory, rank, [e.file for e in entries])
+    except StoreError as exc:
+        report.skipped.append(one_line(f"rank {rank}: not compacted: {exc}"))
+        return
+    replaced: dict[int, ShardEntry] = {}  # first member's position in entries -> merged entry
+    dropped: set[int] = set()
+    written: list[str] = []
+    with StoreDir(directory) as files:
+        for group in _groups(entries, [len(lines[i].raw or b"") for i in positions], target_bytes):
+            members = [entries[i] for i in group]
+            try:
+                datas = {
+                    e.file: read_shard(directory / e.file, directory, expectation(e, layers, True)) for e in members
+                }
+            except StoreError as exc:
+                report.skipped.append(one_line(f"{exc}; its run of shards is not compacted"))
+                continue
+            start = group[0]
+            for part, merged in _fitting(members, rank):
+                if merged is not None and next_number > MAX_SHARD_NUMBER:
+                    report.skipped.append(f"rank {rank}: no shard number left after {MAX_SHARD_NUMBER}; not merged")
+                elif merged is not None:
+                    merged.file = mf.shard_name(rank, next_number)
+                    next_number += 1
+                    blob = _merged_shard(part, [datas[e.file] for e in part], merged, layers)
+                    files.atomic_write(merged.file, blob)
+                    merged.bytes, merged.sha256 = len(blob), hashlib.sha256(blob).hexdigest()
+                    replaced[start] = merged
+                    dropped.update(range(start + 1, start + len(part)))
+                    written.append(merged.file)
+                start += len(part)
+        if not replaced:
+            return
+        new_lines = []
+        at_of = {position: at for at, position in enumerate(positions)}
+        for position, line in enumerate(lines):
+            at = at_of.get(position, -1)
+            if at in replaced:
+                new_lines.append(encode_line(replaced[at].to_json()))
+            elif at not in dropped:
+                new_lines.append(line.raw or b"")
+        if not _rewrite_checked(directory, index, [*replaced.values()], new_lines, lines):
+            for name in written:
+                files.remove(name, missing_ok=True)
+            report.skipped.append(f"rank {rank}: not compacted: the new journal did not read back whole; as it was")
+            return
+        for i in sorted([*replaced, *dropped]):
+            files.remove(entries[i].file, missing_ok=True)
+        files.fsync()
+    report.merged += [entries[i].file for i in sorted([*replaced, *dropped])]
+    report.written += written
+    report.shards_after -= len(dropped)
 
 
-def _merged_shard(members: list[ShardEntry], datas: list[ShardData]) -> bytes:
+def _rewrite_checked(
+    directory: Path, index: RankIndex, merged: list[ShardEntry], new_lines: list[bytes], old: list[JournalLine]
+) -> bool:
+    """Replace the journal, read it back with the reader: every sample still listed, in order, and no other line
+    ignored than before? Else put the old journal back (False)."""
+    path = directory / journal_name(index.rank)
+    rewrite(path, new_lines)
+    after = read_rank(directory, index.rank, directory / mf.manifest_name(index.rank))
+    files = {e.file for e in after.entries}
+    whole = len(after.problems) == len(index.problems) and all(e.file in files for e in merged)
+    if whole:
+        before_ids, after_ids = join_samples(index.entries)["sample_id"], join_samples(after.entries)["sample_id"]
+        whole = np.array_equal(before_ids, after_ids)  # merging keeps the order of batches and samples
+    if not whole:
+        rewrite(path, [line.raw or b"" for line in old])
+    return whole
+
+
+def _merged_shard(
+    members: list[ShardEntry], datas: list[ShardData], merged: ShardEntry, layers: dict[str, dict[str, object]]
+) -> bytes:
     """One safetensors file holding the members' tensors, batches renumbered in order, bytes copied as stored
-    (laid out as the writer lays them out: largest element size first)."""
+    (laid out as the writer lays them out: largest element size first), describing itself as the writer's do."""
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     sources: dict[str, memoryview] = {}
     offset = 0
@@ -150,7 +237,9 @@ def _merged_shard(members: list[ShardEntry], datas: list[ShardData]) -> bytes:
     section = bytearray(size)
     for key, (begin, end) in ranges.items():
         section[begin:end] = sources[key]
-    return header_bytes(ranges, specs, {"format": mf.FORMAT, "encoding": members[0].encoding}) + bytes(section)
+    metadata = {"format": mf.FORMAT, "encoding": members[0].encoding}
+    metadata.update(describe(merged, layers, [(key, len(shape)) for key, (_, shape) in specs.items()]))
+    return header_bytes(ranges, specs, metadata) + bytes(section)
 
 
 def close_and_compact(writer: StoreWriter) -> CompactionReport | None:
@@ -171,16 +260,21 @@ def close_and_compact(writer: StoreWriter) -> CompactionReport | None:
         return None
 
 
+#: The dtypes the writer gives these columns (:func:`~.entries.new_entry`), so that a merged line stays short.
+_NARROW = {"capture_point": np.int32, "meta": np.uint8, "batch": np.int32, "layer": np.int32, "kind": np.uint8}
+
+
 def merge_entries(members: list[ShardEntry], file: str, nbytes: int, sha256: str) -> ShardEntry:
     """One entry for the members' batches in order, under a new file."""
-    points = list(dict.fromkeys(p for e in members for p in e.capture_points))
-    layer_names = list(dict.fromkeys(name for e in members for name in e.layers))
+    point_of = {name: i for i, name in enumerate(dict.fromkeys(p for e in members for p in e.capture_points))}
+    layer_of = {name: i for i, name in enumerate(dict.fromkeys(name for e in members for name in e.layers))}
+    points, layer_names = list(point_of), list(layer_of)
     batches: dict[str, list[np.ndarray]] = {}
     records: dict[str, list[np.ndarray]] = {}
     offset = 0
     for e in members:
-        point_map = np.array([points.index(p) for p in e.capture_points], dtype=np.int64)
-        layer_map = np.array([layer_names.index(n) for n in e.layers], dtype=np.int64)
+        point_map = np.array([point_of[p] for p in e.capture_points], dtype=np.int32)
+        layer_map = np.array([layer_of[n] for n in e.layers], dtype=np.int32)
         for key, value in e.batches.items():
             batches.setdefault(key, []).append(point_map[value] if key == "capture_point" else value)
         for key, value in e.records.items():
@@ -199,58 +293,10 @@ def merge_entries(members: list[ShardEntry], file: str, nbytes: int, sha256: str
         members[0].rank,
         points,
         layer_names,
-        {k: np.concatenate(v) for k, v in batches.items()},
-        {k: np.concatenate(v) for k, v in records.items()},
+        {
+            k: np.concatenate(v).astype(_NARROW.get(k, np.int64) if k != "lr" else np.float64)
+            for k, v in batches.items()
+        },
+        {k: np.concatenate(v).astype(_NARROW.get(k, np.int64)) for k, v in records.items()},
         samples,
     )
-
-
-def repair(directory: str | os.PathLike[str]) -> list[str]:
-    """Remove what a stopped writer or compaction left: unlisted shards, temporary files, journal lines that
-    cannot be trusted or whose shard is gone. Returns one line per thing removed; a listed shard is never touched.
-    """
-    directory = Path(directory)
-    removed: list[str] = []
-    manifests = dict(_ranks(directory))
-    if not directory.is_dir():
-        raise StoreError(f"{directory} is not a metastore store: it does not exist")
-    names = sorted(os.listdir(directory))
-    ranks = set(manifests) | {r for n in names if (r := leftover_rank(n)) is not None}
-    for rank in sorted(ranks):
-        with RankLock(directory, rank):
-            index = read_rank(directory, rank, manifests[rank]) if rank in manifests else None
-            listed = {e.file for e in index.entries} if index is not None else set()
-            removed += _remove_leftovers(directory, rank, listed)
-            if index is not None and index.version >= 2:
-                removed += _repair_journal(directory, index)
-    return removed
-
-
-def _remove_leftovers(directory: Path, rank: int, listed: set[str]) -> list[str]:
-    removed = []
-    pattern = shard_pattern(rank)
-    for name in sorted(os.listdir(directory)):
-        stem = name.removesuffix(".tmp")
-        ours = pattern.fullmatch(stem) or stem in (mf.manifest_name(rank), journal_name(rank))
-        if not ours or name in listed:
-            continue
-        temporary = TEMPORARY.fullmatch(name) is not None
-        if not temporary and not pattern.fullmatch(name):
-            continue
-        path = directory / name
-        if path.is_dir() and not path.is_symlink():
-            removed.append(f"{name}: a directory where a shard would be; NOT removed, remove it yourself")
-            continue
-        path.unlink(missing_ok=True)
-        removed.append(f"{name}: removed ({'a temporary file' if temporary else 'a shard the index does not list'})")
-    return removed
-
-
-def _repair_journal(directory: Path, index: RankIndex) -> list[str]:
-    gone = [e for e in index.entries if not os.path.lexists(directory / e.file)]
-    if not gone and not index.problems:
-        return []
-    kept = [e for e in index.entries if e not in gone]
-    rewrite(directory / journal_name(index.rank), [encode_line(e.to_json()) for e in kept])
-    lines = [f"{journal_name(index.rank)}: removed the entry of {e.file} (the file is gone)" for e in gone]
-    return lines + [f"removed: {problem}" for problem in index.problems]

@@ -34,6 +34,7 @@ from metastore_plugins.core.store.entries import new_entry
 from metastore_plugins.core.store.index_writer import RankIndexWriter
 from metastore_plugins.core.store.journal import journal_name
 from metastore_plugins.core.store.shardfile import ShardBuffer, write_shard
+from metastore_plugins.core.store.shardinfo import describe
 
 ArrayLike = Tensor | Sequence[float] | Sequence[int]
 
@@ -391,15 +392,16 @@ class StoreWriter:
         name = mf.shard_name(self.rank, self._index.next_shard)
         files = self._index.files
         written: list[tuple[int, str]] = []
+        batches = [(b.info | {"records": [self._record_info(r) for r in b.records]}, b.meta) for b in pending]
+        entry = new_entry(name, 0, "", self.encoding, self.rank, batches)
         metadata = {"format": mf.FORMAT, "encoding": self.encoding}
+        metadata.update(describe(entry, self._index.layers, shard_keys(pending)))  # what repair rebuilds its line from
 
         def write(handle: BinaryIO) -> None:
             written.append(write_shard(handle, [(b.records, b.meta) for b in pending], self.encoding, metadata, buffer))
 
         files.atomic_write(name, write)  # a partial temporary (full disk) is removed
-        size, sha256 = written[0]
-        batches = [(b.info | {"records": [self._record_info(r) for r in b.records]}, b.meta) for b in pending]
-        entry = new_entry(name, size, sha256, self.encoding, self.rank, batches)
+        entry.bytes, entry.sha256 = written[0]
         try:
             self._index.append(entry)
         except BaseException:
@@ -407,5 +409,16 @@ class StoreWriter:
             raise
         self.stats.shards += 1
         self.stats.batches += len(batches)
-        self.stats.bytes_written += size
+        self.stats.bytes_written += entry.bytes
         self.stats.files.append(name)
+
+
+def shard_keys(pending: list[_Batch]) -> list[tuple[str, int]]:
+    """``(key, ndim)`` of the record and metadata tensors a shard of ``pending`` holds (``.scale`` keys left out)."""
+    keys = [(mf.meta_key(j, column), t.dim()) for j, b in enumerate(pending) for column, t in b.meta.items()]
+    return keys + [
+        (mf.record_key(j, k, name), t.dim())
+        for j, b in enumerate(pending)
+        for k, r in enumerate(b.records)
+        for name, t in r.tensors.items()
+    ]
