@@ -1,0 +1,103 @@
+"""What a store holds to report on, and what its byte budget dropped.
+
+Under a small budget the capture plan keeps some capture points as metadata only (ids, labels,
+losses, predictions, margins: no gradient records), some as exact norms only (self-influence, no
+inner products), and may stop storing a part altogether. The reports use what was stored: AUM and
+losses need the metadata alone, self-influence any gradient record, influence and sketches inner
+products. :func:`budget_notes` says, in words, what the budget took away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.policy.plan import CapturePlan
+from metastore_plugins.core.reports.tables import _has_margins, self_influence_of
+
+#: Record kinds that give inner products between samples (``"norms"`` records hold a squared norm alone).
+INNER_PRODUCT_KINDS = frozenset({"outer", "embedding", "dense", "projected"})
+
+
+def stored_kinds(store: GradientStore, capture_point: str) -> set[str]:
+    """The record kinds the batches of ``capture_point`` hold (empty: metadata only, or an unknown point)."""
+    if capture_point not in store.capture_points():
+        return set()
+    return {record["kind"] for ref in store.batch_refs(capture_point) for record in ref.info["records"]}
+
+
+def with_gradients(store: GradientStore, points: Sequence[str], *, inner: bool = False) -> list[str]:
+    """The capture points of ``points`` that hold per-sample gradient records (their norms at least);
+    ``inner``: records with inner products between samples in every stored layer (influence, sketches)."""
+    found = []
+    for point in points:
+        kinds = stored_kinds(store, point)
+        if kinds and (not inner or kinds <= INNER_PRODUCT_KINDS):
+            found.append(point)
+    return found
+
+
+def stored_self_influence(store: GradientStore, points: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``(sample ids, TracIn self-influence)`` over the points of ``points`` that hold gradients (both empty
+    when none does)."""
+    held = with_gradients(store, points)
+    if not held:
+        return np.zeros(0, np.int64), np.zeros(0)
+    return self_influence_of(store, held)
+
+
+def outlier_ranking(store: GradientStore, points: Sequence[str], rank_by: str) -> str:
+    """``rank_by``, or what ``"auto"`` falls back to where ``points`` hold no gradients: AUM where the training
+    steps hold margins, else the loss. ``"self_influence"`` there raises, saying why (the budget, if it was)."""
+    if with_gradients(store, points):
+        return rank_by
+    if rank_by == "self_influence":
+        why = dropped_message(store) or "they hold metadata only"
+        raise ValueError(f"self-influence needs gradients of the checkpoint passes and the store holds none: {why}")
+    return ("aum" if _has_margins(store) else "loss") if rank_by == "auto" else rank_by
+
+
+def budget_notes(store: GradientStore) -> list[str]:
+    """What the store's capture plan left out or dropped (from ``config["capture_plan"]``), in words; empty
+    when the plan kept gradients of every part it planned and nothing was degraded."""
+    raw = store.config.get("capture_plan")
+    if not isinstance(raw, dict) or not raw:
+        return []
+    try:
+        plan = CapturePlan.from_json(raw)
+    except TypeError:
+        return []
+    budget = "no budget" if plan.budget is None else f"the budget of {plan.budget:,} bytes"
+    notes = []
+    for part, layers in (("training steps", plan.train), ("checkpoint passes", plan.passes)):
+        kept = set(layers.values())
+        if kept == {"nothing"}:
+            notes.append(f"{budget} kept the {part} as metadata only (no gradients)")
+        elif kept == {"norms"}:
+            notes.append(f"{budget} kept the {part} as exact norms only (no inner products between samples)")
+    for change in plan.degraded:
+        if change["to"] == "not stored":
+            notes.append(f"{change['part']} were no longer stored from step {change['step']} on ({budget} was spent)")
+        else:
+            to = "metadata only" if change["to"] == "nothing" else change["to"]
+            notes.append(f"{change['part']} were kept as {to} from step {change['step']} on ({budget} was outgrown)")
+    return notes
+
+
+def budget_caption(store: GradientStore, caption: Sequence[str], self_influence: int) -> list[str]:
+    """An outlier table's caption with what the budget dropped: its self-influence line says it is blank when
+    no self-influence was computed (``self_influence``: how many samples have one), and a ``Budget:`` line per
+    :func:`budget_notes`."""
+    blank = "self_influence: blank: the checkpoint passes hold no gradients"
+    lines = [blank if not self_influence and line.startswith("self_influence:") else line for line in caption]
+    return [*lines, *(f"Budget: {note}." for note in budget_notes(store))]
+
+
+def dropped_message(store: GradientStore) -> str:
+    """:func:`budget_notes` in one clause with the way out, or ``""`` when the budget dropped nothing."""
+    notes = budget_notes(store)
+    if not notes:
+        return ""
+    return f"{'; '.join(notes)} (give the run a larger budget=; `metastore inspect` shows the plan)"
