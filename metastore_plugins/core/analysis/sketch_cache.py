@@ -16,11 +16,14 @@ Its string metadata says what it was computed from. A reader uses a file only wh
 - the tensors have the dtypes and shapes above (``N`` from the manifests), are finite, and
   their bytes hash to ``checksum``.
 
-Anything else (a missing, truncated, damaged or foreign file, a link) is ignored, and the
-sketches are recomputed and the file rewritten. Files are written under a unique temporary
-name in the same folder, fsynced, then renamed over the old one (``os.replace``), so readers
-see a whole file or none. A store that cannot be written (read-only) gets its sketches
-computed in memory, without error. Shards and manifests are never written.
+Anything else (a missing, truncated, damaged or foreign file, a link, a FIFO or device, a
+``sketches/`` that is a link) is ignored unread, and the sketches are recomputed. Files are
+read whole within a cap from ``N`` and written through the store's files module
+(:meth:`~metastore_plugins.core.store.files.StoreDir.atomic_write`: an unguessable temporary,
+fsynced, renamed over the old file or link), so readers see a whole file or none and nothing
+outside the store is ever written. A store that cannot be written (read-only, a linked
+``sketches/``) gets its sketches computed in memory, without error. Shards and manifests are
+never written.
 """
 
 from __future__ import annotations
@@ -28,19 +31,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
 from torch import Tensor
 
-from metastore_plugins.core.store.manifest import fsync_dir
+from metastore_plugins.core.store.files import StoreDir, StoreError
 
 #: The folder of the cache inside a store directory.
 CACHE_DIR = "sketches"
@@ -103,25 +105,34 @@ def cache_path(store_dir: Path, key: SketchKey) -> Path:
     return store_dir / CACHE_DIR / key.file_name()
 
 
+def _parse(data: bytes) -> tuple[dict[str, str], dict[str, Tensor]] | None:
+    """``(metadata, tensors)`` of a safetensors file's bytes, or None when its header is not sound."""
+    if len(data) < 8 or int.from_bytes(data[:8], "little") > min(MAX_HEADER_BYTES, len(data) - 8):
+        return None
+    try:
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        tensors = load_bytes(data)  # copies of the checked bytes
+    except (ValueError, RecursionError, SafetensorError):
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return (meta if isinstance(meta, dict) else {}), tensors
+
+
 def load(store_dir: Path, key: SketchKey) -> tuple[np.ndarray, Tensor] | None:
     """``(sample ids (N,), sketch (N, dim^2))`` from the cache file of ``key``, or ``None`` if it is unusable."""
-    path = cache_path(store_dir, key)
     width = key.dim * key.dim
-    try:
-        if path.parent.is_symlink() or path.is_symlink() or not path.is_file():
-            return None
-        if path.stat().st_size > key.samples * (4 * width + 8) + MAX_HEADER_BYTES:
-            return None
-        with safe_open(str(path), framework="pt") as handle:
-            meta = handle.metadata() or {}
-            if (
-                set(handle.keys()) != {"sketch", "sample_id"}
-                or {k: meta.get(k) for k in key.metadata()} != key.metadata()
-            ):
-                return None
-            sketch, ids = handle.get_tensor("sketch").clone(), handle.get_tensor("sample_id").clone()
-    except (OSError, SafetensorError, ValueError, RuntimeError):  # unreadable: rebuilt by the caller
+    cap = key.samples * (4 * width + 8) + MAX_HEADER_BYTES
+    try:  # never through a link, never a FIFO or device, never more than the sketches can take
+        with StoreDir(store_dir) as store, store.subdir(CACHE_DIR) as folder:
+            parsed = _parse(folder.read(key.file_name(), cap, "sketch cache file"))
+    except (OSError, StoreError):  # missing or unusable: rebuilt by the caller
         return None
+    if parsed is None:
+        return None
+    meta, tensors = parsed
+    if set(tensors) != {"sketch", "sample_id"} or {k: meta.get(k) for k in key.metadata()} != key.metadata():
+        return None
+    sketch, ids = tensors["sketch"], tensors["sample_id"]
     if sketch.dtype != torch.float32 or tuple(sketch.shape) != (key.samples, width):
         return None
     if ids.dtype != torch.int64 or tuple(ids.shape) != (key.samples,):
@@ -132,34 +143,17 @@ def load(store_dir: Path, key: SketchKey) -> tuple[np.ndarray, Tensor] | None:
 
 
 def save(store_dir: Path, key: SketchKey, sample_ids: np.ndarray, sketch: Tensor) -> Path | None:
-    """Write the cache file of ``key`` atomically; ``None`` (and no file) where the store cannot be written."""
+    """Write the cache file of ``key`` atomically; ``None`` (and no file) where the store cannot be written
+    or ``sketches/`` (or the file) is not the store's own (a link, a FIFO: never written through)."""
     ids = torch.as_tensor(np.asarray(sample_ids, dtype=np.int64))  # (N,)
     sketch = sketch.detach().to("cpu", torch.float32).contiguous()  # (N, dim^2)
     if tuple(sketch.shape) != (key.samples, key.dim * key.dim) or math.prod(ids.shape) != key.samples:
         raise ValueError(f"sketch {tuple(sketch.shape)} and ids {tuple(ids.shape)} do not fit {key}")
-    path = cache_path(store_dir, key)
-    tmp: Path | None = None
+    metadata = {**key.metadata(), "checksum": _checksum(ids, sketch)}
     try:
-        if path.parent.is_symlink():
-            return None
-        path.parent.mkdir(exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
-        os.close(fd)
-        tmp = Path(name)
-        save_file(
-            {"sketch": sketch, "sample_id": ids}, name, metadata={**key.metadata(), "checksum": _checksum(ids, sketch)}
-        )
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        tmp = None
-    except (OSError, SafetensorError):  # read-only store, full disk: compute per query instead
+        data = save_bytes({"sketch": sketch, "sample_id": ids}, metadata=metadata)
+        with StoreDir(store_dir) as store, store.subdir(CACHE_DIR, create=True) as folder:
+            folder.atomic_write(key.file_name(), data)
+    except (OSError, StoreError, SafetensorError):  # read-only store, full disk: compute per query instead
         return None
-    finally:
-        if tmp is not None:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-    fsync_dir(path.parent)
-    return path
+    return cache_path(store_dir, key)

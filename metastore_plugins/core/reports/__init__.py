@@ -12,7 +12,13 @@ import numpy as np
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_note
-from metastore_plugins.core.reports.files import influence_markdown, markdown_table, write_table
+from metastore_plugins.core.reports.files import (
+    influence_markdown,
+    markdown_table,
+    open_reports,
+    write_table,
+    write_text,
+)
 from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows, outlier_points, outlier_rows
 
 OUTLIER_COLUMNS = ("rank", "sample_id", "label", "prediction", "loss", "aum", "self_influence", "class_zscore")
@@ -118,15 +124,15 @@ def write_tables(store: GradientStore, directory: str | Path, tables: dict[str, 
 
     ``tables["influence"] is None`` (no test passes): no influence files.
     """
-    directory = Path(directory)
-    files = write_table(directory, "outliers", tables["outliers"], tables["outlier_columns"])
-    influence = tables["influence"]
-    if influence is not None:
-        (directory / "influence.json").write_text(json.dumps(influence, indent=1))
-        (directory / "influence.md").write_text(influence_markdown(influence))
-        files += [directory / "influence.json", directory / "influence.md"]
-    (directory / "summary.json").write_text(json.dumps({**store.summary(), **batch_mixed_note(store.config)}, indent=1))
-    files.append(directory / "summary.json")
+    with open_reports(store.path, directory) as out:  # <store>/reports: never through a link
+        files = write_table(out, "outliers", tables["outliers"], tables["outlier_columns"])
+        influence = tables["influence"]
+        if influence is not None:
+            files.append(write_text(out, "influence.json", json.dumps(influence, indent=1)))
+            files.append(write_text(out, "influence.md", influence_markdown(influence)))
+        files.append(
+            write_text(out, "summary.json", json.dumps({**store.summary(), **batch_mixed_note(store.config)}, indent=1))
+        )
     return {**tables, "influence": influence or [], "files": [str(p) for p in files]}
 
 

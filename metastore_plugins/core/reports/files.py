@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from metastore_plugins.core.store.files import StoreDir, open_under
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -24,17 +28,30 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines) + "\n"
 
 
-def write_table(directory: Path, name: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> list[Path]:
-    """Write ``name.json`` (all fields), ``name.csv`` and ``name.md`` (the given columns)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = [directory / f"{name}.{ext}" for ext in ("json", "csv", "md")]
-    paths[0].write_text(json.dumps(list(rows), indent=1))
-    with open(paths[1], "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(columns), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    paths[2].write_text(markdown_table(rows, columns))
-    return paths
+def open_reports(store_dir: Path, directory: str | os.PathLike[str]) -> StoreDir:
+    """The report folder, created: ``<store>/reports`` (or any folder inside the store) is never reached
+    through a link (:class:`~metastore_plugins.core.store.files.StoreError` naming it and the fix); a folder
+    elsewhere is the user's own choice and opened as given."""
+    return open_under(store_dir, Path(directory), create=True)
+
+
+def write_text(out: StoreDir, name: str, text: str) -> Path:
+    """Replace ``name`` in ``out`` by ``text`` (UTF-8), atomically and never through a link; its path."""
+    out.atomic_write(name, text.encode("utf-8"))
+    return out.path / name
+
+
+def write_table(out: StoreDir, name: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> list[Path]:
+    """Write ``name.json`` (all fields), ``name.csv`` and ``name.md`` (the given columns) into ``out``."""
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=list(columns), extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return [
+        write_text(out, f"{name}.json", json.dumps(list(rows), indent=1)),
+        write_text(out, f"{name}.csv", table.getvalue()),
+        write_text(out, f"{name}.md", markdown_table(rows, columns)),
+    ]
 
 
 def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:

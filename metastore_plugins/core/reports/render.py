@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import warnings
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+from metastore_plugins.core.store.files import StoreDir
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -66,10 +69,14 @@ def new_figure(width: float, height: float, *, layout: Literal["constrained"] | 
 
 
 def save_png(figure: Figure, path: str | os.PathLike[str]) -> Path:
-    """Write ``figure`` as a PNG file (its directory created) and return the path."""
+    """Write ``figure`` as a PNG file (its directory created) and return the path.
+
+    The file is replaced atomically, never written through a link (:meth:`~.files.StoreDir.atomic_write`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png", dpi=DPI, facecolor="white")
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=DPI, facecolor="white")
+    with StoreDir(path.parent, create=True) as directory:
+        directory.atomic_write(path.name, image.getvalue())
     return path
 
 

@@ -354,6 +354,24 @@ class StoreDir:
                 raise
 
 
+def open_under(root: Path, directory: Path, *, create: bool = False) -> StoreDir:
+    """``directory`` as a :class:`StoreDir`: when it lies inside ``root`` (a folder of the store, such as
+    ``<store>/reports``), each folder below ``root`` is opened with :meth:`StoreDir.subdir` (a link is
+    refused); elsewhere (a folder the user named) it is opened as given. ``create``: folders are created."""
+    try:
+        parts = Path(os.path.abspath(directory)).relative_to(os.path.abspath(root)).parts
+    except ValueError:
+        return StoreDir(directory, create=create)
+    current = StoreDir(root)
+    for part in parts:
+        try:
+            below = current.subdir(part, create=create)
+        finally:
+            current.close()
+        current = below
+    return current
+
+
 def open_regular(path: Path, directory: Path) -> tuple[int, os.stat_result]:
     """:meth:`StoreDir.open_read` of ``path``, which must be an entry of ``directory``."""
     if path.parent != directory:
