@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,13 +41,32 @@ from metastore_plugins.core.distributed import (
 )
 from metastore_plugins.core.distributed.launch import DEFAULT_TIMEOUT_S
 from metastore_plugins.core.policy.plan import CapturePlan
-from metastore_plugins.core.policy.tags import Tag, read_tags
+from metastore_plugins.core.policy.tags import Tag, check_tags
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
 from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.tables import OUTLIER_RANKINGS, influence_rows, outlier_rows
 from metastore_plugins.core.store import StoreError, find_store_dir
 from metastore_plugins.core.store.maintenance import compact, repair
-from metastore_plugins.core.store.snapshots import list_snapshots
+from metastore_plugins.core.store.snapshots import SnapshotInfo, check_snapshots
+
+#: Characters a terminal acts on (C0/C1 controls: ESC, BEL, CR, newlines; DEL; bidirectional overrides, line
+#: separators): printed escaped (``\\x1b``, ``\\u202e``) wherever a stored string reaches the terminal.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+#: Text lines of tags ``metastore inspect`` prints at most (``--json`` lists them all).
+TAG_LINES = 50
+
+
+def printable(text: object) -> str:
+    """``str(text)`` with every character a terminal would act on escaped, so stored strings print as data."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+
+
+def _int64(text: str) -> int:
+    """A sample id or step: a whole number from 0 to 2^63-1 (what the store's int64 columns hold)."""
+    value = _whole(text, 0)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 2^63-1, got {text!r}")
+    return value
 
 
 def _ids(text: str) -> list[int]:
@@ -92,6 +112,7 @@ def _json_default(value: Any) -> Any:
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    text = "\n".join(map(printable, text.split("\n")))  # stored names reach the terminal as data
     print(
         json.dumps(data, indent=1, default=_json_default) if args.json else text,
         end="" if text.endswith("\n") else "\n",
@@ -151,13 +172,16 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
         "problems": problems,
     }
     plan = store.config.get("capture_plan")
-    tags = read_tags(store.path)
-    snapshots = list_snapshots(store.path)
+    plan_lines = _plan_lines(plan, problems)
+    tags, tag_problems = check_tags(store.path)
+    snapshots, snapshot_problems = check_snapshots(store.path, checksums=not args.no_checksums)
+    problems += snapshot_problems + tag_problems
     data |= {
         "capture_plan": plan,
         "tags": [dataclasses.asdict(tag) for tag in tags],
         "snapshots": [{**dataclasses.asdict(info), "path": str(info.path)} for info in snapshots],
     }
+    more = f"  ... and {len(tags) - TAG_LINES:,} more (--json lists them all)" if len(tags) > TAG_LINES else ""
     ratio = summary["compression"]
     lines = [
         f"store      {summary['path']}",
@@ -173,15 +197,36 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
         ),
         "layers:",
         *(f"  {name:<40} {', '.join(f'{k}:{v}' for k, v in info['kinds'].items())}" for name, info in layers.items()),
-        *(CapturePlan.from_json(plan).lines() if plan else ["capture plan: none recorded (an older store)"]),
-        f"snapshots  {len(snapshots)} ({sum(info.nbytes for info in snapshots):,} bytes)"
-        + "".join(f"\n  {info.name:<20} step {info.step}, rank {info.rank}" for info in snapshots),
-        f"tags       {len(tags)}" + "".join(f"\n  {_tag_line(tag)}" for tag in tags),
+        *plan_lines,
+        f"snapshots  {len(snapshots)} ({sum(info.nbytes for info in snapshots):,} bytes)",
+        *(f"  {_snapshot_line(info)}" for info in snapshots),
+        f"tags       {len(tags)}",
+        *(f"  {_tag_line(tag)}" for tag in tags[:TAG_LINES]),
+        *([more] if more else []),
         "problems: " + ("none" if not problems else ""),
         *(f"  {p}" for p in problems),
     ]
-    _emit(args, data, "\n".join(lines))
+    _emit(args, data, "\n".join(printable(line) for line in lines))  # one stored string never makes two lines
     return 1 if problems else 0
+
+
+def _plan_lines(plan: Any, problems: list[str]) -> list[str]:
+    """The capture plan's lines; one more problem (and no plan lines) when the recorded plan is not readable."""
+    if not plan:
+        return ["capture plan: none recorded (an older store)"]
+    try:
+        return CapturePlan.from_json(plan).lines()
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        problems.append(
+            f"the capture_plan in the store's config is not a readable plan ({type(exc).__name__}: {exc}); "
+            "`--json` shows it as recorded"
+        )
+        return ["capture plan: not readable (see problems)"]
+
+
+def _snapshot_line(info: SnapshotInfo) -> str:
+    checksum = "" if info.sha256 else " (no checksum: written before checksums were recorded)"
+    return f"{info.name:<20} step {info.step}, rank {info.rank}{checksum}"
 
 
 def _tag_line(tag: Tag) -> str:
@@ -452,8 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--before", type=_non_negative, default=3, help="spikes: how many earlier steps to list samples of")
     p.add_argument("--other", help="compare: the other run")
     p = add("restore", cmd_restore, "write the exact dense gradient of one sample to a safetensors file")
-    p.add_argument("--sample", type=int, required=True)
-    p.add_argument("--step", type=int)
+    p.add_argument("--sample", type=_int64, required=True)
+    p.add_argument("--step", type=_int64)
     p.add_argument("--capture-point")
     p.add_argument("--layer")
     p.add_argument("--out", required=True, help="output .safetensors file")
@@ -475,6 +520,18 @@ def _open(args: argparse.Namespace) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status. Output cut short by its reader (``| head``) is not an error."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError):  # what is left to flush at exit goes nowhere, quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return status
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if launched() and args.command not in PARTITIONED:
         print(
@@ -490,10 +547,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             with contextlib.redirect_stdout(out):
                 status = args.func(args, target) or 0
     except (StoreError, ValueError, FileNotFoundError) as exc:
-        print(f"metastore {args.command}: error: {exc}", file=sys.stderr)
+        print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)
         return 2
     except DistributedQueryError as exc:
-        print(f"metastore {args.command}: error: {exc}", file=sys.stderr)
+        print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("metastore: interrupted", file=sys.stderr)
