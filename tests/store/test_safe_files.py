@@ -242,6 +242,25 @@ def test_reads_are_bounded_by_the_cap_not_allocated_to_it(
             d.read("m.json", 4096, "manifest")
 
 
+def test_move_into_never_replaces_an_entry_and_moves_a_link_not_its_target(places: tuple[Path, Path]) -> None:
+    store, outside = places
+    before = _digests(outside)
+    (store / "rank0-000001.safetensors").write_bytes(b"shard bytes")
+    (store / "quarantine").mkdir()
+    (store / "quarantine" / "rank0-000001.safetensors").write_bytes(b"set aside before")
+    (store / "rank0-000002.safetensors").symlink_to(outside / "decoy.txt")
+    with StoreDir(store) as d, d.subdir("quarantine") as aside:
+        assert d.move_into("rank0-000001.safetensors", aside) == "rank0-000001.safetensors.1"
+        assert d.move_into("rank0-000002.safetensors", aside) == "rank0-000002.safetensors"
+        with pytest.raises(StoreError, match="is a directory; not moved"):
+            d.move_into("quarantine", aside)
+    assert (store / "quarantine" / "rank0-000001.safetensors").read_bytes() == b"set aside before"
+    assert (store / "quarantine" / "rank0-000001.safetensors.1").read_bytes() == b"shard bytes"
+    assert (store / "quarantine" / "rank0-000002.safetensors").is_symlink()
+    assert sorted(os.listdir(store)) == ["quarantine"]
+    assert _digests(outside) == before
+
+
 def test_temporary_names_are_unguessable_and_name_their_target() -> None:
     assert temporary_target("index-rank0.jsonl.0123456789abcdef.tmp") == "index-rank0.jsonl"
     assert temporary_target("index-rank0.jsonl.tmp") is None

@@ -338,6 +338,32 @@ class StoreDir:
         """An ``O_RDWR`` fd of the regular file ``name`` (created if missing) to lock; the caller closes it."""
         return self._open_in_place(name)
 
+    def move_into(self, name: str, to: StoreDir) -> str:
+        """Move entry ``name`` (a file or link, never a directory) into ``to`` under a free name: ``name``,
+        else ``name.1``, ``name.2``... (never over an entry there); returns the name it took. Both fsynced."""
+        found = self.lstat(name)
+        if found is None or stat.S_ISDIR(found.st_mode):
+            raise StoreError(
+                f"{self.path / name}: {'missing on disk' if found is None else 'is a directory'}; not moved"
+            )
+        target, n = name, 0
+        while True:
+            while to.exists(target):
+                n += 1
+                target = f"{name}.{n}"
+            try:  # a hard link fails where the target exists: no entry of ``to`` is ever replaced
+                os.link(name, target, src_dir_fd=self.fd, dst_dir_fd=to.fd, follow_symlinks=False)
+            except FileExistsError:
+                continue  # taken meanwhile: the next free name
+            except OSError:  # no hard links on this filesystem: a rename to the name just found free
+                os.rename(name, target, src_dir_fd=self.fd, dst_dir_fd=to.fd)
+                break
+            os.unlink(name, dir_fd=self.fd)
+            break
+        to.fsync()
+        self.fsync()
+        return target
+
     def remove(self, name: str, *, missing_ok: bool = False) -> None:
         """Unlink the entry ``name`` (a link itself, never its target); a directory is refused."""
         found = self.lstat(name)
