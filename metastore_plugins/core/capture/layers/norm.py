@@ -9,8 +9,10 @@ and spatial positions), held as computed on the batch, so ``grad gamma_i = sum_s
 and ``grad beta_i = sum_s D_i[:, s]`` are each sample's own-loss gradients. The layers *below* it are
 not per sample (:mod:`~metastore_plugins.core.capture.batch_mixing`).
 
+In eval mode the same formulas hold with the running statistics.
+
 Other modules whose output for a sample depends only on that sample's input
-(``GroupNorm``, ``RMSNorm``, ``InstanceNorm``, ``BatchNorm`` in eval mode) use
+(``GroupNorm``, ``RMSNorm``, ``InstanceNorm``) use
 :func:`capture_with_vmap`, the generic rule of :mod:`.generic`: the vector-Jacobian
 product of the module's own parameters, one sample at a time under ``torch.func.vmap``.
 Modules without a rule go through it anyway; registering it for your own such modules,
@@ -66,17 +68,27 @@ def capture_with_vmap(
 
 
 def batch_norm_records(
-    layer: str, x: Tensor, grad_output: Tensor, eps: float, params: dict[str, str]
+    layer: str,
+    x: Tensor,
+    grad_output: Tensor,
+    eps: float,
+    params: dict[str, str],
+    running: tuple[Tensor, Tensor] | None = None,
 ) -> list[LayerRecord]:
-    """Dense per-sample gradients of a BatchNorm's weight and bias, its batch statistics held as computed.
+    """Dense per-sample gradients of a BatchNorm's weight and bias, its statistics held as computed.
 
-    ``x``, ``grad_output``: the input and the output gradient, ``(B, C, *spatial)``.
+    ``x``, ``grad_output``: the input and the output gradient, ``(B, C, *spatial)``. ``running``: the
+    running mean and variance ``(C,)`` it normalized with (eval mode); None: the batch's own.
     """
     grad = as_computed(grad_output, grad_output.dtype)  # (B, C, *S) fp32
     x = as_computed(x, grad_output.dtype)  # (B, C, *S) fp32
     dims = [0, *range(2, x.dim())]
-    mean = x.mean(dims, keepdim=True)  # (1, C, 1, ...)
-    var = x.var(dims, unbiased=False, keepdim=True)  # (1, C, 1, ...): the biased variance F.batch_norm divides by
+    if running is None:
+        mean = x.mean(dims, keepdim=True)  # (1, C, 1, ...)
+        var = x.var(dims, unbiased=False, keepdim=True)  # (1, C, 1, ...): the biased variance F.batch_norm uses
+    else:
+        shape = (1, -1, *([1] * (x.dim() - 2)))
+        mean, var = (stat.float().reshape(shape) for stat in running)  # (1, C, 1, ...) each
     x_hat = (x - mean) * torch.rsqrt(var + eps)  # (B, C, *S)
     batch, channels = x.shape[:2]
     grads: dict[str, Tensor] = {}
@@ -97,11 +109,9 @@ def _synchronized(module: nn.Module) -> bool:
 def capture_batch_norm(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext
 ) -> None:
-    """Hook body for BatchNorms: :func:`batch_norm_records` with batch statistics, else the generic rule."""
-    if not uses_batch_statistics(module):  # running statistics: each sample by itself
-        capture_generic(module, args, kwargs, output, ctx)
-        return
-    if _synchronized(module):
+    """Hook body for BatchNorms: :func:`batch_norm_records` with the batch's or the running statistics."""
+    batch_statistics = uses_batch_statistics(module)
+    if batch_statistics and _synchronized(module):
         ctx.unsupported(
             f"'{ctx.name}' (SyncBatchNorm) normalizes with the statistics of every process's batch, which one "
             "process cannot recompute: its weight and bias are not captured in training mode. To fix: "
@@ -110,7 +120,10 @@ def capture_batch_norm(
         return
     x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, C, *S)
     params, eps = ctx.param_names(module), float(module.eps)  # type: ignore[arg-type]
-    ctx.on_output_grad(output, lambda grad: batch_norm_records(ctx.name, x, grad, eps, params))
+    running = None
+    if not batch_statistics:  # eval mode: each sample by itself (copied: a later training forward updates them)
+        running = (module.running_mean.detach().clone(), module.running_var.detach().clone())  # type: ignore[union-attr]
+    ctx.on_output_grad(output, lambda grad: batch_norm_records(ctx.name, x, grad, eps, params, running))
 
 
 _PER_SAMPLE_NORMS: tuple[type[nn.Module], ...] = (
