@@ -120,4 +120,5 @@ def bulk_store(
         entry = new_entry(name, len(blob), hashlib.sha256(blob).hexdigest(), "fp32", 0, infos)
         lines.append(encode_line(entry.to_json()))
     (path / "index-rank0.jsonl").write_bytes(b"".join(lines))
+    (path / "rank0.lock").write_bytes(b"")  # as a writer leaves it
     return np.arange(first, dtype=np.int64)
