@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,16 +50,22 @@ def _link(at: Path, outside: Path, how: str) -> None:
     at.symlink_to(outside / ("decoy.txt" if how == "to_file" else "created.txt"))
 
 
-@pytest.mark.parametrize("how", LINKS)
+@pytest.mark.parametrize("how", [*LINKS, "fifo", "directory"])
 def test_a_writer_never_truncates_or_appends_through_a_linked_journal(tmp_path: Path, outside: Path, how: str) -> None:
     store = tmp_path / "store"
     store.mkdir()
-    _link(store / "index-rank0.jsonl", outside, how)
+    journal = store / "index-rank0.jsonl"
+    if how == "fifo":
+        os.mkfifo(journal)
+    elif how == "directory":
+        journal.mkdir()
+    else:
+        _link(journal, outside, how)
     before = _digests(outside)
-    with pytest.raises(StoreError, match=r"index-rank0\.jsonl: is a symbolic link.*remove it"):
+    with pytest.raises(StoreError, match=r"index-rank0\.jsonl: is a (symbolic link|FIFO|directory).*remove it"):
         StoreWriter(store, encoding="fp32")
     assert _digests(outside) == before
-    assert (store / "index-rank0.jsonl").is_symlink()
+    assert journal.is_symlink() or journal.is_fifo() or journal.is_dir()
 
 
 def _resume(store: Path) -> None:
