@@ -235,7 +235,7 @@ class StoreDir:
             )
         chunks, total = [], 0
         with io.FileIO(fd, "rb", closefd=True) as handle:
-            while total <= cap:  # the size fstat gave, then blocks until the end: a file that grew is refused
+            while total <= cap:  # the size fstat gave, then blocks to the end: one grown past the cap is refused
                 block = handle.read(opened.st_size - total if total < opened.st_size else _READ_BLOCK)
                 if not block:
                     break
