@@ -44,7 +44,14 @@ from metastore_plugins.core.policy.plan import CapturePlan
 from metastore_plugins.core.policy.tags import Tag, check_tags
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
 from metastore_plugins.core.reports.files import influence_markdown
-from metastore_plugins.core.reports.tables import OUTLIER_RANKINGS, influence_rows, outlier_rows
+from metastore_plugins.core.reports.stored import (
+    budget_caption,
+    dropped_message,
+    outlier_ranking,
+    stored_self_influence,
+    with_gradients,
+)
+from metastore_plugins.core.reports.tables import OUTLIER_RANKINGS, influence_rows, outlier_markdown, outlier_table
 from metastore_plugins.core.store import StoreError, find_store_dir
 from metastore_plugins.core.store.maintenance import compact, repair
 from metastore_plugins.core.store.snapshots import SnapshotInfo, check_snapshots
@@ -123,7 +130,7 @@ def _train_points(store: GradientStore, given: Sequence[str] | None) -> list[str
     points = list(given or checkpoint_points(store, "train"))
     if not points:
         raise StoreError(
-            f"the store has no checkpoint passes 'epoch-*/train'{_damage(store)}; pass --capture-point NAME "
+            f"the store has no checkpoint passes 'epoch-*/train'{_and(_damage(store))}; pass --capture-point NAME "
             f"(it has {', '.join(store.capture_points()) or 'no capture point'})"
         )
     return points
@@ -135,10 +142,14 @@ def _damage(store: GradientStore) -> str:
     if not problems:
         return ""
     return (
-        f", and its index is damaged: {problems[0]}"
+        f"the store's index is damaged: {problems[0]}"
         + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
         + f"; run `metastore verify {store.path}` to see the damage"
     )
+
+
+def _and(clause: str) -> str:
+    return f", and {clause}" if clause else ""
 
 
 def _holders(store: GradientStore, sample_id: int) -> list[str]:
@@ -155,7 +166,7 @@ def _not_stored(store: GradientStore, sample_ids: Sequence[int], where: Sequence
     hint = (
         f"; stored in {', '.join(repr(cp) for cp in found)}: pass --capture-point {suggested}"
         if found
-        else f"; no capture point holds it{_damage(store)}"
+        else f"; no capture point holds it{_and(_damage(store))}"
     )
     return StoreError(f"{what} not stored in {', '.join(map(repr, where))}{hint}")
 
@@ -344,8 +355,14 @@ def comparison_text(comparison: RunComparison, k: int) -> str:
 
 
 def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
-    rows = outlier_rows(store, _train_points(store, args.capture_point), args.k, rank_by=args.by)
-    _emit(args, rows, markdown_table(rows, OUTLIER_COLUMNS))
+    given = args.capture_point or checkpoint_points(store, "train")  # none left by the budget: AUM or loss alone
+    points = list(given) if given or TRAINING_STEPS in store.capture_points() else _train_points(store, None)
+    by = outlier_ranking(store, points, args.by)
+    scores = stored_self_influence(store, points)
+    table = outlier_table(store, points, args.k, scores, by)
+    caption = budget_caption(store, table.caption, len(scores[0]))
+    damage = [f"warning: {_damage(store)}: capture points may be missing"] if store.open_problems else []
+    _emit(args, table.rows, outlier_markdown(table.rows, OUTLIER_COLUMNS, [*damage, *caption]))
 
 
 def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
@@ -356,11 +373,19 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
         train, test = train[-1:], [args.capture_point]
     absent = [cp for cp in test if cp not in store.capture_points()]
     if absent and not args.capture_point:
-        raise StoreError(
-            f"the store holds no '{args.test_split}' checkpoint passes ({', '.join(absent)}): influence needs test "
-            "gradients, which the callbacks store when evaluation runs during training (HF: eval_strategy='epoch'); "
-            "pass --capture-point CP to use another capture point as the test side"
+        why = dropped_message(store) or (
+            "influence needs test gradients, which the callbacks store when evaluation runs during training "
+            "(HF: eval_strategy='epoch')"
         )
+        raise StoreError(
+            f"the store holds no '{args.test_split}' checkpoint passes ({', '.join(absent)}): {why}; pass "
+            "--capture-point CP to use another capture point as the test side"
+        )
+    bare = [cp for cp in (*train, *test) if not with_gradients(store, [cp], inner=True)]
+    if bare:
+        why = dropped_message(store) or "they hold metadata only or exact norms only"
+        named = bare[0] + (f" and {len(bare) - 1} more capture points" if len(bare) > 1 else "")
+        raise StoreError(f"influence needs per-sample gradients with inner products, and {named} hold none: {why}")
     if args.test is not None:
         stored = {int(i) for cp in test for i in store.sample_ids(cp).tolist()}
         missing = sorted(set(args.test) - stored)

@@ -94,7 +94,7 @@ def test_outliers_by_final_loss(run_dir: Path) -> None:
     rows = json_of("outliers", str(run_dir), "-k", "4", "--by", "loss")
     last = open_store(run_dir).metadata("epoch-1/train")  # the last checkpoint pass
     ranking = list(zip(last["sample_id"].tolist(), last["loss"].astype(np.float64).tolist()))
-    assert_top_ranking([(row["sample_id"], row["loss"]) for row in rows], ranking, tolerance(last["loss"]))
+    assert_top_ranking([(row["sample_id"], row["pass_loss"]) for row in rows], ranking, tolerance(last["loss"]))
     assert all(row["aum"] is not None and row["self_influence"] is not None for row in rows)
 
 

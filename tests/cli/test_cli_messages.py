@@ -25,6 +25,7 @@ from metastore_plugins.testing import reference_per_sample_gradients
 
 TRAIN, PASS_TRAIN, VAL = range(24), range(12), range(24, 30)  # the passes hold half the trained samples
 BATCH, EPOCHS, LR = 8, 3, 0.1
+COLUMNS = ("pass_prediction", "pass_loss", "last_step_loss", "aum", "self_influence")  # the quantities of a row
 
 
 def per_sample_ce(outputs: Tensor, labels: Tensor) -> Tensor:
@@ -149,7 +150,8 @@ def test_influence_names_where_the_test_sample_is_and_sums_its_occurrences(
 def test_outliers_on_a_damaged_journal_name_the_damage(
     run: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Item 12: the passes' journal lines damaged, ``outliers`` names the damage, not only the missing passes."""
+    """Item 12: the passes' journal lines damaged, ``outliers`` (and a command that needs a pass) names the damage,
+    not only the missing passes."""
     import shutil
 
     copy = tmp_path / "damaged"
@@ -161,9 +163,12 @@ def test_outliers_on_a_damaged_journal_name_the_damage(
     for k in damaged:
         lines[k] = lines[k][:10] + b"X" * 10 + lines[k][20:]
     journal.write_bytes(b"\n".join(lines))
-    status, _, err = metastore(capsys, "outliers", str(copy))
+    status, out, err = metastore(capsys, "outliers", str(copy))  # the training steps are intact: ranked by AUM
+    assert status == 0, err
+    assert "the store's index is damaged: index-rank0.jsonl line" in out and f"metastore verify {copy}" in out
+    status, _, err = metastore(capsys, "similar", str(copy), "--sample", "3")  # needs a pass: an error
     assert status == 2 and err.count("\n") == 1
-    assert "index is damaged: index-rank0.jsonl line" in err and f"metastore verify {copy}" in err
+    assert "the store's index is damaged: index-rank0.jsonl line" in err and f"metastore verify {copy}" in err
 
 
 def test_restore_of_a_projected_layer_names_the_store_method_that_recomputes_it(
@@ -191,3 +196,42 @@ def test_restore_of_a_projected_layer_names_the_store_method_that_recomputes_it(
     assert callable(open_store(tmp_path / "store").recompute)  # the method the message names
     status, _, err = metastore(capsys, *args, "--layer", "2")  # an exact layer restores
     assert status == 0, err
+
+
+def test_outlier_columns_each_hold_one_quantity_and_a_ranking_over_the_passes_says_so(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Item 11: ``pass_loss`` is the loss at the last pass (blank outside it), ``last_step_loss`` the loss at the last
+    training step, whatever the ranking; a ranking that covers only the passes' samples says how many it left out."""
+    last = f"epoch-{EPOCHS - 1}/train"
+    at_pass = {sid: loss for (cp, _, sid), loss in run.losses.items() if cp == last}
+    last_step: dict[int, tuple[int, float]] = {}
+    for (cp, step, sid), loss in run.losses.items():
+        if cp == "train" and step >= last_step.get(sid, (-1, 0.0))[0]:
+            last_step[sid] = (step, loss)
+    for by in ("auto", "loss", "self_influence"):
+        status, out, err = metastore(capsys, "outliers", str(run.path), "-k", "24", "--by", by, "--json")
+        assert status == 0, err
+        rows = json.loads(out)
+        assert rows and all(list(row) == ["rank", "sample_id", "label", *COLUMNS, "class_zscore"] for row in rows), (
+            rows[0]
+        )
+        for row in rows:
+            sid = row["sample_id"]
+            assert (row["pass_loss"] is None) == (sid not in PASS_TRAIN) == (row["self_influence"] is None)
+            if row["pass_loss"] is not None:
+                assert abs(row["pass_loss"] - at_pass[sid]) <= 1e-5 * max(1.0, at_pass[sid]), (by, sid)
+            assert abs(row["last_step_loss"] - last_step[sid][1]) <= 1e-5 * max(1.0, last_step[sid][1]), (by, sid)
+        status, out, _ = metastore(capsys, "outliers", str(run.path), "--by", by)
+        header = next(line for line in out.splitlines() if line.startswith("| rank"))
+        assert all(f" {column} " in header for column in COLUMNS)
+        subset = f"{len(PASS_TRAIN)} samples of the {len(TRAIN)} trained; the other {len(TRAIN) - len(PASS_TRAIN)}"
+        if by == "auto":  # AUM: every trained sample
+            assert f"ranked by lowest AUM (area under the margin over the training steps): {len(TRAIN)} samples" in out
+            assert "not ranked" not in out
+        else:
+            assert (
+                "ranked by the loss at 'epoch-2/train'" if by == "loss" else "ranked by TracIn self-influence"
+            ) in out
+            assert subset + " are not ranked" in out
+        assert f"pass_prediction, pass_loss: at '{last}'" in out

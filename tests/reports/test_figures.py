@@ -63,12 +63,33 @@ def test_scatter_has_title_axis_labels_ticks_and_a_legend_of_classes_and_flagged
     assert [t.split(" (")[0] for t in texts] == ["no label", "label 0", "label 1", "label 2", "flagged: top 2"]
     assert texts[1] == "label 0 (3)"
     ring = axes.collections[-1]
-    assert ring.get_label() == "flagged: top 2" and len(ring.get_offsets()) == 2
+    assert ring.get_label() == "flagged: top 2 (2 drawn)" and len(ring.get_offsets()) == 2
     np.testing.assert_allclose(ring.get_offsets(), [[8.0, 2.0], [20.0, 3.5]])
     np.testing.assert_allclose(ring.get_edgecolor()[0], to_rgba("black"))
     assert ring.get_facecolor().size == 0 or ring.get_facecolor()[0][3] == 0  # a ring: no fill
     colours = {tuple(np.round(c.get_facecolor()[0], 3)) for c in axes.collections[:-1]}
     assert len(colours) == 4  # one colour per class
+
+
+def test_the_scatter_legend_counts_the_rings_it_draws() -> None:
+    """Issue 28, item 11: outlier rows outside the table (not in the passes) get no ring, and the legend says how
+    many rings are drawn, not how many rows the report has."""
+    import re
+
+    from metastore_plugins.core.reports.tensorboard import draw_scatter
+
+    table = small_table()
+    rows = [{"sample_id": i} for i in (18, 99, 12, 98, 97)]  # 99, 98, 97: not in the table
+    expected = len(set(table["sample_id"].tolist()) & {18, 99, 12, 98, 97})  # 2
+    figure = draw_scatter({"outliers": rows}, table)
+    assert figure is not None
+    (axes,) = drawn(figure).axes
+    (ring,) = [c for c in axes.collections if c.get_label().startswith("outlier report")]
+    assert len(ring.get_offsets()) == expected
+    (text,) = [t.get_text() for t in axes.get_legend().get_texts() if t.get_text().startswith("outlier report")]
+    stated = re.search(r"\((\d+) drawn", text)
+    assert stated is not None and int(stated.group(1)) == expected, text
+    assert "3 of the 5 not drawn" in text
 
 
 def test_scatter_png_is_a_real_image_of_the_figure_size(tmp_path: Path) -> None:
@@ -110,9 +131,10 @@ def test_grids_draw_one_framed_thumbnail_per_sample() -> None:
     def lookup(split: str, i: int) -> Any:
         return images[i], 0
 
-    rows = [{"rank": r + 1, "sample_id": i, "label": i % 2, "prediction": 0} for r, i in enumerate([4, 1, 2])]
+    rows = [{"rank": r + 1, "sample_id": i, "label": i % 2, "pass_prediction": 0} for r, i in enumerate([4, 1, 2])]
+    rows.append({"rank": 4, "sample_id": 3, "label": 1, "pass_prediction": None})  # not in the pass: not framed
     grid = outlier_grid(rows, lookup, cell=20, columns=2)
-    assert isinstance(grid, Figure) and len(grid.axes) == 3
+    assert isinstance(grid, Figure) and len(grid.axes) == 4
     framed = [ax for ax in grid.axes if ax.spines["top"].get_edgecolor() == to_rgba(MISMATCH)]
     assert len(framed) == 1  # sample 1: label 1, prediction 0
     assert all(ax.images for ax in grid.axes) and grid.texts  # thumbnails and a title
@@ -197,7 +219,7 @@ def test_report_run_logs_figures_and_writes_pngs_next_to_the_json_reports(tmp_pa
     assert (tmp_path / "reports" / "outliers.json").is_file()
     scatter = writer.figures["metastore/loss_vs_self_influence"].axes[0]
     ring = scatter.collections[-1]
-    assert ring.get_label().startswith("flagged: top 5") and len(ring.get_offsets()) == 5
+    assert ring.get_label() == "outlier report rows (5 drawn)" and len(ring.get_offsets()) == 5
 
 
 def test_importing_the_package_and_the_report_modules_leaves_matplotlib_unimported() -> None:

@@ -11,6 +11,7 @@ import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.refine import RecomputeFn
+from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_note
 from metastore_plugins.core.reports.files import (
     influence_markdown,
@@ -19,9 +20,24 @@ from metastore_plugins.core.reports.files import (
     write_table,
     write_text,
 )
-from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows, outlier_points, outlier_rows
+from metastore_plugins.core.reports.stored import (
+    budget_caption,
+    budget_notes,
+    dropped_message,
+    outlier_ranking,
+    stored_self_influence,
+    with_gradients,
+)
+from metastore_plugins.core.reports.tables import (
+    OUTLIER_COLUMNS,
+    checkpoint_points,
+    influence_rows,
+    outlier_markdown,
+    outlier_points,
+    outlier_rows,
+    outlier_table,
+)
 
-OUTLIER_COLUMNS = ("rank", "sample_id", "label", "prediction", "loss", "aum", "self_influence", "class_zscore")
 #: test samples in the influence report by default (those with the smallest ids)
 INFLUENCE_SAMPLES = 16
 
@@ -58,7 +74,7 @@ def write_reports(
     ``recompute``: refines estimated influence scores exactly (:func:`~.tables.influence_rows`).
 
     Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths],
-    "outlier_columns": columns}``.
+    "outlier_columns": columns, "outlier_caption": lines}``.
     """
     tables = report_tables(
         store,
@@ -88,35 +104,44 @@ def report_tables(
     recompute: RecomputeFn | None = None,
     rank_outliers_by: str = "auto",
 ) -> dict[str, Any]:
-    """The rows :func:`write_reports` writes, without writing them: ``{"outliers", "influence", "outlier_columns"}``.
+    """The rows :func:`write_reports` writes, without writing them.
+
+    ``{"outliers", "influence", "outlier_columns", "outlier_caption"}``.
 
     Its store queries are those a partitioned report pass makes on every rank, in this order:
     ``self_influence`` (unless ``scores`` is given), then one ``influence``.
     """
     train, test = checkpoint_points(store, train_split), checkpoint_points(store, test_split)
-    if not train:
+    if not train and TRAINING_STEPS not in store.capture_points():
         raise ValueError(
-            f"the store has no checkpoint passes 'epoch-*/{train_split}' or 'step-*/{train_split}'; "
-            f"it has {store.capture_points()}"
+            f"the store has no checkpoint passes 'epoch-*/{train_split}' or 'step-*/{train_split}' and no training "
+            f"steps; it has {store.capture_points()}" + (f": {dropped_message(store)}" if budget_notes(store) else "")
         )
-    outliers = outlier_rows(store, outlier_points(store, train, outliers_from), k, scores, rank_outliers_by)
+    sources = outlier_points(store, train, outliers_from)  # what the budget kept as metadata only is used as such
+    scores = scores if scores is not None else stored_self_influence(store, sources)
+    table = outlier_table(store, sources, k, scores, outlier_ranking(store, sources, rank_outliers_by))
+    notes = budget_notes(store)
+    outliers, caption = table.rows, budget_caption(store, table.caption, len(scores[0]))
     columns: tuple[str, ...] = OUTLIER_COLUMNS
     if render is not None:
         for row in outliers:
             row["text"] = render(train_split, row["sample_id"])
         columns = (*OUTLIER_COLUMNS, "text")
     influence: list[dict[str, Any]] | None = None
-    if test:
-        pairs = [(a, a.split("/")[0] + "/" + test_split) for a in train if a.split("/")[0] + "/" + test_split in test]
+    pairs = [(a, a.split("/")[0] + "/" + test_split) for a in train if a.split("/")[0] + "/" + test_split in test]
+    pairs = [(a, b) for a, b in pairs if len(with_gradients(store, (a, b), inner=True)) == 2]
+    if pairs:
         influence = influence_rows(
             store, [a for a, _ in pairs], [b for _, b in pairs], k=5, samples=influence_samples, recompute=recompute
         )
-        if render is not None:
-            for row in influence:
-                row["test_text"] = render(test_split, row["test_id"])
-                for entry in (*row["proponents"], *row["opponents"]):
-                    entry["text"] = render(train_split, entry["sample_id"])
-    return {"outliers": outliers, "influence": influence, "outlier_columns": columns}
+    elif test or notes:
+        caption.append("No influence report: no checkpoint pass holds train and test gradients with inner products.")
+    if render is not None and influence is not None:
+        for row in influence:
+            row["test_text"] = render(test_split, row["test_id"])
+            for entry in (*row["proponents"], *row["opponents"]):
+                entry["text"] = render(train_split, entry["sample_id"])
+    return {"outliers": outliers, "influence": influence, "outlier_columns": columns, "outlier_caption": caption}
 
 
 def write_tables(store: GradientStore, directory: str | Path, tables: dict[str, Any]) -> dict[str, Any]:
@@ -126,6 +151,8 @@ def write_tables(store: GradientStore, directory: str | Path, tables: dict[str, 
     """
     with open_reports(store.path, directory) as out:  # <store>/reports: never through a link
         files = write_table(out, "outliers", tables["outliers"], tables["outlier_columns"])
+        caption = tables.get("outlier_caption", [])  # what ranks the rows and where each column comes from
+        write_text(out, "outliers.md", outlier_markdown(tables["outliers"], tables["outlier_columns"], caption))
         influence = tables["influence"]
         if influence is not None:
             files.append(write_text(out, "influence.json", json.dumps(influence, indent=1)))

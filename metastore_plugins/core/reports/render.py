@@ -102,7 +102,9 @@ def scatter_figure(
     ``table``: ``sample_id``, ``self_influence``, ``label`` (``-1``: none) and ``loss`` arrays
     (:func:`~metastore_plugins.core.reports.tensorboard.self_influence_table`). Samples whose id
     is in ``flagged`` (e.g. the rows of the outlier report) get a black ring, named in the
-    legend by ``flagged_label``. An axis spanning two decades or more is drawn in log scale.
+    legend by ``flagged_label`` with the count of rings drawn, and of the flagged samples left
+    out (no finite self-influence and loss in ``table``: not in the passes). An axis spanning
+    two decades or more is drawn in log scale.
     """
     x = np.asarray(table["self_influence"], dtype=np.float64)
     y = np.asarray(table["loss"], dtype=np.float64)
@@ -130,8 +132,15 @@ def scatter_figure(
     else:
         points = axes.scatter(x, y, s=14, alpha=0.75, linewidths=0, c=labels, cmap="viridis")
         figure.colorbar(points, ax=axes, label="label")
-    ring = np.isin(ids, np.fromiter((int(i) for i in flagged), dtype=np.int64, count=len(flagged)))
+    wanted = np.unique(np.fromiter((int(i) for i in flagged), dtype=np.int64, count=len(flagged)))
+    ring = np.isin(ids, wanted)
     if ring.any():
+        drawn = len(np.unique(ids[ring]))
+        left = (
+            f"; {len(wanted) - drawn} of the {len(wanted)} not drawn: no self-influence here"
+            if drawn < len(wanted)
+            else ""
+        )
         axes.scatter(
             x[ring],
             y[ring],
@@ -139,7 +148,7 @@ def scatter_figure(
             facecolors="none",
             edgecolors="black",
             linewidths=1.1,
-            label=flagged_label or f"flagged: outlier report ({int(ring.sum())})",
+            label=f"{flagged_label or 'flagged: outlier report'} ({drawn} drawn{left})",
         )
     for name, values in (("x", x), ("y", y)):
         scale = _axis_scale(values)
@@ -266,7 +275,8 @@ def outlier_grid(
 ) -> Figure | None:
     """Thumbnails of the top outlier rows with ``#rank id``, ``y label p prediction``; ``None`` if they are not images.
 
-    Rows whose label differs from the prediction are framed in red.
+    The prediction is the one at the last checkpoint pass (``pass_prediction``; ``None`` for a sample
+    it does not hold); rows whose label differs from it are framed in red.
     """
     images: list[np.ndarray | None] = []
     captions: list[list[str]] = []
@@ -281,10 +291,11 @@ def outlier_grid(
         captions.append(
             [
                 f"#{row.get('rank', len(images))} id {row['sample_id']}",
-                f"y {_short(row.get('label'))} p {_short(row.get('prediction'))}",
+                f"y {_short(row.get('label'))} p {_short(row.get('pass_prediction'))}",
             ]
         )
-        frames.append(row.get("label") != row.get("prediction"))
+        predicted = row.get("pass_prediction")  # None: not in the last pass, nothing to compare
+        frames.append(predicted is not None and row.get("label") != predicted)
     if not images:
         return None
     return thumbnail_grid(
@@ -293,7 +304,7 @@ def outlier_grid(
         cell=cell,
         columns=columns,
         highlight=frames,
-        title="most self-influential training samples (y: label, p: prediction; red: y != p)",
+        title="top outlier training samples (y: label, p: prediction at the last pass; red: y != p)",
     )
 
 

@@ -18,6 +18,7 @@ from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.refine import RecomputeFn, RefinedScores, refine_influence
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS, training_signals
+from metastore_plugins.core.reports.files import markdown_table
 
 
 def checkpoint_points(store: GradientStore, split: str) -> list[str]:
@@ -106,8 +107,10 @@ OUTLIER_RANKINGS: tuple[str, ...] = get_args(OutlierRanking)
 class OutlierScores:
     """Every ranked training sample: ``ids``, the ranking ``score`` (larger: more suspicious) and its parts.
 
-    ``by``: ``"aum"`` (score ``-AUM``), ``"loss"`` or ``"self_influence"``; ``self_influence``
-    and ``aum`` are NaN for samples without one (not in the passes; no margins stored).
+    ``by``: ``"aum"`` (score ``-AUM``), ``"loss"`` or ``"self_influence"``; ``self_influence``,
+    ``aum`` and ``last_step_loss`` (the loss at the sample's last training step) are NaN for samples
+    without one (not in the passes; no margins or no training steps stored). ``trained``: how many
+    samples the training steps hold (None without them).
     """
 
     ids: np.ndarray  # (N,) int64
@@ -115,6 +118,8 @@ class OutlierScores:
     by: str
     self_influence: np.ndarray  # (N,)
     aum: np.ndarray  # (N,)
+    last_step_loss: np.ndarray  # (N,)
+    trained: int | None
 
 
 def _has_margins(store: GradientStore) -> bool:
@@ -160,8 +165,8 @@ def outlier_scores(
     si_ids, si_values = self_influence if self_influence is not None else self_influence_of(store, points)
     signals = training_signals(store) if TRAINING_STEPS in store.capture_points() else None
     if rank_by == "loss":
-        if points:
-            last = store.metadata(points[-1])
+        if (last_pass := _last_pass(points)) is not None:
+            last = store.metadata(last_pass)
             ids, score = last["sample_id"].astype(np.int64), last["loss"].astype(np.float64)
         elif signals is not None:
             ids, score = signals.sample_ids, signals.last_loss
@@ -172,12 +177,123 @@ def outlier_scores(
     else:
         assert signals is not None  # margins are read from the training steps
         ids, score, rank_by = signals.sample_ids, -signals.aum, "aum"
-    aum = np.full(len(ids), np.nan) if signals is None else _aligned(ids, signals.sample_ids, signals.aum)
-    return OutlierScores(ids, score, rank_by, _aligned(ids, si_ids, si_values), aum)
+    if signals is None:
+        aum, step_loss, trained = np.full(len(ids), np.nan), np.full(len(ids), np.nan), None
+    else:
+        aum, step_loss = (_aligned(ids, signals.sample_ids, v) for v in (signals.aum, signals.last_loss))
+        trained = len(signals.sample_ids)
+    return OutlierScores(ids, score, rank_by, _aligned(ids, si_ids, si_values), aum, step_loss, trained)
 
 
 def _number(value: float) -> float | None:
     return None if np.isnan(value) else float(value)
+
+
+#: the outlier table's columns; each holds one quantity (:func:`outlier_table` says where each comes from)
+OUTLIER_COLUMNS = (
+    "rank",
+    "sample_id",
+    "label",
+    "pass_prediction",
+    "pass_loss",
+    "last_step_loss",
+    "aum",
+    "self_influence",
+    "class_zscore",
+)
+
+
+@dataclass(frozen=True)
+class OutlierTable:
+    """The outlier report: ``rows`` (one dict per sample, keys :data:`OUTLIER_COLUMNS`) and ``caption``: what
+    ranks them, over which samples, and where each column comes from (blank cells: a sample without it)."""
+
+    rows: list[dict[str, Any]]
+    caption: list[str]
+
+
+def _last_pass(points: Sequence[str]) -> str | None:
+    """The last checkpoint pass of ``points`` (None when they are the training steps alone)."""
+    passes = [cp for cp in points if cp != TRAINING_STEPS]
+    return passes[-1] if passes else None
+
+
+def _ranking_words(ranked: OutlierScores, points: Sequence[str], last_pass: str | None) -> str:
+    if ranked.by == "aum":
+        return "lowest AUM (area under the margin over the training steps)"
+    if ranked.by == "loss":
+        return f"the loss at {last_pass!r}" if last_pass else "the loss at each sample's last training step"
+    return f"TracIn self-influence summed over {', '.join(points)}"
+
+
+def outlier_table(
+    store: GradientStore,
+    points: Sequence[str],
+    k: int = 20,
+    scores: tuple[np.ndarray, np.ndarray] | None = None,
+    rank_by: str = "auto",
+) -> OutlierTable:
+    """The ``k`` most suspicious training samples by :func:`outlier_scores`, and the table's caption.
+
+    Each row: ``rank``, ``sample_id``, ``label``; ``pass_prediction`` and ``pass_loss`` at the last
+    checkpoint pass of ``points`` (blank for a sample it does not hold); ``last_step_loss``, the loss at
+    the sample's last training step; ``aum``; ``self_influence`` over ``points`` (blank for a sample
+    they do not hold); ``class_zscore``, the z-score of the ranking score within the labelled class.
+    A ranking that covers only some of the trained samples (by the pass loss or self-influence, where
+    the passes hold a subset) says so in the caption. ``scores``: :func:`self_influence_of` over
+    ``points`` when it is at hand (it reads every record of ``points``).
+    """
+    ranked = outlier_scores(store, points, rank_by, scores)
+    last_pass = _last_pass(points)
+    at_pass: dict[int, tuple[int, float]] = {}
+    if last_pass is not None:
+        meta = store.metadata(last_pass)
+        at_pass = {int(i): (int(p), float(v)) for i, p, v in zip(meta["sample_id"], meta["prediction"], meta["loss"])}
+    sources = [*points, *([TRAINING_STEPS] if ranked.trained is not None else [])]
+    labels_of = {int(sid): row["label"] for sid, row in _last_metadata(store, list(dict.fromkeys(sources))).items()}
+    ids = ranked.ids
+    labels = torch.tensor([labels_of[int(i)] if isinstance(labels_of[int(i)], int) else -1 for i in ids])
+    usable = np.nan_to_num(ranked.score, nan=-np.inf)  # a sample with no score ranks last
+    zscores = ops.zscore_by_class(torch.from_numpy(np.nan_to_num(ranked.score)), labels).numpy()
+    order = np.argsort(-usable, kind="stable")[:k]
+    rows = []
+    for r, i in enumerate(order):
+        sid = int(ids[i])
+        prediction, loss = at_pass.get(sid, (None, None))
+        rows.append(
+            {
+                "rank": r + 1,
+                "sample_id": sid,
+                "label": labels_of[sid],
+                "pass_prediction": prediction,
+                "pass_loss": loss,
+                "last_step_loss": _number(ranked.last_step_loss[i]),
+                "aum": _number(ranked.aum[i]),
+                "self_influence": _number(ranked.self_influence[i]),
+                "class_zscore": float(zscores[i]),
+            }
+        )
+    return OutlierTable(rows, _caption(store, ranked, points, last_pass))
+
+
+def _caption(store: GradientStore, ranked: OutlierScores, points: Sequence[str], last_pass: str | None) -> list[str]:
+    trained = ranked.trained
+    scored = int(np.isfinite(ranked.score).sum())
+    subset = trained is not None and trained > scored
+    of = f" of the {trained} trained; the other {(trained or 0) - scored} are not ranked" if subset else ""
+    lines = [f"ranked by {_ranking_words(ranked, points, last_pass)}: {scored} samples{of}"]
+    if last_pass is not None:
+        held = len(np.unique(store.sample_ids(last_pass)))
+        lines.append(f"pass_prediction, pass_loss: at {last_pass!r} ({held} samples; blank: not in it)")
+    if trained is not None:
+        lines.append("last_step_loss: at the sample's last training step; aum: over its training steps")
+    lines.append(f"self_influence: TracIn over {', '.join(points)} (blank: not in them)")
+    return lines
+
+
+def outlier_markdown(rows: Sequence[dict[str, Any]], columns: Sequence[str], caption: Sequence[str] = ()) -> str:
+    """The outlier table in markdown, under its caption (one line each)."""
+    return "".join(f"{line}  \n" for line in caption) + ("\n" if caption else "") + markdown_table(rows, columns)
 
 
 def outlier_rows(
@@ -187,32 +303,8 @@ def outlier_rows(
     scores: tuple[np.ndarray, np.ndarray] | None = None,
     rank_by: str = "auto",
 ) -> list[dict[str, Any]]:
-    """The ``k`` most suspicious training samples by :func:`outlier_scores`.
-
-    Each row: rank, sample_id, label, prediction, loss (at the last pass that holds the
-    sample, else its last training step), aum, self_influence, and the z-score of the ranking
-    score within the sample's labelled class. ``scores``: :func:`self_influence_of` over
-    ``points`` when it is at hand (it reads every record of ``points``).
-    """
-    ranked = outlier_scores(store, points, rank_by, scores)
-    steps = [TRAINING_STEPS] if TRAINING_STEPS in store.capture_points() else []
-    meta = _last_metadata(store, [*steps, *points])
-    ids = ranked.ids
-    labels = torch.tensor([meta[int(i)]["label"] if isinstance(meta[int(i)]["label"], int) else -1 for i in ids])
-    usable = np.nan_to_num(ranked.score, nan=-np.inf)  # a sample with no score ranks last
-    zscores = ops.zscore_by_class(torch.from_numpy(np.nan_to_num(ranked.score)), labels).numpy()
-    order = np.argsort(-usable, kind="stable")[:k]
-    return [
-        {
-            "rank": r + 1,
-            "sample_id": int(ids[i]),
-            **meta[int(ids[i])],
-            "aum": _number(ranked.aum[i]),
-            "self_influence": _number(ranked.self_influence[i]),
-            "class_zscore": float(zscores[i]),
-        }
-        for r, i in enumerate(order)
-    ]
+    """The rows of :func:`outlier_table`."""
+    return outlier_table(store, points, k, scores, rank_by).rows
 
 
 def influence_rows(

@@ -30,12 +30,20 @@ import torch
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.analysis.refine import RecomputeFn
+from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.policy.plan import projected_size
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, report_tables, write_tables
-from metastore_plugins.core.reports.files import influence_markdown, markdown_table
+from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.partitioned import agreed, share_of, writes
 from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid, save_png, scatter_figure
-from metastore_plugins.core.reports.tables import _last_metadata, checkpoint_points, outlier_points, self_influence_of
+from metastore_plugins.core.reports.stored import stored_self_influence, with_gradients
+from metastore_plugins.core.reports.tables import (
+    _last_metadata,
+    checkpoint_points,
+    outlier_markdown,
+    outlier_points,
+    self_influence_of,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -87,8 +95,7 @@ def draw_scatter(reports: Mapping[str, Any], table: Mapping[str, np.ndarray] | N
     Raises ``ImportError`` (naming the extra to install) without matplotlib."""
     if table is None or not len(table["sample_id"]):
         return None
-    flagged = flagged_ids(reports)
-    return scatter_figure(table, flagged, flagged_label=f"flagged: top {len(flagged)} in the outlier report")
+    return scatter_figure(table, flagged_ids(reports), flagged_label="outlier report rows")
 
 
 def _no_figures(exc: ImportError) -> None:
@@ -112,7 +119,8 @@ def write_tensorboard(
     tags = []
     if reports.get("outliers"):
         columns = reports.get("outlier_columns", OUTLIER_COLUMNS)
-        writer.add_text(f"{prefix}/outliers", markdown_table(reports["outliers"], columns), step)
+        caption = reports.get("outlier_caption", [])
+        writer.add_text(f"{prefix}/outliers", outlier_markdown(reports["outliers"], columns, caption), step)
         tags.append(f"{prefix}/outliers")
     if reports.get("influence"):
         writer.add_text(f"{prefix}/influence", influence_markdown(reports["influence"]), step)
@@ -313,7 +321,7 @@ def report_run(
     store = store_dir if isinstance(store_dir, GradientStore) else open_store(store_dir)
     writing, since = writes(store), len(getattr(store, "shares", ()))
     points = checkpoint_points(store, train_split)
-    if not points:
+    if not points and TRAINING_STEPS not in store.capture_points():
         if writing:
             warnings.warn(
                 f"no reports: the store {store.path} holds no checkpoint passes 'epoch-*/{train_split}' "
@@ -322,10 +330,13 @@ def report_run(
             )
         return None
     sources = outlier_points(store, points, outliers_from)
-    scores = self_influence_of(store, sources)  # read once, for the table and the histograms
+    scores = stored_self_influence(store, sources)  # read once, for the table and the histograms
     views = agreed(store, bool(writers), "report: whether rank 0 writes TensorBoard events")
-    norms = dynamics_norms(store) if views and dynamics else None
-    sketches = store.sketches(points[-1], dim=projector_dim(store)) if views and projector else None  # (N, d^2)
+    norms = dynamics_norms(store) if views and dynamics and with_gradients(store, [TRAINING_STEPS]) else None
+    sketched = with_gradients(store, points[-1:], inner=True)  # what the budget kept of the last pass
+    sketches = (  # (N, d^2); no cache file: the reports keep to the store's budget
+        store.sketches(sketched[0], dim=projector_dim(store), cache=False) if views and projector and sketched else None
+    )
     tables = report_tables(
         store,
         train_split=train_split,
@@ -353,9 +364,9 @@ def report_run(
     result["tags"] = []
     for writer in writers:
         result["tags"] += write_tensorboard(writer, result, table, step=step, figures=figures)
-        if dynamics:
+        if norms is not None:  # the training steps hold gradients
             result["tags"] += write_dynamics(writer, store, norms=norms)
-        if projector:
+        if sketches is not None:
             dim = projector_dim(store)
             result["tags"] += write_projector(writer, store, points[-1], step=step, dim=dim, sketches=sketches)
         flush = getattr(writer, "flush", None)
