@@ -27,6 +27,7 @@ from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.store import StoreError
 from metastore_plugins.core.store.maintenance import repair
 
+FIX = "`metastore verify --repair` lists it again, or removes it when listed shards hold a copy"
 UNLISTED = "a file not listed in the index (a shard in flight when the run stopped, or one replaced by compaction)"
 
 
@@ -66,7 +67,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], list[str], set[int]]] = {
         _torn_tail,
         [
             "index-rank0.jsonl line 6: torn: the line does not end (the writer stopped while appending it); ignored",
-            f"rank0-000005.safetensors: {UNLISTED}; ignored; `metastore verify --repair` removes it",
+            f"rank0-000005.safetensors: {UNLISTED}; ignored; {FIX}",
         ],
         {5},
     ),
@@ -74,13 +75,13 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], list[str], set[int]]] = {
         _damaged_crc,
         [
             "index-rank0.jsonl line 3: damaged: its CRC-32 does not match its content; ignored",
-            f"rank0-000002.safetensors: {UNLISTED}; ignored; `metastore verify --repair` removes it",
+            f"rank0-000002.safetensors: {UNLISTED}; ignored; {FIX}",
         ],
         {2},
     ),
     "shard without line": (
         _orphan,
-        [f"rank0-000007.safetensors: {UNLISTED}; ignored; `metastore verify --repair` removes it"],
+        [f"rank0-000007.safetensors: {UNLISTED}; ignored; {FIX}"],
         set(),
     ),
     "line without shard": (_gone, ["rank0-000004.safetensors: missing on disk"], {4}),
@@ -179,7 +180,7 @@ def test_a_writer_cuts_a_torn_tail_before_it_appends(store6: tuple) -> None:
     with StoreWriter(path, encoding="fp32", shard_bytes=1) as writer:
         more = write_batches(writer, range(6, 7))
     store = open_store(path)
-    assert store.verify() == [f"rank0-000005.safetensors: {UNLISTED}; ignored; `metastore verify --repair` removes it"]
+    assert store.verify() == [f"rank0-000005.safetensors: {UNLISTED}; ignored; {FIX}"]
     assert [line.endswith(b"\n") for line in _lines(path)] == [True] * 6
     check(store, of_shard(expected, 0) | more)
 

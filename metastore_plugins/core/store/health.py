@@ -31,6 +31,8 @@ TEMPORARY = re.compile(
 )
 
 
+#: What ``verify`` says repair does with an unlisted shard.
+REPAIR_FIX = "`metastore verify --repair` lists it again, or removes it when listed shards hold a copy"
 #: Where repair sets aside a shard it can neither list again nor prove to be a copy (a folder of the store).
 QUARANTINE = "quarantine"
 
@@ -128,7 +130,7 @@ def unlisted_files(directory: Path, listed: set[str]) -> list[str]:
             continue
         if SHARD_LIKE.fullmatch(name):
             what = _kind(directory / name)
-            fix = "remove it yourself" if what == "a directory" else "`metastore verify --repair` removes it"
+            fix = "remove it yourself" if what == "a directory" else REPAIR_FIX
             lines.append(
                 f"{ascii(name)[1:-1]}: {what} not listed in the index (a shard in flight when the run stopped, or "
                 f"one replaced by compaction); ignored; {fix}"
