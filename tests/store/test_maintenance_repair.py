@@ -204,3 +204,41 @@ def test_a_copy_left_by_compaction_is_removed_and_a_different_shard_is_not(store
     ]
     assert changed(before, tree(store.parent)) == {"store/rank0-000009.safetensors"}
     _answers_as_its_shards(store)
+
+
+def test_a_shard_copied_under_another_rank_is_not_listed_there(store: Path) -> None:
+    """A rank's shard under another rank's name (no manifest there): its description names its rank, so repair
+    refuses to build rank 1 from it, and keeps the file."""
+    import shutil
+
+    shutil.copyfile(shard(store, 2), shard(store, 0, rank=1))
+    before = tree(store.parent)
+    [refusal] = repair(store)
+    assert refusal.startswith("rank 1: NOT repaired: manifest-rank1.json is missing and cannot be rebuilt (")
+    assert "describes a shard of rank 0, not of rank 1" in refusal
+    assert changed(before, tree(store.parent)) == {"store/rank1.lock"}
+    assert sorted(open_store(store).sample_ids().tolist()) == _all_ids(store)
+
+
+def test_a_description_never_makes_a_header_a_reader_refuses(tmp_path: Path) -> None:
+    """Short names: every shard describes itself. 40 layers of 1,000-character non-ASCII names (each 6,000 header
+    bytes, escaped) in a one-batch shard: the description is left out and the shard still reads."""
+    from metastore_plugins import StoreWriter
+    from metastore_plugins.core.capture.records import LayerRecord
+
+    def records(names: list[str]) -> list[LayerRecord]:
+        return [
+            LayerRecord(name, "dense", 2, {"weight": "w"}, {"weight": (1,)}, {"grad.weight": torch.ones(2, 1)})
+            for name in names
+        ]
+
+    for names, described in (
+        ([f"layer{i}" for i in range(40)], True),
+        ([f"{i}" + "é" * 999 for i in range(40)], False),
+    ):
+        path = tmp_path / str(described)
+        with StoreWriter(path, encoding="fp32", shard_bytes=1) as writer:
+            writer.write(records(names), sample_ids=torch.arange(2), step=0)
+        with safe_open(str(shard(path, 0)), framework="pt") as handle:
+            assert ("index" in handle.metadata()) == described
+        assert open_store(path).verify() == []

@@ -319,9 +319,9 @@ class _Copies:
         """Per batch of ``data``, whether a listed shard holds it; None when its batches cannot be told apart."""
         if prints is None:
             return None
-        out = []
+        out, keys = [], set(data.keys())
         for j, digest in enumerate(prints):
-            ids = data.get(f"b{j}/meta/sample_id").numpy() if f"b{j}/meta/sample_id" in data.keys() else None
+            ids = data.get(f"b{j}/meta/sample_id").numpy() if f"b{j}/meta/sample_id" in keys else None
             candidates = self._candidates(ids)
             out.append(any(digest in self._prints_of(i) for i in candidates))
         return out

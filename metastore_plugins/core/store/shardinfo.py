@@ -61,6 +61,7 @@ def describe(entry: ShardEntry, layers: dict[str, dict[str, Any]], keys: Iterabl
     """``{INFO_KEY: text}`` for the header metadata of ``entry``'s shard, or ``{}`` when it does not fit."""
     info = {
         "v": INFO_VERSION,
+        "rank": entry.rank,
         "capture_points": entry.capture_points,
         "layers": entry.layers,
         "specs": {name: layers[name] for name in entry.layers},
@@ -125,6 +126,8 @@ def entry_from_shard(directory: Path, name: str, rank: int) -> tuple[ShardEntry,
         info = json.loads(text)
         if not (isinstance(info, dict) and info.get("v") == INFO_VERSION):
             raise JournalError(f"is not a version {INFO_VERSION} description")
+        if info.get("rank") != rank:
+            raise JournalError(f"describes a shard of rank {ascii(info.get('rank'))[:20]}, not of rank {rank}")
         specs = info["specs"]
         mf.check_layers(specs, path)
         sizes = unpack(info["batches"]["size"], "batches.size").astype(np.int64)
