@@ -94,9 +94,10 @@ def train(
     callbacks: list[Any],
     *,
     tokenizer: Any = None,
+    resume_from_checkpoint: str | None = None,
     **arguments: Any,
 ) -> Any:
-    """Run a real ``Trainer`` (CPU, no checkpoints) and return it."""
+    """Run a real ``Trainer`` (CPU, no checkpoints unless ``save_strategy`` says) and return it."""
     defaults: dict[str, Any] = {
         "output_dir": str(tmp_path / "out"),
         "per_device_train_batch_size": 4,
@@ -124,7 +125,7 @@ def train(
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
 
 
