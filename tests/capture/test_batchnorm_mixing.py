@@ -241,7 +241,9 @@ def test_a_lightning_run_names_them_at_start_and_its_reports_say_so(tmp_path, ca
     layers = {cp: {r.layer for b in store.select(cp).batches() for r in b.records} for cp in ("train", "epoch-0/train")}
     assert layers == {"train": {"net.1", "net.3"}, "epoch-0/train": {"net.0", "net.1", "net.3"}}
     summary = json.loads((tmp_path / "store" / "reports" / "summary.json").read_text())
-    assert "net.0.weight" in summary["batch_mixed"]
+    note = "Training-mode steps leave out net.0.weight, net.0.bias (below BatchNorm 'net.1'"
+    assert summary["batch_mixed"].startswith(note)
+    assert note in (tmp_path / "store" / "reports" / "outliers.md").read_text()  # the TensorBoard text's caption
 
 
 def test_a_later_eval_mode_forward_of_the_same_session_captures_every_layer() -> None:

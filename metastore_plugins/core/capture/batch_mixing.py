@@ -101,4 +101,8 @@ def batch_mixed_note(config: Mapping[str, Any]) -> dict[str, str]:
     mixed = config.get(BATCH_MIXED_KEY)
     if not isinstance(mixed, Mapping) or not mixed:
         return {}
-    return {"batch_mixed": "; ".join(line.strip() for line in batch_mixed_lines(mixed, shown=len(mixed)))}
+    norms = ", ".join(f"'{norm}'" for norm in dict.fromkeys(mixed.values()))
+    return {
+        "batch_mixed": f"Training-mode steps leave out {', '.join(mixed)} (below BatchNorm {norms}, whose batch "
+        "statistics mix the samples: not per sample); checkpoint passes run in eval mode and hold every layer."
+    }

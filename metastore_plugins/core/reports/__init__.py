@@ -122,6 +122,7 @@ def report_tables(
     table = outlier_table(store, sources, k, scores, outlier_ranking(store, sources, rank_outliers_by))
     notes = budget_notes(store)
     outliers, caption = table.rows, budget_caption(store, table.caption, len(scores[0]))
+    caption += batch_mixed_note(store.config).values()  # layers below a training BatchNorm
     columns: tuple[str, ...] = OUTLIER_COLUMNS
     if render is not None:
         for row in outliers:
