@@ -6,6 +6,7 @@ against what the writer then puts on disk.
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from torch import nn
 from metastore_plugins import CaptureSession, StoreWriter
 from metastore_plugins.core.policy.plan import RunShape, default_budget, make_plan
 from metastore_plugins.core.policy.runtime import CapturePolicy, parse_budget
+from metastore_plugins.core.sample_ids import loader_batch_size
 
 D_IN, HIDDEN, CLASSES, BATCH, TOKENS = 48, 64, 3, 8, 12
 
@@ -103,3 +105,110 @@ def test_bad_budgets_name_the_setting(bad: object) -> None:
 def test_unknown_policy_is_named() -> None:
     with pytest.raises(ValueError, match=r"policy=\.\.\.\) must be one of auto, exact"):
         CapturePolicy("cheap")  # type: ignore[arg-type]
+
+
+# -- small budgets (issue 28, items 5-7) ---------------------------------------------------------------------------
+
+
+def _metadata_only_bytes(tmp_path: Path, batches: list[int]) -> int:
+    """What a store of metadata alone takes on disk: batches of these sizes written with no records."""
+    with StoreWriter(tmp_path, encoding="fp16", flush_seconds=None) as writer:
+        start = 0
+        for step, size in enumerate(batches):
+            ids = torch.arange(start, start + size)
+            y = torch.randint(0, CLASSES, (size,))
+            writer.write(
+                [], sample_ids=ids, step=step, labels=y, losses=torch.rand(size), predictions=y,
+                margins=torch.randn(size), lr=0.1,
+            )  # fmt: skip
+            start += size
+    return sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+
+
+def _least(shape: RunShape) -> int:
+    """The least budget the refusal of a 1-byte budget names."""
+    with pytest.raises(ValueError, match="before any gradient") as caught:
+        CapturePolicy("auto", 1).expect(shape)
+    return int(re.search(r"before any gradient: ([\d,]+) bytes", str(caught.value))[1].replace(",", ""))  # type: ignore[index]
+
+
+def test_a_budget_below_the_metadata_alone_is_refused_with_the_figure(tmp_path: Path) -> None:
+    shape = RunShape(train_batches=100, train_batch_size=BATCH, passes=2, pass_samples=16, snapshot_bytes=20_000)
+    with pytest.raises(ValueError, match=r"X\(budget=10,000 bytes\) is below what this run needs"):
+        CapturePolicy("auto", 10_000, owner="X").expect(shape)
+    least = _least(shape)
+    on_disk = _metadata_only_bytes(tmp_path, [BATCH] * (100 + 2 * 2))  # the training steps and two passes of 16
+    assert on_disk <= 0.95 * least <= 1.5 * on_disk, (on_disk, least)  # an upper bound, not a wild one
+    CapturePolicy("auto", least, owner="X").expect(shape)  # the figure it names is accepted
+
+
+def test_a_pass_before_the_plan_knows_its_snapshot() -> None:
+    """capture_train_steps=False: the plan is made during the first pass, after that pass asked for its snapshot."""
+    shape = RunShape(train_batches=0, train_batch_size=BATCH, passes=2, pass_samples=16, snapshot_bytes=20_000)
+    policy = CapturePolicy("auto", 400_000)
+    policy.expect(shape)
+    first = policy.should_snapshot()  # before any batch: no plan yet
+    policy.apply(_records(), capture_point="epoch-0/train", step=0)
+    assert policy.plan is not None and policy.plan.snapshots == 2  # the plan snapshots both passes ...
+    assert first  # ... and the first pass took its snapshot
+
+
+def test_the_last_pass_is_kept_when_the_run_outgrows_its_plan(tmp_path: Path) -> None:
+    """The plan expects 4 training steps; 40 run. The earlier parts degrade, the last pass keeps its plan."""
+    budget = 200_000
+    policy = CapturePolicy("auto", budget, encoding="fp16")
+    policy.expect(RunShape(train_batches=4, train_batch_size=BATCH, passes=2, pass_samples=2 * BATCH))
+    kinds: dict[str, set[str]] = {}
+    with StoreWriter(tmp_path, encoding="fp16") as writer, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = 0
+        for epoch in range(2):
+            for _ in range(20):
+                kept = policy.apply(_records(step), capture_point="train", step=step)
+                if kept is not None:
+                    writer.write(kept, sample_ids=torch.arange(BATCH) + step * BATCH, step=step)
+                step += 1
+            policy.should_snapshot()
+            for split in ("train", "val"):
+                point = f"epoch-{epoch}/{split}"
+                kept = policy.apply(_records(100 + epoch), capture_point=point, step=step)
+                kinds[point] = set() if kept is None else {record.kind for record in kept}
+                if kept is not None:
+                    writer.write(kept, sample_ids=torch.arange(BATCH), step=step, capture_point=point)
+    on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    assert on_disk <= budget, on_disk
+    assert policy.plan is not None and policy.plan.degraded  # the training steps outgrew the plan
+    planned = {{"exact": "outer"}.get(rep, rep) for rep in policy.plan.passes.values()}  # Linear layers: outer
+    assert kinds["epoch-1/train"] == kinds["epoch-1/val"] == planned, kinds  # the last pass: both sides, as planned
+
+
+def test_the_plan_says_small_budgets_in_words() -> None:
+    shape = RunShape(train_batches=100, train_batch_size=BATCH, passes=2, pass_samples=16, snapshot_bytes=20_000)
+    least = _least(shape)
+    policy = CapturePolicy("auto", least)
+    policy.expect(shape)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(200):  # twice the planned steps: the metadata runs out
+            policy.apply(_records(step), capture_point="train", step=step)
+    assert policy.plan is not None
+    text = "\n".join(policy.plan.lines())
+    assert f"budget {least / 1024:,.1f} KiB (given)" in text, text
+    assert "training steps: metadata only" in text and "weight snapshots: none (the budget leaves no room" in text
+    assert not re.search(r"-\d", text), text  # no negative bytes or counts
+    assert [(c["from"], c["to"]) for c in policy.plan.degraded] == [("nothing", "not stored")], policy.plan.degraded
+    assert "stopped at step" in text and "no longer stored, not even their metadata" in text
+    said = [str(w.message) for w in caught if "outgrew" in str(w.message)]
+    assert len(said) == 1 and "instead of" not in said[0] and "no longer stored" in said[0], said
+
+
+def test_a_loader_with_a_batch_sampler_tells_its_batch_size() -> None:
+    data = torch.utils.data.TensorDataset(torch.zeros(50, 2))
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(data), batch_size=8, drop_last=False)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+    assert loader.batch_size is None and loader_batch_size(loader) == 8
+    lists = [list(range(i, min(i + 10, 50))) for i in range(0, 50, 10)]  # a plain list of index lists
+    assert loader_batch_size(torch.utils.data.DataLoader(data, batch_sampler=lists)) == 10
+    unknown = make_plan(_records(), RunShape(100, 0, 2, 16), policy="auto", budget=10**7, encoding="fp16")
+    told = make_plan(_records(), RunShape(100, BATCH, 2, 16), policy="auto", budget=10**7, encoding="fp16")
+    assert unknown.planned["training steps"] == told.planned["training steps"] > 0
