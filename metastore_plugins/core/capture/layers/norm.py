@@ -122,7 +122,7 @@ def capture_batch_norm(
     params, eps = ctx.param_names(module), float(module.eps)  # type: ignore[arg-type]
     running = None
     if not batch_statistics:  # eval mode: each sample by itself (copied: a later training forward updates them)
-        running = (module.running_mean.detach().clone(), module.running_var.detach().clone())  # type: ignore[union-attr]
+        running = (module.get_buffer("running_mean").clone(), module.get_buffer("running_var").clone())  # (C,) each
     ctx.on_output_grad(output, lambda grad: batch_norm_records(ctx.name, x, grad, eps, params, running))
 
 
