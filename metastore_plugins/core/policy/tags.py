@@ -66,6 +66,7 @@ class Tag:
 
 
 _FIELDS = tuple(Tag.__dataclass_fields__)
+_VALUES = operator.itemgetter(*_FIELDS)  # a decoded line's fields in Tag's order
 
 
 def tag_attributes(values: Mapping[str, Any]) -> dict[str, Scalar]:
@@ -190,24 +191,31 @@ def _steps(steps: Any) -> tuple[int, int]:
 
 def _tag_of(data: dict[str, Any]) -> Tag:
     """The :class:`Tag` of a decoded line; :class:`JournalError` naming the field that is missing or wrong."""
-    missing = [key for key in _FIELDS if key not in data]
-    if missing:
-        raise JournalError(f"fields {missing} are missing")
-    tag = Tag(**{key: data[key] for key in _FIELDS})
-    ints = (tag.first_step, tag.last_step, tag.rank, tag.seq)
-    checks = {
-        "name": isinstance(tag.name, str),
-        "first_step/last_step/rank/seq": all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
-        and 0 <= tag.first_step <= tag.last_step,
-        "keep": tag.keep is None or tag.keep in KEEP_CHOICES,
-        "capture_point": tag.capture_point is None or isinstance(tag.capture_point, str),
-        "attributes": isinstance(tag.attributes, dict) and tag_attributes(tag.attributes) == tag.attributes,
-        "automatic": isinstance(tag.automatic, bool),
-    }
-    wrong = [key for key, ok in checks.items() if not ok]
+    try:
+        name, first, last, keep, point, attributes, rank, seq, automatic = _VALUES(data)
+    except KeyError:
+        raise JournalError(f"fields {[key for key in _FIELDS if key not in data]} are missing") from None
+    checks = (
+        ("name", type(name) is str),
+        (
+            "first_step/last_step/rank/seq",
+            type(first) is type(last) is type(rank) is type(seq) is int and 0 <= first <= last,
+        ),
+        ("keep", keep is None or (type(keep) is str and keep in KEEP_CHOICES)),
+        ("capture_point", point is None or type(point) is str),
+        ("attributes", type(attributes) is dict and all(map(_scalar, attributes.values()))),
+        ("automatic", type(automatic) is bool),
+    )
+    wrong = [key for key, ok in checks if not ok]
     if wrong:
         raise JournalError(f"field(s) {', '.join(wrong)} hold values a tag cannot have")
-    return tag
+    return Tag(name, first, last, keep, point, attributes, rank, seq, automatic)
+
+
+def _scalar(value: Any) -> bool:
+    """Whether a decoded JSON value is one a tag attribute holds (keys of JSON objects are always strings)."""
+    kind = type(value)
+    return value is None or kind is str or kind is int or kind is bool or (kind is float and math.isfinite(value))
 
 
 def _read_file(root: StoreDir, name: str) -> tuple[list[Tag], int, str | None]:
