@@ -292,8 +292,10 @@ def _caption(store: GradientStore, ranked: OutlierScores, points: Sequence[str],
 
 
 def outlier_markdown(rows: Sequence[dict[str, Any]], columns: Sequence[str], caption: Sequence[str] = ()) -> str:
-    """The outlier table in markdown, under its caption (one line each)."""
-    return "".join(f"{line}  \n" for line in caption) + ("\n" if caption else "") + markdown_table(rows, columns)
+    """The outlier table in markdown, then its caption (one line each), as :func:`influence_markdown` closes its table.
+
+    The table's header stays the first line, for whatever reads the file as a table."""
+    return markdown_table(rows, columns) + ("\n" if caption else "") + "".join(f"{line}  \n" for line in caption)
 
 
 def outlier_rows(
