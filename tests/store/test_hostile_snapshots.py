@@ -23,6 +23,7 @@ from storecases import synthetic_batch
 from torch import Tensor, nn
 
 from metastore_plugins import open_store
+from metastore_plugins.core.analysis.recompute import recompute
 from metastore_plugins.core.store import StoreWriter
 from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.snapshots import (
@@ -113,6 +114,23 @@ def test_a_flipped_exponent_bit_is_refused_naming_the_file(tmp_path: Path) -> No
     path.write_bytes(bytes(data))
     with pytest.raises(StoreError, match=r"s-rank0\.safetensors: a damaged snapshot: its sha256 .*take it again"):
         load_snapshot(tmp_path, "s")
+
+
+def test_recompute_refuses_a_snapshot_with_a_flipped_bit(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2)
+    write_snapshot(tmp_path, model, name="s", step=0)
+    path = tmp_path / "snapshots" / "s-rank0.safetensors"
+    data = bytearray(path.read_bytes())
+    start, header = _header(bytes(data))
+    data[start + header["full/weight"]["data_offsets"][0] + 2] ^= 0x80  # weight[0, 0] halved or doubled
+    path.write_bytes(bytes(data))
+    samples = [(torch.ones(3), torch.tensor(0))]
+    with pytest.raises(StoreError, match=r"s-rank0\.safetensors: a damaged snapshot: its sha256"):
+        recompute(model, samples, [0], store_dir=tmp_path, snapshot="s", loss_fn=_loss)
+
+
+def _loss(outputs: Tensor, labels: Tensor) -> Tensor:
+    return torch.nn.functional.cross_entropy(outputs, labels, reduction="none")
 
 
 def test_a_snapshot_written_before_checksums_still_loads_and_says_so_once(tmp_path: Path) -> None:
