@@ -30,7 +30,7 @@ import numpy as np
 
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import ShardEntry, entry_from_json, shard_pattern
-from metastore_plugins.core.store.files import StoreDir, temporary_target
+from metastore_plugins.core.store.files import StoreDir, open_regular, temporary_target
 from metastore_plugins.core.store.health import QUARANTINE, leftover_rank
 from metastore_plugins.core.store.index import expectation, read_rank
 from metastore_plugins.core.store.journal import (
@@ -45,7 +45,7 @@ from metastore_plugins.core.store.journal import (
 )
 from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.shardinfo import batch_prints, entry_from_shard, read_unlisted
-from metastore_plugins.core.store.shardread import open_regular, read_shard
+from metastore_plugins.core.store.shardread import read_shard
 
 
 @dataclass
@@ -282,19 +282,9 @@ def _short(exc: StoreError, path: Path) -> str:
 
 
 def _set_aside(files: StoreDir, name: str, why: str) -> str:
-    """Move shard ``name`` into ``quarantine/`` (never over a file there); the line that says so."""
+    """Move shard ``name`` into ``quarantine/`` (never over an entry there); the line that says so."""
     with files.subdir(QUARANTINE, create=True) as aside:
-        target, n = name, 0
-        while aside.exists(target):
-            n += 1
-            target = f"{name}.{n}"
-        try:
-            os.link(name, target, src_dir_fd=files.fd, dst_dir_fd=aside.fd, follow_symlinks=False)
-            os.unlink(name, dir_fd=files.fd)
-        except OSError:  # no hard links here: a rename (under the rank's lock, to a name just found free)
-            os.rename(name, target, src_dir_fd=files.fd, dst_dir_fd=aside.fd)
-        aside.fsync()
-        files.fsync()
+        target = files.move_into(name, aside)
     return (
         f"{name}: set aside as {QUARANTINE}/{target} ({why}); NOT deleted: move it back once the store can list it, "
         "or delete it yourself"

@@ -36,10 +36,10 @@ from metastore_plugins.core.store.entries import (
     entry_from_json,
     sample_columns,
 )
+from metastore_plugins.core.store.files import StoreError, open_regular
 from metastore_plugins.core.store.index import expectation
 from metastore_plugins.core.store.journal import JournalError, pack, unpack
-from metastore_plugins.core.store.manifest import StoreError
-from metastore_plugins.core.store.shardread import ShardData, ShardExpectation, open_regular, read_shard
+from metastore_plugins.core.store.shardread import ShardData, ShardExpectation, read_shard
 
 #: The header metadata key of a shard's description, and the description's own version.
 INFO_KEY = "index"
