@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
-from metastore_plugins.core.policy.plan import CapturePlan
+from metastore_plugins.core.policy.plan import CapturePlan, in_words
 from metastore_plugins.core.reports.tables import _has_margins, self_influence_of
 
 #: Record kinds that give inner products between samples (``"norms"`` records hold a squared norm alone).
@@ -61,14 +61,18 @@ def outlier_ranking(store: GradientStore, points: Sequence[str], rank_by: str) -
 
 def budget_notes(store: GradientStore) -> list[str]:
     """What the store's capture plan left out or dropped (from ``config["capture_plan"]``), in words; empty
-    when the plan kept gradients of every part it planned and nothing was degraded."""
+    when the plan kept gradients of every part it planned and nothing was degraded, or when the plan cannot
+    be read (``metastore inspect`` names that damage)."""
     raw = store.config.get("capture_plan")
     if not isinstance(raw, dict) or not raw:
         return []
     try:
-        plan = CapturePlan.from_json(raw)
-    except TypeError:
+        return _notes(CapturePlan.from_json(raw))
+    except (TypeError, KeyError, AttributeError, ValueError):
         return []
+
+
+def _notes(plan: CapturePlan) -> list[str]:
     budget = "no budget" if plan.budget is None else f"the budget of {plan.budget:,} bytes"
     notes = []
     for part, layers in (("training steps", plan.train), ("checkpoint passes", plan.passes)):
@@ -78,11 +82,14 @@ def budget_notes(store: GradientStore) -> list[str]:
         elif kept == {"norms"}:
             notes.append(f"{budget} kept the {part} as exact norms only (no inner products between samples)")
     for change in plan.degraded:
+        part, step = str(change["part"]), int(change["step"])
+        verb = "was" if part.startswith("the last") else "were"
         if change["to"] == "not stored":
-            notes.append(f"{change['part']} were no longer stored from step {change['step']} on ({budget} was spent)")
+            notes.append(f"{part} {verb} no longer stored from step {step} on ({budget} was spent)")
         else:
-            to = "metadata only" if change["to"] == "nothing" else change["to"]
-            notes.append(f"{change['part']} were kept as {to} from step {change['step']} on ({budget} was outgrown)")
+            notes.append(
+                f"{part} {verb} kept as {in_words(str(change['to']))} from step {step} on ({budget} was outgrown)"
+            )
     return notes
 
 
