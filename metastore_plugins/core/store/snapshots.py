@@ -322,10 +322,11 @@ def check_snapshots(store_dir: str | os.PathLike[str], checksums: bool = True) -
     for rank, journal in journals.items():
         gone = sorted(name for name in journal.records if check.file_name(name, rank) not in files)
         if gone:
+            why = "" if folder is not None else " (the folder is gone, or unreadable: see above)"
             problems.append(
                 f"{store_dir / check.journal_name(rank)} records snapshots {gone[:10]} of rank {rank} whose files are "
-                f"missing from {store_dir / DIRECTORY}{'' if folder is not None else ' (the folder is gone)'}: "
-                "recomputing at them cannot run; take them again, or remove their lines if deleted on purpose"
+                f"missing from {store_dir / DIRECTORY}{why}: recomputing at them cannot run; take them again, or "
+                "remove their lines if deleted on purpose"
             )
     return sorted(infos, key=lambda info: (info.step, info.rank, info.name)), problems
 
