@@ -1,6 +1,9 @@
-"""LDS (linear datamodeling score) of TracIn from the store, next to dattri's TRAK and influence functions.
+"""LDS (linear datamodeling score) of influence from the store, next to dattri's TRAK and IF and Kronfluence.
 
-``python -m benchmarks.quality.lds [--quick] [--kinds mlp cnn] [--out benchmarks/results/quality_lds.json]``
+``python -m benchmarks.quality.lds [--quick] [--kinds mlp cnn tokens] [--out benchmarks/results/quality_lds.json]``
+
+Tasks (:mod:`.lds_tasks`): the digits MLP and CNN, and a one-block transformer on a synthetic token task
+(:mod:`.tokens`).
 
 The setup (TRAK, Park et al. 2023; dattri):
 
@@ -21,10 +24,11 @@ training steps' gradients against the last pass's test gradients), ``sketched_in
 ridge-regularised kernel inverse, TRAK's estimator; the ridge picked on the tuning split as the
 peers' are), and ``kfac_influence`` (EK-FAC and K-FAC curvature fitted on each checkpoint pass's
 stored factors, ``g_train^T (F_c + delta I)^-1 g_test`` summed with the passes' rates; the damping's
-fraction of the mean eigenvalue picked on the tuning split, 0.1 by default); and dattri's
-``TRAKAttributor`` (final model,
-the epoch checkpoints, an ensemble of independently trained models) and
-``IFAttributorExplicit`` (exact damped Hessian). A peer that fails is reported, not fatal.
+fraction of the mean eigenvalue picked on the tuning split, 0.1 by default; over the non-embedding
+layers on the token task: K-FAC does not fit embeddings); dattri's ``TRAKAttributor`` (final model,
+the epoch checkpoints, an ensemble of independently trained models) and ``IFAttributorExplicit``
+(exact damped Hessian); Kronfluence's EK-FAC (final model, the epoch checkpoints). A peer that
+fails is reported, not fatal; one not installed is reported as skipped.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ import torch
 from scipy.stats import rankdata
 from torch import Tensor, nn
 
-from benchmarks.quality.digits import Capture, ModelKind, load_digits_arrays, make_model, train_model
-from benchmarks.quality.lds_peers import dattri_attributors, pick, timed
+from benchmarks.quality.digits import Capture, train_model
+from benchmarks.quality.lds_peers import dattri_attributors, kronfluence_attributors, pick, timed
+from benchmarks.quality.lds_tasks import EMBEDDINGS, KINDS, TITLES, Kind, build_model, load_arrays
 from benchmarks.timing import machine, versions
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis.results import Scores
@@ -59,7 +64,7 @@ class Setup:
     ``test_samples .. test_samples + tune_samples - 1`` against ``tune_subsets`` other subsets;
     the LDS is reported on rows ``0 .. test_samples - 1``. ``quick()`` is the one-minute variant."""
 
-    kind: ModelKind = "mlp"
+    kind: Kind = "mlp"
     train_size: int = 1497
     test_samples: int = 200
     tune_samples: int = 100
@@ -75,21 +80,27 @@ class Setup:
     ensemble: int = 5
     trak_regularizations: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
     dampings: tuple[float, ...] = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0)
+    kronfluence_dampings: tuple[float | None, ...] = (None, 0.001, 0.01, 0.1)  # None: Kronfluence's own rule
     influence_functions: bool = True
+    kronfluence: bool = True  # its rows (skipped when the package is not installed)
     bootstrap: int = 2000
 
     @staticmethod
-    def full(kind: ModelKind = "mlp") -> Setup:
+    def full(kind: Kind = "mlp") -> Setup:
         """The reported run. No explicit IF on the CNN: dattri's Hessian of all 1,497 samples, a vmapped
         jacfwd over 3,818 parameters, needs ~12 GB per intermediate (killed here), and its CG variant
-        took 174 s at 10 iterations (docs/quality-lds.md)."""
+        took 174 s at 10 iterations (docs/quality-lds.md); nor on the token model (a jacfwd through
+        attention over 12 tokens). The token task trains 1,000 sequences for 8 epochs (4 underfit)."""
+        if kind == "tokens":
+            return Setup(kind=kind, train_size=1000, epochs=8, influence_functions=False)
         return Setup(kind=kind, influence_functions=kind == "mlp")
 
     @staticmethod
-    def quick(kind: ModelKind = "mlp") -> Setup:
+    def quick(kind: Kind = "mlp") -> Setup:
         """600 training samples, 64 subsets, 100 test samples; TRAK at the full run's pick (no tuning), no IF."""
         return Setup(
             kind=kind,
+            epochs=8 if kind == "tokens" else 4,
             train_size=600,
             test_samples=100,
             tune_samples=0,
@@ -98,6 +109,7 @@ class Setup:
             trak_regularizations=(0.1,),
             kernel_regularizations=(1.0,),
             kfac_dampings=(0.1,),
+            kronfluence_dampings=(None,),
             dampings=(1.0,),
             influence_functions=False,  # its explicit Hessian alone takes 15-40 s here
         )
@@ -137,7 +149,7 @@ def subset_outputs(setup: Setup, x: Tensor, y: Tensor, x_test: Tensor, y_test: T
     out = np.zeros((len(masks), len(y_test)))
     for s, mask in enumerate(masks):
         rows = torch.from_numpy(np.flatnonzero(mask))  # (N/2,)
-        model = train_model(make_model(setup.kind, setup.seed), x[rows], y[rows], epochs=setup.epochs, seed=setup.seed)
+        model = train_model(build_model(setup.kind, setup.seed), x[rows], y[rows], epochs=setup.epochs, seed=setup.seed)
         out[s] = margins(model, x_test, y_test)
     return out
 
@@ -202,23 +214,26 @@ def kernel_scores(store_dir: Path, setup: Setup, n: int, regularization: float) 
 
 
 def kfac_scores(store_dir: Path, setup: Setup, n: int, method: CurvatureMethod, relative_damping: float) -> np.ndarray:
-    """``(N, M + T)`` :meth:`kfac_influence` (``"ekfac"`` or ``"kfac"``) over the epoch passes."""
+    """``(N, M + T)`` :meth:`kfac_influence` (``"ekfac"`` or ``"kfac"``) over the epoch passes.
+
+    The task's embedding layers are left out (``layers=``): ``kfac_influence`` does not fit them."""
     store, columns = open_store(store_dir), setup.test_samples + setup.tune_samples
     trains = [f"epoch-{e}/train" for e in range(setup.epochs)]
     tests = [f"epoch-{e}/test" for e in range(setup.epochs)]
-    scores = store.kfac_influence(trains, tests, method=method, relative_damping=relative_damping)
+    layers = [name for name in store.layers() if name not in EMBEDDINGS[setup.kind]]
+    scores = store.kfac_influence(trains, tests, method=method, relative_damping=relative_damping, layers=layers)
     return ordered(scores, n, columns)
 
 
 def run(setup: Setup) -> dict[str, Any]:
     """Train, capture, retrain on the subsets, attribute, and score: the result for one model kind."""
-    x, y, x_test, y_test = load_digits_arrays(setup.seed, setup.train_size)
+    x, y, x_test, y_test = load_arrays(setup.kind, setup.seed, setup.train_size)
     n, m, t = len(y), setup.test_samples, setup.tune_samples
     if m + t > len(y_test):
         raise ValueError(f"test_samples + tune_samples must be at most {len(y_test)}, got {m} + {t}")
-    train_model(make_model(setup.kind, setup.seed), x[:64], y[:64], epochs=1, seed=setup.seed)  # warm-up
+    train_model(build_model(setup.kind, setup.seed), x[:64], y[:64], epochs=1, seed=setup.seed)  # warm-up
     plain, plain_seconds = timed(
-        lambda: train_model(make_model(setup.kind, setup.seed), x, y, epochs=setup.epochs, seed=setup.seed)
+        lambda: train_model(build_model(setup.kind, setup.seed), x, y, epochs=setup.epochs, seed=setup.seed)
     )
     tuning = None
     if t > 0:
@@ -231,7 +246,7 @@ def run(setup: Setup) -> dict[str, Any]:
         with StoreWriter(store_dir, encoding="fp32") as writer:
             model, capture_seconds = timed(
                 lambda: train_model(
-                    make_model(setup.kind, setup.seed),
+                    build_model(setup.kind, setup.seed),
                     x,
                     y,
                     epochs=setup.epochs,
@@ -257,15 +272,19 @@ def run(setup: Setup) -> dict[str, Any]:
         for method, label in methods:
             fitted = pick(setup.kfac_dampings, partial(kfac_scores, store_dir, setup, n, method), m, tuning)
             fitted.update(seconds=overhead + fitted["seconds"], query_seconds=fitted["seconds"], trainings=1)
-            attributions[f"{label} (checkpoint passes)"] = fitted
-    attributions.update(dattri_attributors(setup, (x, y, x_test[: m + t], y_test[: m + t]), checkpoints, tuning))
+            layers = " (non-embedding layers)" if EMBEDDINGS[setup.kind] else ""
+            attributions[f"{label} (checkpoint passes){layers}"] = fitted
+    peer_data = (x, y, x_test[: m + t], y_test[: m + t])
+    attributions.update(dattri_attributors(setup, peer_data, checkpoints, tuning))
+    if setup.kronfluence:
+        attributions.update(kronfluence_attributors(setup, peer_data, checkpoints, tuning))
 
     masks = subset_masks(n, setup.subsets, setup.fraction, setup.seed)
     outputs, truth_seconds = timed(lambda: subset_outputs(setup, x, y, x_test[:m], y_test[:m], masks))
     exact = lds_per_sample(attributions["TracIn exact (checkpoint passes)"]["scores"], masks, outputs)
     results = []
     for name, result in attributions.items():
-        if "error" in result:
+        if "error" in result or "skipped" in result:
             results.append({"attributor": name, **result})
             continue
         per_sample = lds_per_sample(result["scores"], masks, outputs)
@@ -295,11 +314,13 @@ def table(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for row in result["attributors"]:
-        if "error" in row:
-            lines.append(f"| {row['attributor']} | failed: {row['error']} | | | | | |")
+        if "error" in row or "skipped" in row:
+            status = f"failed: {row['error']}" if "error" in row else f"skipped: {row['skipped']}"
+            lines.append(f"| {row['attributor']} | {status} | | | | | |")
             continue
         (lo, hi), (dlo, dhi) = row["ci95"], row["minus_exact_tracin_ci95"]
-        picked = "" if row.get("value") is None else f"{row['value']:g}"
+        value = row.get("value")
+        picked = "" if value is None else f"{value:g}" if isinstance(value, (int, float)) else str(value)
         lines.append(
             f"| {row['attributor']} | {row['lds']:.3f} | [{lo:.3f}, {hi:.3f}] | {row['minus_exact_tracin']:+.3f} "
             f"[{dlo:+.3f}, {dhi:+.3f}] | {row['trainings']} | {row['seconds']:.2f} | {picked} |"
@@ -310,9 +331,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="600 train samples, 64 subsets, 100 test samples, MLP")
-    parser.add_argument(
-        "--kinds", nargs="+", choices=("mlp", "cnn"), default=None, help="default: mlp cnn (quick: mlp)"
-    )
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None, help="default: mlp cnn tokens (quick: mlp)")
     parser.add_argument("--subsets", type=int, default=None, help="number of random 50%% subsets (at least 50)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/quality_lds.json")
@@ -320,8 +339,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.subsets is not None and args.subsets < 50:
         parser.error("--subsets must be at least 50")
     torch.set_num_threads(args.threads)
-    kinds = args.kinds or (["mlp"] if args.quick else ["mlp", "cnn"])
-    results: dict[str, Any] = {"machine": machine(), "versions": versions("torch", "dattri", "scipy")}
+    kinds = args.kinds or (["mlp"] if args.quick else list(KINDS))
+    results: dict[str, Any] = {"machine": machine(), "versions": versions("torch", "dattri", "kronfluence", "scipy")}
     results["threads"] = args.threads
     start = time.perf_counter()
     for kind in kinds:
@@ -330,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setup = replace(setup, subsets=args.subsets)
         results[kind] = run(setup)
         print(
-            f"{kind}: {setup.subsets} subsets, {setup.test_samples} test samples, "
+            f"{TITLES[kind]}: {setup.subsets} subsets, {setup.test_samples} test samples, "
             f"test accuracy {results[kind]['test_accuracy']:.3f}"
         )
         print(table(results[kind]), flush=True)

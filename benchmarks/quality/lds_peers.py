@@ -1,15 +1,15 @@
-"""The peers of the LDS benchmark: dattri's TRAK and explicit influence functions, tuned on held-out rows.
+"""The peers of the LDS benchmark: dattri's TRAK and explicit influence functions, Kronfluence's EK-FAC.
 
-Hyperparameters (TRAK's regularization, the influence functions' damping) are picked on a tuning
-split, never on the reported test samples (:class:`~.lds.Setup`). A peer that fails on this
-torch version is reported, not fatal.
+Hyperparameters (TRAK's regularization, the influence functions' and Kronfluence's damping) are
+picked on a tuning split, never on the reported test samples (:class:`~.lds.Setup`). A peer that
+fails on this torch version is reported, not fatal; one that is not installed is reported as skipped.
 """
 
 from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -18,12 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks.quality.digits import make_model, train_model
+from benchmarks.quality.digits import train_model
+from benchmarks.quality.lds_tasks import EMBEDDINGS, build_model
 
 if TYPE_CHECKING:
     from benchmarks.quality.lds import Setup, Tuning
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
@@ -33,7 +35,7 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
     return out, time.perf_counter() - start
 
 
-def pick(grid: tuple[float, ...], fn: Callable[[float], np.ndarray], m: int, tuning: Tuning | None) -> dict[str, Any]:
+def pick(grid: Sequence[K], fn: Callable[[K], np.ndarray], m: int, tuning: Tuning | None) -> dict[str, Any]:
     """Run ``fn(value) -> (N, M + T)`` for each value of ``grid``; keep the best on the tuning columns."""
     runs = {value: timed(partial(fn, value)) for value in grid}
     lds = {value: tuning.lds(scores[:, m:]) for value, (scores, _) in runs.items()} if tuning else {}
@@ -95,14 +97,15 @@ def dattri_attributors(
         return {"dattri": {"error": f"dattri does not import: {error!r}"}}
     for module in (dattri.algorithm.base, dattri.algorithm.trak):
         module.tqdm = partial(tqdm, disable=True)  # type: ignore[attr-defined,unused-ignore]  # no progress bars
-    model, classes = make_model(setup.kind, setup.seed), 10
+    model = build_model(setup.kind, setup.seed)
     call = torch.func.functional_call
 
-    def logits(params: dict[str, Tensor], image: Tensor) -> Tensor:
-        return call(model, params, image.unsqueeze(0))[0]  # (C,)
+    def logits(params: dict[str, Tensor], sample: Tensor) -> Tensor:
+        return call(model, params, sample.unsqueeze(0))[0]  # (C,)
 
     def margin(params: dict[str, Tensor], data: tuple[Tensor, Tensor]) -> Tensor:  # one sample: TRAK's output
-        z, own = logits(params, data[0]), torch.arange(classes) == data[1]  # (C,), (C,)
+        z = logits(params, data[0])  # (C,)
+        own = torch.arange(z.shape[0]) == data[1]  # (C,)
         return (z * own).sum() - z.masked_fill(own, float("-inf")).logsumexp(0)
 
     def probability(params: dict[str, Tensor], data: tuple[Tensor, Tensor]) -> Tensor:
@@ -123,12 +126,12 @@ def dattri_attributors(
     def ensemble() -> list[dict[str, Tensor]]:
         states = [checkpoints[-1]]
         for k in range(1, setup.ensemble):
-            other = train_model(make_model(setup.kind, setup.seed + k), x, y, epochs=setup.epochs, seed=setup.seed + k)
+            other = train_model(build_model(setup.kind, setup.seed + k), x, y, epochs=setup.epochs, seed=setup.seed + k)
             states.append({name: t.detach().clone() for name, t in other.state_dict().items()})
         return states
 
     def explicit_if() -> dict[str, Any]:
-        final = make_model(setup.kind, setup.seed)
+        final = build_model(setup.kind, setup.seed)
         final.load_state_dict(checkpoints[-1])
         tuned: dict[float, float] = {}
         damping, start = setup.dampings[0], time.perf_counter()
@@ -173,6 +176,127 @@ def dattri_attributors(
     for name, (fn, trainings) in peers.items():
         try:
             out[name] = {**fn(), "trainings": trainings}
+        except Exception as error:  # noqa: BLE001  (a peer failing on this torch version is reported)
+            out[name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc(limit=3)}
+    return out
+
+
+HEURISTIC = "0.1 x mean eigenvalue"  # Kronfluence's damping when ``damping_factor=None``
+
+
+def kronfluence_attributors(
+    setup: Setup,
+    data: tuple[Tensor, Tensor, Tensor, Tensor],
+    checkpoints: list[dict[str, Tensor]],
+    tuning: Tuning | None,
+) -> dict[str, dict[str, Any]]:
+    """Kronfluence's EK-FAC influence on the final model and on the same epoch checkpoints as the store's rows.
+
+    Kronfluence (Grosse et al. 2023) fits EK-FAC factors with labels sampled from the model (its
+    default, the true Fisher) over all training samples of each checkpoint, then scores
+    ``grad f_j^T (F + lambda I)^-1 grad L_i``. Its task mirrors the harness: the training loss is the
+    summed cross-entropy, the measurement ``f_j`` the negated margin of :func:`~.lds.margins` (so a
+    positive score means training on ``i`` raises test sample ``j``'s margin, the harness's sign).
+    Checkpoints are summed (they all trained at the same rate). It tracks the ``nn.Linear`` and
+    ``nn.Conv2d`` layers: the token model's embedding is left out, as the store's K-FAC rows leave it.
+    The damping is picked on the tuning split from ``setup.kronfluence_dampings`` (``None``:
+    Kronfluence's own rule, 0.1 x each layer's mean eigenvalue). Not installed: one row, skipped.
+    """
+    try:
+        from kronfluence.analyzer import Analyzer, prepare_model
+        from kronfluence.arguments import FactorArguments, ScoreArguments
+        from kronfluence.task import Task
+        from torch.utils.data import TensorDataset
+    except ImportError as error:
+        return {"Kronfluence EK-FAC": {"skipped": f"kronfluence is not installed ({error.name})"}}
+    except Exception as error:  # noqa: BLE001  (any other import failure: reported, not fatal)
+        return {"Kronfluence EK-FAC": {"error": f"kronfluence does not import: {error!r}"}}
+    import logging
+    import tempfile
+    import warnings
+
+    x, y, x_test, y_test = data
+    m, batch = setup.test_samples, 256
+
+    class MarginTask(Task):  # type: ignore[misc,unused-ignore]
+        def compute_train_loss(self, batch: Any, model: nn.Module, sample: bool = False) -> Tensor:
+            inputs, labels = batch
+            logits = model(inputs)  # (B, C)
+            if sample:  # labels drawn from the model's prediction: the true Fisher
+                with torch.no_grad():
+                    labels = torch.multinomial(torch.softmax(logits.detach(), -1), 1).squeeze(1)  # (B,)
+            return F.cross_entropy(logits, labels, reduction="sum")
+
+        def compute_measurement(self, batch: Any, model: nn.Module) -> Tensor:
+            inputs, labels = batch
+            z = model(inputs)  # (B, C)
+            own = z.gather(1, labels[:, None]).squeeze(1)  # (B,)
+            others = z.scatter(1, labels[:, None], float("-inf")).logsumexp(1)  # (B,)
+            return -(own - others).sum()
+
+    train_set, query_set = TensorDataset(x, y), TensorDataset(x_test, y_test)
+
+    def fitted(states: list[dict[str, Tensor]], tmp: str) -> list[Any]:
+        analyzers = []
+        for c, state in enumerate(states):
+            model = build_model(setup.kind, setup.seed)
+            model.load_state_dict(state)
+            task = MarginTask()
+            analyzer = Analyzer(
+                f"checkpoint-{c}",
+                prepare_model(model, task),
+                task,
+                cpu=True,
+                log_level=logging.WARNING,
+                disable_tqdm=True,
+                output_dir=tmp,
+            )
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(setup.seed + c)  # the sampled labels
+                analyzer.fit_all_factors(
+                    "ekfac", train_set, per_device_batch_size=batch, factor_args=FactorArguments(strategy="ekfac")
+                )
+            analyzers.append(analyzer)
+        return analyzers
+
+    def scores(analyzers: list[Any], damping: float | None) -> np.ndarray:
+        total = np.zeros((len(y), len(y_test)))
+        for analyzer in analyzers:
+            name = f"pairwise-{damping}"
+            analyzer.compute_pairwise_scores(
+                name,
+                "ekfac",
+                query_set,
+                train_set,
+                per_device_query_batch_size=batch,
+                per_device_train_batch_size=batch,
+                score_args=ScoreArguments(damping_factor=damping),
+                overwrite_output_dir=True,
+            )
+            total += analyzer.load_pairwise_scores(name)["all_modules"].double().numpy().T  # (N, M + T)
+        return total
+
+    def row(states: list[dict[str, Tensor]]) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)  # its torch.cuda.amp.GradScaler calls
+            analyzers, fit_seconds = timed(lambda: fitted(states, tmp))
+            result = pick(setup.kronfluence_dampings, partial(scores, analyzers), m, tuning)
+        return {
+            **result,
+            "seconds": result["seconds"] + fit_seconds,
+            "value": HEURISTIC if result["value"] is None else result["value"],
+            "tuning": {HEURISTIC if k is None else str(k): v for k, v in result["tuning"].items()},
+        }
+
+    layers = " (non-embedding layers)" if EMBEDDINGS[setup.kind] else ""
+    peers: dict[str, Callable[[], dict[str, Any]]] = {
+        f"Kronfluence EK-FAC (final model){layers}": lambda: row(checkpoints[-1:]),
+        f"Kronfluence EK-FAC ({len(checkpoints)} epoch checkpoints){layers}": lambda: row(checkpoints),
+    }
+    out: dict[str, dict[str, Any]] = {}
+    for name, fn in peers.items():
+        try:
+            out[name] = {**fn(), "trainings": 1}
         except Exception as error:  # noqa: BLE001  (a peer failing on this torch version is reported)
             out[name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc(limit=3)}
     return out

@@ -19,7 +19,7 @@ if str(REPO) not in sys.path:
 
 pytest.importorskip("sklearn")
 
-from benchmarks.quality import lds  # noqa: E402
+from benchmarks.quality import lds, lds_peers, tokens  # noqa: E402
 from benchmarks.quality.digits import Capture, ModelKind, load_digits_arrays, make_model, train_model  # noqa: E402
 from metastore_plugins import StoreWriter, open_store  # noqa: E402
 
@@ -94,25 +94,77 @@ def test_checkpoint_passes_carry_the_sum_of_the_step_learning_rates(kind: ModelK
     assert np.array_equal(store.sample_ids("epoch-0/train"), np.arange(10))
 
 
-def test_a_tiny_run_reports_every_attributor() -> None:
+@pytest.mark.parametrize("kind", ["mlp", "tokens"])
+def test_a_tiny_run_reports_every_attributor(kind: lds.Kind) -> None:
     setup = lds.Setup(
-        train_size=100, test_samples=8, tune_samples=6, subsets=50, tune_subsets=50, epochs=2, sketch_dims=(4,),
-        ensemble=2, trak_regularizations=(0.1, 1.0), influence_functions=False, bootstrap=100,
+        kind=kind, train_size=100, test_samples=8, tune_samples=6, subsets=50, tune_subsets=50, epochs=2,
+        sketch_dims=(4,), ensemble=2, trak_regularizations=(0.1, 1.0), influence_functions=False, kronfluence=False,
+        bootstrap=100,
     )  # fmt: skip
     result = lds.run(setup)
     rows = {row["attributor"]: row for row in result["attributors"]}
+    layers = " (non-embedding layers)" if kind == "tokens" else ""  # K-FAC does not fit the embedding
     for name in (
         "TracIn exact (checkpoint passes)",
         "TracIn in-run (training steps)",
         "TracIn projected 4x4 (checkpoint passes)",
-        "EK-FAC (checkpoint passes)",
-        "K-FAC (checkpoint passes)",
+        f"EK-FAC (checkpoint passes){layers}",
+        f"K-FAC (checkpoint passes){layers}",
     ):
         row = rows[name]
         assert -1 <= row["ci95"][0] <= row["lds"] <= row["ci95"][1] <= 1 and row["trainings"] == 1
     assert rows["TracIn exact (checkpoint passes)"]["minus_exact_tracin"] == 0.0
     assert result["subset_trainings"] == 100
     assert "| TracIn exact (checkpoint passes) |" in lds.table(result)
+    assert not any(name.startswith("Kronfluence") for name in rows)
+
+
+def test_the_token_task_is_seeded_and_follows_its_rule() -> None:
+    x, y, x_test, y_test = tokens.load_token_arrays(seed=0, train_size=500, noise=0.0)
+    assert x.shape == (500, tokens.LENGTH) and x_test.shape == (tokens.TEST_SIZE, tokens.LENGTH)
+    assert x.dtype == torch.long and 0 <= int(x.min()) and int(x.max()) < tokens.VOCAB
+    assert np.array_equal(y.numpy(), tokens.token_rule(x.numpy())) and set(y.tolist()) == set(range(tokens.CLASSES))
+    # a keyword votes for its class; after the negation token, against it
+    row = np.full((1, tokens.LENGTH), tokens.NEGATION)  # votes nothing itself
+    row[0, 0] = 1  # class 0's first keyword
+    assert tokens.token_rule(row)[0] == 0
+    row[0, :2] = [tokens.NEGATION, 1]
+    assert tokens.token_rule(row)[0] != 0
+    noisy = tokens.load_token_arrays(seed=0, train_size=500)
+    assert torch.equal(noisy[0], x) and torch.equal(noisy[2], x_test)  # the same sequences
+    flipped = (noisy[1] != y).float().mean().item()
+    assert 0.05 < flipped < 0.15
+    assert torch.equal(tokens.load_token_arrays(seed=0, train_size=200)[2], x_test)  # test set independent of N
+    model = tokens.make_token_model(0)
+    assert model(x[:5]).shape == (5, tokens.CLASSES)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), tokens.make_token_model(0).parameters()))
+
+
+def test_kronfluence_is_skipped_when_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [name for name in sys.modules if name == "kronfluence" or name.startswith("kronfluence.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "kronfluence", None)  # import kronfluence raises ImportError
+    setup = lds.Setup(train_size=60, test_samples=5, tune_samples=0, epochs=1)
+    x, y, x_test, y_test = load_digits_arrays(train_size=60)
+    rows = lds_peers.kronfluence_attributors(setup, (x, y, x_test[:5], y_test[:5]), [], None)
+    assert list(rows) == ["Kronfluence EK-FAC"] and "not installed" in rows["Kronfluence EK-FAC"]["skipped"]
+    result = {"attributors": [{"attributor": "Kronfluence EK-FAC", **rows["Kronfluence EK-FAC"]}]}
+    assert "| Kronfluence EK-FAC | skipped: kronfluence is not installed" in lds.table(result)
+
+
+def test_kronfluence_peer_runs_and_is_tuned() -> None:
+    pytest.importorskip("kronfluence")
+    setup = lds.Setup(
+        train_size=60, test_samples=5, tune_samples=5, subsets=50, tune_subsets=50, epochs=2, sketch_dims=(),
+        ensemble=1, trak_regularizations=(0.1,), kronfluence_dampings=(None, 0.01), influence_functions=False,
+        bootstrap=100,
+    )  # fmt: skip
+    rows = {row["attributor"]: row for row in lds.run(setup)["attributors"]}
+    for name in ("Kronfluence EK-FAC (final model)", "Kronfluence EK-FAC (2 epoch checkpoints)"):
+        row = rows[name]
+        assert "error" not in row, row.get("trace")
+        assert np.isfinite(row["lds"]) and row["value"] in ("0.1 x mean eigenvalue", 0.01)
+        assert set(row["tuning"]) == {"0.1 x mean eigenvalue", "0.01"} and row["trainings"] == 1
 
 
 def test_dattri_peers_run_and_are_tuned() -> None:
@@ -128,6 +180,7 @@ def test_dattri_peers_run_and_are_tuned() -> None:
         ensemble=2,
         trak_regularizations=(0.1, 1.0),
         dampings=(3.0,),
+        kronfluence=False,
         bootstrap=100,
     )  # fmt: skip  (one damping: tuning it diagonalises a 4810 x 4810 Hessian, a minute here)
     rows = {row["attributor"]: row for row in lds.run(setup)["attributors"]}

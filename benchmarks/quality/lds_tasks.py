@@ -1,0 +1,34 @@
+"""The LDS harness's tasks: the digits MLP and CNN (:mod:`.digits`) and the token transformer (:mod:`.tokens`).
+
+Every attributor of :mod:`.lds` and :mod:`.lds_peers` gets its data and models here, so a task is one
+entry per function. All train with :func:`~.digits.train_model` (SGD, lr 0.1, momentum 0.9, batch 32).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import Tensor, nn
+
+from benchmarks.quality.digits import load_digits_arrays, make_model
+from benchmarks.quality.tokens import load_token_arrays, make_token_model
+
+Kind = Literal["mlp", "cnn", "tokens"]
+KINDS: tuple[Kind, ...] = ("mlp", "cnn", "tokens")
+TITLES: dict[Kind, str] = {"mlp": "digits MLP", "cnn": "digits CNN", "tokens": "token transformer"}
+# Layers that K-FAC (the store's kfac_influence, Kronfluence) leaves out: embedding records are not fitted.
+EMBEDDINGS: dict[Kind, tuple[str, ...]] = {"mlp": (), "cnn": (), "tokens": ("embed",)}
+
+
+def load_arrays(kind: Kind, seed: int, train_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(x_train, y_train, x_test, y_test)`` of the task: digits images or token ids (300 held out)."""
+    if kind == "tokens":
+        return load_token_arrays(seed, train_size)
+    return load_digits_arrays(seed, train_size)
+
+
+def build_model(kind: Kind, seed: int) -> nn.Module:
+    """The task's model, initialised from ``torch.manual_seed(seed)`` (the global RNG is left as it was)."""
+    if kind == "tokens":
+        return make_token_model(seed)
+    return make_model(kind, seed)
