@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         path = out / f"quality_lds{'_quick' if args.quick else ''}.json"
         result["lds"] = lds.main([*(["--quick"] if args.quick else []), "--out", str(path)])
         if args.doc:
-            kinds = [kind for kind in ("mlp", "cnn") if kind in result["lds"]]
-            body = "\n\n".join(f"**digits {kind.upper()}**\n\n{lds.table(result['lds'][kind])}" for kind in kinds)
+            kinds = [kind for kind in lds.KINDS if kind in result["lds"]]
+            body = "\n\n".join(f"**{lds.TITLES[kind]}**\n\n{lds.table(result['lds'][kind])}" for kind in kinds)
             write_section(Path(args.doc), body + "\n", "<!-- lds:start -->", "<!-- lds:end -->")
     return result
 
