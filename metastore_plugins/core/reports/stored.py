@@ -9,7 +9,9 @@ products. :func:`budget_notes` says, in words, what the budget took away.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -108,3 +110,44 @@ def dropped_message(store: GradientStore) -> str:
     if not notes:
         return ""
     return f"{'; '.join(notes)} (give the run a larger budget=; `metastore inspect` shows the plan)"
+
+
+def store_bytes(directory: Path) -> int:
+    """The size of a store directory: the sum of ``st_size`` of every file under it (what its budget covers)."""
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file() and not path.is_symlink())
+
+
+def keep_within_budget(store: GradientStore, files: Sequence[str]) -> list[str]:
+    """``files`` (the reports just written) less the figures (PNG) removed, largest first, while the store
+    directory is larger than its budget (each rank's plan budget times the world size; none: nothing removed).
+
+    The tables are never removed: the plan reserves room for them (``files``); figures can outgrow that reserve
+    (a data map, thumbnail grids of image samples), and the budget covers every file of the store. A warning
+    names what was left out (TensorBoard, where the trainer logs to it, has every figure).
+    """
+    plan = store.config.get("capture_plan")
+    budget = plan.get("budget") if isinstance(plan, dict) else None
+    world = store.config.get("world_size", 1)
+    if not isinstance(budget, int) or not isinstance(world, int) or world < 1:
+        return list(files)
+    limit, size = budget * world, store_bytes(Path(store.path))
+    figures = sorted(
+        (p for p in map(Path, files) if p.suffix == ".png" and p.exists()), key=lambda p: -p.stat().st_size
+    )
+    dropped: list[Path] = []
+    for figure in figures:
+        if size <= limit:
+            break
+        size -= figure.stat().st_size
+        figure.unlink()
+        dropped.append(figure)
+    if dropped:
+        names = ", ".join(p.name for p in dropped)
+        warnings.warn(
+            f"the report figure(s) {names} are not kept in the store {store.path}: its budget of {limit:,} bytes "
+            "leaves no room for them (TensorBoard has them where the trainer logs to it); give a larger budget= "
+            "to keep them",
+            stacklevel=2,
+        )
+    gone = {str(p) for p in dropped}
+    return [f for f in files if f not in gone]

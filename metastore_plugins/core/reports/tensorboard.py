@@ -36,7 +36,7 @@ from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, report_tab
 from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.partitioned import agreed, share_of, writes
 from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid, save_png, scatter_figure
-from metastore_plugins.core.reports.stored import stored_self_influence, with_gradients
+from metastore_plugins.core.reports.stored import keep_within_budget, stored_self_influence, with_gradients
 from metastore_plugins.core.reports.tables import (
     _last_metadata,
     checkpoint_points,
@@ -359,6 +359,7 @@ def report_run(
         result, table, samples, Path(reports_dir), train_split=train_split, test_split=test_split
     )
     result["files"] += [str(path) for path in pngs]
+    result["files"] = keep_within_budget(store, result["files"])  # figures past the store's budget: not kept
     result["grids"] = [name for name, tag in GRID_TAGS.items() if tag in figures]
     result["figures"] = list(figures)
     result["tags"] = []
