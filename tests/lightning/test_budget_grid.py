@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 pytest.importorskip("lightning")
 import lightning as L  # noqa: E402
@@ -60,12 +60,15 @@ def _data(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def _run(root: Path, budget: str) -> Path:
+def _run(root: Path, budget: str, batch_sampler: bool = False, **settings: Any) -> Path:
     store = root / "store"
-    callback = MetaStoreCallback(store, budget=budget)
-    train = DataLoader(
-        IndexedDataset(_data(N_TRAIN, 1)), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(3)
-    )
+    callback = MetaStoreCallback(store, budget=budget, **settings)
+    dataset, generator = IndexedDataset(_data(N_TRAIN, 1)), torch.Generator().manual_seed(3)
+    if batch_sampler:  # DataLoader(batch_sampler=...): loader.batch_size is None
+        sampler = BatchSampler(RandomSampler(dataset, generator=generator), BATCH, drop_last=False)
+        train = DataLoader(dataset, batch_sampler=sampler)
+    else:
+        train = DataLoader(dataset, batch_size=BATCH, shuffle=True, generator=generator)
     val = DataLoader(IndexedDataset(_data(N_VAL, 2)), batch_size=BATCH)
     fit(root, MLP(), train, val, [callback], max_epochs=EPOCHS)
     return store
@@ -182,3 +185,25 @@ def test_the_cli_reports_what_the_budget_dropped(grid: dict[str, Path], capsys: 
     assert cli_main(["influence", str(store_dir)]) != 0
     err = capsys.readouterr().err
     assert "kept the checkpoint passes as exact norms only" in err and "evaluation runs" not in err, err
+
+
+def test_a_batch_sampler_loader_plans_its_training_steps(grid: dict[str, Path], tmp_path: Path) -> None:
+    """``DataLoader(batch_sampler=...)``: the plan counts the training steps as a ``batch_size=`` loader does."""
+    store_dir = _run(tmp_path, "1MB", batch_sampler=True)
+    planned = open_store(store_dir).config["capture_plan"]["planned"]
+    reference = open_store(grid["1MB"]).config["capture_plan"]["planned"]  # the same run with batch_size=16
+    assert planned["training steps"] == reference["training steps"] > 0
+    assert _apparent_bytes(store_dir) <= BUDGETS["1MB"]
+
+
+def test_without_training_steps_the_first_pass_takes_its_snapshot(tmp_path: Path) -> None:
+    """capture_train_steps=False: the plan is made during the first pass; its snapshot is still taken, so the
+    report refines the projected influence exactly at every pass."""
+    store_dir = _run(tmp_path, "700KB", capture_train_steps=False)
+    plan = open_store(store_dir).config["capture_plan"]
+    assert set(plan["passes"].values()) == {"projected"} and plan["snapshots"] == EPOCHS
+    names = sorted(p.name for p in (store_dir / "snapshots").glob("*.safetensors"))
+    assert names == [f"epoch-{e}-rank0.safetensors" for e in range(EPOCHS)]
+    rows = json.loads((store_dir / "reports" / "influence.json").read_text())
+    assert rows and all(row["exact"] for row in rows)
+    assert _apparent_bytes(store_dir) <= 700_000
