@@ -364,6 +364,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         if not self.options.reports:
             logger.log(self._say, self.options.end_line(self.dirpath, None, []))
             return
+        from metastore_plugins.core.reports.render import dataset_lookup
         from metastore_plugins.core.reports.tensorboard import summary_writer
 
         report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
@@ -371,12 +372,18 @@ class MetaStoreTrainerCallback(TrainerCallback):
         if "tensorboard" in report_to or "all" in report_to:
             logdirs.append(Path(self.tensorboard_dir or _trainer_tensorboard_dir(args, self._started)))
         writers = [summary_writer(logdir) for logdir in logdirs]
-        render = text_renderer(
-            kwargs.get("processing_class"), kwargs.get("train_dataloader"), kwargs.get("eval_dataloader")
-        )
+        loaders = kwargs.get("train_dataloader"), kwargs.get("eval_dataloader")
+        render = text_renderer(kwargs.get("processing_class"), *loaders)  # decoded input_ids
+        samples = dataset_lookup({split: getattr(loader, "dataset", None) for split, loader in zip(SPLITS, loaders)})
         try:
             self.report_result = self.options.build_reports(
-                self.dirpath, writers, step=state.global_step, rank=0, render=render, recompute=recompute
+                self.dirpath,
+                writers,
+                step=state.global_step,
+                rank=0,
+                render=render,
+                samples=samples,  # figures where the samples are small images
+                recompute=recompute,
             )
         finally:
             for writer in writers:
@@ -421,6 +428,10 @@ def _resumed_batches(args: TrainingArguments, state: TrainerState, loader: Any) 
     accumulation = max(1, int(args.gradient_accumulation_steps))
     updates_per_epoch = max(1, -(-len(loader) // accumulation))
     return (state.global_step % updates_per_epoch) * accumulation
+
+
+#: the report splits of the Trainer's train and eval dataloaders
+SPLITS = ("train", "val")
 
 
 def _trainer_tensorboard_dir(args: TrainingArguments, started: float) -> Path:

@@ -22,6 +22,7 @@ from torch import nn
 from metastore_plugins.core.capture.session import UNSUPPORTED_POLICIES, CaptureSession, UnsupportedPolicy
 from metastore_plugins.core.policy.plan import POLICIES, Policy, RunShape
 from metastore_plugins.core.policy.runtime import CapturePolicy, parse_budget
+from metastore_plugins.core.reports.samples import SampleRenderer, renderers
 from metastore_plugins.core.reports.tables import (
     OUTLIER_RANKINGS,
     OutlierRanking,
@@ -52,6 +53,8 @@ class CaptureSettings(TypedDict, total=False):
     report_k: int
     outliers_from: OutlierSource
     rank_outliers_by: OutlierRanking
+    sample_renderer: SampleRenderer | None
+    per_layer_scalars: bool
     overwrite: bool
 
 
@@ -91,6 +94,12 @@ rank_outliers_by: ``"auto"`` (default): every trained sample by its area under t
     first) where the training steps hold margins (class logits), else by self-influence;
     ``"aum"``, ``"loss"`` (the loss at the last pass: best on short fine-tunes of pretrained
     models) or ``"self_influence"`` to choose. docs/quality.md measures why.
+sample_renderer: ``(split, sample id) -> text or image`` (``split`` ``"train"`` or ``"val"``): what the
+    reports show of a sample; a string goes into the outlier and influence tables, an image
+    (array, tensor or PIL image) into the figures. Default: decoded ``input_ids`` (HF, with a
+    tokenizer), the dataset's small images (Lightning). See docs/reports.md.
+per_layer_scalars: a TensorBoard scalar chart of the gradient norm of every layer, besides the
+    heatmap and the three summary charts (default False).
 overwrite: a fresh run (not resumed from a checkpoint) into a directory that already holds a
     store moves that store aside (``<dirpath>.replaced-<UTC time>``, never deleted) and starts a
     new one; default False: such a run stops at its start with an error naming both ways out.
@@ -128,6 +137,8 @@ class CallbackOptions:
     report_k: int = 20
     outliers_from: OutlierSource = "checkpoints"
     rank_outliers_by: OutlierRanking = "auto"
+    sample_renderer: SampleRenderer | None = None
+    per_layer_scalars: bool = False
     overwrite: bool = False
 
     @classmethod
@@ -164,6 +175,15 @@ class CallbackOptions:
         for setting, least in (("report_k", 1), ("checkpoint_train_samples", 1), ("checkpoint_val_samples", 1)):
             self.whole_number(setting, getattr(self, setting), least)
         self.whole_number("seed", self.seed, None)
+        if self.sample_renderer is not None and not callable(self.sample_renderer):
+            raise ValueError(
+                f"{self.owner}(sample_renderer=...) must be a function (split, sample id) -> text or image; "
+                f"got {self.sample_renderer!r}"
+            )
+        if not isinstance(self.per_layer_scalars, bool):
+            raise ValueError(
+                f"{self.owner}(per_layer_scalars=...) must be True or False; got {self.per_layer_scalars!r}"
+            )
         if not isinstance(self.overwrite, bool):
             raise ValueError(f"{self.owner}(overwrite=...) must be True or False; got {self.overwrite!r}")
         seconds = self.flush_seconds
@@ -335,7 +355,8 @@ class CallbackOptions:
         Call it on every rank. Under a process group of several ranks, each opens the store
         partitioned and scores its share; rank 0 writes (docs/distributed.md): ``writers`` and
         ``sources`` (``report_run``'s ``render=``, ``samples=``, ``recompute=``) count on rank 0
-        only, and the other ranks return ``{"partition": ...}``. Without one, ranks other than 0
+        only, and the other ranks return ``{"partition": ...}``. ``sample_renderer`` replaces ``render=`` and
+        ``samples=``. Without one, ranks other than 0
         return ``None`` at once. A store the reports cannot be built from (no class predictions
         of a regression model, say), or a rank that failed mid-pass, gives a warning, not an
         error: the store is complete, and training ended well. Whatever building them draws from
@@ -347,6 +368,9 @@ class CallbackOptions:
 
         if rank != 0 and not distributed():
             return None
+        if rank == 0 and self.sample_renderer is not None:  # the user's rendering replaces the callback's
+            text, lookup = renderers(self.sample_renderer)
+            sources = {**sources, "render": text, "samples": lookup}
         started = time.perf_counter()
         try:
             with preserved_rng():
@@ -358,6 +382,7 @@ class CallbackOptions:
                     k=self.report_k,
                     outliers_from=self.outliers_from,
                     rank_outliers_by=self.rank_outliers_by,
+                    per_layer_scalars=self.per_layer_scalars,
                     **(sources if rank == 0 else {}),
                 )
             if result is not None:

@@ -156,10 +156,18 @@ def test_reports_in_the_trainers_tensorboard_dir_and_as_files(learning_run) -> N
     assert "train/loss" in tags["scalars"]  # the Trainer's own curve, next to ours
     assert {"metastore/outliers/text_summary", "metastore/influence/text_summary"} <= set(tags["tensors"])
     assert any(t.startswith("metastore/self_influence/class_") for t in tags["histograms"])
-    assert tags["images"] == ["metastore/loss_vs_self_influence"]
-    assert "metastore/grad_norm/classifier" in tags["scalars"]
+    assert {"metastore/loss_vs_self_influence", "metastore/gradient_norms", "metastore/data_map"} == set(tags["images"])
+    ours = [tag for tag in tags["scalars"] if tag.startswith("metastore/")]
+    assert "metastore/grad_norm_total" in ours and len(ours) <= 5  # one heatmap, not a chart per layer
     text = events.Tensors("metastore/outliers/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| rank | sample_id |" in text and rows[0]["text"] in text
+    table = events.Tensors("metastore/influence/text_summary")[0].tensor_proto.string_val[0].decode()
+    shown = [line.split("|") for line in table.splitlines() if line.startswith(("| + |", "| - |"))]
+    assert len(shown) == sum(len(row["proponents"]) + len(row["opponents"]) for row in influence)
+    for cells in shown:  # | sign | train id | label | score | score is | text |
+        sid, text = int(cells[2]), cells[6].strip()
+        assert text == " ".join(dataset.rows["text"][sid].split())  # the dataset's own text of that id
+        assert int(cells[3]) == dataset.rows["label"][sid] and cells[5].strip() == "exact"
 
 
 def test_no_tensorboard_reports_files_only(tmp_path: Path) -> None:

@@ -42,12 +42,15 @@ def test_digits_example_finds_flipped_labels(tmp_path: Path) -> None:
 
     outliers = json.loads((out / "store" / "reports" / "outliers.json").read_text())
     assert [row["rank"] for row in outliers] == list(range(1, 61))
+    influence = json.loads((out / "store" / "reports" / "influence.json").read_text())
     assert (out / "store" / "reports" / "outliers.png").is_file() and (
-        out / "store" / "reports" / "influence.png"
+        out / "store" / "reports" / f"influence-val_{influence[0]['test_id']}.png"
     ).is_file()
     events = EventAccumulator(str(out / "tb" / "version_0"), size_guidance={"images": 0, "tensors": 0}).Reload()
     images = set(events.Tags()["images"])
-    assert {"metastore/outlier_samples", "metastore/influence_samples", "metastore/loss_vs_self_influence"} <= images
+    per_test = {f"metastore/influence_samples/val_{row['test_id']}" for row in influence}  # a figure each
+    assert {"metastore/outlier_samples", "metastore/loss_vs_self_influence", "metastore/gradient_norms"} <= images
+    assert per_test <= images and "metastore/data_map" in images
     grid = events.Images("metastore/outlier_samples")[0]
     assert grid.width >= 8 * 56 and grid.height >= 4 * 56  # 32 thumbnails, 8 a row
     assert "metastore/outliers/text_summary" in events.Tags()["tensors"]

@@ -24,11 +24,11 @@ from metastore_plugins.core.passes import capture_step, checkpoint_pass  # noqa:
 from metastore_plugins.core.reports.render import (  # noqa: E402
     MISMATCH,
     as_image,
-    influence_grid,
     outlier_grid,
     save_png,
     scatter_figure,
 )
+from metastore_plugins.core.reports.samples import influence_figure  # noqa: E402
 from metastore_plugins.core.reports.tensorboard import report_run, write_tensorboard  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -140,8 +140,13 @@ def test_grids_draw_one_framed_thumbnail_per_sample() -> None:
     assert all(ax.images for ax in grid.axes) and grid.texts  # thumbnails and a title
     captions = [t.get_text() for ax in grid.axes for t in ax.texts]
     assert captions[0] == "#1 id 4\ny 0 p 0"
-    influence = [{"test_id": 0, "test_label": 1, "test_prediction": 1, "proponents": [{"sample_id": 3, "label": 1}]}]
-    grid = influence_grid(influence, lookup, per_side=2)
+    row = {
+        "test_id": 0,
+        "test_label": 1,
+        "test_prediction": 1,
+        "proponents": [{"sample_id": 3, "label": 1, "score": 0.5}],
+    }
+    grid = influence_figure(row, lookup, per_side=2)
     assert grid is not None and len(grid.axes) == 5 and sum(bool(ax.images) for ax in grid.axes) == 2
     assert outlier_grid(rows, lambda split, i: torch.rand(7)) is None  # not images
 
@@ -209,10 +214,10 @@ def test_report_run_logs_figures_and_writes_pngs_next_to_the_json_reports(tmp_pa
         samples=lambda split, i: data[split][i],
     )
     assert result is not None
-    names = {"loss_vs_self_influence", "outlier_samples", "influence_samples"}
+    names = {"loss_vs_self_influence", "outlier_samples", *(f"influence_samples/val_{i}" for i in range(6))}
     assert set(result["figures"]) == names and {f"metastore/{name}" for name in names} <= set(writer.figures)
     assert result["grids"] == ["outliers", "influence"]
-    for name in ("loss_vs_self_influence", "outliers", "influence"):
+    for name in ("loss_vs_self_influence", "outliers", "influence-val_0"):
         path = tmp_path / "reports" / f"{name}.png"
         assert str(path) in result["files"] and path.read_bytes()[:8] == PNG_SIGNATURE
         assert min(imread(path).shape[:2]) > 50

@@ -54,23 +54,38 @@ def write_table(out: StoreDir, name: str, rows: Sequence[dict[str, Any]], column
     ]
 
 
+#: characters of a sample's text in a markdown table (the JSON files keep it whole)
+TEXT_CHARS = 100
+
+
+def shorten(text: Any, limit: int = TEXT_CHARS) -> str:
+    """``text`` on one line, cut to ``limit`` characters with an ellipsis (``None``: empty)."""
+    line = " ".join(str(text if text is not None else "").split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
 def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """One line per test sample: its label and prediction, then its top proponents and opponents.
+    """The influence report in markdown: with sample texts, one small table per test sample (its text, then
+    each proponent and opponent with its label, score, whether the score is exact, and its text); without,
+    one line per test sample (ids and labels of its proponents and opponents).
 
     A closing line says whether the scores are exact or estimates (projected gradients)."""
-    text = any("test_text" in row for row in rows)
-    lines = [
-        "| test id | label | prediction | proponents (id:label) | opponents (id:label) |"
-        + (" test text |" if text else ""),
-        "|---|---|---|---|---|" + ("---|" if text else ""),
-    ]
+    texts = any("test_text" in row or any("text" in e for e in row["proponents"]) for row in rows)
+    lines = (
+        []
+        if texts
+        else [
+            "| test id | label | prediction | proponents (id:label) | opponents (id:label) |",
+            "|---|---|---|---|---|",
+        ]
+    )
     for row in rows:
+        if texts:
+            lines += _sample_table(row)
+            continue
         pro = ", ".join(f"{p['sample_id']}:{p['label']}" for p in row["proponents"])
         opp = ", ".join(f"{p['sample_id']}:{p['label']}" for p in row["opponents"])
-        line = f"| {row['test_id']} | {row['test_label']} | {row['test_prediction']} | {pro} | {opp} |"
-        if text:
-            line += " " + " ".join(str(row.get("test_text") or "").split()).replace("|", "\\|") + " |"
-        lines.append(line)
+        lines.append(f"| {row['test_id']} | {row['test_label']} | {row['test_prediction']} | {pro} | {opp} |")
     if any(not row.get("exact", True) for row in rows):
         lines.append(
             "\nScores are estimates from projected gradients (the capture policy); rows recomputed exactly say so "
@@ -79,6 +94,24 @@ def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
     elif rows:
         lines.append("\nScores are exact TracIn scores.")
     return "\n".join(lines) + "\n"
+
+
+def _sample_table(row: dict[str, Any]) -> list[str]:
+    """One test sample's block: a heading with its text, then a table of its proponents and opponents."""
+    kind = "exact" if row.get("exact", True) else "estimate"
+    lines = [
+        f"**test {row['test_id']}** (label {row['test_label']}, prediction {row['test_prediction']}): "
+        + shorten(row.get("test_text"), 2 * TEXT_CHARS).replace("|", "\\|"),
+        "",
+        "| | train id | label | score | score is | text |",
+        "|---|---|---|---|---|---|",
+    ]
+    for sign, key in (("+", "proponents"), ("-", "opponents")):
+        for entry in row[key]:
+            text = shorten(entry.get("text")).replace("|", "\\|")
+            score = f"{float(entry['score']):+.4g}"
+            lines.append(f"| {sign} | {entry['sample_id']} | {entry['label']} | {score} | {kind} | {text} |")
+    return [*lines, ""]
 
 
 def text_renderer(tokenizer: Any, train_loader: Any, eval_loader: Any) -> Any:

@@ -308,50 +308,6 @@ def outlier_grid(
     )
 
 
-def influence_grid(
-    rows: Sequence[Mapping[str, Any]],
-    lookup: SampleLookup,
-    *,
-    train_split: str = "train",
-    test_split: str = "val",
-    limit: int = 8,
-    per_side: int = 5,
-    cell: int = 40,
-) -> Figure | None:
-    """One line per test sample: the test image, then its top proponents and opponents; ``None`` if not images."""
-    images: list[np.ndarray | None] = []
-    captions: list[list[str]] = []
-    width = 1 + 2 * per_side
-    for row in rows[:limit]:
-        test = _lookup_image(lookup, test_split, int(row["test_id"]))
-        if test is None:
-            return None
-        images.append(test)
-        captions.append(
-            [f"test {row['test_id']}", f"y {_short(row.get('test_label'))} p {_short(row.get('test_prediction'))}"]
-        )
-        for kind in ("proponents", "opponents"):
-            entries = list(row.get(kind, []))[:per_side]
-            for entry in entries:
-                image = _lookup_image(lookup, train_split, int(entry["sample_id"]))
-                images.append(image)  # None: an empty cell
-                captions.append(
-                    [f"{'+' if kind == 'proponents' else '-'} {entry['sample_id']}", f"y {_short(entry.get('label'))}"]
-                )
-            for _ in range(per_side - len(entries)):
-                images.append(None)
-                captions.append(["", ""])
-    if not images:
-        return None
-    return thumbnail_grid(
-        images,
-        captions,
-        cell=cell,
-        columns=width,
-        title=f"validation sample | {per_side} proponents (+) | {per_side} opponents (-)",
-    )
-
-
 def dataset_lookup(datasets: Mapping[str, Any]) -> SampleLookup | None:
     """A lookup over map-style datasets per split (``IndexedDataset`` unwrapped); ``None`` when there is none.
 
@@ -395,7 +351,6 @@ __all__ = [
     "SampleLookup",
     "as_image",
     "dataset_lookup",
-    "influence_grid",
     "new_figure",
     "outlier_grid",
     "sample_input",

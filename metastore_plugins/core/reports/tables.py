@@ -18,7 +18,7 @@ from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.refine import RecomputeFn, RefinedScores, refine_influence
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS, training_signals
-from metastore_plugins.core.reports.files import markdown_table
+from metastore_plugins.core.reports.files import markdown_table, shorten
 
 
 def checkpoint_points(store: GradientStore, split: str) -> list[str]:
@@ -294,8 +294,10 @@ def _caption(store: GradientStore, ranked: OutlierScores, points: Sequence[str],
 def outlier_markdown(rows: Sequence[dict[str, Any]], columns: Sequence[str], caption: Sequence[str] = ()) -> str:
     """The outlier table in markdown, then its caption (one line each), as :func:`influence_markdown` closes its table.
 
-    The table's header stays the first line, for whatever reads the file as a table."""
-    return markdown_table(rows, columns) + ("\n" if caption else "") + "".join(f"{line}  \n" for line in caption)
+    The table's header stays the first line, for whatever reads the file as a table; a ``text`` column is
+    cut to :data:`~.files.TEXT_CHARS` characters (the JSON file keeps it whole)."""
+    shown = [{**row, "text": shorten(row["text"])} if row.get("text") is not None else row for row in rows]
+    return markdown_table(shown, columns) + ("\n" if caption else "") + "".join(f"{line}  \n" for line in caption)
 
 
 def outlier_rows(

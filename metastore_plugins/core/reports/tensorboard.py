@@ -2,12 +2,15 @@
 
 - markdown tables (outliers, influence) via ``add_text``;
 - self-influence of the training samples per labelled class via ``add_histogram``;
-- figures drawn with matplotlib (:mod:`~metastore_plugins.core.reports.render`) via ``add_figure``,
-  also saved as PNGs next to the JSON reports: the loss-vs-self-influence scatter
-  (``loss_vs_self_influence.png``) and, for image samples, thumbnail grids (``outliers.png``,
-  ``influence.png``); without matplotlib they are skipped with a warning;
-- dynamics of the training steps: per-layer gradient-norm scalars over steps, gradient-norm
-  histograms per epoch, and the fraction of exploding per-sample gradients per step;
+- figures drawn with matplotlib via ``add_figure``, also saved as PNGs next to the JSON reports:
+  the loss-vs-self-influence scatter (``loss_vs_self_influence.png``), the data map
+  (``data_map.png``, :mod:`~.datamap`), the layer x step heatmap of gradient norms
+  (``gradient_norms.png``, :mod:`~.dynamics`) and, for image samples, a thumbnail grid of the
+  top outliers (``outliers.png``) and one figure per test sample of the influence report
+  (``influence-val_{id}.png``, :mod:`~.samples`); without matplotlib they are skipped with a warning;
+- dynamics of the training steps: three summary scalars (total gradient norm, exploding
+  fraction, the worst layer's norm; per-layer scalars with ``per_layer_scalars=True``) and
+  gradient-norm histograms per epoch;
 - a projector view (``add_embedding``) of gradient sketches of the last training checkpoint pass.
 
 Example::
@@ -25,17 +28,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 
-from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.policy.plan import projected_size
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, report_tables, write_tables
+from metastore_plugins.core.reports.datamap import data_map_figure, map_signals
+from metastore_plugins.core.reports.dynamics import GradientMap, dynamics_norms, gradient_map, heatmap_figure
+from metastore_plugins.core.reports.dynamics import write_dynamics as write_dynamics
 from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.partitioned import agreed, share_of, writes
-from metastore_plugins.core.reports.render import SampleLookup, influence_grid, outlier_grid, save_png, scatter_figure
+from metastore_plugins.core.reports.render import SampleLookup, outlier_grid, save_png, scatter_figure
+from metastore_plugins.core.reports.samples import influence_figures
 from metastore_plugins.core.reports.stored import keep_within_budget, stored_self_influence, with_gradients
 from metastore_plugins.core.reports.tables import (
     _last_metadata,
@@ -146,49 +151,6 @@ def write_tensorboard(
     return tags
 
 
-def write_dynamics(
-    writer: Any,
-    store: GradientStore,
-    *,
-    capture_point: str = "train",
-    prefix: str = "metastore",
-    explode_factor: float = 10.0,
-    norms: dict[str, np.ndarray] | None = None,
-) -> list[str]:
-    """Gradient-norm scalars per layer and step, norm histograms per epoch, and exploding fractions.
-
-    A per-sample gradient "explodes" when its norm exceeds ``explode_factor`` times the
-    median norm of the run. ``norms``: :func:`dynamics_norms` when at hand.
-    """
-    by_layer = norms if norms is not None else dynamics_norms(store, capture_point)
-    if by_layer is None:
-        return []
-    meta = store.metadata(capture_point)
-    steps, epochs = meta["step"], meta["epoch"]
-    tags = []
-    for layer, values in by_layer.items():
-        for step in np.unique(steps):
-            writer.add_scalar(f"{prefix}/grad_norm/{layer}", float(values[steps == step].mean()), int(step))
-        tags.append(f"{prefix}/grad_norm/{layer}")
-    total = np.sqrt(sum((values**2 for values in by_layer.values()), np.zeros(len(steps))))  # (N,) whole-model norms
-    for epoch in np.unique(epochs):
-        writer.add_histogram(f"{prefix}/grad_norm_per_epoch", total[epochs == epoch], int(epoch))
-    threshold = explode_factor * float(np.median(total)) if len(total) else 0.0
-    fractions = ops.step_exceed_fractions(
-        torch.from_numpy(total), torch.from_numpy(np.asarray(steps, dtype=np.int64)), threshold
-    )  # from the norms at hand
-    for step, fraction in zip(*fractions):
-        writer.add_scalar(f"{prefix}/exploding_fraction", float(fraction), int(step))
-    return [*tags, f"{prefix}/grad_norm_per_epoch", f"{prefix}/exploding_fraction"]
-
-
-def dynamics_norms(store: GradientStore, capture_point: str = "train") -> dict[str, np.ndarray] | None:
-    """Per-layer gradient norms ``{layer: (N,)}`` of ``capture_point`` (one pass over its records), or ``None``."""
-    if capture_point not in store.capture_points():
-        return None
-    return dict(store.norms(capture_point, by_layer=True))
-
-
 def projector_dim(store: GradientStore) -> int:
     """The sketch size of the projector view: a projected store's projections, else 8."""
     return projected_size(store.config) or 8
@@ -218,33 +180,43 @@ def write_projector(
     return [tag]
 
 
-GRID_TAGS = {"outliers": "outlier_samples", "influence": "influence_samples"}
+#: the tag (under the prefix) and file name of each figure; an influence figure per test sample adds ``/{split}_{id}``
+FIGURES = {
+    SCATTER: SCATTER,
+    "data_map": "data_map",
+    "gradient_norms": "gradient_norms",
+    "outlier_samples": "outliers",
+    "influence_samples": "influence",
+}
 
 
-def sample_grids(
+def sample_figures(
     reports: dict[str, Any],
     samples: SampleLookup | None,
-    directory: Path | None = None,
     *,
     train_split: str = "train",
     test_split: str = "val",
 ) -> dict[str, Figure]:
-    """Thumbnail grids ``{"outliers": Figure, "influence": Figure}`` of image samples, saved as PNGs.
+    """Image samples' figures: ``outlier_samples`` (a thumbnail grid of the top outliers) and
+    ``influence_samples/{test_split}_{id}`` (one per test sample, :func:`~.samples.influence_figures`).
 
     Empty for other data."""
     if samples is None:
         return {}
-    grids = {
-        "outliers": outlier_grid(reports.get("outliers") or [], samples, split=train_split),
-        "influence": influence_grid(
-            reports.get("influence") or [], samples, train_split=train_split, test_split=test_split
-        ),
-    }
-    found = {name: grid for name, grid in grids.items() if grid is not None}
-    if directory is not None:
-        for name, grid in found.items():
-            save_png(grid, directory / f"{name}.png")
-    return found
+    figures: dict[str, Figure] = {}
+    grid = outlier_grid(reports.get("outliers") or [], samples, split=train_split)
+    if grid is not None:
+        figures["outlier_samples"] = grid
+    rows = reports.get("influence") or []
+    for name, figure in influence_figures(rows, samples, train_split=train_split, test_split=test_split).items():
+        figures[f"influence_samples/{name}"] = figure
+    return figures
+
+
+def figure_file(tag: str) -> str:
+    """The PNG file name of a figure's tag (:data:`FIGURES`)."""
+    kind, _, name = tag.partition("/")
+    return FIGURES[kind] + (f"-{name}" if name else "") + ".png"
 
 
 def report_figures(
@@ -255,24 +227,30 @@ def report_figures(
     *,
     train_split: str = "train",
     test_split: str = "val",
+    gmap: GradientMap | None = None,
+    store: GradientStore | None = None,
 ) -> tuple[dict[str, Figure], list[Path]]:
     """The report figures ``{tag: Figure}`` and the PNG files written for them into ``directory``.
 
-    The scatter (``loss_vs_self_influence.png``) and, for image samples, the grids
-    (``outliers.png``, ``influence.png``). Without matplotlib: nothing, and a warning.
+    The scatter of ``table``; the data map of ``store``'s training steps (:func:`~.datamap.map_signals`);
+    the heatmap of ``gmap``; and the figures of image samples (:func:`sample_figures`).
+    Without matplotlib: nothing, and a warning.
     """
+    figures: dict[str, Figure] = {}
     try:
         scatter = draw_scatter(reports, table)
-        grids = sample_grids(reports, samples, None, train_split=train_split, test_split=test_split)
+        if scatter is not None:
+            figures[SCATTER] = scatter
+        signals = map_signals(store) if store is not None else None
+        if signals is not None:
+            figures["data_map"] = data_map_figure(signals, flagged_ids(reports))
+        if gmap is not None and gmap.layers and len(gmap.steps):
+            figures["gradient_norms"] = heatmap_figure(gmap)
+        figures.update(sample_figures(reports, samples, train_split=train_split, test_split=test_split))
     except ImportError as exc:
         _no_figures(exc)
         return {}, []
-    figures: dict[str, Figure] = {} if scatter is None else {SCATTER: scatter}
-    files = [] if scatter is None else [save_png(scatter, directory / f"{SCATTER}.png")]
-    for name, grid in grids.items():
-        figures[GRID_TAGS[name]] = grid
-        files.append(save_png(grid, directory / f"{name}.png"))
-    return figures, files
+    return figures, [save_png(figure, directory / figure_file(tag)) for tag, figure in figures.items()]
 
 
 def report_run(
@@ -291,6 +269,7 @@ def report_run(
     outliers_from: str = "checkpoints",
     recompute: RecomputeFn | None = None,
     rank_outliers_by: str = "auto",
+    per_layer_scalars: bool = False,
 ) -> dict[str, Any] | None:
     """Files via :func:`write_reports` into ``reports_dir``, and the same reports to each writer.
 
@@ -308,10 +287,14 @@ def report_run(
     the checkpoint passes (:func:`~metastore_plugins.core.reports.tables.outlier_points`);
     ``rank_outliers_by`` chooses the ranking (:func:`~metastore_plugins.core.reports.tables.outlier_scores`).
     The loss-vs-self-influence scatter is saved as ``loss_vs_self_influence.png`` and logged as
-    ``metastore/loss_vs_self_influence``. ``samples(split, sample id)`` returns dataset items:
-    where they are small images, thumbnail grids of the top outliers and of the influence rows
-    are written too (``outliers.png``, ``influence.png`` and ``metastore/outlier_samples``,
-    ``metastore/influence_samples``). ``recompute`` refines estimated influence scores exactly
+    ``metastore/loss_vs_self_influence``; the data map (``data_map.png``, ``metastore/data_map``)
+    and the heatmap of the training steps' gradient norms (``gradient_norms.png``,
+    ``metastore/gradient_norms``) where they hold what these need. ``samples(split, sample id)``
+    returns dataset items: where they are small images, a thumbnail grid of the top outliers and a
+    figure per influence row are written too (``outliers.png``, ``influence-val_{id}.png`` and
+    ``metastore/outlier_samples``, ``metastore/influence_samples/val_{id}``). ``per_layer_scalars``:
+    a gradient-norm scalar chart per layer besides the summary scalars (:func:`~.dynamics.write_dynamics`).
+    ``recompute`` refines estimated influence scores exactly
     (a projected store; :func:`~metastore_plugins.core.analysis.refine.refine_influence`). Figures
     need matplotlib; without it they are skipped with a warning and everything else is written.
 
@@ -355,18 +338,27 @@ def report_run(
     if partition is not None:
         result["partition"] = partition
     table = self_influence_table(store, sources, scores)
+    gmap = gradient_map(norms, store.metadata(TRAINING_STEPS)["step"]) if norms is not None else None
     figures, pngs = report_figures(
-        result, table, samples, Path(reports_dir), train_split=train_split, test_split=test_split
+        result,
+        table,
+        samples,
+        Path(reports_dir),
+        train_split=train_split,
+        test_split=test_split,
+        gmap=gmap,
+        store=store,
     )
     result["files"] += [str(path) for path in pngs]
     result["files"] = keep_within_budget(store, result["files"])  # figures past the store's budget: not kept
-    result["grids"] = [name for name, tag in GRID_TAGS.items() if tag in figures]
+    kinds = {tag.partition("/")[0] for tag in figures}  # outlier_samples, influence_samples: image samples
+    result["grids"] = [FIGURES[kind] for kind in ("outlier_samples", "influence_samples") if kind in kinds]
     result["figures"] = list(figures)
     result["tags"] = []
     for writer in writers:
         result["tags"] += write_tensorboard(writer, result, table, step=step, figures=figures)
         if norms is not None:  # the training steps hold gradients
-            result["tags"] += write_dynamics(writer, store, norms=norms)
+            result["tags"] += write_dynamics(writer, store, norms=norms, per_layer_scalars=per_layer_scalars)
         if sketches is not None:
             dim = projector_dim(store)
             result["tags"] += write_projector(writer, store, points[-1], step=step, dim=dim, sketches=sketches)
