@@ -54,6 +54,7 @@ from metastore_plugins.core.reports.stored import (
 from metastore_plugins.core.reports.tables import OUTLIER_RANKINGS, influence_rows, outlier_markdown, outlier_table
 from metastore_plugins.core.store import StoreError, find_store_dir
 from metastore_plugins.core.store.maintenance import compact, repair
+from metastore_plugins.core.store.runs import repeated_batches
 from metastore_plugins.core.store.snapshots import SnapshotInfo, check_snapshots
 
 #: Characters a terminal acts on (C0/C1 controls: ESC, BEL, CR, newlines; DEL; bidirectional overrides, line
@@ -175,7 +176,7 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
     """Exit status 1 when the store is damaged."""
     summary = store.summary()
     layers = {name: store.layer_info(name) for name in store.layers()}
-    problems = store.verify(checksums=not args.no_checksums)
+    problems = store.verify(checksums=not args.no_checksums) + repeated_batches(store.index)  # two runs in one
     data = {
         **summary,
         "capture_points_detail": {cp: store.steps(cp) for cp in store.capture_points()},

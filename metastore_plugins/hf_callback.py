@@ -117,6 +117,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
             overwrite=self.options.overwrite,
             owner="MetaStoreTrainerCallback",
             resume="trainer.train(resume_from_checkpoint=...)",
+            step=state.global_step,
             rank=args.process_index,
             agree=_from_rank_zero,
         )

@@ -117,6 +117,7 @@ class MetaStoreCallback(Callback):
             overwrite=self.options.overwrite,
             owner="MetaStoreCallback",
             resume="trainer.fit(model, ..., ckpt_path=...)",
+            step=trainer.global_step,
             rank=trainer.global_rank,
             agree=lambda decision: trainer.strategy.broadcast(decision, src=0),
         )

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from metastore_plugins.core.store.journal import RankLock, journal_name
-from metastore_plugins.core.store.manifest import find_manifests
+from metastore_plugins.core.store.manifest import StoreError, find_manifests
+from metastore_plugins.core.store.reader import StoreReader
 
 #: Rank 0's decision: (what, the place an overwritten store moved to, or why it could not move).
 Decision = tuple[str, str]
@@ -38,6 +40,7 @@ def claim_store_dir(
     overwrite: bool,
     owner: str,
     resume: str,
+    step: int = 0,
     rank: int = 0,
     agree: Callable[[Decision], Decision] = lambda decision: decision,
 ) -> Path | None:
@@ -51,6 +54,8 @@ def claim_store_dir(
         overwrite: a fresh run may replace a store found there: the old one is moved aside, never deleted.
         owner: the callback's name, for the message (``owner(overwrite=True)``).
         resume: how this trainer resumes from a checkpoint, for the message.
+        step: the optimizer step the run starts at: a resumed run into a store that holds training steps
+            from there on (the earlier run went past its checkpoint) is warned that they will be stored twice.
         rank: this process's rank.
         agree: sends rank 0's decision to every rank (a broadcast; the identity in one process).
 
@@ -59,7 +64,7 @@ def claim_store_dir(
             ``path``, or when the store to overwrite could not be moved.
     """
     path = Path(path)
-    what, detail = agree(_decide(path, continuing, overwrite, owner) if rank == 0 else ("", ""))
+    what, detail = agree(_decide(path, continuing, overwrite, owner, step) if rank == 0 else ("", ""))
     if what == "refuse":
         raise ExistingStoreError(
             f"{owner}: {path} already holds the store of an earlier run, and this run starts afresh (at step 0): "
@@ -72,6 +77,8 @@ def claim_store_dir(
     if what == "replaced":
         Path(path).mkdir(parents=True, exist_ok=True)
         return Path(detail)
+    if detail and rank == 0:
+        warnings.warn(f"{owner}: {detail}", stacklevel=3)
     return None
 
 
@@ -84,10 +91,12 @@ def holds_store(path: Path) -> bool:
     return any(journal.is_file() and journal.stat().st_size > 0 for journal in journals)
 
 
-def _decide(path: Path, continuing: bool, overwrite: bool, owner: str) -> Decision:
-    """Rank 0's decision, with an overwritten store already moved: ``(what, the new place or the error)``."""
-    if continuing or not holds_store(path):
+def _decide(path: Path, continuing: bool, overwrite: bool, owner: str, step: int) -> Decision:
+    """Rank 0's decision, with an overwritten store already moved: ``(what, the new place, the error or a note)``."""
+    if not holds_store(path):
         return "write", ""
+    if continuing:
+        return "write", _steps_again(path, step)
     if not overwrite:
         return "refuse", ""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -109,3 +118,19 @@ def _decide(path: Path, continuing: bool, overwrite: bool, owner: str) -> Decisi
         for lock in locks:
             lock.release()
     return "replaced", str(aside)
+
+
+def _steps_again(path: Path, step: int) -> str:
+    """What a run resumed at ``step`` will store a second time (the training steps the store holds from there on)."""
+    try:
+        steps = StoreReader(path, checksums=False).steps("train")
+    except (StoreError, KeyError, ValueError):  # no training steps, or a store the run's writer will judge
+        return ""
+    later = [s for s in steps if s >= step]
+    if not later:
+        return ""
+    return (
+        f"the store {path} already holds training steps {later[0]}..{later[-1]}, stored after the checkpoint this "
+        f"run resumes from (step {step}); this run stores them again, and queries over those steps count both "
+        "copies (steps=(first, last) below it read one)"
+    )

@@ -17,9 +17,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from lightning_cases import Classifier, fit, loaders  # noqa: E402
 
-from metastore_plugins import MetaStoreCallback, open_store  # noqa: E402
+from metastore_plugins import CaptureSession, MetaStoreCallback, StoreWriter, open_store  # noqa: E402
+from metastore_plugins.cli import main  # noqa: E402
 from metastore_plugins.core.policy.tags import read_tags  # noqa: E402
 from metastore_plugins.core.run import ExistingStoreError  # noqa: E402
+from metastore_plugins.core.store.runs import repeated_batches  # noqa: E402
 
 N_TRAIN = 24
 
@@ -130,3 +132,50 @@ def test_a_tag_with_steps_set_before_fit_is_written_when_training_starts(tmp_pat
     assert len(found) == 1
     assert (found[0].first_step, found[0].last_step, found[0].keep) == (0, 1, "exact")
     assert found[0].attributes == {"reason": "first steps"}
+
+
+def test_a_resume_over_steps_already_stored_is_warned_and_the_store_shows_the_repeated_batches(
+    tmp_path: Path,
+) -> None:
+    train, val = loaders(N_TRAIN, 6, 8)  # 3 steps per epoch
+    store = tmp_path / "store"
+    every_epoch = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}", save_top_k=-1)
+    fit(tmp_path, Classifier(), train, val, [_callback(store), every_epoch], max_epochs=2, enable_checkpointing=True)
+    assert open_store(store).steps("train") == list(range(6))  # the first run went on past epoch 0's checkpoint
+    assert repeated_batches(open_store(store).index) == []
+    trainer = L.Trainer(
+        max_epochs=2,
+        callbacks=[_callback(store)],
+        logger=TensorBoardLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with pytest.warns(UserWarning, match=r"already holds training steps 3\.\.5.*resumes from \(step 3\)"):
+        trainer.fit(Classifier(), train, val, ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"))
+    lines = repeated_batches(open_store(store).index)
+    assert [line.split(":")[0] for line in lines] == [
+        "capture point 'epoch-1/train'",
+        "capture point 'epoch-1/val'",
+        "capture point 'train'",
+    ]
+    assert "3 batches are stored more than once, at steps 3..5" in lines[2]  # epoch 1's 3 steps, twice
+
+
+def test_two_runs_appended_to_one_store_before_the_refusal_are_detected(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a second run into the same dirpath did before: a second writer continued the store from step 0."""
+    layer = torch.nn.Linear(4, 2)
+    for _ in range(2):  # two runs of 2 steps of 3 samples each
+        with StoreWriter(tmp_path / "store") as writer:
+            for step in range(2):
+                with CaptureSession(layer) as session:
+                    layer(torch.randn(3, 4)).sum().backward()
+                writer.write(session.factors(), sample_ids=torch.arange(3) + 3 * step, step=step)
+    assert len(open_store(tmp_path / "store").sample_ids("train")) == 12  # 2 runs x 2 steps x 3 samples
+    lines = repeated_batches(open_store(tmp_path / "store").index)
+    assert len(lines) == 1
+    assert lines[0].startswith("capture point 'train': 2 batches are stored more than once, at steps 0..1")
+    assert main(["inspect", str(tmp_path / "store")]) == 1  # `metastore inspect` lists it under problems
+    assert "capture point 'train': 2 batches are stored more than once" in capsys.readouterr().out
