@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,3 +117,20 @@ def test_the_start_and_end_lines_show_in_transformers_output(
     assert any(f"store {store} written, reports in {store}/reports" in line for line in lines), lines  # the end
     if log_level == "info":
         assert "***** Running training *****" in transformers_output.getvalue()  # shown as the Trainer's are
+
+
+def test_under_ddp_every_rank_refuses_or_follows_rank_zero(tmp_path: Path) -> None:
+    """2 gloo processes: a fresh second run is refused on both ranks; with overwrite=True both write the new store."""
+    worker = Path(__file__).parent / "rerun_ddp_worker.py"
+    done = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rerun-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [s["first"] for s in seen] == ["ran", "ran"]
+    assert all(s["second"].startswith("refused: MetaStoreTrainerCallback: ") for s in seen)
+    assert [s["third"] for s in seen] == ["ran", "ran"]
+    store = tmp_path / "out" / "metastore"
+    moved = [p for p in store.parent.iterdir() if p.name.startswith("metastore.replaced-")]
+    assert len(moved) == 1  # moved once, by rank 0
+    assert sorted(str(p.relative_to(moved[0])) for p in moved[0].rglob("*") if p.is_file()) == seen[0]["before"]
+    assert open_store(moved[0]).ranks() == open_store(store).ranks() == [0, 1]
+    assert _counts(store) == dict.fromkeys(range(8), 1)  # the third run alone: each sample once
