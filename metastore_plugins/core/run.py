@@ -329,7 +329,7 @@ class RunCapture:
         if self._lr_since_pass is not None:
             self._lr_since_pass, self._last_step_lr = 0.0, None
         attributes = {"epoch": epoch, "lr": trained_at, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
-        if self.policy.should_snapshot():
+        if self.policy.should_snapshot(step):
             self.snapshot(model, name=name, step=step, attributes=attributes)
         self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
         for source in sources:

@@ -212,3 +212,24 @@ def test_a_loader_with_a_batch_sampler_tells_its_batch_size() -> None:
     unknown = make_plan(_records(), RunShape(100, 0, 2, 16), policy="auto", budget=10**7, encoding="fp16")
     told = make_plan(_records(), RunShape(100, BATCH, 2, 16), policy="auto", budget=10**7, encoding="fp16")
     assert unknown.planned["training steps"] == told.planned["training steps"] > 0
+
+
+def test_a_planned_snapshot_that_no_longer_fits_is_skipped_and_said() -> None:
+    """Training steps outgrow the plan: the first pass's snapshot is skipped (said, in the plan's lines); the
+    last pass's, kept for it, is taken."""
+    shape = RunShape(train_batches=4, train_batch_size=BATCH, passes=2, pass_samples=BATCH, snapshot_bytes=20_000)
+    policy = CapturePolicy("auto", 200_000)
+    policy.expect(shape)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(60):
+            policy.apply(_records(step), capture_point="train", step=step)
+        assert policy.plan is not None and policy.plan.snapshots == 2
+        first = policy.should_snapshot(60)
+        policy.apply(_records(), capture_point="epoch-0/train", step=60)
+        last = policy.should_snapshot(120)
+    assert (first, last) == (False, True)
+    assert {"step": 60, "part": "weight snapshots", "from": "snapshot", "to": "skipped"} in policy.plan.degraded
+    text = "\n".join(policy.plan.lines())
+    assert "skipped at step 60: the weight snapshot of that checkpoint pass" in text, text
+    assert any("weight snapshot of the checkpoint pass at step 60 is skipped" in str(w.message) for w in caught)

@@ -295,7 +295,12 @@ class CapturePlan:
         planned = ", ".join(f"{key} {size_text(value)}" for key, value in self.planned.items())
         out.append(f"  planned bytes: {planned}")
         for change in self.degraded:
-            if change["to"] == "not stored":
+            if change["to"] == "skipped":
+                out.append(
+                    f"  skipped at step {change['step']}: the weight snapshot of that checkpoint pass (the budget "
+                    "was spent)"
+                )
+            elif change["to"] == "not stored":
                 out.append(
                     f"  stopped at step {change['step']}: {change['part']} no longer stored, not even their metadata "
                     "(the budget was spent)"

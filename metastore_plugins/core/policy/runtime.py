@@ -183,8 +183,9 @@ class CapturePolicy:
             self._said.add(message.split(" step ")[0])
             warnings.warn(message, stacklevel=4)
 
-    def should_snapshot(self) -> bool:
-        """Whether the checkpoint pass about to run takes a weight snapshot (call once per pass, at its start).
+    def should_snapshot(self, step: int = -1) -> bool:
+        """Whether the checkpoint pass about to run (at ``step``) takes a weight snapshot (call once per pass, at
+        its start). A planned snapshot that no longer fits the budget is skipped: said, and recorded in the plan.
 
         Before the plan is made (the first pass of a run that captures no training steps), the snapshots
         the plan will have are known from the run's shape and budget alone.
@@ -195,10 +196,18 @@ class CapturePolicy:
         )
         if not snapshots:
             return False
-        fits = self.spent + self.shape.snapshot_bytes <= self.limit - self._reserved("passes")
-        if snapshots < 0:
-            return fits
-        return self._passes_seen >= self.shape.passes - snapshots + 1 and fits
+        if snapshots > 0 and self._passes_seen < self.shape.passes - snapshots + 1:
+            return False  # the plan snapshots only the last passes
+        if self.spent + self.shape.snapshot_bytes <= self.limit - self._reserved("passes"):
+            return True
+        if self.plan is not None:
+            self.plan.degraded.append({"step": step, "part": "weight snapshots", "from": "snapshot", "to": "skipped"})
+            self._say_once(
+                f"{self.owner}: the run outgrew its capture plan (budget {self.plan.budget:,} bytes, {self.spent:,} "
+                f"spent): the weight snapshot of the checkpoint pass at step {step} is skipped"
+            )
+            self._changed()
+        return False
 
     def spend(self, nbytes: int) -> None:
         """Count bytes written outside the shards (a snapshot)."""

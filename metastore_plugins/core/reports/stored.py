@@ -86,7 +86,9 @@ def _notes(plan: CapturePlan) -> list[str]:
     for change in plan.degraded:
         part, step = str(change["part"]), int(change["step"])
         verb = "was" if part.startswith("the last") else "were"
-        if change["to"] == "not stored":
+        if change["to"] == "skipped":
+            notes.append(f"the weight snapshot of the checkpoint pass at step {step} was skipped ({budget} was spent)")
+        elif change["to"] == "not stored":
             notes.append(f"{part} {verb} no longer stored from step {step} on ({budget} was spent)")
         else:
             notes.append(
