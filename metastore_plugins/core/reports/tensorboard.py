@@ -128,7 +128,14 @@ def write_tensorboard(
         writer.add_text(f"{prefix}/outliers", outlier_markdown(reports["outliers"], columns, caption), step)
         tags.append(f"{prefix}/outliers")
     if reports.get("influence"):
-        writer.add_text(f"{prefix}/influence", influence_markdown(reports["influence"]), step)
+        text = influence_markdown(reports["influence"])
+        pictured = [tag for tag in figures or () if tag.startswith("influence_samples/")]
+        if pictured:  # image samples: the table gives ids, the figures show the samples
+            text += (
+                f"\nThe samples themselves, with labels and scores: the Images tab, {prefix}/influence_samples/ "
+                f"(the first {len(pictured)} test samples).\n"
+            )
+        writer.add_text(f"{prefix}/influence", text, step)
         tags.append(f"{prefix}/influence")
     if table is not None and len(table["sample_id"]):
         for label in np.unique(table["label"]):
@@ -190,6 +197,11 @@ FIGURES = {
 }
 
 
+#: influence figures of image samples: the first test samples of the report, this many (with the other
+#: figures, one page of TensorBoard's Images tab)
+INFLUENCE_FIGURES = 8
+
+
 def sample_figures(
     reports: dict[str, Any],
     samples: SampleLookup | None,
@@ -198,7 +210,8 @@ def sample_figures(
     test_split: str = "val",
 ) -> dict[str, Figure]:
     """Image samples' figures: ``outlier_samples`` (a thumbnail grid of the top outliers) and
-    ``influence_samples/{test_split}_{id}`` (one per test sample, :func:`~.samples.influence_figures`).
+    ``influence_samples/{test_split}_{id}`` (one for each of the first :data:`INFLUENCE_FIGURES` test samples,
+    :func:`~.samples.influence_figures`).
 
     Empty for other data."""
     if samples is None:
@@ -208,7 +221,8 @@ def sample_figures(
     if grid is not None:
         figures["outlier_samples"] = grid
     rows = reports.get("influence") or []
-    for name, figure in influence_figures(rows, samples, train_split=train_split, test_split=test_split).items():
+    pictured = influence_figures(rows, samples, train_split=train_split, test_split=test_split, limit=INFLUENCE_FIGURES)
+    for name, figure in pictured.items():
         figures[f"influence_samples/{name}"] = figure
     return figures
 
@@ -291,7 +305,7 @@ def report_run(
     and the heatmap of the training steps' gradient norms (``gradient_norms.png``,
     ``metastore/gradient_norms``) where they hold what these need. ``samples(split, sample id)``
     returns dataset items: where they are small images, a thumbnail grid of the top outliers and a
-    figure per influence row are written too (``outliers.png``, ``influence-val_{id}.png`` and
+    figure for each of the first :data:`INFLUENCE_FIGURES` influence rows are written too (``outliers.png``, ``influence-val_{id}.png`` and
     ``metastore/outlier_samples``, ``metastore/influence_samples/val_{id}``). ``per_layer_scalars``:
     a gradient-norm scalar chart per layer besides the summary scalars (:func:`~.dynamics.write_dynamics`).
     ``recompute`` refines estimated influence scores exactly
