@@ -111,9 +111,10 @@ class MetaStoreCallback(Callback):
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "metastore"
         check_writable(self.dirpath, "MetaStoreCallback(dirpath=...)")
+        restored, self._restored = self._restored, False  # this fit's restore only
         moved = claim_store_dir(
             self.dirpath,
-            continuing=self._restored or trainer.global_step > 0,
+            continuing=restored or trainer.global_step > 0,
             overwrite=self.options.overwrite,
             owner="MetaStoreCallback",
             resume="trainer.fit(model, ..., ckpt_path=...)",
