@@ -33,7 +33,7 @@ from hostilecases import (
 from storecases import synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.store import StoreError, batches, shardread
+from metastore_plugins.core.store import StoreError, batches, readcache, shardread
 from metastore_plugins.core.store import files as files_module
 from metastore_plugins.core.store import writer as writer_module
 
@@ -99,30 +99,45 @@ def test_verify_reports_all_damage_at_once(store4: tuple) -> None:
     check(open_store(path), of_shard(expected, 2))
 
 
-def test_a_shard_is_read_and_checked_whenever_it_is_opened(store4: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Within the in-memory cache (128 MiB per store) a shard is read once; dropped, it is read and checked again."""
+def test_a_shard_is_read_and_checked_once_while_its_file_is_unchanged(
+    store4: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read once per process (the read cache) while the file's identity holds; without the cache, at every reopen."""
     path, expected = store4
-    reads: list[tuple[str, bool]] = []
-    read = batches.read_shard
+    reads: list[tuple[str, tuple[str, ...]]] = []
+    read = readcache.read_opened
 
-    def counted(file: Path, directory: Path, expect: Any) -> Any:
-        reads.append((file.name, expect.sha256 is not None))
-        return read(file, directory, expect)
+    def counted(fd: int, opened: Any, file: Path, expect: Any) -> Any:
+        reads.append((file.name, tuple(sorted(expect.digests()))))
+        return read(fd, opened, file, expect)
 
-    monkeypatch.setattr(batches, "read_shard", counted)
+    monkeypatch.setattr(readcache, "read_opened", counted)
+    readcache.SHARDS.clear()
     store = open_store(path)
     assert reads == []  # opening reads no shard
     check(store, expected)
     store.norms()
-    assert sorted(reads) == [(shard(path, i).name, True) for i in range(4)]
-    open_store(path, checksums=False).norms()  # read again (a new store), the size checked but not the sha256
-    assert sorted(reads[4:]) == [(shard(path, i).name, False) for i in range(4)]
-    monkeypatch.setattr(batches, "MAX_OPEN_BYTES", 1)  # only the shard just read stays: each reopen reads it
+    checked = tuple(sorted(store.index.expectation(0, True, fast=True).digests()))
+    assert checked and sorted(reads) == [(shard(path, i).name, checked) for i in range(4)]
     del reads[:]
+    open_store(path, checksums=False).norms()  # another store, the same files: nothing read again
+    monkeypatch.setattr(batches, "MAX_OPEN_BYTES", 1)  # each store keeps only the shard just used
     store = open_store(path)
     store.norms()
     store.norms()
-    assert sorted(reads) == sorted([(shard(path, i).name, True) for i in range(4)] * 2)
+    assert reads == []
+    os.utime(shard(path, 2), ns=(0, 0))  # another identity: read and checked again, once
+    store.norms()
+    store.norms()
+    assert reads == [(shard(path, 2).name, checked)]
+    del reads[:]
+    monkeypatch.setattr(readcache.SHARDS, "max_bytes", 0)  # no cache: read at every reopen
+    readcache.SHARDS.clear()
+    store = open_store(path)
+    store.norms()
+    store.norms()
+    assert sorted(reads) == sorted([(shard(path, i).name, checked) for i in range(4)] * 2)
+    readcache.SHARDS.clear()
 
 
 # -- a full disk -------------------------------------------------------------------------------

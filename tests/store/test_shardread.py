@@ -8,6 +8,7 @@ Real shards come from ``shardfile.write_shard``; every tensor read is compared w
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import stat
@@ -35,6 +36,7 @@ from shardcases import (
 
 from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.shardread import (
+    ShardData,
     ShardExpectation,
     expected_keys,
     file_problem,
@@ -91,12 +93,11 @@ def test_expected_keys_match_what_the_writer_stores(tmp_path: Path, encoding: st
     read_shard(path, tmp_path, ShardExpectation(path.stat().st_size, sha, old_required, old_optional))
 
 
-def test_tensors_are_independent_copies_that_survive_the_file(tmp_path: Path) -> None:
+def test_tensors_are_views_of_the_bytes_read_that_survive_the_file(tmp_path: Path) -> None:
     path = tmp_path / "s.safetensors"
     expect = _write(path, "fp16")
     reference = _reference(path)
     data = read_shard(path, tmp_path, expect)
-    data.get("b0/r0/prefix").fill_(7.0)  # changes the copy only
     os.truncate(path, 0)  # truncated in place: a mapping would die of SIGBUS here
     _assert_same(data, reference)
     other = tmp_path / "other.safetensors"
@@ -105,6 +106,17 @@ def test_tensors_are_independent_copies_that_survive_the_file(tmp_path: Path) ->
     _assert_same(data, reference)
     with pytest.raises(StoreError, match="checksum mismatch"):  # read again: checked again
         read_shard(path, tmp_path, expect)
+    prefix, again = data.get("b0/r0/prefix"), data.get("b0/r0/prefix")
+    assert prefix.data_ptr() == again.data_ptr() == data.raw().data_ptr() + _offset(data, "b0/r0/prefix")  # no copy
+    assert data.intact()
+    prefix.fill_(7.0)  # a caller breaking the read-only contract changes the shared bytes...
+    assert not data.intact()  # ...and the shard says so (a cache then reads it again)
+
+
+def _offset(data: ShardData, key: str) -> int:
+    """Where ``key``'s bytes start in the file, from the header (parsed here with json)."""
+    length = int.from_bytes(bytes(data.buffer()[:8]), "little")
+    return 8 + length + json.loads(bytes(data.buffer()[8 : 8 + length]))[key]["data_offsets"][0]
 
 
 def test_a_symlink_inside_the_store_is_refused_as_a_link(tmp_path: Path) -> None:

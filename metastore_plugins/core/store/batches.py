@@ -1,9 +1,14 @@
 """Stored batches and the shard files that hold them: :class:`BatchRef` and :class:`ShardFiles`.
 
-A shard is read whole into memory and checked (a regular file of the store, its size, sha256
-and exact tensor keys) every time it is opened: a shard replaced, truncated or turned into a
-link after an earlier read is checked again, never trusted from a cached check, and no file is
-memory-mapped (a file truncated under a mapping kills the process).
+A shard is read whole into memory and checked (a regular file of the store, its size, checksum
+and exact tensor keys) the first time this process needs it, then kept in the process's
+:mod:`~metastore_plugins.core.store.readcache` while the file's identity (device, inode, size,
+mtime, ctime) stays the same: a shard replaced, truncated, rewritten or turned into a link
+after an earlier read is read and checked again, never trusted from a cached check, and no
+file is memory-mapped (a file truncated under a mapping kills the process). Each store also
+holds the shards it is reading (:data:`MAX_OPEN_BYTES`) without looking at the file again,
+so consecutive batches of one shard cost one lookup. Record tensors are views of the checked
+bytes: read-only by contract (see :class:`~metastore_plugins.core.store.shardread.ShardData`).
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from metastore_plugins.core.store.encoding import decode, is_scale_key
 from metastore_plugins.core.store.index import StoreIndex
 from metastore_plugins.core.store.journal import KIND_CODES
 from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.readcache import SHARDS
 from metastore_plugins.core.store.record_check import check_record
-from metastore_plugins.core.store.shardread import ShardData, read_shard
+from metastore_plugins.core.store.shardread import ShardData
 
-#: Bytes of shards kept in memory per store (the least recently used is dropped first; the one
-#: just read always stays): repeated reads of a shard then cost no new read and checksum.
+#: Bytes of shards each store holds without looking at their files again (the least recently used is
+#: dropped first; the one just read always stays). Beyond them, shards come from the process's cache.
 MAX_OPEN_BYTES = 128 * 2**20
 
 
@@ -46,10 +52,10 @@ class ShardFiles:
         """Shard ``shard``'s checked contents; :class:`StoreError` naming the file when it is damaged."""
         with self._lock:
             data = self._open.pop(shard, None)
-            if data is None:
+            if data is None or not data.intact():
                 path = self.directory / self.index.shards[shard].file
                 try:
-                    data = read_shard(path, self.directory, self.index.expectation(shard, self.checksums))
+                    data = SHARDS.read(path, self.directory, self.index.expectation(shard, self.checksums, fast=True))
                 except StoreError as exc:
                     raise StoreError(f"{exc}; other shards stay readable, store.verify() lists all damage") from exc
             self._open[shard] = data  # most recently used last

@@ -153,13 +153,20 @@ class StoreIndex:
         sizes = self.batch["size"][batches]
         return _ranges(self.batch["row0"][batches], sizes), np.repeat(np.arange(len(batches)), sizes)
 
-    def expectation(self, shard: int, checksums: bool) -> ShardExpectation:
-        """The size, checksum and exact tensor keys the index expects of shard ``shard``."""
-        return expectation(self.shards[shard], self.layers, checksums)
+    def expectation(self, shard: int, checksums: bool, fast: bool = False) -> ShardExpectation:
+        """The size, checksums and exact tensor keys the index expects of shard ``shard`` (see :func:`expectation`)."""
+        return expectation(self.shards[shard], self.layers, checksums, fast)
 
 
-def expectation(entry: ShardEntry, layers: dict[str, dict[str, Any]], checksums: bool) -> ShardExpectation:
-    """The size, checksum and exact tensor keys an entry says its shard holds."""
+def expectation(
+    entry: ShardEntry, layers: dict[str, dict[str, Any]], checksums: bool, fast: bool = False
+) -> ShardExpectation:
+    """The size, checksums and exact tensor keys an entry says its shard holds.
+
+    ``checksums``: every checksum the entry lists (``sha256``, and ``xxh3_128`` where its line has
+    one: ``verify``, repair, compaction); with ``fast`` too, ``xxh3_128`` alone where listed, else
+    ``sha256`` (the query path). Without ``checksums``: none (the size and keys are still checked).
+    """
     described = []
     roles = [list(layers[name]["params"]) for name in entry.layers]
     kinds, layer_of = entry.records["kind"].tolist(), entry.records["layer"].tolist()
@@ -171,7 +178,9 @@ def expectation(entry: ShardEntry, layers: dict[str, dict[str, Any]], checksums:
         records = [(KIND_CODES[kinds[k]], roles[layer_of[k]]) for k in range(bounds[j], bounds[j + 1])]
         described.append((columns[meta], records))
     required, optional = expected_keys(described, entry.encoding)
-    return ShardExpectation(entry.bytes, entry.sha256 if checksums else None, required, optional)
+    xxh3 = getattr(entry, "xxh3_128", None) if checksums else None
+    sha256 = entry.sha256 if checksums and not (fast and xxh3) else None
+    return ShardExpectation(entry.bytes, sha256, required, optional, xxh3)
 
 
 def join_samples(entries: list[ShardEntry]) -> dict[str, np.ndarray]:
