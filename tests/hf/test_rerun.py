@@ -134,3 +134,14 @@ def test_under_ddp_every_rank_refuses_or_follows_rank_zero(tmp_path: Path) -> No
     assert sorted(str(p.relative_to(moved[0])) for p in moved[0].rglob("*") if p.is_file()) == seen[0]["before"]
     assert open_store(moved[0]).ranks() == open_store(store).ranks() == [0, 1]
     assert _counts(store) == dict.fromkeys(range(8), 1)  # the third run alone: each sample once
+
+
+def test_the_automatic_epoch_tag_records_the_rate_the_epochs_last_step_trained_at(tmp_path: Path) -> None:
+    """The Trainer's linear decay over 8 steps (4 per epoch) applies 0.1 * (8 - t) / 8 at step t."""
+    from metastore_plugins.core.policy.tags import read_tags
+
+    callback = MetaStoreTrainerCallback(reports=False)
+    _run(tmp_path, callback, num_train_epochs=2, learning_rate=0.1, lr_scheduler_type="linear")
+    tags = {tag.name: tag for tag in read_tags(callback.dirpath) if tag.automatic}
+    for epoch, last_step in ((0, 3), (1, 7)):
+        assert tags[f"epoch-{epoch}"].attributes["lr"] == pytest.approx(0.1 * (8 - last_step) / 8, rel=1e-6)
