@@ -80,7 +80,7 @@ class Setup:
     ensemble: int = 5
     trak_regularizations: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
     dampings: tuple[float, ...] = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0)
-    kronfluence_dampings: tuple[float | None, ...] = (None, 0.001, 0.01, 0.1)  # None: Kronfluence's own rule
+    kronfluence_dampings: tuple[float | None, ...] = (None, 1e-5, 1e-4, 1e-3, 1e-2, 0.1)  # None: its own rule
     influence_functions: bool = True
     kronfluence: bool = True  # its rows (skipped when the package is not installed)
     bootstrap: int = 2000
