@@ -28,7 +28,9 @@ def defaults_table(page: Path) -> dict[str, str]:
         names = re.findall(r"`([^`(]+)(?:\([^`]*\))?`", cells[0])
         values = cells[1].split(", ") if len(names) > 1 else [cells[1]]
         assert len(values) == len(names), f"{page.name}: row {cells[0]} has {len(values)} defaults"
-        table.update(zip(names, values, strict=True))
+        for name, value in zip(names, values, strict=True):
+            assert name not in table, f"{page.name} lists {name} twice"
+            table[name] = value
     return table
 
 
