@@ -146,7 +146,7 @@ def check_budget(budget: int | None, shape: RunShape, owner: str) -> None:
     """Refuse, at the start, a budget below :func:`minimum_budget` (the figures and the ways out in the message)."""
     if budget is None or not shape.known or budget >= (least := minimum_budget(shape)):
         return
-    passes = f" and {shape.passes} checkpoint passes of {shape.pass_samples:,}" if shape.passes else ""
+    passes = f" and {shape.passes} checkpoint passes of {shape.pass_samples:,} samples" if shape.passes else ""
     raise ValueError(
         f"{owner}(budget={budget:,} bytes) is below what this run needs before any gradient: {least:,} bytes "
         f"({size_text(least)}). Its metadata alone (sample ids, labels, losses, predictions, margins, in the shards "
