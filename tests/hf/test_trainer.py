@@ -98,7 +98,7 @@ def test_reports_next_to_the_trainers_curves(tmp_path: Path) -> None:
     tags = events.Tags()
     assert "train/loss" in tags["scalars"]
     assert {"metastore/outliers/text_summary", "metastore/influence/text_summary"} <= set(tags["tensors"])
-    assert tags["images"] == ["metastore/loss_vs_self_influence"]
+    assert {"metastore/loss_vs_self_influence", "metastore/gradient_norms", "metastore/data_map"} == set(tags["images"])
     row = callback.report_result["outliers"][0]
     assert row["text"] == TorchDataset(N_TRAIN, 1).rows["text"][row["sample_id"]]
 

@@ -96,12 +96,12 @@ def heatmap_figure(gmap: GradientMap, *, spike_factor: float = SPIKE_FACTOR) -> 
     """The layer x step heatmap of ``gmap``: log colour, model order top to bottom, spikes ringed in red.
 
     The worst layer's name is red; cells without a value are grey."""
+    rows, columns = gmap.values.shape
+    figure = new_figure(9.0, min(2.4 + 0.14 * rows, 16.0), layout="constrained")  # ImportError naming the extra
     from matplotlib import colormaps
     from matplotlib.colors import LogNorm
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    rows, columns = gmap.values.shape
-    figure = new_figure(9.0, min(2.4 + 0.14 * rows, 16.0), layout="constrained")
     axes = figure.add_subplot()
     positive = gmap.values[np.isfinite(gmap.values) & (gmap.values > 0)]
     low, high = (float(positive.min()), float(positive.max())) if len(positive) else (1e-12, 1.0)
