@@ -64,7 +64,13 @@ def claim_store_dir(
             ``path``, or when the store to overwrite could not be moved.
     """
     path = Path(path)
-    what, detail = agree(_decide(path, continuing, overwrite, owner, step) if rank == 0 else ("", ""))
+    decision: Decision = ("", "")
+    if rank == 0:
+        try:
+            decision = _decide(path, continuing, overwrite, owner, step)
+        except (OSError, ValueError) as exc:  # an unreadable directory: every rank must hear it, not wait for it
+            decision = ("error", f"{owner}: cannot read the store directory {path} ({exc}); check its permissions")
+    what, detail = agree(decision)
     if what == "refuse":
         raise ExistingStoreError(
             f"{owner}: {path} already holds the store of an earlier run, and this run starts afresh (at step 0): "

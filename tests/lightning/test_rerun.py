@@ -20,7 +20,7 @@ from lightning_cases import Classifier, fit, loaders  # noqa: E402
 from metastore_plugins import CaptureSession, MetaStoreCallback, StoreWriter, open_store  # noqa: E402
 from metastore_plugins.cli import main  # noqa: E402
 from metastore_plugins.core.policy.tags import read_tags  # noqa: E402
-from metastore_plugins.core.run import ExistingStoreError  # noqa: E402
+from metastore_plugins.core.run import ExistingStoreError, claim_store_dir  # noqa: E402
 from metastore_plugins.core.store.runs import repeated_batches  # noqa: E402
 
 N_TRAIN = 24
@@ -179,3 +179,20 @@ def test_two_runs_appended_to_one_store_before_the_refusal_are_detected(
     assert lines[0].startswith("capture point 'train': 2 batches are stored more than once, at steps 0..1")
     assert main(["inspect", str(tmp_path / "store")]) == 1  # `metastore inspect` lists it under problems
     assert "capture point 'train': 2 batches are stored more than once" in capsys.readouterr().out
+
+
+def test_overwrite_never_moves_a_store_that_a_writer_still_holds(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    layer = torch.nn.Linear(4, 2)
+    with StoreWriter(store) as writer:  # holds rank 0's lock while it is open
+        with CaptureSession(layer) as session:
+            layer(torch.randn(3, 4)).sum().backward()
+        writer.write(session.factors(), sample_ids=torch.arange(3), step=0)
+        writer.flush()
+        before = _files(store)
+        with pytest.raises(ExistingStoreError, match="could not move the earlier store"):
+            claim_store_dir(store, continuing=False, overwrite=True, owner="Test", resume="-")
+        assert _files(store) == before and [p.name for p in tmp_path.iterdir()] == ["store"]
+    assert claim_store_dir(store, continuing=True, overwrite=True, owner="Test", resume="-", step=1) is None  # kept
+    moved = claim_store_dir(store, continuing=False, overwrite=True, owner="Test", resume="-")
+    assert moved is not None and sorted(_files(moved)) == sorted(before) and list(store.iterdir()) == []
