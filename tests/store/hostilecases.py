@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import xxhash
 from storecases import FP32_ROUNDOFF, synthetic_batch
 
 from metastore_plugins import StoreWriter
@@ -126,10 +127,16 @@ def unpacked(packed: list[str]) -> np.ndarray:
 
 
 def resync(path: Path, i: int, rank: int = 0) -> None:
-    """Make line ``i`` agree with its shard file's size and sha256 again (a consistent, hostile store)."""
+    """Make line ``i`` agree with its shard file's size and checksums again (a consistent, hostile store)."""
     file = path / journal_objects(path, rank)[i]["file"]
     data = file.read_bytes()
-    edit_line(path, i, lambda e: e.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest()), rank)
+
+    def agree(entry: dict[str, Any]) -> None:
+        entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        if "xxh3_128" in entry:
+            entry["xxh3_128"] = xxhash.xxh3_128_hexdigest(data)
+
+    edit_line(path, i, agree, rank)
 
 
 # -- manifests and the version 1 golden store ----------------------------------------------------

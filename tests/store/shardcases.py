@@ -115,9 +115,9 @@ DESCRIBED = [
 
 def _write(path: Path, encoding: str, seed: int = 0) -> ShardExpectation:
     metadata = {"format": "metastore", "encoding": encoding}
-    size, sha256 = write_shard(path, _batches(seed), check_encoding(encoding), metadata)
+    size, sha256, xxh3 = write_shard(path, _batches(seed), check_encoding(encoding), metadata)
     required, optional = expected_keys(DESCRIBED, encoding)
-    return ShardExpectation(size, sha256, required, optional)
+    return ShardExpectation(size, sha256, required, optional, xxh3)
 
 
 def _reference(path: Path) -> dict[str, torch.Tensor]:

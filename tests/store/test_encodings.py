@@ -211,6 +211,7 @@ def test_a_shard_file_holds_each_encoded_tensor_and_its_checksum(tmp_path: Path,
     one by one, metadata columns as given, and the returned size and sha256 are the file's."""
     import hashlib
 
+    import xxhash
     from safetensors import safe_open
 
     from metastore_plugins.core.store import manifest as mf
@@ -256,10 +257,10 @@ def test_a_shard_file_holds_each_encoded_tensor_and_its_checksum(tmp_path: Path,
         ([empty, dense], {"sample_id": torch.tensor([1, 2]), "label": torch.tensor([True, False])}),
     ]
     before = [{k: t.clone() for k, t in r.tensors.items()} for records, _ in batches for r in records]
-    size, sha256 = write_shard(tmp_path / "s.safetensors", batches, encoding, {"format": "x"})
+    size, sha256, xxh3 = write_shard(tmp_path / "s.safetensors", batches, encoding, {"format": "x"})
 
     raw = (tmp_path / "s.safetensors").read_bytes()
-    assert (size, sha256) == (len(raw), hashlib.sha256(raw).hexdigest())
+    assert (size, sha256, xxh3) == (len(raw), hashlib.sha256(raw).hexdigest(), xxhash.xxh3_128_hexdigest(raw))
     expected: dict[str, Tensor] = {}
     for index, (records, meta) in enumerate(batches):
         for k, record in enumerate(records):

@@ -57,8 +57,8 @@ def test_reading_a_shard_with_flipped_bytes_names_the_file_and_the_checksum(stor
     data[-5] ^= 0x40  # inside tensor data: safetensors itself would not notice
     victim.write_bytes(bytes(data))
     store = open_store(path)
-    with pytest.raises(
-        StoreError, match=rf"{re.escape(victim.name)}: checksum mismatch, sha256 [0-9a-f]{{64}} on disk"
+    with pytest.raises(  # queries check the line's xxh3_128 (verify: its sha256 too)
+        StoreError, match=rf"{re.escape(victim.name)}: checksum mismatch, xxh3_128 [0-9a-f]{{32}} on disk"
     ):
         store.restore(5)
     with pytest.raises(StoreError, match="checksum mismatch"):  # every read of records, not just the first

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 from storecases import journal_entries
 
@@ -132,6 +133,9 @@ def _layout(directory: Path) -> dict[str, Any]:
             out[path.name] = journal_entries(path.parent, int(path.stem.removeprefix("index-rank")))
             for entry in out[path.name]:
                 assert len(entry.pop("sha256")) == 64 and entry.pop("bytes") > 0
+                fast = entry.pop("xxh3_128", None)  # an additive field (issue 35): the file's xxh3_128 where written
+                assert fast is None or fast == xxhash.xxh3_128_hexdigest((directory / entry["file"]).read_bytes())
+                entry["xxh3_128"] = fast is not None
                 entry["samples"]["loss"] = entry["samples"]["loss"][0]  # values differ by rounding across versions
         elif path.suffix == ".safetensors":
             out[path.name] = _shard_layout(path)
@@ -269,6 +273,8 @@ def test_todays_writer_writes_the_golden_format(tmp_path: Path) -> None:
     golden, today = _layout(STORE_V3), _layout(tmp_path)
     assert sorted(today) == sorted(golden)
     for name in golden:
+        if name.endswith(".jsonl"):  # lines written now add their xxh3_128 (the golden ones predate it)
+            assert all(e.pop("xxh3_128") for e in today[name]) and not any(e.pop("xxh3_128") for e in golden[name])
         if name.endswith(".safetensors"):  # the shard's own description: an additive header key (repair's source)
             assert "index" in today[name]["metadata"] and "index" not in golden[name]["metadata"], name
             del today[name]["metadata"]["index"]

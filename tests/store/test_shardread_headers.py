@@ -109,7 +109,7 @@ def test_long_non_ascii_role_names_stay_within_the_header_bound(tmp_path: Path) 
     roles = [f"{i}" + "\U0001f600" * 1023 for i in range(40)]
     grads = {role: torch.randn(2, 3) for role in roles}
     path = tmp_path / "s.safetensors"
-    size, sha256 = write_shard(
+    size, sha256, _ = write_shard(
         path, [([dense_record("x", grads, dict.fromkeys(roles, "p"))], {"sample_id": torch.arange(2)})], "fp16", {}
     )
     required, _ = expected_keys([((), [("dense", roles)])], "fp16")

@@ -26,6 +26,7 @@ SAMPLE_FIELDS = ("sample_id", "label", "loss", "prediction", "margin")
 #: Sample columns that are always float32 (NaN where not stored); label and prediction keep their kind.
 FLOAT_SAMPLE_FIELDS = ("loss", "margin")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_XXH3_128 = re.compile(r"[0-9a-f]{32}")
 #: The most capture-point or layer names one journal line may list.
 MAX_NAMES = 2**16
 #: The highest shard number a name ``rank{r}-NNNNNN(NNN).safetensors`` can hold (6 to 9 digits).
@@ -46,6 +47,7 @@ class ShardEntry:
     batches: dict[str, np.ndarray]  # BATCH_FIELDS -> (n_b,); capture_point and layer index the name lists
     records: dict[str, np.ndarray]  # RECORD_FIELDS -> (n_r,)
     samples: dict[str, np.ndarray] | None  # SAMPLE_FIELDS present -> (n_s,); None until read (version 1)
+    xxh3_128: str | None = None  # the fast checksum of the query path (lines written since issue 35); None: sha256
 
     @property
     def rows(self) -> int:
@@ -58,6 +60,7 @@ class ShardEntry:
             "file": self.file,
             "bytes": self.bytes,
             "sha256": self.sha256,
+            **({} if self.xxh3_128 is None else {"xxh3_128": self.xxh3_128}),
             "encoding": self.encoding,
             "capture_points": self.capture_points,
             "layers": self.layers,
@@ -120,6 +123,12 @@ def entry_from_json(raw: dict[str, Any], rank: int, layers: dict[str, Any]) -> S
         "sha256",
         "must be 64 hex digits",
     )
+    xxh3 = raw.get("xxh3_128")  # optional (issue 35): absent in lines written before
+    _need(
+        xxh3 is None or (isinstance(xxh3, str) and _XXH3_128.fullmatch(xxh3) is not None),
+        "xxh3_128",
+        "must be 32 hex digits",
+    )
     _need(raw.get("encoding") in ENCODING_NAMES, "encoding", f"must be one of {ENCODING_NAMES}")
     capture_points = _names(raw.get("capture_points"), "capture_points")
     layer_names = _names(raw.get("layers"), "layers", empty_ok=True)
@@ -154,6 +163,7 @@ def entry_from_json(raw: dict[str, Any], rank: int, layers: dict[str, Any]) -> S
         file, raw["bytes"], raw["sha256"], raw["encoding"], rank, capture_points, layer_names, batches, records, None
     )
     entry.samples = _samples(_columns(raw.get("samples"), SAMPLE_FIELDS, ("sample_id",), "samples"), entry.rows)
+    entry.xxh3_128 = xxh3
     return entry
 
 

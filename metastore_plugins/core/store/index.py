@@ -178,7 +178,7 @@ def expectation(
         records = [(KIND_CODES[kinds[k]], roles[layer_of[k]]) for k in range(bounds[j], bounds[j + 1])]
         described.append((columns[meta], records))
     required, optional = expected_keys(described, entry.encoding)
-    xxh3 = getattr(entry, "xxh3_128", None) if checksums else None
+    xxh3 = entry.xxh3_128 if checksums else None
     sha256 = entry.sha256 if checksums and not (fast and xxh3) else None
     return ShardExpectation(entry.bytes, sha256, required, optional, xxh3)
 

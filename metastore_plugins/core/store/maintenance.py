@@ -35,7 +35,7 @@ from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.repair import JournalLine, repair, scan_journal
 from metastore_plugins.core.store.shardfile import header_bytes, tensor_layout
 from metastore_plugins.core.store.shardinfo import describe
-from metastore_plugins.core.store.shardread import ShardData, read_shard
+from metastore_plugins.core.store.shardread import DIGESTS, ShardData, read_shard
 from metastore_plugins.core.store.writer import StoreWriter
 
 __all__ = ["CompactionReport", "close_and_compact", "compact", "merge_entries", "repair"]
@@ -173,6 +173,7 @@ def _compact_rank(directory: Path, index: RankIndex, target_bytes: int, report: 
                     blob = _merged_shard(part, [datas[e.file] for e in part], merged, layers)
                     files.atomic_write(merged.file, blob)
                     merged.bytes, merged.sha256 = len(blob), hashlib.sha256(blob).hexdigest()
+                    merged.xxh3_128 = DIGESTS["xxh3_128"](blob)  # the query path's checksum (issue 35)
                     replaced[start] = merged
                     dropped.update(range(start + 1, start + len(part)))
                     written.append(merged.file)

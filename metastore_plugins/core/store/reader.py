@@ -50,9 +50,11 @@ class StoreReader:
     in the rank's journal), samples in batch order. A sample seen at several steps (``"train"``
     over several epochs) appears once per occurrence; checkpoint passes hold each sample once.
 
-    Opening reads no shard. Each read of a shard checks its size and (with ``checksums``, the
-    default) its sha256 and tensor keys against the index; a damaged shard raises
-    :class:`StoreError` naming the file, and the other shards stay readable.
+    Opening reads no shard. The first read of a shard in the process checks its size, tensor keys
+    and (with ``checksums``, the default) its checksum against the index (the line's ``xxh3_128``,
+    or ``sha256`` in older lines); later reads reuse the checked bytes while the file is unchanged
+    (:mod:`~metastore_plugins.core.store.readcache`). A damaged shard raises :class:`StoreError`
+    naming the file, and the other shards stay readable.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, checksums: bool = True) -> None:

@@ -12,14 +12,13 @@ them and reading the file back for its checksum (one BERT step's shard, see docs
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,6 +27,7 @@ from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import EXACT_KEYS, Encoding, encode_into, stored_specs
 from metastore_plugins.core.store.files import StoreDir
+from metastore_plugins.core.store.shardread import digests_of
 
 _DTYPE_NAMES = {
     torch.float64: "F64",
@@ -47,6 +47,14 @@ _ITEMSIZE = {dtype: dtype.itemsize for dtype in _DTYPE_NAMES}
 _GROUPED_NUMEL = 1 << 16
 
 Batches = Sequence[tuple[Sequence[LayerRecord], Mapping[str, Tensor]]]
+
+
+class Written(NamedTuple):
+    """A shard just written: its size and the checksums its journal line records (lowercase hex)."""
+
+    bytes: int
+    sha256: str
+    xxh3_128: str
 
 
 class ShardBuffer:
@@ -70,14 +78,14 @@ def write_shard(
     encoding: Encoding,
     metadata: dict[str, str],
     buffer: ShardBuffer | None = None,
-) -> tuple[int, str]:
+) -> Written:
     """Write ``(records, metadata columns)`` batches as one safetensors file.
 
     ``target``: an open binary file (the store writes through :meth:`~.files.StoreDir.atomic_write`,
     which syncs it), or a path, replaced the same way.
     Records are encoded (:mod:`~metastore_plugins.core.store.encoding`), metadata columns stored
     as they are, through ``buffer`` (a new one when not given). Returns the file's size in
-    bytes and its sha256.
+    bytes and its checksums, computed on the buffer in memory.
     """
     if sys.byteorder != "little":
         raise NotImplementedError("shards are written on little-endian hosts only (safetensors stores little-endian)")
@@ -112,8 +120,7 @@ def write_shard(
             _slots(data_section, header, members, {"": (joined.dtype, tuple(joined.shape))})[""].copy_(joined)
     head = header_bytes(header, specs, metadata)
     data = data_section.numpy().data
-    digest = hashlib.sha256(head)
-    digest.update(data)
+    digests = digests_of(head, data)
     if isinstance(target, (str, os.PathLike)):
         path = Path(target)
         with StoreDir(path.parent) as directory:
@@ -121,7 +128,7 @@ def write_shard(
     else:
         target.write(head)
         target.write(data)
-    return len(head) + size, digest.hexdigest()
+    return Written(len(head) + size, digests["sha256"], digests["xxh3_128"])
 
 
 def _groups(records: Sequence[tuple[str, Tensor]]) -> list[list[tuple[str, Tensor]]]:

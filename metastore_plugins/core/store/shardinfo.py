@@ -39,7 +39,7 @@ from metastore_plugins.core.store.entries import (
 from metastore_plugins.core.store.files import StoreError, open_regular
 from metastore_plugins.core.store.index import expectation
 from metastore_plugins.core.store.journal import JournalError, pack, unpack
-from metastore_plugins.core.store.shardread import ShardData, ShardExpectation, read_shard
+from metastore_plugins.core.store.shardread import DIGESTS, ShardData, ShardExpectation, read_shard
 
 #: The header metadata key of a shard's description, and the description's own version.
 INFO_KEY = "index"
@@ -138,6 +138,7 @@ def entry_from_shard(directory: Path, name: str, rank: int) -> tuple[ShardEntry,
             "file": name,
             "bytes": data.nbytes,
             "sha256": sha256,
+            "xxh3_128": DIGESTS["xxh3_128"](data.buffer()),  # the bytes just checked against sha256
             "encoding": data.metadata.get("encoding"),
             **{key: info[key] for key in ("capture_points", "layers", "batches", "records")},
             "samples": {key: pack(value) for key, value in sample_columns(metas).items()},

@@ -104,9 +104,18 @@ def _sha256(data: Any) -> str:
 DIGESTS: dict[str, Callable[[Any], str]] = {"xxh3_128": _xxh3_128, "sha256": _sha256}
 
 
+def digests_of(*parts: Any) -> dict[str, str]:
+    """Every checksum (:data:`DIGESTS`) of the bytes the buffers ``parts`` make together."""
+    sha256, fast = hashlib.sha256(), xxhash.xxh3_128()
+    for part in parts:
+        sha256.update(part)
+        fast.update(part)
+    return {"sha256": sha256.hexdigest(), "xxh3_128": fast.hexdigest()}
+
+
 def check_digests(path: Path, data: Any, wanted: dict[str, str]) -> None:
     """Check ``data`` (the whole file) against each ``{name: hex}``; :class:`StoreError` at the first mismatch."""
-    for name in sorted(wanted, key=list(DIGESTS).index):  # the fast one first
+    for name in sorted(wanted, key=["sha256", "xxh3_128"].index):  # sha256 first where it is asked for (verify)
         actual = DIGESTS[name](data)
         if actual != wanted[name]:
             raise StoreError(

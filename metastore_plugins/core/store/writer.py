@@ -33,7 +33,7 @@ from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding, ch
 from metastore_plugins.core.store.entries import new_entry
 from metastore_plugins.core.store.index_writer import RankIndexWriter
 from metastore_plugins.core.store.journal import journal_name
-from metastore_plugins.core.store.shardfile import ShardBuffer, write_shard
+from metastore_plugins.core.store.shardfile import ShardBuffer, Written, write_shard
 from metastore_plugins.core.store.shardinfo import describe
 
 ArrayLike = Tensor | Sequence[float] | Sequence[int]
@@ -391,7 +391,7 @@ class StoreWriter:
         """Write ``pending`` as the next shard, whole on disk, then list it with one journal line."""
         name = mf.shard_name(self.rank, self._index.next_shard)
         files = self._index.files
-        written: list[tuple[int, str]] = []
+        written: list[Written] = []
         batches = [(b.info | {"records": [self._record_info(r) for r in b.records]}, b.meta) for b in pending]
         entry = new_entry(name, 0, "", self.encoding, self.rank, batches)
         metadata = {"format": mf.FORMAT, "encoding": self.encoding}
@@ -401,7 +401,7 @@ class StoreWriter:
             written.append(write_shard(handle, [(b.records, b.meta) for b in pending], self.encoding, metadata, buffer))
 
         files.atomic_write(name, write)  # a partial temporary (full disk) is removed
-        entry.bytes, entry.sha256 = written[0]
+        entry.bytes, entry.sha256, entry.xxh3_128 = written[0]
         try:
             self._index.append(entry)
         except BaseException:
