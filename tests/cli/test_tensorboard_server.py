@@ -103,7 +103,8 @@ def test_reports_render_in_a_real_tensorboard(tmp_path: Path) -> None:
         assert image.shape[0] >= 300 and image.shape[1] >= 400 and image.shape[2] in (3, 4)
         assert image[..., :3].std() > 0.05  # drawn on, not a blank canvas
         scalars = _get(port, "/data/plugin/scalars/tags")[run_name]
-        assert scalars, scalars
+        assert 0 < len([tag for tag in scalars if tag.startswith("metastore/")]) <= 5, scalars  # no chart per layer
+        assert "metastore/gradient_norms" in images and "metastore/data_map" in images  # one picture of the layers
         assert _get(port, "/data/plugin/projector/runs"), "no projector embeddings"
     finally:
         server.terminate()
