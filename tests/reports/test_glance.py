@@ -233,3 +233,18 @@ def test_a_user_renderer_gives_the_tables_its_text_and_the_figures_its_images(ru
     assert text("train", 3) == "train #3" and text("val", 1) is None and lookup("val", 1) is data["val"][1][0]
     with pytest.warns(UserWarning, match="sample_renderer failed"):
         assert renderers(lambda split, i: 1 / 0)[0]("train", 0) is None
+
+
+def test_influence_markdown_is_one_line_per_test_sample_where_no_sample_has_a_text() -> None:
+    from metastore_plugins.core.reports.files import influence_markdown
+
+    entry = {"sample_id": 4, "label": 1, "score": 0.5}
+    rows = [
+        {"test_id": 2, "test_label": 1, "test_prediction": 0, "proponents": [entry], "opponents": [], "exact": False}
+    ]
+    compact = influence_markdown(rows).splitlines()
+    assert compact[0].startswith("| test id | label | prediction |") and compact[2] == "| 2 | 1 | 0 | 4:1 |  |"
+    blank = [{**rows[0], "test_text": None, "proponents": [{**entry, "text": None}]}]  # a renderer that found none
+    assert influence_markdown(blank) == influence_markdown(rows)
+    shown = influence_markdown([{**rows[0], "proponents": [{**entry, "text": "a | b"}]}])
+    assert "| + | 4 | 1 | +0.5 | estimate | a \\| b |" in shown.splitlines()

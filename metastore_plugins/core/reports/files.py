@@ -70,7 +70,9 @@ def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
     one line per test sample (ids and labels of its proponents and opponents).
 
     A closing line says whether the scores are exact or estimates (projected gradients)."""
-    texts = any("test_text" in row or any("text" in e for e in row["proponents"]) for row in rows)
+    texts = any(
+        row.get("test_text") or any(e.get("text") for e in row["proponents"] + row["opponents"]) for row in rows
+    )
     lines = (
         []
         if texts
