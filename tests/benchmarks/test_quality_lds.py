@@ -6,6 +6,7 @@ The tiny run is a smoke test (seconds), not a measurement: the figures are in do
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,15 @@ pytest.importorskip("sklearn")
 from benchmarks.quality import lds, lds_peers, tokens  # noqa: E402
 from benchmarks.quality.digits import Capture, ModelKind, load_digits_arrays, make_model, train_model  # noqa: E402
 from metastore_plugins import StoreWriter, open_store  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread, as ``lds.main`` runs: on a busy 2-core machine two threads made the tiny runs 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_lds_is_spearman_of_subset_sums_against_outputs() -> None:
