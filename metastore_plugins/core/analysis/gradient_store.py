@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from metastore_plugins.core.analysis import curvature, dynamics, queries
+from metastore_plugins.core.analysis import curvature, dynamics, queries, vector_index
 from metastore_plugins.core.analysis import recompute as recompute_module
 from metastore_plugins.core.analysis import sketches as sketch_queries
 from metastore_plugins.core.capture.records import LayerRecord, RepresentationError
@@ -40,9 +40,9 @@ class GradientStore(StoreReader):
     norms = queries.norms
     self_influence = queries.self_influence
     self_influence_ids = queries.self_influence_ids
-    influence = queries.influence
+    influence = vector_index.influence  # queries.influence, or top-k candidates from the index with k=
     in_run_influence = queries.in_run_influence
-    similar = queries.similar
+    similar = vector_index.similar  # queries.similar, likewise
     # training dynamics
     batch_gradient = dynamics.batch_gradient
     changed_most = dynamics.changed_most
@@ -57,6 +57,7 @@ class GradientStore(StoreReader):
     kernel_influence = sketch_queries.kernel_influence
     kfac_influence = curvature.kfac_influence
     clusters = sketch_queries.clusters
+    build_vector_index = vector_index.build_vector_index
 
     def recompute(
         self, model: nn.Module, dataset: Any, sample_ids: Sequence[int], *, snapshot: str | None, **options: Any

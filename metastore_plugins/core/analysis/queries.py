@@ -272,9 +272,11 @@ def similar(
     cosine: bool = True,
     layers: Sequence[str] | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    candidate_ids: Sequence[int] | None = None,
 ) -> Scores:
-    """Cosine (or dot) similarity of gradients: rows are candidates, columns the query samples."""
-    rows = store.select(candidates, layers=layers)
+    """Cosine (or dot) similarity of gradients: rows are candidates (only ``candidate_ids``, when given),
+    columns the query samples."""
+    rows = store.select(candidates, sample_ids=candidate_ids, layers=layers)
     cols = store.select(query, sample_ids=query_ids, layers=layers)
     matrix = dot_matrix(rows, cols, max_bytes=max_bytes)
     if cosine:

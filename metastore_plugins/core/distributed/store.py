@@ -91,7 +91,9 @@ class DistributedStore(GradientStore):
         train_ids: Sequence[int] | None = None,
         test_ids: Sequence[int] | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        **top_k: Any,  # k=, index=, ... of GradientStore's: a partitioned scan scores every row (exact)
     ) -> Scores:
+        _no_refinement(top_k)
         scores = dq.partitioned_influence(
             self,
             train,
@@ -114,7 +116,9 @@ class DistributedStore(GradientStore):
         cosine: bool = True,
         layers: Sequence[str] | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        **top_k: Any,  # k=, index=, ... of GradientStore's: a partitioned scan scores every row (exact)
     ) -> Scores:
+        _no_refinement(top_k)
         scores = dq.partitioned_similar(
             self,
             query,
@@ -192,3 +196,12 @@ def rank_of(group: Any = None) -> int:
     """This process's rank in ``group`` (0 without a process group): the one that prints or writes results."""
     initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
     return torch.distributed.get_rank(group) if initialised else 0
+
+
+def _no_refinement(top_k: dict[str, Any]) -> None:
+    """``k``/``index``/``candidates`` need nothing here (every row is scored); a ``recompute`` is refused by name."""
+    unknown = set(top_k) - {"k", "index", "candidates", "count", "recompute"}
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(sorted(unknown))}")
+    if top_k.get("recompute") is not None:
+        raise ValueError("recompute= is not supported by partitioned queries; refine the result with refine_influence")

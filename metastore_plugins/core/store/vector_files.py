@@ -1,0 +1,166 @@
+"""The files of a store's nearest-gradient index, ``<store>/vector_index/`` (bytes only: no FAISS, no queries).
+
+One index per (capture point, sketch ``dim``, seed, layer set), named by a hash of them:
+
+- ``manifest-{key}.json``: one line, the manifest's compact JSON, a space, its CRC-32 (8 hex digits)
+  and ``\\n``; replaced whole (atomically) after each build. It lists the index's **parts**, one
+  per shard holding batches of the capture point: ``{"file", "shard", "shard_sha256", "rows",
+  "sha256"}``, and the **search structure** ``"ann"`` (``null`` for a flat index):
+  ``{"file", "kind", "nlist", "nprobe", "rows", "sha256", "parts"}`` (``parts``: the sha256 of the
+  parts list it was built over).
+- ``part-{key}-{shard stem}.safetensors``: the part's vectors (see
+  :mod:`metastore_plugins.core.analysis.vector_index`).
+- ``ann-{key}.faiss``: the serialized FAISS index (``faiss.serialize_index``), read as bytes
+  and deserialized from them, never opened by path.
+
+A part is *current* when its shard is still listed with the sha256 it records, and *sound*
+when its bytes hash to the sha256 the manifest records. Everything goes through
+:class:`~metastore_plugins.core.store.files.StoreDir`: no link is followed, reads are bounded,
+writes atomic. The shard journal is never written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import zlib
+from pathlib import Path
+from typing import Any
+
+from metastore_plugins.core.store.files import StoreDir, StoreError
+
+FOLDER = "vector_index"
+FORMAT, VERSION = "metastore-vector-index", 1
+#: The largest manifest a reader accepts (a part line is about 250 bytes: 4 million shards).
+MAX_MANIFEST_BYTES = 1 << 30
+MANIFEST_NAME = re.compile(r"manifest-[0-9a-f]{16}\.json", re.ASCII)
+
+
+def key_hash(capture_point: str, dim: int, seed: int, layers: list[str]) -> str:
+    """16 hex digits naming an index's files."""
+    return hashlib.sha256(json.dumps([capture_point, dim, seed, sorted(layers)]).encode()).hexdigest()[:16]
+
+
+def manifest_name(key: str) -> str:
+    return f"manifest-{key}.json"
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    text = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode("ascii")
+    return text + f" {zlib.crc32(text):08x}\n".encode()
+
+
+def decode_manifest(data: bytes) -> dict[str, Any]:
+    """The manifest of a file's bytes; :class:`StoreError` (one line) when it is torn, damaged or foreign."""
+    body, _, tail = data.rstrip(b"\n").rpartition(b" ")
+    if not data.endswith(b"\n") or not re.fullmatch(rb"[0-9a-f]{8}", tail) or zlib.crc32(body) != int(tail, 16):
+        raise StoreError("its CRC-32 does not match (a damaged or torn file)")
+    try:
+        manifest = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise StoreError("it is not JSON") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise StoreError(f"it is not a version {VERSION} {FORMAT} manifest")
+    if not isinstance(manifest.get("parts"), list) or not all(isinstance(p, dict) for p in manifest["parts"]):
+        raise StoreError("its parts are not a list of objects")
+    return manifest
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def parts_digest(parts: list[dict[str, Any]]) -> str:
+    """sha256 of the parts' ``(file, sha256)`` in order: what an ``ann`` file was built over."""
+    return sha256(json.dumps([[p.get("file"), p.get("sha256")] for p in parts]).encode())
+
+
+def read(store_dir: Path, name: str, cap: int, what: str) -> bytes:
+    """The bytes of ``vector_index/name``; :class:`StoreError` when missing, a link, not regular or above ``cap``."""
+    with StoreDir(store_dir) as store, store.subdir(FOLDER) as folder:
+        return folder.read(name, cap, what)
+
+
+def read_checked(store_dir: Path, name: str, expected_sha256: str, cap: int, what: str) -> bytes:
+    """:func:`read`, refused (:class:`StoreError`, one line) unless the bytes hash to ``expected_sha256``."""
+    data = read(store_dir, name, cap, what)
+    if sha256(data) != expected_sha256:
+        raise StoreError(f"{store_dir / FOLDER / name}: {what} does not match the sha256 its manifest records")
+    return data
+
+
+def write(store_dir: Path, name: str, data: bytes) -> None:
+    """Replace ``vector_index/name`` atomically (the folder created); OSError/StoreError when it cannot be."""
+    with StoreDir(store_dir) as store, store.subdir(FOLDER, create=True) as folder:
+        folder.atomic_write(name, data)
+
+
+def read_manifest(store_dir: Path, key: str) -> dict[str, Any] | None:
+    """The manifest of ``key``, ``None`` when there is none; :class:`StoreError` when it is damaged or a link."""
+    try:
+        data = read(store_dir, manifest_name(key), MAX_MANIFEST_BYTES, "vector index manifest")
+    except StoreError as exc:
+        if "missing on disk" in str(exc) or "no such directory" in str(exc):
+            return None
+        raise
+    try:
+        return decode_manifest(data)
+    except StoreError as exc:
+        raise StoreError(f"{store_dir / FOLDER / manifest_name(key)}: {exc}") from None
+
+
+def check(store_dir: Path, shard_sha256: dict[str, str]) -> tuple[list[str], list[str]]:
+    """``(problems, descriptions)`` of every index in ``vector_index/`` (for ``verify`` and ``inspect``).
+
+    Problems: a damaged manifest, a part or search file missing, a link or not regular, or
+    whose bytes do not match its recorded sha256. A part whose shard changed or went away is
+    stale, not damaged: the next query rebuilds it. ``shard_sha256``: listed shard -> its sha256.
+    """
+    problems: list[str] = []
+    lines: list[str] = []
+    where = store_dir / FOLDER
+    try:
+        with StoreDir(store_dir) as store:
+            if not store.exists(FOLDER):
+                return [], []
+            with store.subdir(FOLDER) as folder:
+                names = sorted(folder.listdir())
+    except StoreError as exc:
+        return [f"{exc}; the nearest-gradient index is not used (deleting {FOLDER}/ is always safe)"], []
+    for name in (n for n in names if MANIFEST_NAME.fullmatch(n)):
+        try:
+            manifest = decode_manifest(read(store_dir, name, MAX_MANIFEST_BYTES, "vector index manifest"))
+        except StoreError as exc:
+            problems.append(f"{FOLDER}/{name}: {_tail(exc, where / name)}; the next query rebuilds the index")
+            continue
+        parts, ann = manifest["parts"], manifest.get("ann")
+        for entry in [*parts, *([ann] if isinstance(ann, dict) else [])]:
+            problem = _file_problem(store_dir, entry)
+            if problem:
+                problems.append(f"{FOLDER}/{entry.get('file')}: {problem}; the next query rebuilds it")
+        stale = sum(shard_sha256.get(str(p.get("shard"))) != p.get("shard_sha256") for p in parts)
+        rows = sum(int(p.get("rows", 0)) for p in parts)
+        kind = "flat" if not isinstance(ann, dict) else f"{ann.get('kind')} (nlist {ann.get('nlist')}, "
+        kind += "" if not isinstance(ann, dict) else f"nprobe {ann.get('nprobe')})"
+        lines.append(
+            f"{manifest.get('capture_point')!s:<20} {rows:,} rows, dim {manifest.get('dim')}^2, {kind}, "
+            f"{len(parts)} parts" + (f" ({stale} stale: rebuilt by the next query)" if stale else "")
+        )
+    return problems, lines
+
+
+def _file_problem(store_dir: Path, entry: dict[str, Any]) -> str | None:
+    name, expected = entry.get("file"), entry.get("sha256")
+    if not isinstance(name, str) or not isinstance(expected, str):
+        return "listed without a file name or sha256"
+    try:
+        read_checked(store_dir, name, expected, 1 << 40, "vector index file")
+    except StoreError as exc:
+        return _tail(exc, store_dir / FOLDER / name)
+    return None
+
+
+def _tail(exc: StoreError, path: Path) -> str:
+    text = str(exc)
+    return text[len(str(path)) + 2 :] if text.startswith(f"{path}: ") else text
