@@ -52,7 +52,7 @@ from metastore_plugins.core.reports.stored import (
     with_gradients,
 )
 from metastore_plugins.core.reports.tables import OUTLIER_RANKINGS, influence_rows, outlier_markdown, outlier_table
-from metastore_plugins.core.store import StoreError, find_store_dir
+from metastore_plugins.core.store import StoreError, find_store_dir, vector_files
 from metastore_plugins.core.store.maintenance import compact, repair
 from metastore_plugins.core.store.runs import repeated_batches
 from metastore_plugins.core.store.snapshots import SnapshotInfo, check_snapshots
@@ -212,6 +212,7 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
         *plan_lines,
         f"snapshots  {len(snapshots)} ({sum(info.nbytes for info in snapshots):,} bytes)",
         *(f"  {_snapshot_line(info)}" for info in snapshots),
+        *_vector_index_lines(store),
         f"tags       {len(tags)}",
         *(f"  {_tag_line(tag)}" for tag in tags[:TAG_LINES]),
         *([more] if more else []),
@@ -220,6 +221,14 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
     ]
     _emit(args, data, "\n".join(printable(line) for line in lines))  # one stored string never makes two lines
     return 1 if problems else 0
+
+
+def _vector_index_lines(store: GradientStore) -> list[str]:
+    """The kept nearest-gradient indexes: capture point, rows, width, type (flat, or IVF and its parameters)."""
+    lines = vector_files.check(store.path, {entry.file: entry.sha256 for entry in store.index.shards})[1]
+    if not lines:
+        return ["vector index: none (`metastore influence|similar --index build` builds one)"]
+    return [f"vector index: {len(lines)}", *(f"  {line}" for line in lines)]
 
 
 def _plan_lines(plan: Any, problems: list[str]) -> list[str]:
@@ -392,7 +401,7 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
         missing = sorted(set(args.test) - stored)
         if missing:
             raise _not_stored(store, missing, test, f"test sample(s) {missing} are")
-    rows = influence_rows(store, train, test, args.k)
+    rows = influence_rows(store, train, test, args.k, index=_index_option(args))
     if args.test is not None:
         rows = [row for row in rows if row["test_id"] in set(args.test)]
     notes = _occurrence_notes(store, test, [row["test_id"] for row in rows])
@@ -421,8 +430,8 @@ def cmd_similar(args: argparse.Namespace, store: GradientStore) -> None:
         raise _not_stored(store, [args.sample], [query_point], f"sample {args.sample} is")
     query_steps = store.metadata(query_point, sample_ids=[args.sample])["step"]  # (Q,) in column order
     column = int(np.flatnonzero(query_steps == query_steps.max())[-1])
-    scores = store.similar(query_point, candidates, query_ids=[args.sample])
-    steps = store.metadata(candidates)["step"]  # (N,) aligned with scores.row_ids
+    scores = store.similar(query_point, candidates, query_ids=[args.sample], k=args.k + 1, index=_index_option(args))
+    steps = store.metadata(candidates, sample_ids=np.unique(scores.row_ids))["step"]  # (N,) aligned with row_ids
     ids, cosine, at = nearest_occurrences(scores.row_ids, steps, scores.scores[:, column], int(query_steps[column]))
     order = [i for i in np.argsort(-cosine, kind="stable") if ids[i] != args.sample][: args.k]
     rows = [{"sample_id": int(ids[i]), "cosine": float(cosine[i]), "step": int(at[i])} for i in order]
@@ -433,6 +442,11 @@ def cmd_similar(args: argparse.Namespace, store: GradientStore) -> None:
         + f"; each candidate of {candidates!r} at its occurrence nearest that step"
     )
     _emit(args, rows, note + "\n" + markdown_table(rows, ("sample_id", "cosine", "step")))
+
+
+def _index_option(args: argparse.Namespace) -> bool | None:
+    """``--index build``: build the nearest-gradient index (True); ``off``: scan every row (False); else a kept one."""
+    return {"build": True, "off": False}.get(args.index)
 
 
 def cmd_restore(args: argparse.Namespace, store: GradientStore) -> None:
@@ -495,6 +509,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-point", help="where the sample is stored (default: the last train pass)")
     p.add_argument("--candidates", help="capture point to search (default: the sample's)")
     p.add_argument("-k", type=_positive, default=10, help="rows (default 10)")
+    for name in ("influence", "similar"):
+        sub.choices[name].add_argument(
+            "--index",
+            choices=["auto", "build", "off"],
+            default="auto",
+            help="the nearest-gradient index (docs/queries.md#top-k-at-any-scale): auto (default) scores only its "
+            "candidates where one is kept, build builds it first, off scores every row",
+        )
     for name in PARTITIONED:
         p = sub.choices[name]
         p.add_argument(

@@ -52,7 +52,7 @@ from metastore_plugins.core.store import StoreError, StoreReader
 from metastore_plugins.core.store import vector_files as vf
 
 #: A flat index scans ``N * D`` numbers per query; above this many, FAISS IVF (when installed).
-FLAT_MAX_VALUES = 1 << 25
+FLAT_MAX_VALUES = 1 << 23
 #: The sketch size of a capture point whose records are factors (a projected one uses its own ``k``).
 DEFAULT_DIM = 16
 
@@ -68,11 +68,11 @@ class Plan:
 
 def choose_plan(rows: int, width: int, have_faiss: bool) -> Plan:
     """Flat up to :data:`FLAT_MAX_VALUES` numbers (or without FAISS); IVF above, ``nlist ~ 4 sqrt(N)``
-    (a power of two in 64..65536) and ``nprobe = nlist / 8`` (recall@10 >= 0.95 in benchmarks/index_bench.py)."""
+    (a power of two in 64..65536) and ``nprobe = nlist / 4`` (recall@10 >= 0.95 in benchmarks/index_bench.py)."""
     if rows * width <= FLAT_MAX_VALUES or not have_faiss:
         return Plan()
     nlist = int(min(65536, max(64, 2 ** round(math.log2(4 * math.sqrt(rows))))))
-    return Plan("ivf", nlist, max(1, nlist // 8))
+    return Plan("ivf", nlist, max(1, nlist // 4))
 
 
 def load_faiss() -> Any | None:
@@ -96,10 +96,14 @@ class VectorIndex:
     plan: Plan
     ann: Any = None  # a FAISS index over lr * vectors, for plan.kind == "ivf"
     rebuilt: list[str] = field(default_factory=list)  # files (re)built by this open
+    _weighted: np.ndarray | None = field(default=None, repr=False)
 
     def weighted(self) -> np.ndarray:
-        """``(N, D)`` ``lr_i * vector_i``: inner products with a test sketch are sketched TracIn scores."""
-        return (self.vectors * self.lr[:, None]).astype(np.float32)
+        """``(N, D)`` ``lr_i * vector_i``: inner products with a test sketch are sketched TracIn scores (kept)."""
+        if self._weighted is None:
+            same = bool(np.all(self.lr == 1.0))
+            self._weighted = self.vectors if same else (self.vectors * self.lr[:, None]).astype(np.float32)
+        return self._weighted
 
     def search(self, queries_: np.ndarray, count: int) -> np.ndarray:
         """``(M, c)`` rows of the ``c = min(count, N)`` largest ``<lr_i v_i, q>`` per query (no order among them)."""

@@ -318,8 +318,12 @@ def influence_rows(
     k: int = 5,
     samples: int | None = None,
     recompute: RecomputeFn | None = None,
+    index: bool | None = False,
 ) -> list[dict[str, Any]]:
     """Per test sample: its label/prediction and the ``k`` strongest proponents and opponents.
+
+    ``index``: ``False`` scores every training row; ``None`` scores only the candidates of the
+    store's nearest-gradient index where one is kept, ``True`` builds it first (``store.influence(k=...)``).
 
     ``samples``: only the test samples with the ``samples`` smallest ids (all when ``None``);
     the cost grows with train x test pairs, and a report shows a handful. Each row says whether
@@ -328,7 +332,8 @@ def influence_rows(
     (:func:`~metastore_plugins.core.analysis.refine.refine_influence`).
     """
     test_ids = None if samples is None else sorted(set(store.sample_ids(test[-1]).tolist()))[:samples]
-    scores = store.influence(list(train), list(test), test_ids=test_ids)
+    top_k: dict[str, Any] = {} if index is False else {"k": k, "index": index}
+    scores = store.influence(list(train), list(test), test_ids=test_ids, **top_k)
     if not passes_exact(store):
         refined = None
         if recompute is not None:

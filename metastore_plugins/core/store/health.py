@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from metastore_plugins.core.store import vector_files
 from metastore_plugins.core.store.batches import ShardFiles
 from metastore_plugins.core.store.entries import ShardEntry
 from metastore_plugins.core.store.files import TEMPORARY_SUFFIX
@@ -86,7 +87,10 @@ def check_store(directory: Path, index: StoreIndex, files: ShardFiles, checksums
             problems.append(
                 one_line(f"{entry.file}: batches {named(wrong)} do not hold (B,) float32 margins the index lists")
             )
-    return problems + [one_line(line) for line in unlisted_files(directory, {e.file for e in index.shards})]
+    problems += [one_line(line) for line in unlisted_files(directory, {e.file for e in index.shards})]
+    return problems + [
+        one_line(line) for line in vector_files.check(directory, {e.file: e.sha256 for e in index.shards})[0]
+    ]
 
 
 def _wrong_sample_ids(data: ShardData, index: StoreIndex, shard: int) -> list[str]:

@@ -1,0 +1,103 @@
+"""Top-10 through the nearest-gradient index against the exhaustive scan, on synthetic sketch vectors.
+
+The vectors have the width the index keeps for a real plan: ``k x k = 64`` for the MiniLM and
+BERT-base plans' 8x8 projections (summed over layers, see docs/policies.md), 256 for 16x16.
+Rows are clustered like gradients (a few hundred directions, log-normal norms, noise), queries
+drawn the same way. Per row count: the exhaustive scan (numpy, and FAISS ``IndexFlatIP``), the
+plan :func:`~metastore_plugins.core.analysis.vector_index.choose_plan` picks, and IVF at several
+``nprobe``: median single-query top-10 latency, recall@10 against the exhaustive scan of the same
+scores, build time and bytes.
+
+    nice -n 10 python -m benchmarks.index_bench --rows 100000 1000000 --dim 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from metastore_plugins.core.analysis.vector_index import Plan, VectorIndex, choose_plan, load_faiss
+
+
+def synthetic(rows: int, width: int, seed: int, clusters: int = 256) -> np.ndarray:
+    """``(rows, width)`` float32: cluster directions + noise, log-normal norms (gradients are heavy-tailed)."""
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((clusters, width)).astype(np.float32)
+    out = np.empty((rows, width), np.float32)
+    for start in range(0, rows, 1 << 16):
+        n = min(1 << 16, rows - start)
+        picked = centers[rng.integers(0, clusters, n)]
+        block = picked + 0.7 * rng.standard_normal((n, width)).astype(np.float32)
+        out[start : start + n] = block * rng.lognormal(0.0, 0.5, (n, 1)).astype(np.float32)
+    return out
+
+
+def top10(scores: np.ndarray) -> set[int]:
+    return set(np.argpartition(-scores, 9)[:10].tolist())
+
+
+def median_ms(fn, queries: np.ndarray) -> float:
+    times = []
+    for q in queries:
+        start = time.perf_counter()
+        fn(q[None])
+        times.append(time.perf_counter() - start)
+    return 1000 * float(np.median(times))
+
+
+def run(rows: int, width: int, n_queries: int, nprobes: list[int]) -> dict:
+    faiss = load_faiss()
+    vectors = synthetic(rows, width, 0)
+    queries = synthetic(n_queries, width, 1)
+    truth = [top10(vectors @ q) for q in queries]
+    result: dict = {"rows": rows, "width": width, "queries": n_queries, "vector_bytes": vectors.nbytes}
+    index = VectorIndex("bench", int(round(width**0.5)), np.arange(rows), np.ones(rows), vectors, Plan())
+    result["numpy_scan_ms"] = median_ms(lambda q: index.search(q, 10), queries)
+    result["plan"] = vars(choose_plan(rows, width, faiss is not None))
+    if faiss is None:
+        return result
+    flat = faiss.IndexFlatIP(width)
+    flat.add(vectors)
+    result["faiss_flat_ms"] = median_ms(lambda q: flat.search(q, 10), queries)
+    plan = choose_plan(rows, width, True)
+    nlist = plan.nlist or int(min(65536, max(64, 2 ** round(np.log2(4 * np.sqrt(rows))))))
+    start = time.perf_counter()
+    quantizer = faiss.IndexFlatIP(width)
+    ivf = faiss.IndexIVFFlat(quantizer, width, nlist, faiss.METRIC_INNER_PRODUCT)
+    ivf.train(vectors[np.random.default_rng(0).permutation(rows)[: 64 * nlist]])
+    ivf.add(vectors)
+    result["ivf"] = {"nlist": nlist, "build_s": time.perf_counter() - start}
+    result["ivf"]["bytes"] = int(faiss.serialize_index(ivf).nbytes)
+    result["ivf"]["by_nprobe"] = []
+    for nprobe in sorted({*nprobes, max(1, nlist // 4)}):
+        ivf.nprobe = nprobe
+        found = [set(ivf.search(q[None], 10)[1][0].tolist()) for q in queries]
+        recall = np.mean([len(t & f) / 10 for t, f in zip(truth, found)])
+        ms = median_ms(lambda q: ivf.search(q, 10), queries)
+        result["ivf"]["by_nprobe"].append({"nprobe": nprobe, "recall_at_10": float(recall), "median_ms": ms})
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[100_000])
+    parser.add_argument("--dim", type=int, default=64, help="vector width (64: 8x8 projections)")
+    parser.add_argument("--queries", type=int, default=50)
+    parser.add_argument("--nprobe", type=int, nargs="+", default=[32, 64, 128, 512])
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    args = parser.parse_args()
+    results = []
+    for rows in args.rows:
+        found = run(rows, args.dim, args.queries, args.nprobe)
+        print(json.dumps(found), flush=True)
+        results.append(found)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
