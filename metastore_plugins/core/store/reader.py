@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -254,6 +255,7 @@ class StoreReader:
         if len(places) > 1 or found[0].size > 1:
             shown = ", ".join(f"{cp}@{s}" for cp, s in places[:10])
             raise StoreError(f"sample {sample_id} is stored more than once ({shown}); pass capture_point and step")
+        _check_restore_size(found[0].records, sample_id)
         grads = restore_all(found[0].records)
         return {name: grad[0] for name, grad in grads.items()}
 
@@ -288,6 +290,40 @@ class StoreReader:
             "compression": dense / on_disk if on_disk else None,
             "index_problems": len(self.open_problems),
         }
+
+
+#: The most bytes of dense fp32 gradients one :meth:`StoreReader.restore` call builds (all its layers together),
+#: ``$METASTORE_MAX_RESTORE_BYTES`` or 8 GiB: checked against the manifest's shapes before anything is allocated,
+#: so a manifest that declares a huge layer (``[2**31 - 1, 8]``: 64 GiB) is refused instead of filling memory.
+DEFAULT_MAX_RESTORE_BYTES = 2**33
+
+
+def max_restore_bytes() -> int:
+    """:data:`DEFAULT_MAX_RESTORE_BYTES`, or ``$METASTORE_MAX_RESTORE_BYTES`` (a non-negative integer) when set."""
+    text = os.environ.get("METASTORE_MAX_RESTORE_BYTES", "").strip()
+    return int(text) if text.isdigit() else DEFAULT_MAX_RESTORE_BYTES
+
+
+def _check_restore_size(records: Sequence[Any], sample_id: int) -> None:
+    """Refuse a restore whose dense gradients (one sample, every record's parameters) pass :func:`max_restore_bytes`.
+
+    The size comes from the manifest's ``param_shapes``, the shapes restore allocates (an embedding's
+    ``(B, V, d)``, an outer record's ``(B, G d_out, d_in)``), before anything is allocated.
+    """
+    cap, total, largest = max_restore_bytes(), 0, ("", 0)
+    for record in records:
+        if record.kind not in ("outer", "embedding"):
+            continue  # dense records are already in memory; projected and norms records are refused by restore
+        nbytes = 4 * record.batch_size * sum(math.prod(shape) for shape in record.param_shapes.values())
+        total += nbytes
+        largest = max(largest, (record.layer, nbytes), key=lambda pair: pair[1])
+    if total > cap:
+        raise StoreError(
+            f"restoring sample {sample_id} would build {total} bytes of dense gradients, over the "
+            f"{cap}-byte cap (METASTORE_MAX_RESTORE_BYTES); layer {largest[0]!r} takes {largest[1]} bytes "
+            f"(its manifest shapes: {dict(next(r.param_shapes for r in records if r.layer == largest[0]))}): "
+            "check that layer's manifest, restore another layer with layer=..., or raise the cap"
+        )
 
 
 #: Subdirectories where a run keeps its store: the examples' ``store/``, the callbacks' ``metastore/``
