@@ -4,7 +4,8 @@
 runs each example as a
 fresh process per variant, round-robin (every variant once per round, so that load from other
 jobs hits them alike), reads the training time each example measures itself (``result.json``:
-``Trainer.fit`` / ``Trainer.train``, reports included when they are built), and writes
+``Trainer.fit`` / ``Trainer.train``, reports included when they are built) with how long its checkpoint
+passes, reports and their exact refinement took and its peak resident memory, and writes
 ``benchmarks/results/callbacks.json`` and the section of ``docs/benchmarks.md`` between the
 ``callbacks`` markers. With ``--only``, the other examples keep their rows of the previous run
 (from the JSON), each example stating when it was measured.
@@ -55,8 +56,12 @@ EXAMPLES: dict[str, tuple[str, dict[str, list[str]]]] = {
 }
 
 
-def run_once(script: str, extra: list[str]) -> float:
-    """Training seconds of one run of ``script`` (its ``result.json``), in a fresh process."""
+#: what each run's ``result.json`` says besides ``seconds``: where the time after the training steps went, and memory
+PHASES = ("pass_seconds", "refine_seconds", "report_seconds", "peak_rss_mib")
+
+
+def run_once(script: str, extra: list[str]) -> dict[str, float]:
+    """Training seconds of one run of ``script`` and its :data:`PHASES` (its ``result.json``), in a fresh process."""
     with tempfile.TemporaryDirectory(prefix="msbench-cb-") as out:
         subprocess.run(
             [sys.executable, str(REPO / script), "--out", out, *extra],
@@ -66,30 +71,37 @@ def run_once(script: str, extra: list[str]) -> float:
             stderr=subprocess.DEVNULL,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
         )
-        return float(json.loads((Path(out) / "result.json").read_text())["seconds"])
+        result = json.loads((Path(out) / "result.json").read_text())
+        return {key: float(result[key]) for key in ("seconds", *PHASES) if key in result}
 
 
 def measure(examples: list[str], rounds: int) -> dict[str, Any]:
     started = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {rounds} round(s)"
-    times: dict[str, dict[str, list[float]]] = {name: {v: [] for v in EXAMPLES[name][1]} for name in examples}
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {name: {v: [] for v in EXAMPLES[name][1]} for name in examples}
     for _ in range(rounds):
         for name in examples:
             script, variants = EXAMPLES[name]
             for variant, extra in variants.items():
                 print(f"[callbacks] {name}: {variant}", file=sys.stderr, flush=True)
-                times[name][variant].append(run_once(script, extra))
+                runs[name][variant].append(run_once(script, extra))
     results: dict[str, Any] = {}
-    for name, by_variant in times.items():
-        base = statistics.median(next(iter(by_variant.values())))
-        results[name] = {
-            "script": EXAMPLES[name][0],
-            "measured": started,
-            "variants": {
-                v: {"median_s": statistics.median(t), "times_s": t, "ratio": statistics.median(t) / base}
-                for v, t in by_variant.items()
-            },
-        }
+    for name, by_variant in runs.items():
+        base = statistics.median(r["seconds"] for r in next(iter(by_variant.values())))
+        variants = {}
+        for variant, found in by_variant.items():
+            times = [r["seconds"] for r in found]
+            row = {"median_s": statistics.median(times), "times_s": times, "ratio": statistics.median(times) / base}
+            for key in PHASES:
+                values = [r[key] for r in found if key in r]
+                if values:
+                    row[key] = statistics.median(values)
+            variants[variant] = row
+        results[name] = {"script": EXAMPLES[name][0], "measured": started, "variants": variants}
     return results
+
+
+def _cell(row: dict[str, Any], key: str, unit: str) -> str:
+    return f"{row[key]:.1f}{unit}" if key in row else ""
 
 
 def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -97,14 +109,25 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     lines += [f"- `{entry['script']}`: {entry.get('measured', '?')}" for entry in results.values()]
     lines += [
         "",
-        "| example | variant | median training time | ratio to no callback | all runs |",
-        "|---|---|---|---|---|",
+        "Medians over the rounds. *Passes*: the checkpoint passes; *reports*: building the reports at the end of "
+        "training, of which *refinement* is the exact recomputation of influence candidates; all three are inside "
+        "the training time. *Peak RSS*: the process's peak resident memory.",
+        "",
+        "| example | variant | median training time | ratio to no callback | passes | reports | refinement "
+        "| peak RSS | all runs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in results.values():
         for variant, row in entry["variants"].items():
             runs = ", ".join(f"{t:.2f}" for t in row["times_s"])
+            phases = " | ".join(
+                _cell(row, key, unit)
+                for key, unit in (("pass_seconds", " s"), ("report_seconds", " s"), ("refine_seconds", " s"))
+            )
+            rss = f"{row['peak_rss_mib']:,.0f} MiB" if "peak_rss_mib" in row else ""
             lines.append(
-                f"| `{entry['script']}` | {variant} | {row['median_s']:.2f} s | {row['ratio']:.2f}x | {runs} |"
+                f"| `{entry['script']}` | {variant} | {row['median_s']:.2f} s | {row['ratio']:.2f}x | {phases} "
+                f"| {rss} | {runs} |"
             )
     return "\n".join(lines) + "\n"
 

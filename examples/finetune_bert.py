@@ -49,6 +49,7 @@ from transformers import (  # noqa: E402
 )
 
 from metastore_plugins import MetaStoreTrainerCallback, open_store  # noqa: E402
+from metastore_plugins.core.options import phase_seconds  # noqa: E402
 from metastore_plugins.core.reports.tables import checkpoint_points  # noqa: E402
 
 SUBJECTS = (
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if not args.no_callback:
         result["store_bytes"] = sum(f.stat().st_size for f in (out / "metastore").rglob("*") if f.is_file())
-        result["report_seconds"] = round((callback.report_result or {}).get("seconds", 0.0), 1)
+        result.update(phase_seconds(callback.seconds, callback.report_result))
     if result["reports"]:
         result.update(flagged_precision(out / "metastore", set(flipped), top, len(train)))
         print(

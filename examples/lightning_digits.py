@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import time
 import warnings
@@ -42,6 +43,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from metastore_plugins import MetaStoreCallback
+from metastore_plugins.core.options import phase_seconds
 
 
 def load_digits_split(train_size: int, seed: int, flip: float) -> tuple[TensorDataset, TensorDataset, np.ndarray]:
@@ -173,8 +175,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "callback": not args.no_callback,
         "reports": not (args.no_callback or args.no_reports or args.no_passes),
     }
+    result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # Linux: KiB
     if not args.no_callback:
         result["store_bytes"] = sum(f.stat().st_size for f in (out / "store").rglob("*") if f.is_file())
+        result.update(phase_seconds(callback.seconds, callback.report_result))
     if result["reports"]:
         reports = out / "store" / "reports"
         outliers = json.loads((reports / "outliers.json").read_text())  # the report's top 10%, ranked

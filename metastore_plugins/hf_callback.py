@@ -86,6 +86,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
         self.run: RunCapture | None = None
         self.report_result: dict[str, Any] | None = None
+        self.seconds: dict[str, float] = {}  # the run's passes and refinement (RunCapture.seconds)
         self.passes: list[str] = []
         self._val_passes = 0
         self._scale = MeasuredLossScale()
@@ -345,6 +346,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         ):
             self._checkpoint_pass(args, state, kwargs)  # no evaluation ran during training
         recompute = self.run.recomputer() if self.run is not None else None
+        self.seconds = self.run.seconds if self.run is not None else {}
         self._close()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
@@ -363,7 +365,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
                 "'steps') with an eval_dataset to get one"
             )
         if not self.options.reports:
-            logger.log(self._say, self.options.end_line(self.dirpath, None, []))
+            logger.log(self._say, self.options.end_line(self.dirpath, None, [], self.seconds))
             return
         from metastore_plugins.core.reports.render import dataset_lookup
         from metastore_plugins.core.reports.tensorboard import summary_writer
@@ -389,7 +391,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         finally:
             for writer in writers:
                 writer.close()
-        logger.log(self._say, self.options.end_line(self.dirpath, self.report_result, logdirs))
+        logger.log(self._say, self.options.end_line(self.dirpath, self.report_result, logdirs, self.seconds))
 
     def _close(self) -> None:
         for handle in self._hooks:

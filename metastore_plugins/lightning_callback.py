@@ -81,6 +81,7 @@ class MetaStoreCallback(Callback):
         self.schedule = self.options.schedule(checkpoint_every_n_epochs, "checkpoint_every_n_epochs")
         self.run: RunCapture | None = None
         self.report_result: dict[str, Any] | None = None
+        self.seconds: dict[str, float] = {}  # the run's passes and refinement (RunCapture.seconds)
         self._ids: Tensor | None = None
         self._sampler: RecordingBatchSampler | None = None
         self._watched: tuple[Any, Any] | None = None  # (strategy, its own process_dataloader attribute or None)
@@ -284,6 +285,7 @@ class MetaStoreCallback(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         recompute = self.run.recomputer() if self.run is not None else None
+        self.seconds = self.run.seconds if self.run is not None else {}
         self._close()
         trainer.strategy.barrier("metastore-reports")
         if self.options.reports and self.dirpath is not None:  # every rank: under DDP each scores its share
@@ -306,7 +308,7 @@ class MetaStoreCallback(Callback):
             )
         if trainer.is_global_zero and self.dirpath is not None:
             logdirs = [Path(lg.log_dir) for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-            rank_zero_info(self.options.end_line(self.dirpath, self.report_result, logdirs))
+            rank_zero_info(self.options.end_line(self.dirpath, self.report_result, logdirs, self.seconds))
 
     def tag(self, name: str, **options: Any) -> Any:
         """Tag the current step (or ``steps=(first, last)``) with ``name`` and attributes while training runs;

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypedDict
@@ -338,14 +338,25 @@ class CallbackOptions:
         )
         return f"{self.owner}: per-sample gradients of {steps} and {passes} go to {store_dir} ({self.encoding})"
 
-    def end_line(self, store_dir: Path, result: dict[str, Any] | None, logdirs: Sequence[Path]) -> str:
-        """The one line a callback logs when training ends: what was written, and how to open it."""
+    def end_line(
+        self,
+        store_dir: Path,
+        result: dict[str, Any] | None,
+        logdirs: Sequence[Path],
+        seconds: Mapping[str, float] | None = None,
+    ) -> str:
+        """The one line a callback logs when training ends: what was written, how long the passes and the reports
+        took (``seconds``: :attr:`RunCapture.seconds`), and how to open it."""
         how = [f"metastore inspect {store_dir}"] + [f"tensorboard --logdir {logdir}" for logdir in logdirs]
+        seconds = seconds or {}
+        refined = seconds.get("refinement", 0.0)
         if result is None:
             made = "no reports" if self.reports else "reports off"
         else:
-            made = f"reports in {store_dir / 'reports'} (built in {result.get('seconds', 0.0):.1f} s)"
-        return f"{self.owner}: store {store_dir} written, {made}; open with: {' | '.join(how)}"
+            of = f", of which {refined:.1f} s recomputing samples exactly" if refined else ""
+            made = f"reports in {store_dir / 'reports'} (built in {result.get('seconds', 0.0):.1f} s{of})"
+        passes = f"; checkpoint passes took {seconds['passes']:.1f} s" if seconds.get("passes") else ""
+        return f"{self.owner}: store {store_dir} written, {made}{passes}; open with: {' | '.join(how)}"
 
     def build_reports(
         self, store_dir: Path, writers: Sequence[Any], *, step: int, rank: int = 0, **sources: Any
@@ -396,6 +407,17 @@ class CallbackOptions:
                 stacklevel=3,
             )
             return None
+
+
+def phase_seconds(seconds: Mapping[str, float], result: Mapping[str, Any] | None) -> dict[str, float]:
+    """Where a callback's time went after its training steps: ``pass_seconds`` (checkpoint passes),
+    ``report_seconds`` (the reports, recomputation included) and ``refine_seconds`` (the reports' exact
+    recomputation); ``seconds`` is the callback's ``seconds``, ``result`` its ``report_result``."""
+    return {
+        "pass_seconds": round(seconds.get("passes", 0.0), 2),
+        "report_seconds": round((result or {}).get("seconds", 0.0), 2),
+        "refine_seconds": round(seconds.get("refinement", 0.0), 2),
+    }
 
 
 def check_writable(path: str | os.PathLike[str], setting: str) -> Path:

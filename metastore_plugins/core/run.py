@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -139,6 +140,9 @@ class RunCapture:
         self._reduction_checked = False
         self._lr_since_pass: float | None = None  # None until optimizer_step() is first called
         self._last_step_lr: float | None = None  # the rate the last optimizer step since the last pass applied
+        #: wall seconds spent in checkpoint passes (``"passes"``) and in exact recomputation for the reports
+        #: (``"refinement"``, through :meth:`recomputer`), for the end-of-training line and the benchmarks
+        self.seconds: dict[str, float] = {"passes": 0.0, "refinement": 0.0}
 
     # -- one training step ---------------------------------------------------------------
 
@@ -323,6 +327,7 @@ class RunCapture:
         plan has one for it. Its records carry :meth:`pass_lr` (the summed rate of the steps since the
         previous pass).
         """
+        started = time.perf_counter()
         self.last_pass = (model, sources, loss_of, to_device, context)
         weight = self.pass_lr(lr)
         trained_at = lr if self._last_step_lr is None else self._last_step_lr  # not the rate a scheduler set since
@@ -344,6 +349,7 @@ class RunCapture:
                 lr=weight,
                 context=context,
             )
+        self.seconds["passes"] += time.perf_counter() - started
 
     # -- plan, tags and snapshots ----------------------------------------------------------
 
@@ -370,10 +376,19 @@ class RunCapture:
         if self.last_pass is None:
             return None
         model, sources, loss_of, to_device, context = self.last_pass
-        return pass_recomputer(
+        inner = pass_recomputer(
             self.path, self.rank, model, sources, loss_of, to_device=to_device, context=context,
             loss_reduction=self.loss_reduction, session_options=self.session_options,
         )  # fmt: skip
+
+        def timed(split: str, sample_ids: Sequence[int], checkpoint: str) -> Sequence[LayerRecord]:
+            started = time.perf_counter()
+            try:
+                return inner(split, sample_ids, checkpoint)
+            finally:
+                self.seconds["refinement"] += time.perf_counter() - started
+
+        return timed
 
     def _plan_changed(self, plan: CapturePlan) -> None:
         mixed = self._session.batch_mixed_parameters() if self._session is not None else {}  # below a train-mode BN

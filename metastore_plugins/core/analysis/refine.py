@@ -6,7 +6,8 @@ samples a report shows are then recomputed exactly, at the weights of each check
 (the weight snapshots in the store), by a ``recompute`` function the caller provides (the
 callbacks have the live model and datasets; see :func:`~metastore_plugins.core.analysis.recompute.recompute`):
 
-1. per test sample, the ``candidates`` largest and smallest estimated scores;
+1. per test sample, the ``candidates`` largest and smallest estimated scores, at most
+   :data:`REFINE_SAMPLES` training samples in all (the shallowest ranks of every test sample first);
 2. for their union ``U``, exact TracIn ``sum_c lr_c <g_i(w_c), g_j(w_c)>`` from recomputed records;
 3. rows of ``U`` take their exact scores, marked in :attr:`RefinedScores.exact`; rankings
    (:meth:`RefinedScores.top`) order the candidates by them.
@@ -49,12 +50,33 @@ class RefinedScores(Scores):
         return [{**row, "exact": True} for row in kept.top(k)]
 
 
-def candidate_rows(scores: np.ndarray, candidates: int) -> np.ndarray:
-    """Sorted rows that are among the ``candidates`` largest or smallest of some column of ``(N, M)`` scores."""
-    if scores.shape[0] <= 2 * candidates:
-        return np.arange(scores.shape[0])
+#: Rank depth per test sample and direction: the refinement looks no deeper into an estimated ranking.
+CANDIDATES = 50
+
+#: The most training samples one refinement recomputes exactly (at each checkpoint pass): its cost is
+#: ``(REFINE_SAMPLES + M) x passes`` forward and backward passes with exact capture, whatever the training set.
+REFINE_SAMPLES = 256
+
+#: Training samples recomputed at once: the exact records held in memory at a time (MiniLM: about 2.6 MB each).
+REFINE_CHUNK = 64
+
+
+def candidate_rows(scores: np.ndarray, candidates: int, limit: int | None = None) -> np.ndarray:
+    """Sorted rows among the ``candidates`` largest or smallest of some column of ``(N, M)`` scores.
+
+    With ``limit``, at most that many rows, taken by depth: every column's largest and smallest
+    first, then every column's second, and so on (within one depth, column by column), so that each
+    column's strongest candidates are kept before any column's weaker ones.
+    """
+    n, m = scores.shape
+    depth = min(candidates, -(-n // 2))
+    if limit is None and n <= 2 * candidates:
+        return np.arange(n)
     order = np.argsort(scores, axis=0, kind="stable")  # (N, M) ascending per column
-    return np.unique(np.concatenate([order[:candidates].ravel(), order[-candidates:].ravel()]))
+    seq = np.stack([order[::-1][:depth], order[:depth]], axis=2).reshape(-1)  # (depth * M * 2,) depth-major
+    unique, first = np.unique(seq, return_index=True)
+    ranked = unique[np.argsort(first, kind="stable")]  # rows in the order they are first reached
+    return np.sort(ranked if limit is None else ranked[: max(0, limit)])
 
 
 def refine_influence(
@@ -64,26 +86,33 @@ def refine_influence(
     test: str | Sequence[str],
     recompute: RecomputeFn,
     *,
-    candidates: int = 50,
+    candidates: int = CANDIDATES,
+    max_samples: int | None = REFINE_SAMPLES,
+    chunk: int = REFINE_CHUNK,
 ) -> RefinedScores:
-    """Exact TracIn scores for each test sample's ``candidates`` strongest proponents and opponents by ``estimate``.
+    """Exact TracIn scores for each test sample's strongest proponents and opponents by ``estimate``.
 
     Args:
         estimate: ``store.influence(train, test, ...)`` (rows: train ids, columns: test ids).
         train, test: the paired checkpoint capture points the estimate summed over.
-        recompute: see :data:`RecomputeFn`; called once per checkpoint and split.
-        candidates: rows per test sample and direction that are recomputed.
+        recompute: see :data:`RecomputeFn`; called per checkpoint for the test samples once and for the
+            training samples in chunks of ``chunk`` (the exact records in memory at a time).
+        candidates: the depth of each test sample's ranking (both directions) that is recomputed.
+        max_samples: the most training samples recomputed (:func:`candidate_rows`: the shallowest
+            ranks of every test sample first); ``None``: no cap.
     """
-    rows = candidate_rows(estimate.scores, candidates)
+    rows = candidate_rows(estimate.scores, candidates, max_samples)
     train_ids = [int(i) for i in estimate.row_ids[rows]]
     test_ids = [int(i) for i in estimate.col_ids]
     exact = np.zeros((len(rows), len(test_ids)))
+    step = max(1, chunk)
     for train_cp, test_cp in paired_points(train, test):
         checkpoint, test_split = train_cp.split("/")[0], test_cp.split("/", 1)[1]
-        lr = store.learning_rate(train_cp)
-        a = list(recompute(train_cp.split("/", 1)[1], train_ids, checkpoint))
+        split, lr = train_cp.split("/", 1)[1], store.learning_rate(train_cp)
         b = list(recompute(test_split, test_ids, checkpoint))
-        exact += (1.0 if lr is None else lr) * ops.total_dots(a, b).double().cpu().numpy()  # (|U|, M)
+        for lo in range(0, len(train_ids), step):
+            a = list(recompute(split, train_ids[lo : lo + step], checkpoint))
+            exact[lo : lo + step] += (1.0 if lr is None else lr) * ops.total_dots(a, b).double().cpu().numpy()
     scores = estimate.scores.astype(np.float64, copy=True)
     scores[rows] = exact
     mask = np.zeros(len(estimate.row_ids), dtype=bool)

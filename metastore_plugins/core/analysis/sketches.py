@@ -8,6 +8,7 @@ that sketched influence costs one ``(N, k) x (k, M)`` product once they are buil
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -19,7 +20,7 @@ from torch import Tensor
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import sketch_cache
 from metastore_plugins.core.analysis.per_batch import positive_int
-from metastore_plugins.core.analysis.queries import on_device, paired_points, summed_scores
+from metastore_plugins.core.analysis.queries import influence, on_device, paired_points, summed_scores
 from metastore_plugins.core.analysis.results import Clusters, Scores
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreReader
@@ -176,8 +177,13 @@ def sketched_influence(
     ``sum_c lr_c <sketch_i, sketch_j>`` estimates the exact :meth:`influence` without bias
     (``docs/queries.md`` gives its error); capture points pair and ``lr_c`` is taken as in
     :meth:`influence`. Sketches come from the cache (built on first use) unless ``cache=False``.
+
+    Where the sketch cannot compress (no captured parameter of ``layers`` has more than ``dim * dim``
+    entries, a small MLP at the default 64 x 64), the exact :meth:`influence` is cheaper and is returned.
     """
     dim, seed = positive_int("dim", dim), check_seed(seed)
+    if not sketch_compresses(store, sketch_layers(store, layers), dim):
+        return influence(store, train, test, layers=layers)
     row_parts, col_parts = [], []
     for train_cp, test_cp in paired_points(train, test):
         row_ids, rows = _summed_sketches(store, train_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES)  # (N,), (N, k)
@@ -187,6 +193,12 @@ def sketched_influence(
         row_parts.append((row_ids, matrix))
         col_parts.append((col_ids, matrix))
     return summed_scores(row_parts, col_parts)
+
+
+def sketch_compresses(store: StoreReader, layers: Sequence[str], dim: int) -> bool:
+    """Whether a ``dim x dim`` sketch is smaller than some captured parameter of ``layers`` (else exact is cheaper)."""
+    shapes = [shape for layer in layers for shape in store.layer_info(layer).get("param_shapes", {}).values()]
+    return not shapes or any(math.prod(shape) > dim * dim for shape in shapes)
 
 
 def kernel_influence(
