@@ -85,11 +85,8 @@ def test_the_tables_show_what_the_renderer_returns_for_each_id(tmp_path: Path) -
     table = events.Tensors("metastore/influence/text_summary")[0].tensor_proto.string_val[0].decode()
     shown = [line.split("|") for line in table.splitlines() if line.startswith(("| + |", "| - |"))]
     assert len(shown) == sum(len(row["proponents"]) + len(row["opponents"]) for row in result["influence"])
-    for cells in shown:  # | sign | train id | label | score | score is | text |
-        assert cells[6].strip() == " ".join(TEXTS["train"][int(cells[2])].split())
+    for cells in shown:  # | sign | train id | label | score | text |
+        assert cells[5].strip() == " ".join(TEXTS["train"][int(cells[2])].split())
     for row in result["influence"]:
-        assert (
-            f"**test {row['test_id']}** (label {row['test_label']}, prediction {row['test_prediction']}): "
-            + (" ".join(TEXTS["val"][row["test_id"]].split()))
-            in table
-        )
+        heading = f"**test {row['test_id']}** (label {row['test_label']}, prediction {row['test_prediction']}"
+        assert f"{heading}; exact scores): " + " ".join(TEXTS["val"][row["test_id"]].split()) in table

@@ -55,7 +55,7 @@ def write_table(out: StoreDir, name: str, rows: Sequence[dict[str, Any]], column
 
 
 #: characters of a sample's text in a markdown table (the JSON files keep it whole)
-TEXT_CHARS = 100
+TEXT_CHARS = 80
 
 
 def shorten(text: Any, limit: int = TEXT_CHARS) -> str:
@@ -65,8 +65,8 @@ def shorten(text: Any, limit: int = TEXT_CHARS) -> str:
 
 
 def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The influence report in markdown: with sample texts, one small table per test sample (its text, then
-    each proponent and opponent with its label, score, whether the score is exact, and its text); without,
+    """The influence report in markdown: with sample texts, one small table per test sample (its text and
+    whether its scores are exact, then each proponent and opponent with its label, score and text); without,
     one line per test sample (ids and labels of its proponents and opponents).
 
     A closing line says whether the scores are exact or estimates (projected gradients)."""
@@ -99,20 +99,22 @@ def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _sample_table(row: dict[str, Any]) -> list[str]:
-    """One test sample's block: a heading with its text, then a table of its proponents and opponents."""
-    kind = "exact" if row.get("exact", True) else "estimate"
+    """One test sample's block: a heading with its text and whether its scores are exact, then a table of its
+    proponents and opponents."""
+    kind = "exact scores" if row.get("exact", True) else "estimated scores"
     lines = [
-        f"**test {row['test_id']}** (label {row['test_label']}, prediction {row['test_prediction']}): "
+        f"**test {row['test_id']}** (label {row['test_label']}, prediction {row['test_prediction']}; {kind}): "
         + shorten(row.get("test_text"), 2 * TEXT_CHARS).replace("|", "\\|"),
         "",
-        "| | train id | label | score | score is | text |",
-        "|---|---|---|---|---|---|",
+        "| | train id | label | score | text |",
+        "|---|---|---|---|---|",
     ]
     for sign, key in (("+", "proponents"), ("-", "opponents")):
         for entry in row[key]:
             text = shorten(entry.get("text")).replace("|", "\\|")
-            score = f"{float(entry['score']):+.4g}"
-            lines.append(f"| {sign} | {entry['sample_id']} | {entry['label']} | {score} | {kind} | {text} |")
+            lines.append(
+                f"| {sign} | {entry['sample_id']} | {entry['label']} | {float(entry['score']):+.3g} | {text} |"
+            )
     return [*lines, ""]
 
 
