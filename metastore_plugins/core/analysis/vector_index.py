@@ -195,14 +195,16 @@ def open_index(
     ids = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros(0, np.int64)
     lr = np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0)
     vectors = np.concatenate([p[2] for p in pieces]) if pieces else np.zeros((0, dim * dim), np.float32)
-    faiss = load_faiss()
+    faiss, kept = load_faiss(), (manifest or {}).get("ann")
+    if plan is None and isinstance(kept, dict) and kept.get("parts") == vf.parts_digest(parts):
+        plan = Plan("ivf", int(kept.get("nlist", 0)), int(kept.get("nprobe", 0)))  # a plan asked for once, kept
     plan = plan or choose_plan(len(ids), dim * dim, faiss is not None)
     if faiss is None:
         plan = Plan()
     index = VectorIndex(capture_point, dim, ids, lr, vectors, plan, rebuilt=rebuilt)
     ann_entry = None
     if plan.kind == "ivf":
-        ann_entry = _open_ann(store, index, key, parts, (manifest or {}).get("ann"), faiss)
+        ann_entry = _open_ann(store, index, key, parts, kept, faiss)
         writable = writable and ann_entry is not None
     new = {**head, "parts": parts, "ann": ann_entry}
     if writable and (rebuilt or new != manifest):
@@ -359,8 +361,9 @@ def similar(
     layers: Sequence[str] | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Scores:
-    """:func:`~metastore_plugins.core.analysis.queries.similar`; with ``k``, only the index's ``count`` (default
-    ``max(4 k, 50)``) nearest candidate samples per query (by sketch cosine, or inner product) are scored."""
+    """:func:`~metastore_plugins.core.analysis.queries.similar`; with ``k``, only the ``count`` (default
+    ``max(4 k, 50)``) most and least similar candidates per query by sketch (cosine, or inner product) are
+    scored: a scan of the index's vectors, not of the shards."""
 
     def scan(found: Sequence[int] | None) -> Scores:
         return queries.similar(
@@ -382,8 +385,9 @@ def similar(
         return scan(None)
     sketch = _test_sketches(store, query, query_ids, opened, order, 0)  # (M, D)
     wanted = count or max(4 * k, 50)
+    both = np.concatenate([sketch, -sketch])  # the most similar, and the least (what .top calls opponents)
     if cosine:
-        rows = opened.search_cosine(sketch, wanted)
+        rows = opened.search_cosine(both, wanted)
     else:
-        rows = _largest(opened.vectors @ sketch.T, min(wanted, len(opened.sample_ids)))
+        rows = _largest(opened.vectors @ both.T, min(wanted, len(opened.sample_ids)))
     return scan(sorted(set(opened.sample_ids[rows.ravel()].tolist())))
