@@ -282,7 +282,7 @@ def outlier_grid(
     captions: list[list[str]] = []
     frames: list[bool] = []
     for row in rows[:limit]:
-        image = _lookup_image(lookup, split, int(row["sample_id"]))
+        image = lookup_image(lookup, split, int(row["sample_id"]))
         if image is None:
             if not images:
                 return None  # not image data: no grid
@@ -291,7 +291,7 @@ def outlier_grid(
         captions.append(
             [
                 f"#{row.get('rank', len(images))} id {row['sample_id']}",
-                f"y {_short(row.get('label'))} p {_short(row.get('pass_prediction'))}",
+                f"y {short_label(row.get('label'))} p {short_label(row.get('pass_prediction'))}",
             ]
         )
         predicted = row.get("pass_prediction")  # None: not in the last pass, nothing to compare
@@ -326,7 +326,8 @@ def dataset_lookup(datasets: Mapping[str, Any]) -> SampleLookup | None:
     return lookup
 
 
-def _lookup_image(lookup: SampleLookup, split: str, sample_id: int) -> np.ndarray | None:
+def lookup_image(lookup: SampleLookup, split: str, sample_id: int) -> np.ndarray | None:
+    """The image of a sample (:func:`as_image`), ``None`` when it is none or the lookup fails (with a warning)."""
     try:
         item = lookup(split, sample_id)
     except Exception as exc:  # noqa: BLE001 - a rendering must never fail the reports
@@ -341,7 +342,8 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) or (hasattr(value, "ndim") and value.ndim == 0)
 
 
-def _short(value: Any) -> str:
+def short_label(value: Any) -> str:
+    """``value`` as a thumbnail caption: at most 6 characters."""
     text = str(value)
     return text if len(text) <= 6 else text[:5] + "~"
 
@@ -351,10 +353,12 @@ __all__ = [
     "SampleLookup",
     "as_image",
     "dataset_lookup",
+    "lookup_image",
     "new_figure",
     "outlier_grid",
     "sample_input",
     "save_png",
     "scatter_figure",
+    "short_label",
     "thumbnail_grid",
 ]

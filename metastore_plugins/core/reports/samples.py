@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from metastore_plugins.core.reports.render import SampleLookup, _lookup_image, _short, thumbnail_grid
+from metastore_plugins.core.reports.render import SampleLookup, lookup_image, short_label, thumbnail_grid
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -49,20 +49,20 @@ def influence_figure(
 ) -> Figure | None:
     """The test sample of ``row`` beside its proponents and opponents; ``None`` when it is not an image."""
     test_id = int(row["test_id"])
-    test = _lookup_image(lookup, test_split, test_id)
+    test = lookup_image(lookup, test_split, test_id)
     if test is None:
         return None
     images: list[np.ndarray | None] = [test]
     gids: list[str | None] = [f"{test_split}/{test_id}"]
     label, predicted = row.get("test_label"), row.get("test_prediction")
-    captions = [[f"{test_split} {test_id}", f"y {_short(label)} p {_short(predicted)}", ""]]
+    captions = [[f"{test_split} {test_id}", f"y {short_label(label)} p {short_label(predicted)}", ""]]
     for kind, sign in (("proponents", "+"), ("opponents", "-")):
         entries = list(row.get(kind, []))[:per_side]
         for entry in entries:
             sid = int(entry["sample_id"])
-            images.append(_lookup_image(lookup, train_split, sid))  # None: an empty cell
+            images.append(lookup_image(lookup, train_split, sid))  # None: an empty cell
             gids.append(f"{train_split}/{sid}")
-            captions.append([f"{sign} {sid}", f"y {_short(entry.get('label'))}", f"{float(entry['score']):+.3g}"])
+            captions.append([f"{sign} {sid}", f"y {short_label(entry.get('label'))}", f"{float(entry['score']):+.3g}"])
         images += [None] * (per_side - len(entries))
         gids += [None] * (per_side - len(entries))
         captions += [["", "", ""]] * (per_side - len(entries))

@@ -305,8 +305,9 @@ def report_run(
     and the heatmap of the training steps' gradient norms (``gradient_norms.png``,
     ``metastore/gradient_norms``) where they hold what these need. ``samples(split, sample id)``
     returns dataset items: where they are small images, a thumbnail grid of the top outliers and a
-    figure for each of the first :data:`INFLUENCE_FIGURES` influence rows are written too (``outliers.png``, ``influence-val_{id}.png`` and
-    ``metastore/outlier_samples``, ``metastore/influence_samples/val_{id}``). ``per_layer_scalars``:
+    figure for each of the first :data:`INFLUENCE_FIGURES` influence rows are written too
+    (``outliers.png``, ``influence-val_{id}.png`` and ``metastore/outlier_samples``,
+    ``metastore/influence_samples/val_{id}``). ``per_layer_scalars``:
     a gradient-norm scalar chart per layer besides the summary scalars (:func:`~.dynamics.write_dynamics`).
     ``recompute`` refines estimated influence scores exactly
     (a projected store; :func:`~metastore_plugins.core.analysis.refine.refine_influence`). Figures
