@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -13,11 +14,12 @@ import torch
 
 from metastore_plugins.core.store import vector_files
 from metastore_plugins.core.store.batches import ShardFiles
-from metastore_plugins.core.store.entries import ShardEntry
+from metastore_plugins.core.store.entries import ShardEntry, sample_columns
 from metastore_plugins.core.store.files import TEMPORARY_SUFFIX
 from metastore_plugins.core.store.index import StoreIndex, expectation
-from metastore_plugins.core.store.journal import META_BITS
+from metastore_plugins.core.store.journal import META_BITS, unpack
 from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.shardinfo import INFO_KEY
 from metastore_plugins.core.store.shardread import ShardData, read_shard
 
 #: Files a writer or compaction leaves behind when it stops: shards and temporary files.
@@ -87,6 +89,7 @@ def check_store(directory: Path, index: StoreIndex, files: ShardFiles, checksums
             problems.append(
                 one_line(f"{entry.file}: batches {named(wrong)} do not hold (B,) float32 margins the index lists")
             )
+        problems += [one_line(f"{entry.file}: {line}") for line in contradicted_columns(data, entry)]
     problems += [one_line(line) for line in unlisted_files(directory, {e.file for e in index.shards})]
     return problems + [
         one_line(line) for line in vector_files.check(directory, {e.file: e.sha256 for e in index.shards})[0]
@@ -120,6 +123,85 @@ def _wrong_margins(data: ShardData, index: StoreIndex, shard: int) -> list[str]:
         elif not np.array_equal(stored.numpy(), listed, equal_nan=True):
             wrong.append(f"b{j}")
     return wrong
+
+
+#: The journal's per-sample columns checked against the shard's ``b{j}/meta/{column}`` (``margin``: above).
+CHECKED_SAMPLE_COLUMNS = ("label", "loss", "prediction")
+#: The journal's batch columns checked against the shard's own description of itself (``__metadata__["index"]``).
+CHECKED_BATCH_COLUMNS = ("step", "epoch", "micro_batch", "lr")
+#: What ``verify`` says of a journal column that contradicts its shard: which side queries serve, which to trust.
+TRUSTED = (
+    "queries serve the index's values; the shard's are the ones written with it (its bytes match the line's "
+    "checksum): trust the shard, the journal line was changed after it was written"
+)
+
+
+def contradicted_columns(data: ShardData, entry: ShardEntry) -> list[str]:
+    """One line per journal column of ``entry`` whose rows contradict its shard, naming the batches and column.
+
+    Per-sample columns (:data:`CHECKED_SAMPLE_COLUMNS`) against each batch's ``b{j}/meta/{column}``, as the
+    writer derives them (``sample_columns``): a batch whose shard holds no ``(B,)`` tensor must list -1 or NaN.
+    Batch columns (:data:`CHECKED_BATCH_COLUMNS`, and the capture point's name) against the shard's description
+    of itself, where it has one. Equal means equal values (NaN equals NaN), never a tolerance: both sides are
+    copies of the values given to ``write()``.
+    """
+    samples = entry.samples or {}
+    sizes = entry.batches["size"].tolist()
+    starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    wrong: dict[str, list[str]] = {}
+    for j, size in enumerate(sizes):
+        meta = data.read(j, f"b{j}/meta/")
+        for key in CHECKED_SAMPLE_COLUMNS:
+            listed_all = samples.get(key)
+            listed = None if listed_all is None else listed_all[starts[j] : starts[j] + size]
+            value = meta.get(key)
+            if value is None or value.dim() != 1 or value.shape[0] != size:  # the index must say "none"
+                ok = listed is None or bool((np.isnan(listed.astype(np.float64)) | (listed == -1)).all())
+            else:
+                stored = sample_columns([(size, {"sample_id": torch.zeros(size, dtype=torch.int64), key: value})])[key]
+                ok = listed is not None and _same(listed, stored)
+            if not ok:
+                wrong.setdefault(key, []).append(f"b{j}")
+    lines = [
+        f"the index's {key} rows of batches {named(batches)} contradict the shard's b{{j}}/meta/{key} ({TRUSTED})"
+        for key, batches in wrong.items()
+    ]
+    for key, batches in _contradicted_batches(data, entry).items():
+        lines.append(
+            f"the index's {key} of batches {named(batches)} contradicts the shard's own description "
+            f"(__metadata__[{INFO_KEY!r}]) ({TRUSTED})"
+        )
+    return lines
+
+
+def _contradicted_batches(data: ShardData, entry: ShardEntry) -> dict[str, list[str]]:
+    """Batch columns of ``entry`` that differ from the shard's description of itself (none when it has none)."""
+    try:
+        info = json.loads(data.metadata[INFO_KEY])
+        columns = {key: unpack(info["batches"][key], key) for key in (*CHECKED_BATCH_COLUMNS, "capture_point")}
+        names = info["capture_points"]
+        columns["capture_point"] = np.array([names[int(i)] for i in columns["capture_point"]], dtype=object)
+    except (KeyError, TypeError, ValueError, IndexError, RecursionError):
+        return {}  # no description (written before, or too large), or one repair cannot use either: not checked
+    listed = {key: entry.batches[key] for key in CHECKED_BATCH_COLUMNS}
+    listed["capture_point"] = np.array([entry.capture_points[int(i)] for i in entry.batches["capture_point"]], object)
+    wrong: dict[str, list[str]] = {}
+    for key, stored in columns.items():
+        if len(stored) != len(listed[key]):
+            return {"batch count": [f"{len(listed[key])} listed, {len(stored)} described"]}
+        for j in range(len(stored)):
+            if not _same(listed[key][j : j + 1], stored[j : j + 1]):
+                wrong.setdefault(key, []).append(f"b{j}")
+    return wrong
+
+
+def _same(listed: np.ndarray, stored: np.ndarray) -> bool:
+    """Equal values: integers exactly, floats as float64 with NaN equal to NaN, names as strings."""
+    if listed.dtype.kind in "iu" and stored.dtype.kind in "iu":
+        return np.array_equal(listed.astype(np.int64), stored.astype(np.int64))
+    if listed.dtype.kind == "O" or stored.dtype.kind == "O":
+        return listed.tolist() == stored.tolist()
+    return np.array_equal(listed.astype(np.float64), stored.astype(np.float64), equal_nan=True)
 
 
 def unlisted_files(directory: Path, listed: set[str]) -> list[str]:

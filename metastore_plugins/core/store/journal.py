@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.store.files import StoreDir, StoreError, atomic_write_bytes
+from metastore_plugins.core.store.manifest import json_values_problem
 
 #: Dtype codes a column may use (all little-endian).
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -48,6 +49,10 @@ META_BITS = {"label": 1, "loss": 2, "prediction": 4, "margin": 8}
 KIND_CODES = ("outer", "embedding", "dense", "projected", "norms")
 #: The longest line a reader accepts (a shard of 64 MiB of a tiny MLP needs about 15 MiB).
 MAX_LINE_BYTES = 256 * 2**20
+#: The most JSON values a line may hold, counted before parsing (:func:`json_values_problem`): a line names at
+#: most 2^16 capture points and 2^16 layers beside a few dozen columns, so a writer's line holds fewer than 2^17 + 100;
+#: parsing a line at the cap takes about 70 MB (a 200 MB line of ``{},`` would take 5 GB).
+MAX_LINE_VALUES = 2**20
 _LINE = re.compile(rb"^(\{.*\}) ([0-9a-f]{8})$", re.DOTALL)
 
 
@@ -98,10 +103,13 @@ def decode_line(line: bytes) -> dict[str, Any]:
     text, crc = match.groups()
     if f"{zlib.crc32(text):08x}".encode() != crc:
         raise JournalError("damaged: its CRC-32 does not match its content")
+    problem = json_values_problem(text, MAX_LINE_VALUES)
+    if problem is not None:
+        raise JournalError(problem)
     try:
         entry = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise JournalError(f"damaged: not JSON ({exc})") from exc
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise JournalError(f"damaged: not JSON ({exc or 'out of memory while parsing it'})") from exc
     if not isinstance(entry, dict):
         raise JournalError("damaged: not a JSON object")
     return entry

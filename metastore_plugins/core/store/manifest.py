@@ -42,6 +42,27 @@ MAX_INT = 2**53
 MAX_PARAM_NUMEL = 2**34
 MAX_NAME_CHARS = 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+#: The most JSON values a manifest may hold, counted before parsing (:func:`json_values_problem`): parsing
+#: allocates about 70 bytes per value whatever its text (``{}`` is 3 bytes of ``{},``), so a 250 MB manifest
+#: of empty objects would take 6 GB. A version 2 manifest holds a few per layer; a version 1 manifest about one
+#: per 16 bytes, so this admits version 1 manifests of about 130 MB, and costs at most about 600 MB to parse.
+MAX_MANIFEST_VALUES = 2**23
+
+
+def json_values_problem(text: bytes, cap: int) -> str | None:
+    """Why ``text`` holds too many JSON values to parse (more than ``cap``), or ``None``; never parses it.
+
+    Counts ``,``, ``[`` and ``{`` (every value after the first of a list or object is preceded by a comma, every
+    container opened by a bracket), an upper bound on the values that also counts those characters inside strings,
+    in a few passes over the bytes that allocate nothing.
+    """
+    count = text.count(b",") + text.count(b"[") + text.count(b"{")
+    if count <= cap:
+        return None
+    return (
+        f"holds {count} JSON separators and brackets, more than the {cap} a reader parses (parsing allocates "
+        "about 70 bytes per value, whatever its text): not one a writer produced"
+    )
 
 
 def manifest_name(rank: int) -> str:
@@ -75,10 +96,13 @@ def parse_manifest(data: bytes, path: Path, rank: int) -> dict[str, Any]:
 
     ``rank`` is the one its file name gives. Raises ``ValueError`` naming the file and the field.
     """
+    problem = json_values_problem(data, MAX_MANIFEST_VALUES)
+    if problem is not None:
+        raise ValueError(f"cannot read manifest {path}: it {problem}")
     try:
         manifest = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ValueError(f"cannot read manifest {path}: {exc}") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as exc:
+        raise ValueError(f"cannot read manifest {path}: {exc or 'out of memory while parsing it'}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f'{path} is not a metastore manifest (no "format": "{FORMAT}")')
     version: Any = manifest.get("schema_version")  # JSON: checked next

@@ -68,9 +68,7 @@ class StoreReader:
             raise StoreError(f"{self.path} is not a metastore store: it {what}{hint}")
         self.ranks_read: list[RankIndex] = [read_rank(self.path, rank, path) for rank, path in manifests]
         self.manifests = [rank.manifest for rank in self.ranks_read]
-        self._layers: dict[str, dict[str, Any]] = {}
-        for manifest in self.manifests:
-            self._layers.update(manifest["layers"])
+        self._layers = merged_layers(self.path, manifests, self.manifests)
         entries = [entry for rank in self.ranks_read for entry in rank.entries]
         #: what opening found and left out (journal lines, unreadable version 1 shards); verify() lists it
         self.open_problems = [problem for rank in self.ranks_read for problem in rank.problems]
@@ -265,8 +263,10 @@ class StoreReader:
         """Problems found, one readable line each; empty when every listed shard is sound.
 
         Index lines that were ignored, listed shards that are not sound (missing, not a regular
-        file, size, sha256, tensor keys, sample ids), and files that look like shards but are
-        not listed. Only regular files inside the store are read.
+        file, size, sha256, tensor keys, sample ids), journal columns (labels, losses, predictions,
+        margins, step, epoch, lr) that contradict the shard's own tensors or description (queries
+        serve the journal's; the shard is what was written), and files that look like shards but
+        are not listed. Only regular files inside the store are read.
         """
         return self.open_problems + check_store(self.path, self.index, self._files, checksums)
 
@@ -290,6 +290,37 @@ class StoreReader:
             "compression": dense / on_disk if on_disk else None,
             "index_problems": len(self.open_problems),
         }
+
+
+#: The fields of a layer every rank must give alike.
+_LAYER_SPEC = ("params", "param_shapes", "layout")
+
+
+def merged_layers(
+    directory: Path, names: Sequence[tuple[int, Path]], manifests: Sequence[dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Every rank's layers in one table; :class:`StoreError` when two ranks describe a layer differently.
+
+    Ranks of one run capture one model, so a layer's ``params``, ``param_shapes`` and ``layout`` are the same in
+    every manifest; a store whose ranks disagree (a permuted shape, a flipped layout) would restore gradients of
+    the wrong shape or transposed for one rank's batches, so it is refused whole, naming both manifests.
+    """
+    layers: dict[str, dict[str, Any]] = {}
+    first: dict[str, str] = {}
+    for (_, path), manifest in zip(names, manifests):
+        for name, spec in manifest["layers"].items():
+            known = layers.get(name)
+            field = next((k for k in _LAYER_SPEC if known is not None and known.get(k) != spec.get(k)), None)
+            if known is not None and field is not None:
+                raise StoreError(
+                    f"{path}: layers[{ascii(name)[:80]}].{field} is {ascii(spec.get(field))[:120]} but "
+                    f"{first[name]} says {ascii(known.get(field))[:120]}: the ranks of {directory} describe the layer "
+                    "differently (manifests of different models?); every rank must describe each layer alike, "
+                    "so restore the right manifest or open the ranks' files in separate directories"
+                )
+            if known is None:
+                layers[name], first[name] = spec, path.name
+    return layers
 
 
 #: The most bytes of dense fp32 gradients one :meth:`StoreReader.restore` call builds (all its layers together),

@@ -103,11 +103,14 @@ def check_record(
         f"must be (R, G, d_out); got {tuple(suffix.shape)}",
     )
     groups, d_in, d_out = prefix.shape[1], prefix.shape[2], suffix.shape[2]
-    if "weight" in shapes:
+    if "weight" in shapes:  # out_in: (G d_out, *rest), prod(rest) = d_in; in_out: (d_in, *rest), prod(rest) = G d_out
+        weight = shapes["weight"]
+        first, rest = (groups * d_out, d_in) if layer["layout"] == "out_in" else (d_in, groups * d_out)
         need(
-            groups * d_out * d_in == math.prod(shapes["weight"]),
+            len(weight) >= 2 and weight[0] == first and math.prod(weight[1:]) == rest,
             "prefix",
-            f"and suffix do not make a weight of shape {shapes['weight']}",
+            f"and suffix do not make a weight of shape {weight} ({layer['layout']}: {groups} group(s) of d_out "
+            f"{d_out}, d_in {d_in}): the manifest's shape or layout is not the stored layer's",
         )
     if "bias" in shapes:
         need(groups * d_out == math.prod(shapes["bias"]), "suffix", f"does not make a bias of shape {shapes['bias']}")
