@@ -77,20 +77,96 @@ def run(rows: int, width: int, n_queries: int, nprobes: list[int]) -> dict:
         ivf.nprobe = nprobe
         found = [set(ivf.search(q[None], 10)[1][0].tolist()) for q in queries]
         recall = np.mean([len(t & f) / 10 for t, f in zip(truth, found)])
+        wide = [set(ivf.search(q[None], 50)[1][0].tolist()) for q in queries]  # the candidates a query rescores
+        whole = np.mean([t <= f for t, f in zip(truth, wide)])  # exhaustive top-10 inside the 50 candidates
         ms = median_ms(lambda q: ivf.search(q, 10), queries)
-        result["ivf"]["by_nprobe"].append({"nprobe": nprobe, "recall_at_10": float(recall), "median_ms": ms})
+        result["ivf"]["by_nprobe"].append(
+            {"nprobe": nprobe, "recall_at_10": float(recall), "top10_in_50": float(whole), "median_ms": ms}
+        )
+    return result
+
+
+def store_run(rows: int, layers: int, n_queries: int, path: Path) -> dict:
+    """A synthetic store kept projected 8x8 (``layers`` layers, fp16, batches of 32) at ``rows`` training rows:
+    the exhaustive ``store.influence(...).top(10)`` per test sample against ``influence(..., k=10)``."""
+    import tempfile
+
+    import torch
+
+    from metastore_plugins import StoreWriter, open_store
+    from metastore_plugins.core.capture.records import LayerRecord
+
+    def records(vectors: np.ndarray) -> list[LayerRecord]:  # (B, layers, 64) -> one projected record per layer
+        b = len(vectors)
+        return [
+            LayerRecord(
+                f"layer{i}",
+                "projected",
+                b,
+                {"weight": f"layer{i}.weight"},
+                {"weight": (384, 384)},
+                {
+                    "projected": torch.from_numpy(vectors[:, i].reshape(b, 8, 8).copy()),
+                    "sq_norm": torch.from_numpy((vectors[:, i] ** 2).sum(1)),
+                },
+            )
+            for i in range(layers)
+        ]
+
+    root = Path(tempfile.mkdtemp(dir=path))
+    train = synthetic(rows, layers * 64, 0).reshape(rows, layers, 64)
+    test = synthetic(n_queries, layers * 64, 1).reshape(n_queries, layers, 64)
+    start = time.perf_counter()
+    with StoreWriter(root, encoding="fp16") as writer:
+        for step, first in enumerate(range(0, rows, 32)):
+            part = train[first : first + 32]
+            ids = np.arange(first, first + len(part))
+            writer.write(records(part), sample_ids=ids, step=step, capture_point="final/train", lr=0.1)
+        writer.write(records(test), sample_ids=np.arange(rows, rows + n_queries), step=0, capture_point="final/test")
+    result: dict = {"rows": rows, "layers": layers, "write_s": time.perf_counter() - start}
+    store = open_store(root)
+    result["store_bytes"] = sum(f.stat().st_size for f in root.glob("*.safetensors"))
+    test_ids = [rows + j for j in range(n_queries)]
+    times, exhaustive = [], []
+    for j in test_ids[: min(5, n_queries)]:  # a full scan per test sample: a few suffice
+        start = time.perf_counter()
+        exhaustive.append(store.influence("final/train", "final/test", test_ids=[j]).top(10)[0])
+        times.append(time.perf_counter() - start)
+    result["exhaustive_ms"] = 1000 * float(np.median(times))
+    start = time.perf_counter()
+    built = store.build_vector_index("final/train")
+    result["index_build_s"] = time.perf_counter() - start
+    result["index_plan"] = vars(built.plan)
+    result["index_bytes"] = sum(f.stat().st_size for f in (root / "vector_index").iterdir())
+    times, same = [], []
+    for n, j in enumerate(test_ids):
+        start = time.perf_counter()
+        top = store.influence("final/train", "final/test", test_ids=[j], k=10).top(10)[0]
+        times.append(time.perf_counter() - start)
+        if n < len(exhaustive):
+            want = exhaustive[n]
+            same.append(all({i for i, _ in top[d]} == {i for i, _ in want[d]} for d in ("proponents", "opponents")))
+    result["index_query_ms"] = 1000 * float(np.median(times))
+    result["top10_equal"] = float(np.mean(same))
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[100_000])
+    parser.add_argument("--rows", type=int, nargs="*", default=[100_000])
     parser.add_argument("--dim", type=int, default=64, help="vector width (64: 8x8 projections)")
     parser.add_argument("--queries", type=int, default=50)
     parser.add_argument("--nprobe", type=int, nargs="+", default=[32, 64, 128, 512])
     parser.add_argument("--out", type=Path, help="write the results as JSON")
+    parser.add_argument("--store", type=int, help="also a synthetic projected store of this many training rows")
+    parser.add_argument("--layers", type=int, default=6, help="layers of that store (8x8 each)")
+    parser.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where that store is written")
     args = parser.parse_args()
     results = []
+    if args.store:
+        found = store_run(args.store, args.layers, args.queries, args.tmp)
+        print(json.dumps(found), flush=True)
+        results.append(found)
     for rows in args.rows:
         found = run(rows, args.dim, args.queries, args.nprobe)
         print(json.dumps(found), flush=True)

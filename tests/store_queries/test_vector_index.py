@@ -22,6 +22,7 @@ from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
+from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.store import vector_files
 
 TRAIN, TEST, K = "final/train", "final/test", 5
@@ -207,4 +208,45 @@ def test_cli_inspect_states_the_index_and_influence_uses_it(
     assert capsys.readouterr().out == exhaustive
     assert main(["inspect", str(store.path)]) == 0
     out = capsys.readouterr().out
-    assert f"{TRAIN:<20} 360 rows, dim 16^2, flat" in out
+    assert f"{TRAIN:<20} 360 rows of 2 layers x 16^2, flat" in out
+
+
+def projected_records(vectors: np.ndarray) -> list[LayerRecord]:
+    """``(B, 2, 16)`` -> two ``projected`` 4x4 records (what a capture policy under a budget keeps)."""
+    b = len(vectors)
+    return [
+        LayerRecord(
+            f"layer{i}",
+            "projected",
+            b,
+            {"weight": f"layer{i}.weight"},
+            {"weight": (24, 24)},
+            {
+                "projected": torch.from_numpy(vectors[:, i].reshape(b, 4, 4).copy()),
+                "sq_norm": torch.from_numpy((vectors[:, i] ** 2).sum(1)),
+            },
+        )
+        for i in range(2)
+    ]
+
+
+def test_projected_store_scores_candidates_from_the_index_vectors(tmp_path: Path) -> None:
+    """Kept projected, the stored projections are the index's vectors: candidates are scored from them, with the
+    estimates ``influence`` gives; the top-k equals the exhaustive one (occurrences at two steps summed)."""
+    train, test = clustered(600, 32, 0).reshape(600, 2, 16), clustered(6, 32, 1).reshape(6, 2, 16)
+    with StoreWriter(tmp_path / "store", encoding="fp32", shard_bytes=8_000) as writer:
+        for step, first in enumerate(range(0, 600, 20)):  # ids 0..299 twice, at different learning rates
+            ids = np.arange(first, first + 20) % 300
+            writer.write(projected_records(train[first : first + 20]), sample_ids=ids, step=step, lr=0.1 + step / 100)
+        writer.write(projected_records(test), sample_ids=np.arange(300, 306), step=30, capture_point="test")
+    store = open_store(tmp_path / "store")
+    assert vi.projected_only(store, store.layers())
+    fast = store.influence("train", "test", k=K, index=True)
+    assert len(fast.row_ids) < 300
+    exhaustive = store.influence("train", "test")
+    assert_same_top(fast, exhaustive)
+    rows = np.flatnonzero(np.isin(exhaustive.row_ids, fast.row_ids))
+    order = np.argsort(exhaustive.row_ids[rows])
+    np.testing.assert_allclose(
+        fast.scores[np.argsort(fast.row_ids)], exhaustive.scores[rows][order], rtol=1e-5, atol=1e-6
+    )

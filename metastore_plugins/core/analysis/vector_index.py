@@ -50,6 +50,7 @@ from metastore_plugins.core.analysis.sketches import check_seed, compute_sketche
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import StoreError, StoreReader
 from metastore_plugins.core.store import vector_files as vf
+from metastore_plugins.core.store.journal import KIND_CODES
 
 #: A flat index scans ``N * D`` numbers per query; above this many, FAISS IVF (when installed).
 FLAT_MAX_VALUES = 1 << 23
@@ -157,7 +158,7 @@ def open_index(
     dim = default_dim(store, capture_point, order) if dim is None else int(dim)
     key = vf.key_hash(capture_point, dim, seed, order)
     head = {"format": vf.FORMAT, "version": vf.VERSION, "capture_point": capture_point, "dim": dim, "seed": seed}
-    head["layers"] = sorted(order)
+    head["layers"] = list(order)
     try:
         manifest = vf.read_manifest(store.path, key)
     except StoreError as exc:
@@ -172,6 +173,16 @@ def open_index(
     shard_rows: dict[str, list[int]] = {}
     for row, ref in zip(selection.batch_rows.tolist(), selection.refs):
         shard_rows.setdefault(ref.file.name, []).append(row)
+    shards = tuple((shard, store.shard_sha256(shard)) for shard in shard_rows)
+    cached = _OPENED.get((str(store.path), key))
+    if (
+        plan is None
+        and manifest is not None
+        and cached is not None
+        and cached[0] == _signature(store, manifest, shards)
+    ):
+        cached[1].rebuilt = []
+        return cached[1]  # nothing changed since it was opened in this process
     pieces, rebuilt, writable = [], [], True
     parts: list[dict[str, Any]] = []
     for shard, rows in shard_rows.items():
@@ -179,7 +190,7 @@ def open_index(
         entry: dict[str, Any] | None = known.get(shard)
         piece = _load_part(store, entry, head, shard, sha) if entry is not None else None
         if piece is None:
-            ids, sketch = compute_sketches(sub, order, dim, seed, "sum", max_bytes)  # (n,), (n, dim^2)
+            ids, sketch = compute_sketches(sub, order, dim, seed, "concat", max_bytes)  # (n,), (n, L dim^2)
             lr = np.concatenate([np.full(ref.size, ref.lr_weight) for ref in sub.refs])  # (n,)
             piece = (ids, lr, sketch.numpy().astype(np.float32))
             name = f"part-{key}-{shard.removesuffix('.safetensors')}.safetensors"
@@ -194,11 +205,12 @@ def open_index(
         parts.append(entry or {})
     ids = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros(0, np.int64)
     lr = np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0)
-    vectors = np.concatenate([p[2] for p in pieces]) if pieces else np.zeros((0, dim * dim), np.float32)
+    width = len(order) * dim * dim
+    vectors = np.concatenate([p[2] for p in pieces]) if pieces else np.zeros((0, width), np.float32)
     faiss, kept = load_faiss(), (manifest or {}).get("ann")
     if plan is None and isinstance(kept, dict) and kept.get("parts") == vf.parts_digest(parts):
         plan = Plan("ivf", int(kept.get("nlist", 0)), int(kept.get("nprobe", 0)))  # a plan asked for once, kept
-    plan = plan or choose_plan(len(ids), dim * dim, faiss is not None)
+    plan = plan or choose_plan(len(ids), width, faiss is not None)
     if faiss is None:
         plan = Plan()
     index = VectorIndex(capture_point, dim, ids, lr, vectors, plan, rebuilt=rebuilt)
@@ -208,8 +220,26 @@ def open_index(
         writable = writable and ann_entry is not None
     new = {**head, "parts": parts, "ann": ann_entry}
     if writable and (rebuilt or new != manifest):
-        _write(store, vf.manifest_name(key), vf.encode_manifest(new))
+        writable = _write(store, vf.manifest_name(key), vf.encode_manifest(new))
+    if writable:
+        _OPENED.pop((str(store.path), key), None)
+        _OPENED[(str(store.path), key)] = (_signature(store, new, shards), index)
+        while len(_OPENED) > MAX_OPENED:
+            _OPENED.pop(next(iter(_OPENED)))
     return index
+
+
+#: Indexes opened in this process, reused while their manifest, shards and files are unchanged.
+_OPENED: dict[tuple[str, str], tuple[Any, VectorIndex]] = {}
+MAX_OPENED = 4
+
+
+def _signature(store: StoreReader, manifest: dict[str, Any], shards: tuple[tuple[str, str], ...]) -> Any:
+    """What an opened index depends on: its manifest, the shards' sha256, its files' identity (None: unknown)."""
+    ann = manifest.get("ann")
+    names = [str(p.get("file")) for p in manifest["parts"]] + ([str(ann.get("file"))] if isinstance(ann, dict) else [])
+    files = vf.identities(store.path, names)
+    return None if files is None else (vf.encode_manifest(manifest), shards, files)
 
 
 def _load_part(
@@ -218,10 +248,8 @@ def _load_part(
     """A part's ``(ids, lr, vectors)`` when it is current and sound, else None (said once when damaged)."""
     if entry.get("shard_sha256") != sha or not isinstance(entry.get("file"), str):
         return None  # stale: its shard changed
-    rows, width = (
-        sum(ref.size for ref in store.batch_refs(head["capture_point"]) if ref.file.name == shard),
-        head["dim"] ** 2,
-    )
+    rows = sum(ref.size for ref in store.batch_refs(head["capture_point"]) if ref.file.name == shard)
+    width = len(head["layers"]) * head["dim"] ** 2
     try:
         data = vf.read_checked(
             store.path, entry["file"], str(entry.get("sha256")), rows * (4 * width + 16) + 4096, "part"
@@ -247,7 +275,7 @@ def _open_ann(
     wanted = {"kind": plan.kind, "nlist": plan.nlist, "nprobe": plan.nprobe, "rows": len(index.sample_ids)}
     if isinstance(entry, dict) and entry.get("parts") == digest and {k: entry.get(k) for k in wanted} == wanted:
         try:
-            cap = len(index.sample_ids) * (4 * index.dim**2 + 64) + (64 << 20)
+            cap = index.vectors.nbytes + 64 * len(index.sample_ids) + (64 << 20)
             data = vf.read_checked(store.path, str(entry.get("file")), str(entry.get("sha256")), cap, "FAISS index")
             index.ann = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
             return dict(entry)
@@ -256,7 +284,7 @@ def _open_ann(
     weighted = index.weighted()  # (N, D)
     quantizer = faiss.IndexFlatIP(weighted.shape[1])
     ann = faiss.IndexIVFFlat(quantizer, weighted.shape[1], plan.nlist, faiss.METRIC_INNER_PRODUCT)
-    train = weighted[np.random.default_rng(0).permutation(len(weighted))[: 64 * plan.nlist]]
+    train = weighted[np.random.default_rng(0).permutation(len(weighted))[: 40 * plan.nlist]]
     ann.train(np.ascontiguousarray(train))
     ann.add(weighted)
     index.ann = ann
@@ -301,9 +329,19 @@ def _test_sketches(
     index: VectorIndex,
     layers: Sequence[str],
     seed: int,
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(sample ids (M,), sketches (M, D))`` of the query side, laid out as the index's vectors."""
     selection = store.select(capture_point, sample_ids=ids, layers=list(layers))
-    return compute_sketches(selection, list(layers), index.dim, seed, "sum", DEFAULT_MAX_BYTES)[1].numpy()
+    found, sketch = compute_sketches(selection, list(layers), index.dim, seed, "concat", DEFAULT_MAX_BYTES)
+    return found, sketch.numpy()
+
+
+def projected_only(store: StoreReader, layers: Sequence[str]) -> bool:
+    """Whether every stored record of these layers is ``projected``: then the index's vectors are the records."""
+    record = store.index.record
+    names = np.asarray(store.index.layer_names, dtype=object)
+    mine = np.isin(names[record["layer"]], list(layers)) if len(record["layer"]) else np.zeros(0, bool)
+    return bool(mine.any()) and bool(np.all(record["kind"][mine] == KIND_CODES.index("projected")))
 
 
 def influence(
@@ -324,10 +362,11 @@ def influence(
 
     ``k``: the rows ``.top(k)`` will show; the index then gives each test sample's ``candidates``
     (default ``max(4 k, 50)``) proponent and opponent candidates per pass, and only their union is
-    scored (the result's rows). ``index``: ``None`` uses a kept index (brought up to date), ``True``
-    builds one when missing, ``False`` scans every row. ``recompute``: exact refinement of the
-    estimates (:func:`~metastore_plugins.core.analysis.refine.refine_influence`). ``train_ids``
-    scans every row.
+    scored (the result's rows): from the index's vectors where every record of the layers is
+    projected (they are those records: the same estimates), from the shards otherwise. ``index``:
+    ``None`` uses a kept index (brought up to date), ``True`` builds one when missing, ``False``
+    scans every row. ``recompute``: exact refinement of the estimates
+    (:func:`~metastore_plugins.core.analysis.refine.refine_influence`). ``train_ids`` scans every row.
     """
     full: Callable[..., Scores] = queries.influence
     if k is None or index is False or train_ids is not None:
@@ -335,14 +374,27 @@ def influence(
     count = candidates or max(4 * k, 50)
     order = sketch_layers(store, layers)
     found: set[int] = set()
+    passes = []
     for train_cp, test_cp in queries.paired_points(train, test):
         opened = open_index(store, train_cp, layers=order, build=bool(index), max_bytes=max_bytes)
         if opened is None:
             return full(store, train, test, layers=layers, test_ids=test_ids, max_bytes=max_bytes)
-        sketch = _test_sketches(store, test_cp, test_ids, opened, order, 0)  # (M, D)
+        tested, sketch = _test_sketches(store, test_cp, test_ids, opened, order, 0)  # (M,), (M, D)
         rows = opened.search(np.concatenate([sketch, -sketch]), count)
         found.update(opened.sample_ids[rows[rows >= 0]].tolist())
-    scores = full(store, train, test, layers=layers, train_ids=sorted(found), test_ids=test_ids, max_bytes=max_bytes)
+        passes.append((opened, tested, sketch))
+    if projected_only(store, order):
+        row_parts, col_parts = [], []
+        for opened, tested, sketch in passes:
+            rows = np.flatnonzero(np.isin(opened.sample_ids, sorted(found)))  # (n,) every occurrence
+            matrix = opened.weighted()[rows].astype(np.float64) @ sketch.astype(np.float64).T  # (n, M)
+            row_parts.append((opened.sample_ids[rows], matrix))
+            col_parts.append((tested, matrix))
+        scores = queries.summed_scores(row_parts, col_parts)
+    else:
+        scores = full(
+            store, train, test, layers=layers, train_ids=sorted(found), test_ids=test_ids, max_bytes=max_bytes
+        )
     if recompute is not None:
         return refine_influence(store, scores, train, test, recompute)
     return scores
@@ -383,7 +435,7 @@ def similar(
     opened = open_index(store, candidates, layers=order, build=bool(index), max_bytes=max_bytes)
     if opened is None:
         return scan(None)
-    sketch = _test_sketches(store, query, query_ids, opened, order, 0)  # (M, D)
+    sketch = _test_sketches(store, query, query_ids, opened, order, 0)[1]  # (M, D)
     wanted = count or max(4 * k, 50)
     both = np.concatenate([sketch, -sketch])  # the most similar, and the least (what .top calls opponents)
     if cosine:

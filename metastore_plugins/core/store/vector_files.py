@@ -1,6 +1,6 @@
 """The files of a store's nearest-gradient index, ``<store>/vector_index/`` (bytes only: no FAISS, no queries).
 
-One index per (capture point, sketch ``dim``, seed, layer set), named by a hash of them:
+One index per (capture point, sketch ``dim``, seed, layers in order), named by a hash of them:
 
 - ``manifest-{key}.json``: one line, the manifest's compact JSON, a space, its CRC-32 (8 hex digits)
   and ``\\n``; replaced whole (atomically) after each build. It lists the index's **parts**, one
@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import stat
 import zlib
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ MANIFEST_NAME = re.compile(r"manifest-[0-9a-f]{16}\.json", re.ASCII)
 
 def key_hash(capture_point: str, dim: int, seed: int, layers: list[str]) -> str:
     """16 hex digits naming an index's files."""
-    return hashlib.sha256(json.dumps([capture_point, dim, seed, sorted(layers)]).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([capture_point, dim, seed, list(layers)]).encode()).hexdigest()[:16]
 
 
 def manifest_name(key: str) -> str:
@@ -96,6 +97,19 @@ def write(store_dir: Path, name: str, data: bytes) -> None:
         folder.atomic_write(name, data)
 
 
+def identities(store_dir: Path, names: list[str]) -> tuple[tuple[int, int, int, int], ...] | None:
+    """``(device, inode, size, mtime_ns)`` of each ``vector_index/`` file (not followed), None if one is missing
+    or not a regular file: a file replaced or rewritten since has another."""
+    try:
+        with StoreDir(store_dir) as store, store.subdir(FOLDER) as folder:
+            found = [folder.lstat(name) for name in names]
+    except (OSError, StoreError):
+        return None
+    if any(f is None or not stat.S_ISREG(f.st_mode) for f in found):
+        return None
+    return tuple((f.st_dev, f.st_ino, f.st_size, f.st_mtime_ns) for f in found if f is not None)
+
+
 def read_manifest(store_dir: Path, key: str) -> dict[str, Any] | None:
     """The manifest of ``key``, ``None`` when there is none; :class:`StoreError` when it is damaged or a link."""
     try:
@@ -144,7 +158,8 @@ def check(store_dir: Path, shard_sha256: dict[str, str]) -> tuple[list[str], lis
         kind = "flat" if not isinstance(ann, dict) else f"{ann.get('kind')} (nlist {ann.get('nlist')}, "
         kind += "" if not isinstance(ann, dict) else f"nprobe {ann.get('nprobe')})"
         lines.append(
-            f"{manifest.get('capture_point')!s:<20} {rows:,} rows, dim {manifest.get('dim')}^2, {kind}, "
+            f"{manifest.get('capture_point')!s:<20} {rows:,} rows of {len(manifest.get('layers') or [])} layers x "
+            f"{manifest.get('dim')}^2, {kind}, "
             f"{len(parts)} parts" + (f" ({stale} stale: rebuilt by the next query)" if stale else "")
         )
     return problems, lines
