@@ -4,14 +4,15 @@
 few rows out of millions. The index answers *which rows could be among them*; the store then
 scores only those rows:
 
-1. **Candidates.** Each training row's vector is its summed Kronecker sketch (what
-   :func:`~metastore_plugins.core.analysis.sketches.sketched_influence` uses: for a capture point kept
-   projected ``k x k``, the stored projections themselves), times its batch's learning rate, so
-   that the inner product with a test sample's sketch is the sketched TracIn score. Per test
-   sample and direction (proponents: ``+t``, opponents: ``-t``) the ``candidates`` rows of largest
-   inner product are taken, over every paired pass; their union is rescored.
+1. **Candidates.** Each training row's vector is its per-layer Kronecker sketches side by side
+   (``sketches(..., combine="concat")``; for layers kept projected ``k x k``, the stored projections
+   themselves), times its batch's learning rate: its inner product with a test sample's vector is
+   the sketched TracIn score, and on projected records exactly the estimate ``influence`` reports.
+   Per test sample and direction (proponents: ``+t``, opponents: ``-t``) the ``candidates`` rows
+   of largest inner product are taken, over every paired pass; their union is rescored.
 2. **Estimated scores.** :func:`~metastore_plugins.core.analysis.queries.influence` on the union only
-   (exact for layers kept as factors, the projections' estimate otherwise).
+   (exact for layers kept as factors); where every record of the layers is projected, the same
+   estimates from the index's vectors, without reading a shard.
 3. **Exact scores.** Given a ``recompute`` function, the existing refinement
    (:func:`~metastore_plugins.core.analysis.refine.refine_influence`) recomputes the strongest rows.
 
@@ -93,7 +94,7 @@ class VectorIndex:
     dim: int
     sample_ids: np.ndarray  # (N,) int64
     lr: np.ndarray  # (N,) float64, 1 where none was recorded
-    vectors: np.ndarray  # (N, D) float32 summed sketches
+    vectors: np.ndarray  # (N, D) float32: per-layer sketches side by side, D = L dim^2
     plan: Plan
     ann: Any = None  # a FAISS index over lr * vectors, for plan.kind == "ivf"
     rebuilt: list[str] = field(default_factory=list)  # files (re)built by this open
