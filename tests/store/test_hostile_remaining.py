@@ -10,6 +10,7 @@ with a ``MemoryError`` there instead of taking the machine down.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -66,8 +67,9 @@ except MemoryError:
 def run_capped(body: str) -> str:
     """Run ``body`` (Python, ``path`` bound to the store) under the memory cap; its stdout (a StoreError's line)."""
     script = _CAPPED.format(paths=sys.path, headroom=HEADROOM, body=textwrap.indent(textwrap.dedent(body), "    "))
+    env = {key: value for key, value in os.environ.items() if key != "METASTORE_MAX_RESTORE_BYTES"}  # the default
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=SUBPROCESS_SECONDS, check=False
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=SUBPROCESS_SECONDS, check=False, env=env
     )
     assert done.returncode == 0, f"rc {done.returncode}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
     return done.stdout
@@ -101,6 +103,18 @@ def test_restore_of_a_layer_declared_huge_is_refused_before_allocating(tmp_path:
     """)
     assert out.startswith("StoreError:"), out
     assert "'emb'" in out and "bytes" in out and "METASTORE_MAX_RESTORE_BYTES" in out and out.count("\n") == 1, out
+
+
+def test_the_restore_cap_counts_every_layer_of_the_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fc`` (30 + 5 floats) and ``ln`` (5, dense: already in memory) of one sample: 140 bytes are built, so a cap
+    of 139 bytes refuses the restore naming ``fc`` and one of 140 restores it to its einsum reference."""
+    path = tmp_path / "store"
+    expected = build_store(path, shards=1)
+    monkeypatch.setenv("METASTORE_MAX_RESTORE_BYTES", "139")
+    with pytest.raises(StoreError, match=r"would build 140 bytes .* over the 139-byte cap .* layer 'fc' takes 140"):
+        open_store(path).restore(0)
+    monkeypatch.setenv("METASTORE_MAX_RESTORE_BYTES", "140")
+    check(open_store(path), expected)
 
 
 # -- case 2: layer specs that disagree between ranks, or with the stored tensors ----------------------
