@@ -122,7 +122,10 @@ def test_an_unreadable_shard_is_listed_by_verify_and_refused_by_queries(
     real_open = os.open
 
     def guarded_open(file: Any, *args: Any, **kwargs: Any) -> Any:
-        if Path(file) == victim:  # as for a file of another user (the tests may run as root)
+        # as for a file of another user (the tests may run as root); the store opens its files by name
+        # relative to the directory it holds open (dir_fd=)
+        named = Path(file) if kwargs.get("dir_fd") is None else store_dir / file
+        if named == victim:
             raise PermissionError(13, "Permission denied", str(file))
         return real_open(file, *args, **kwargs)
 
