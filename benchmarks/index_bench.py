@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from metastore_plugins.core.analysis.vector_index import Plan, VectorIndex, choose_plan, load_faiss
+from metastore_plugins.core.analysis.vector_index import Plan, VectorIndex, build_ivf, choose_plan, load_faiss
 
 
 def synthetic(rows: int, width: int, seed: int, clusters: int = 256) -> np.ndarray:
@@ -66,20 +66,17 @@ def run(rows: int, width: int, n_queries: int, nprobes: list[int]) -> dict:
     plan = choose_plan(rows, width, True)
     nlist = plan.nlist or int(min(65536, max(64, 2 ** round(np.log2(4 * np.sqrt(rows))))))
     start = time.perf_counter()
-    quantizer = faiss.IndexFlatIP(width)
-    ivf = faiss.IndexIVFFlat(quantizer, width, nlist, faiss.METRIC_INNER_PRODUCT)
-    ivf.train(vectors[np.random.default_rng(0).permutation(rows)[: 64 * nlist]])
-    ivf.add(vectors)
+    ann = build_ivf(vectors, Plan("ivf", nlist, nlist // 4), faiss)  # as the library builds it
     result["ivf"] = {"nlist": nlist, "build_s": time.perf_counter() - start}
-    result["ivf"]["bytes"] = int(faiss.serialize_index(ivf).nbytes)
+    result["ivf"]["bytes"] = int(faiss.serialize_index(ann).nbytes)
     result["ivf"]["by_nprobe"] = []
     for nprobe in sorted({*nprobes, max(1, nlist // 4)}):
-        ivf.nprobe = nprobe
-        found = [set(ivf.search(q[None], 10)[1][0].tolist()) for q in queries]
+        ivf = VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, Plan("ivf", nlist, nprobe), ann)
+        found = [set(ivf.search(q[None], 10)[0].tolist()) for q in queries]
         recall = np.mean([len(t & f) / 10 for t, f in zip(truth, found)])
-        wide = [set(ivf.search(q[None], 50)[1][0].tolist()) for q in queries]  # the candidates a query rescores
+        wide = [set(ivf.search(q[None], 50)[0].tolist()) for q in queries]  # the candidates a query rescores
         whole = np.mean([t <= f for t, f in zip(truth, wide)])  # exhaustive top-10 inside the 50 candidates
-        ms = median_ms(lambda q: ivf.search(q, 10), queries)
+        ms = median_ms(lambda q, index=ivf: index.search(q, 10), queries)
         result["ivf"]["by_nprobe"].append(
             {"nprobe": nprobe, "recall_at_10": float(recall), "top10_in_50": float(whole), "median_ms": ms}
         )

@@ -87,10 +87,7 @@ def test_ivf_candidates_recall_at_10_against_the_exhaustive_scan() -> None:
     plan = vi.choose_plan(rows, width, True)
     assert plan == vi.Plan()  # 20,000 x 64 numbers: flat ...
     plan = vi.Plan("ivf", 256, 64)  # ... so IVF is asked for, with choose_plan's nprobe = nlist / 4
-    faiss = vi.load_faiss()
-    ann = faiss.IndexIVFFlat(faiss.IndexFlatIP(width), width, plan.nlist, faiss.METRIC_INNER_PRODUCT)
-    ann.train(vectors)
-    ann.add(vectors)
+    ann = vi.build_ivf(vectors, plan, vi.load_faiss())
     ivf = vi.VectorIndex("cp", 8, np.arange(rows), np.ones(rows), vectors, plan, ann)
     exact = [set(np.argsort(-(vectors @ q), kind="stable")[:10].tolist()) for q in queries]
     assert [set(r.tolist()) for r in flat.search(queries, 10)] == exact  # the flat scan is the exhaustive one

@@ -19,7 +19,7 @@ scores only those rows:
 The result is a :class:`Scores` whose rows are the union of the candidates: ``.top(k)`` is the
 answer. The search structure is chosen from the rows ``N`` and width ``D`` (:func:`choose_plan`):
 an exhaustive scan of the vectors (flat) up to :data:`FLAT_MAX_VALUES` numbers, FAISS IVF above
-(``faiss-cpu``, the ``index`` extra). Without FAISS every index is flat: the same candidates,
+(``faiss-cpu``, the ``index`` extra; :func:`build_ivf`). Without FAISS every index is flat: the same candidates,
 slower. ``similar`` always scans its vectors (cosine is not the inner product IVF is built for).
 
 **Files** (``<store>/vector_index/``, :mod:`metastore_plugins.core.store.vector_files`): one part per
@@ -96,7 +96,7 @@ class VectorIndex:
     lr: np.ndarray  # (N,) float64, 1 where none was recorded
     vectors: np.ndarray  # (N, D) float32: per-layer sketches side by side, D = L dim^2
     plan: Plan
-    ann: Any = None  # a FAISS index over lr * vectors, for plan.kind == "ivf"
+    ann: Any = None  # build_ivf of lr * vectors, for plan.kind == "ivf"
     rebuilt: list[str] = field(default_factory=list)  # files (re)built by this open
     _weighted: np.ndarray | None = field(default=None, repr=False)
 
@@ -115,6 +115,7 @@ class VectorIndex:
             return np.zeros((len(q), 0), dtype=np.int64)
         if self.ann is not None:
             self.ann.nprobe = self.plan.nprobe
+            q = np.hstack([q, np.zeros((len(q), 1), np.float32)])  # (M, D + 1): see build_ivf
             return np.asarray(self.ann.search(q, count)[1], dtype=np.int64)
         return _largest(self.weighted() @ q.T, count)
 
@@ -123,6 +124,24 @@ class VectorIndex:
         norms = np.linalg.norm(self.vectors, axis=1)  # (N,)
         cosines = (self.vectors @ np.asarray(queries_, np.float32).T) / np.maximum(norms, 1e-30)[:, None]  # (N, M)
         return _largest(cosines, min(count, len(self.sample_ids)))
+
+
+def build_ivf(weighted: np.ndarray, plan: Plan, faiss: Any) -> Any:
+    """An IVF index (``IndexIVFFlat``, L2) whose nearest neighbours of ``[q, 0]`` are the largest ``<x, q>``.
+
+    Inner-product search is reduced to distance search (Bachrach et al. 2014): each row ``x`` gets one more
+    coordinate ``sqrt(M^2 - |x|^2)`` (``M`` the largest norm), so that ``|x' - [q, 0]|^2 = M^2 + |q|^2 - 2 <x, q>``.
+    IVF clusters the augmented rows by distance; on the benchmark's 10^5 rows this found the whole
+    exhaustive top-10 for 90% of queries at ``nprobe = nlist / 4``, against 82% with IVF on the inner product.
+    """
+    norms = np.linalg.norm(weighted, axis=1)  # (N,)
+    top = float(norms.max()) if len(norms) else 0.0
+    extra = np.sqrt(np.maximum(top * top - norms * norms, 0.0))[:, None]  # (N, 1)
+    rows = np.ascontiguousarray(np.hstack([weighted, extra]), dtype=np.float32)  # (N, D + 1)
+    ann = faiss.IndexIVFFlat(faiss.IndexFlatL2(rows.shape[1]), rows.shape[1], plan.nlist, faiss.METRIC_L2)
+    ann.train(rows[np.random.default_rng(0).permutation(len(rows))[: 40 * plan.nlist]])
+    ann.add(rows)
+    return ann
 
 
 def _largest(scores: np.ndarray, count: int) -> np.ndarray:
@@ -273,7 +292,8 @@ def _open_ann(
     """Set ``index.ann``: the kept FAISS index when it was built over these parts with this plan, else a new one.
     Returns its manifest entry, or None when it could not be written (the index is then kept in memory)."""
     plan, digest = index.plan, vf.parts_digest(parts)
-    wanted = {"kind": plan.kind, "nlist": plan.nlist, "nprobe": plan.nprobe, "rows": len(index.sample_ids)}
+    wanted = {"kind": plan.kind, "metric": "l2-augmented", "nlist": plan.nlist, "nprobe": plan.nprobe}
+    wanted["rows"] = len(index.sample_ids)
     if isinstance(entry, dict) and entry.get("parts") == digest and {k: entry.get(k) for k in wanted} == wanted:
         try:
             cap = index.vectors.nbytes + 64 * len(index.sample_ids) + (64 << 20)
@@ -282,13 +302,7 @@ def _open_ann(
             return dict(entry)
         except StoreError as exc:
             _warn(f"{exc}; rebuilt")
-    weighted = index.weighted()  # (N, D)
-    quantizer = faiss.IndexFlatIP(weighted.shape[1])
-    ann = faiss.IndexIVFFlat(quantizer, weighted.shape[1], plan.nlist, faiss.METRIC_INNER_PRODUCT)
-    train = weighted[np.random.default_rng(0).permutation(len(weighted))[: 40 * plan.nlist]]
-    ann.train(np.ascontiguousarray(train))
-    ann.add(weighted)
-    index.ann = ann
+    ann = index.ann = build_ivf(index.weighted(), plan, faiss)
     name = f"ann-{key}.faiss"
     data = faiss.serialize_index(ann).tobytes()
     index.rebuilt.append(name)
