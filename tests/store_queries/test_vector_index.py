@@ -247,3 +247,19 @@ def test_projected_store_scores_candidates_from_the_index_vectors(tmp_path: Path
     np.testing.assert_allclose(
         fast.scores[np.argsort(fast.row_ids)], exhaustive.scores[rows][order], rtol=1e-5, atol=1e-6
     )
+
+
+def test_a_build_killed_mid_write_leaves_a_usable_index(store: GradientStore) -> None:
+    """Every file is replaced through a temporary, parts before the manifest: a build killed mid-write leaves
+    the previous files and a temporary (or an unlisted part), which the next build removes (or overwrites)."""
+    vi.open_index(store, TRAIN)
+    folder = store.path / vector_files.FOLDER
+    manifest = sorted(folder.glob("manifest-*"))[0]
+    part = sorted(folder.glob("part-*"))[0]
+    (folder / f"{manifest.name}.0123456789abcdef.tmp").write_bytes(b"torn")  # killed writing the manifest
+    (folder / f"{part.name}.fedcba9876543210.tmp").write_bytes(part.read_bytes()[:100])  # ... or a part
+    model, x, y = make_model()
+    write_pass(store.path, model, x, y, TRAIN, torch.arange(400, 440))  # a new shard: the next open builds
+    grown = open_store(store.path)
+    assert_same_top(grown.influence(TRAIN, TEST, k=K, index=True), grown.influence(TRAIN, TEST))
+    assert not list(folder.glob("*.tmp")) and grown.verify() == []

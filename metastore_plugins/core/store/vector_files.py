@@ -29,7 +29,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.store.files import StoreDir, StoreError, temporary_target
 
 FOLDER = "vector_index"
 FORMAT, VERSION = "metastore-vector-index", 1
@@ -108,6 +108,22 @@ def identities(store_dir: Path, names: list[str]) -> tuple[tuple[int, int, int, 
     if any(f is None or not stat.S_ISREG(f.st_mode) for f in found):
         return None
     return tuple((f.st_dev, f.st_ino, f.st_size, f.st_mtime_ns) for f in found if f is not None)
+
+
+def remove_temporaries(store_dir: Path) -> list[str]:
+    """Remove the temporaries a build killed mid-write left in ``vector_index/`` (the files they would have
+    replaced stay as they were); returns their names. A concurrent build whose temporary goes keeps its
+    index in memory."""
+    removed = []
+    try:
+        with StoreDir(store_dir) as store, store.subdir(FOLDER) as folder:
+            for name in folder.listdir():
+                if temporary_target(name) is not None and folder.kind(name) == "file":
+                    folder.remove(name, missing_ok=True)
+                    removed.append(name)
+    except (OSError, StoreError):
+        pass
+    return removed
 
 
 def read_manifest(store_dir: Path, key: str) -> dict[str, Any] | None:
