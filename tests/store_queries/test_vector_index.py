@@ -203,6 +203,11 @@ def test_cli_inspect_states_the_index_and_influence_uses_it(
     exhaustive = capsys.readouterr().out
     main([*args, "--index", "build"])
     assert capsys.readouterr().out == exhaustive
+    similar = ["similar", str(store.path), "--sample", "365", "--capture-point", TEST, "--candidates", TRAIN, "-k", "3"]
+    main([*similar, "--index", "off"])
+    exhaustive = capsys.readouterr().out
+    main([*similar, "--index", "build"])
+    assert capsys.readouterr().out == exhaustive
     assert main(["inspect", str(store.path)]) == 0
     out = capsys.readouterr().out
     assert f"{TRAIN:<20} 360 rows of 2 layers x 16^2, flat" in out
