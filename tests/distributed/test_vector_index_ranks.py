@@ -1,0 +1,49 @@
+"""Top-k with ``k=`` under ``torch.distributed`` (2 gloo ranks): the same proponents and opponents as one process.
+
+A partitioned store accepts ``k=`` and ``index=`` and scores every row (each rank its shards); one process
+scores the nearest-gradient index's candidates. References: one process, exhaustive and through the index.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+from ddp_store import run_ranks, write_ddp_store
+
+from metastore_plugins import open_store
+from metastore_plugins.core.distributed import open_distributed_store
+
+TRAIN = ["epoch-0/train", "epoch-1/train"]
+VAL = ["epoch-0/val", "epoch-1/val"]
+K = 3
+
+
+def _top(rank: int, world: int, out: Path) -> str:
+    store = open_distributed_store(out.parent / "store")
+    (out / f"got{rank}.pkl").write_bytes(pickle.dumps(store.influence(TRAIN, VAL, k=K, index=True).top(K)))
+    return "done"
+
+
+def ids_and_scores(top: list[dict]) -> list[tuple[list[int], list[float]]]:
+    """Per test sample, its top-k ids (sorted: no order among ties) and scores (sorted)."""
+    rows = []
+    for entry in top:
+        pairs = entry["proponents"] + entry["opponents"]
+        rows.append((sorted(i for i, _ in pairs), sorted(s for _, s in pairs)))
+    return rows
+
+
+def test_two_ranks_give_the_top_k_of_one_process(tmp_path: Path) -> None:
+    store_dir = write_ddp_store(tmp_path / "store")
+    results = run_ranks(_top, 2, tmp_path / "out")
+    assert all(results.get(rank, {}).get("ok") == "done" for rank in range(2)), results
+    one = open_store(store_dir)
+    indexed = ids_and_scores(one.influence(TRAIN, VAL, k=K, index=True).top(K))
+    assert [ids for ids, _ in indexed] == [ids for ids, _ in ids_and_scores(one.influence(TRAIN, VAL).top(K))]
+    for rank in range(2):
+        got = ids_and_scores(pickle.loads((tmp_path / "out" / f"got{rank}.pkl").read_bytes()))
+        assert [ids for ids, _ in got] == [ids for ids, _ in indexed]
+        for (_, a), (_, b) in zip(got, indexed):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
