@@ -225,7 +225,7 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
 
 def _vector_index_lines(store: GradientStore) -> list[str]:
     """The kept nearest-gradient indexes: capture point, rows, width, type (flat, or IVF and its parameters)."""
-    lines = vector_files.check(store.path, {entry.file: entry.sha256 for entry in store.index.shards})[1]
+    lines = vector_files.check(store.path, {entry.file: entry.sha256 for entry in store.index.shards}, False)[1]
     if not lines:
         return ["vector index: none (`metastore influence|similar --index build` builds one)"]
     return [f"vector index: {len(lines)}", *(f"  {line}" for line in lines)]

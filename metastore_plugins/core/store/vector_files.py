@@ -140,12 +140,13 @@ def read_manifest(store_dir: Path, key: str) -> dict[str, Any] | None:
         raise StoreError(f"{store_dir / FOLDER / manifest_name(key)}: {exc}") from None
 
 
-def check(store_dir: Path, shard_sha256: dict[str, str]) -> tuple[list[str], list[str]]:
+def check(store_dir: Path, shard_sha256: dict[str, str], files: bool = True) -> tuple[list[str], list[str]]:
     """``(problems, descriptions)`` of every index in ``vector_index/`` (for ``verify`` and ``inspect``).
 
     Problems: a damaged manifest, a part or search file missing, a link or not regular, or
     whose bytes do not match its recorded sha256. A part whose shard changed or went away is
     stale, not damaged: the next query rebuilds it. ``shard_sha256``: listed shard -> its sha256.
+    ``files=False`` reads the manifests only (the descriptions, and damaged manifests).
     """
     problems: list[str] = []
     lines: list[str] = []
@@ -165,7 +166,7 @@ def check(store_dir: Path, shard_sha256: dict[str, str]) -> tuple[list[str], lis
             problems.append(f"{FOLDER}/{name}: {_tail(exc, where / name)}; the next query rebuilds the index")
             continue
         parts, ann = manifest["parts"], manifest.get("ann")
-        for entry in [*parts, *([ann] if isinstance(ann, dict) else [])]:
+        for entry in [*parts, *([ann] if isinstance(ann, dict) else [])] if files else []:
             problem = _file_problem(store_dir, entry)
             if problem:
                 problems.append(f"{FOLDER}/{entry.get('file')}: {problem}; the next query rebuilds it")
