@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("logdir", type=Path, help="the TensorBoard log directory of a run")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent, help="default: docs/")
     parser.add_argument("--name", default="reports", help="file names <name>-<tab>.png")
-    parser.add_argument("--width", type=int, default=1400)
+    parser.add_argument("--width", type=int, default=1800)
     parser.add_argument("--height", type=int, default=1600)
     parser.add_argument("--wait-ms", type=int, default=15000, help="virtual time Chromium gives the page")
     parser.add_argument("--tabs", nargs="+", default=list(TABS), choices=TABS)

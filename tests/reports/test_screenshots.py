@@ -42,6 +42,6 @@ def test_with_chromium_the_text_tab_is_shot_from_a_running_tensorboard(tmp_path:
     shot = tmp_path / "out" / "t-text.png"
     assert str(shot) in done.stdout and 0 < shot.stat().st_size < 400_000
     with image.open(io.BytesIO(shot.read_bytes())) as picture:
-        assert picture.size == (1400, 1600) and picture.mode == "P"  # the palette PNG the docs keep
+        assert picture.size == (1800, 1600) and picture.mode == "P"  # the palette PNG the docs keep
         colours = picture.convert("RGB").getcolors(maxcolors=1 << 16)
     assert colours is not None and len(colours) > 10  # a page was drawn, not a blank canvas

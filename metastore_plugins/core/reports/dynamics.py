@@ -110,7 +110,7 @@ def heatmap_figure(gmap: GradientMap, *, spike_factor: float = SPIKE_FACTOR) -> 
     image = axes.imshow(
         shown, aspect="auto", interpolation="nearest", cmap=cmap, norm=LogNorm(low, max(high, low * 1.0001))
     )
-    figure.colorbar(image, ax=axes, label="mean per-sample norm", pad=0.01)
+    figure.colorbar(image, ax=axes, label="mean per-sample norm", pad=0.01, fraction=0.04, aspect=30)
     spike_rows, spike_cols = np.nonzero(gmap.spikes)
     if len(spike_rows):
         axes.scatter(spike_cols, spike_rows, s=36, facecolors="none", edgecolors="red", linewidths=1.0)
@@ -125,10 +125,10 @@ def heatmap_figure(gmap: GradientMap, *, spike_factor: float = SPIKE_FACTOR) -> 
         FuncFormatter(lambda x, _: str(int(steps[int(round(x))])) if 0 <= round(x) < len(steps) else "")
     )
     axes.set_xlabel("training step")
-    worst = f"worst layer {gmap.worst} (red): peak {gmap.peak:.3g}x its median; " if gmap.worst else ""
-    axes.set_title(
-        f"Per-sample gradient norm, mean per layer and step: {rows} layers, {columns} steps (log colour)\n"
-        f"{worst}red rings: {len(spike_rows)} spikes (> {spike_factor:g}x the layer's median)",
+    worst = f"\nworst layer (red): {gmap.worst}, peak {gmap.peak:.3g}x its median" if gmap.worst else ""
+    figure.suptitle(
+        f"Per-sample gradient norm, mean per layer and step: {rows} layers, {columns} steps (log colour){worst}\n"
+        f"red rings: {len(spike_rows)} spikes (> {spike_factor:g}x the layer's median)",
         fontsize=9,
     )
     return figure

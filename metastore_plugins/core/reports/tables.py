@@ -291,12 +291,19 @@ def _caption(store: GradientStore, ranked: OutlierScores, points: Sequence[str],
     return lines
 
 
+#: characters of a sample's text in the outlier table, whose nine other columns take most of the width
+OUTLIER_TEXT_CHARS = 60
+
+
 def outlier_markdown(rows: Sequence[dict[str, Any]], columns: Sequence[str], caption: Sequence[str] = ()) -> str:
     """The outlier table in markdown, then its caption (one line each), as :func:`influence_markdown` closes its table.
 
     The table's header stays the first line, for whatever reads the file as a table; a ``text`` column is
-    cut to :data:`~.files.TEXT_CHARS` characters (the JSON file keeps it whole)."""
-    shown = [{**row, "text": shorten(row["text"])} if row.get("text") is not None else row for row in rows]
+    cut to :data:`OUTLIER_TEXT_CHARS` characters (the JSON file keeps it whole)."""
+    shown = [
+        {**row, "text": shorten(row["text"], OUTLIER_TEXT_CHARS)} if row.get("text") is not None else row
+        for row in rows
+    ]
     return markdown_table(shown, columns) + ("\n" if caption else "") + "".join(f"{line}  \n" for line in caption)
 
 
