@@ -254,3 +254,13 @@ def test_influence_markdown_is_one_line_per_test_sample_where_no_sample_has_a_te
     assert influence_markdown(blank) == influence_markdown(rows)
     shown = influence_markdown([{**rows[0], "proponents": [{**entry, "text": "a | b"}]}])
     assert "| + | 4 | 1 | +0.5 | a \\| b |" in shown.splitlines() and "; estimated scores): " in shown
+
+
+def test_the_report_settings_are_checked_where_they_are_given() -> None:
+    from metastore_plugins.core.options import CallbackOptions
+
+    with pytest.raises(ValueError, match=r"Owner\(sample_renderer=...\) must be a function"):
+        CallbackOptions("Owner", sample_renderer="text")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Owner\(per_layer_scalars=...\) must be True or False"):
+        CallbackOptions("Owner", per_layer_scalars=1)  # type: ignore[arg-type]
+    assert CallbackOptions("Owner").per_layer_scalars is False
