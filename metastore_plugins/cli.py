@@ -7,7 +7,7 @@ Example::
     metastore influence runs/text-classifier --test 0,1,2 -k 5
     metastore restore runs/text-classifier --sample 17 --capture-point epoch-1/val --out g.safetensors
     metastore compact runs/text-classifier          # merge small shards (crash-safe)
-    metastore verify runs/text-classifier --repair  # remove what a killed run left behind
+    metastore verify runs/text-classifier --repair  # mend what a killed run left behind
     torchrun --nproc-per-node 4 -m metastore_plugins.cli influence runs/text-classifier  # partitioned
 
 User mistakes (unknown run, sample, layer, step) print one line and exit with status 2.
@@ -475,9 +475,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("inspect", cmd_inspect, "capture points, steps, samples, layers, bytes, damage")
     p.add_argument("--no-checksums", action="store_true", help="skip the sha256 check of every shard")
-    p = add("verify", cmd_verify, "check every shard against the index; --repair removes leftovers of a killed run")
+    p = add(
+        "verify",
+        cmd_verify,
+        "check every shard against the index; --repair mends what a killed run or a damaged index left",
+    )
     p.add_argument(
-        "--repair", action="store_true", help="remove unlisted shards, temporary files, untrusted index lines"
+        "--repair",
+        action="store_true",
+        help=(
+            "remove temporary files and untrusted index lines; re-list a readable shard the index lost "
+            "(or move it to quarantine/), never delete one; remove only byte-for-byte copies"
+        ),
     )
     p.add_argument("--no-checksums", action="store_true", help="skip the sha256 check of every shard")
     p.set_defaults(on_directory=True)
