@@ -70,7 +70,7 @@ def candidate_rows(scores: np.ndarray, candidates: int, limit: int | None = None
     first, then every column's second, and so on (within one depth, column by column), so that each
     column's strongest candidates are kept before any column's weaker ones.
     """
-    n, m = scores.shape
+    n = scores.shape[0]
     depth = min(candidates, -(-n // 2))
     if limit is None and n <= 2 * candidates:
         return np.arange(n)
