@@ -18,6 +18,7 @@ from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.refine import RecomputeFn, RefinedScores, refine_influence
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS, training_signals
+from metastore_plugins.core.capture.records import EXACT_KINDS
 from metastore_plugins.core.reports.files import markdown_table, shorten
 
 
@@ -372,6 +373,7 @@ def influence_rows(
 
 
 def passes_exact(store: GradientStore) -> bool:
-    """Whether the store's checkpoint passes keep exact gradients (no capture plan recorded: an exact store)."""
-    plan = store.config.get("capture_plan")
-    return not isinstance(plan, dict) or set(plan.get("passes", {}).values()) <= {"exact"}
+    """Whether every record the checkpoint passes hold is exact: what the shards hold, not what was planned
+    (a budget may have degraded a pass planned exact while the run went on)."""
+    points = [p for p in store.capture_points() if p != TRAINING_STEPS]
+    return all(r["kind"] in EXACT_KINDS for p in points for ref in store.batch_refs(p) for r in ref.info["records"])
