@@ -32,6 +32,7 @@ from metastore_plugins.core.reports.tables import (
 from metastore_plugins.core.rng import preserved_rng
 from metastore_plugins.core.run import CheckpointSchedule, LabelsFn, LossReduction, PerSampleLossFn, RunCapture
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
+from metastore_plugins.core.store.readcache import SHARDS
 
 
 class CaptureSettings(TypedDict, total=False):
@@ -407,6 +408,8 @@ class CallbackOptions:
                 stacklevel=3,
             )
             return None
+        finally:
+            SHARDS.clear()  # the trainer's process keeps no shard bytes after its reports (up to 4 GiB otherwise)
 
 
 def phase_seconds(seconds: Mapping[str, float], result: Mapping[str, Any] | None) -> dict[str, float]:

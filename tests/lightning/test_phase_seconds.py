@@ -40,3 +40,15 @@ def test_pass_and_report_seconds(tmp_path: Path, caplog: pytest.LogCaptureFixtur
     assert float(built[1]) == pytest.approx(phases["report_seconds"], abs=0.051)
     assert float(built[2]) == pytest.approx(phases["refine_seconds"], abs=0.051)
     assert float(passes[1]) == pytest.approx(phases["pass_seconds"], abs=0.051)
+
+
+def test_the_reports_leave_no_shard_bytes_in_the_trainers_process(tmp_path: Path) -> None:
+    """The reports read every shard through the process-wide cache; after them the cache holds nothing."""
+    from metastore_plugins.core.store.readcache import SHARDS
+
+    train, val = loaders()
+    callback = MetaStoreCallback(tmp_path / "store")
+    reads_before = SHARDS.reads
+    fit(tmp_path, Wide(), train, val, [callback], max_epochs=1)
+    assert callback.report_result is not None and SHARDS.reads > reads_before  # the reports did read shards
+    assert SHARDS.nbytes == 0
