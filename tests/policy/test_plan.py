@@ -69,6 +69,11 @@ def test_default_budget_is_snapshots_plus_20_kib_per_sample() -> None:
     assert plan.budget == default_budget(SHAPE) and "default" in plan.budget_source
     text = "\n".join(plan.lines())
     assert "policy 'auto'" in text and "training steps:" in text and "weight snapshots" in text
+    # the default budget holds one snapshot per pass by construction: every pass takes one, so that the exact
+    # refinement has the weights of each pass; large snapshots (MiniLM: 87 MiB each) make no difference
+    for snapshot_bytes in (20_000, 90_000_000):
+        shape = RunShape(100, BATCH, passes=3, pass_samples=16, snapshot_bytes=snapshot_bytes)
+        assert make_plan(_records(), shape, policy="auto", budget=None, encoding="fp16").snapshots == shape.passes
 
 
 def test_a_run_past_its_plan_degrades_and_stays_within_budget(tmp_path: Path) -> None:

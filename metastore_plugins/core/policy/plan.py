@@ -352,13 +352,13 @@ def make_plan(
     costs = measure(records, encoding, shape.train_batch_size)
     tied = shared_layers(records)
     rate_only = budget is None and policy == "auto" and not shape.known
+    snapshots = planned_snapshots(shape, policy, budget)  # the budget as given: a default one holds one per pass
     budget, source = budget_of(shape, policy, budget)
     pass_samples = shape.passes * shape.pass_samples
     samples = shape.train_samples + pass_samples
     files = files_bytes(shape)
     usable = math.inf if budget is None else (1 - HEADROOM) * budget - files
     metadata = shape.metadata_bytes
-    snapshots = planned_snapshots(shape, policy, budget)
     rest = usable - metadata - max(0, snapshots) * shape.snapshot_bytes
 
     def total(rung: tuple[Representation, int], samples: int) -> float:
