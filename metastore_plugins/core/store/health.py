@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 from metastore_plugins.core.store import vector_files
 from metastore_plugins.core.store.batches import ShardFiles
 from metastore_plugins.core.store.entries import ShardEntry, sample_columns
-from metastore_plugins.core.store.files import TEMPORARY_SUFFIX
+from metastore_plugins.core.store.files import TEMPORARY_SUFFIX, kind_of
 from metastore_plugins.core.store.index import StoreIndex, expectation
 from metastore_plugins.core.store.journal import META_BITS, unpack
 from metastore_plugins.core.store.manifest import StoreError
@@ -233,16 +232,14 @@ def unlisted_files(directory: Path, listed: set[str]) -> list[str]:
     return lines
 
 
+_KIND_WORDS = {"file": "a file", "directory": "a directory", "link": "a symbolic link", "special": "a special file"}
+
+
 def _kind(path: Path) -> str:
     try:
-        mode = os.lstat(path).st_mode
+        return _KIND_WORDS[kind_of(os.lstat(path).st_mode)]
     except OSError:
         return "a file"
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return "a file" if stat.S_ISREG(mode) else "a special file"
 
 
 def fill_v1_samples(directory: Path, entries: list[ShardEntry], layers: dict[str, Any], checksums: bool) -> list[str]:
