@@ -36,9 +36,9 @@ import torch
 
 from metastore_plugins.core.analysis import open_store
 from metastore_plugins.core.capture.records import restore_all
-from metastore_plugins.core.passes import capture_step
 from metastore_plugins.core.store import StoreWriter, readcache
 from metastore_plugins.core.store.batches import BatchRef
+from metastore_plugins.core.training.passes import capture_step
 
 from .capture_bench import func_per_sample_grads, per_sample_ce
 from .influence_profile import Matmul, influence_memory, plan_flops

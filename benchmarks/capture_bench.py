@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
-from metastore_plugins.core.run import RunCapture
+from metastore_plugins.core.training.run import RunCapture
 
 from .models import Workload, parameter_count
 from .timing import median, round_robin

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.passes import capture_step, checkpoint_pass
 from metastore_plugins.core.reports.tensorboard import report_run, summary_writer
+from metastore_plugins.core.training.passes import capture_step, checkpoint_pass
 
 VOCAB, PAD, MAX_LEN = 40, 0, 16
 

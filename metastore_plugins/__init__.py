@@ -4,7 +4,7 @@ from typing import Any
 
 from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.capture import CaptureSession, register_capture
-from metastore_plugins.core.sample_ids import IndexedDataset
+from metastore_plugins.core.model.sample_ids import IndexedDataset
 from metastore_plugins.core.store import StoreWriter
 
 __version__ = "0.1.0"

@@ -41,7 +41,6 @@ from metastore_plugins.core.distributed import (
 )
 from metastore_plugins.core.distributed.launch import DEFAULT_TIMEOUT_S
 from metastore_plugins.core.policy.plan import CapturePlan
-from metastore_plugins.core.policy.tags import Tag, check_tags
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
 from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.stored import (
@@ -56,6 +55,7 @@ from metastore_plugins.core.store import StoreError, find_store_dir, vector_file
 from metastore_plugins.core.store.maintenance import compact, repair
 from metastore_plugins.core.store.runs import repeated_batches
 from metastore_plugins.core.store.snapshots import SnapshotInfo, check_snapshots
+from metastore_plugins.core.store.tags import Tag, check_tags
 
 #: Characters a terminal acts on (C0/C1 controls: ESC, BEL, CR, newlines; DEL; bidirectional overrides, line
 #: separators): printed escaped (``\\x1b``, ``\\u202e``) wherever a stored string reaches the terminal.

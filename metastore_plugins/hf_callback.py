@@ -1,9 +1,9 @@
 """``MetaStoreTrainerCallback``: exact per-sample gradients of a Hugging Face ``Trainer`` run, and reports on them.
 
 A thin adapter: it maps ``transformers.TrainerCallback`` events onto
-:mod:`metastore_plugins.core.run` (capture, checkpoint passes), the sample ids the train
-loader's sampler draws (:mod:`metastore_plugins.core.sample_ids`), the loss scale measured
-in ``backward`` (:mod:`metastore_plugins.core.loss_scale`) and
+:mod:`metastore_plugins.core.training.run` (capture, checkpoint passes), the sample ids the train
+loader's sampler draws (:mod:`metastore_plugins.core.model.sample_ids`), the loss scale measured
+in ``backward`` (:mod:`metastore_plugins.core.training.loss_scale`) and
 :mod:`metastore_plugins.core.reports`.
 
 Example::
@@ -35,11 +35,11 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.utils import logging as hf_logging
 from typing_extensions import Unpack
 
-from metastore_plugins.core.checkpoints import dataset_size
-from metastore_plugins.core.loss_scale import MeasuredLossScale, per_sample_weight
-from metastore_plugins.core.options import CallbackOptions, CaptureSettings, check_writable, with_settings_doc
+from metastore_plugins.core.model.pass_sources import dataset_size
 from metastore_plugins.core.reports.files import text_renderer
-from metastore_plugins.core.run import (
+from metastore_plugins.core.training.loss_scale import MeasuredLossScale, per_sample_weight
+from metastore_plugins.core.training.options import CallbackOptions, CaptureSettings, check_writable, with_settings_doc
+from metastore_plugins.core.training.run import (
     RecordingBatchSampler,
     RunCapture,
     SampleIdError,

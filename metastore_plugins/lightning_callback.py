@@ -1,6 +1,6 @@
 """``MetaStoreCallback``: capture exact per-sample gradients of a Lightning run and report on them.
 
-A thin adapter: it maps Lightning's events onto :mod:`metastore_plugins.core.run`
+A thin adapter: it maps Lightning's events onto :mod:`metastore_plugins.core.training.run`
 (capture, sample ids, checkpoint passes) and :mod:`metastore_plugins.core.reports`.
 
 Example::
@@ -33,10 +33,11 @@ from torch.optim import Optimizer
 from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
 
-from metastore_plugins.core.checkpoints import dataset_size
-from metastore_plugins.core.options import CallbackOptions, CaptureSettings, check_writable, with_settings_doc
-from metastore_plugins.core.rng import preserved_rng
-from metastore_plugins.core.run import (
+from metastore_plugins.core.model.pass_sources import dataset_size
+from metastore_plugins.core.model.rng import preserved_rng
+from metastore_plugins.core.model.sample_ids import loader_batch_size
+from metastore_plugins.core.training.options import CallbackOptions, CaptureSettings, check_writable, with_settings_doc
+from metastore_plugins.core.training.run import (
     SAMPLE_ID_KEYS,
     IndexedDataset,
     LossReduction,
@@ -48,7 +49,6 @@ from metastore_plugins.core.run import (
     record_sampler_ids,
     take_sample_ids,
 )
-from metastore_plugins.core.sample_ids import loader_batch_size
 
 
 @with_settings_doc

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins import StoreWriter
-from metastore_plugins.core.passes import capture_step, checkpoint_pass
+from metastore_plugins.core.training.passes import capture_step, checkpoint_pass
 
 ModelKind = Literal["mlp", "cnn"]
 TEST_SIZE = 300

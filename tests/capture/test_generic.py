@@ -371,7 +371,7 @@ def test_a_root_returning_its_loss_is_reported_and_the_rest_stays_exact() -> Non
 def test_the_capture_plan_message_names_the_generic_parameters(tmp_path: Path) -> None:
     """Through RunCapture into a store and back; the layers before the token read no gradient (empty records)."""
     from metastore_plugins import open_store
-    from metastore_plugins.core.run import RunCapture
+    from metastore_plugins.core.training.run import RunCapture
 
     model, (x, mask, y) = TokenModel(readout="cls"), token_batch()
     announced: list[str] = []
@@ -396,7 +396,7 @@ def test_the_capture_plan_message_names_the_generic_parameters(tmp_path: Path) -
 
 
 def test_check_model_accepts_a_model_only_the_generic_rule_covers() -> None:
-    from metastore_plugins.core.options import CallbackOptions
+    from metastore_plugins.core.training.options import CallbackOptions
 
     model = TokenModel()
     for module in (model.embed, model.cls.proj, model.nested.norm, model.head):

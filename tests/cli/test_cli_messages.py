@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from metastore_plugins import StoreWriter
 from metastore_plugins.cli import main
-from metastore_plugins.core.passes import capture_step, checkpoint_pass
+from metastore_plugins.core.training.passes import capture_step, checkpoint_pass
 from metastore_plugins.testing import reference_per_sample_gradients
 
 TRAIN, PASS_TRAIN, VAL = range(24), range(12), range(24, 30)  # the passes hold half the trained samples

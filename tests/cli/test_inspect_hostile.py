@@ -19,9 +19,9 @@ from torch import Tensor, nn
 
 from metastore_plugins import StoreWriter
 from metastore_plugins.cli import main
-from metastore_plugins.core.passes import capture_step
-from metastore_plugins.core.policy.tags import TagBook
 from metastore_plugins.core.store.snapshots import write_snapshot
+from metastore_plugins.core.store.tags import TagBook
+from metastore_plugins.core.training.passes import capture_step
 
 #: What a terminal acts on: none of it may reach stdout or stderr raw.
 RAW = ("\x1b", "\x07", "\r", "\u202e", "\x9b")

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from metastore_plugins import MetaStoreCallback, MetaStoreTrainerCallback, StoreWriter, open_store
 from metastore_plugins.cli import main
-from metastore_plugins.core.passes import capture_step, checkpoint_pass
 from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.training.passes import capture_step, checkpoint_pass
 
 
 def per_sample_ce(outputs: Tensor, labels: Tensor) -> Tensor:

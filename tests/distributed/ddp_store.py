@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metastore_plugins import StoreWriter
-from metastore_plugins.core.passes import capture_step
+from metastore_plugins.core.training.passes import capture_step
 
 N_TRAIN, N_VAL, BATCH = 40, 6, 4
 

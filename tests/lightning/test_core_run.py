@@ -14,7 +14,7 @@ pytest.importorskip("matplotlib")
 
 from metastore_plugins.core.reports.render import scatter_figure  # noqa: E402
 from metastore_plugins.core.reports.tensorboard import summary_writer, write_tensorboard  # noqa: E402
-from metastore_plugins.core.run import (  # noqa: E402
+from metastore_plugins.core.training.run import (  # noqa: E402
     CheckpointSchedule,
     IndexedDataset,
     SampleIdError,
@@ -111,7 +111,7 @@ class _Scaler:
 
 def test_run_capture_skips_overflowed_fp16_steps_and_writes_the_rest(tmp_path: Path) -> None:
     from metastore_plugins import open_store
-    from metastore_plugins.core.run import RunCapture
+    from metastore_plugins.core.training.run import RunCapture
 
     model = torch.nn.Linear(3, 2)
     g = torch.Generator().manual_seed(0)
@@ -138,7 +138,7 @@ def test_run_capture_skips_overflowed_fp16_steps_and_writes_the_rest(tmp_path: P
 
 def test_run_capture_hooks_once_ignores_forwards_between_steps_and_unhooks_on_close(tmp_path: Path) -> None:
     from metastore_plugins import open_store
-    from metastore_plugins.core.run import RunCapture
+    from metastore_plugins.core.training.run import RunCapture
     from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
 
     torch.manual_seed(0)

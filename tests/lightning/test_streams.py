@@ -14,7 +14,7 @@ from lightning_cases import DictClassifier, fit, make_data
 from torch.utils.data import DataLoader, IterableDataset
 
 from metastore_plugins import MetaStoreCallback, open_store
-from metastore_plugins.core.run import SampleIdError, stream_batches
+from metastore_plugins.core.training.run import SampleIdError, stream_batches
 
 
 class Stream(IterableDataset):

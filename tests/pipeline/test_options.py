@@ -1,4 +1,4 @@
-"""Both callbacks take the shared settings once declared (core/options.py), and refuse what they do not know."""
+"""Both callbacks take the shared settings once declared (training/options.py), and refuse what they do not know."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from metastore_plugins import MetaStoreCallback, MetaStoreTrainerCallback
-from metastore_plugins.core.options import CaptureSettings
+from metastore_plugins.core.training.options import CaptureSettings
 
 
 @pytest.mark.parametrize("callback", [MetaStoreCallback, MetaStoreTrainerCallback])

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.passes import capture_step, checkpoint_pass
+from metastore_plugins.core.training.passes import capture_step, checkpoint_pass
 from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
 
 

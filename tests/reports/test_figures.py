@@ -20,7 +20,6 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.image import imread  # noqa: E402
 
 from metastore_plugins import StoreWriter  # noqa: E402
-from metastore_plugins.core.passes import capture_step, checkpoint_pass  # noqa: E402
 from metastore_plugins.core.reports.render import (  # noqa: E402
     MISMATCH,
     as_image,
@@ -30,6 +29,7 @@ from metastore_plugins.core.reports.render import (  # noqa: E402
 )
 from metastore_plugins.core.reports.samples import influence_figure  # noqa: E402
 from metastore_plugins.core.reports.tensorboard import report_run, write_tensorboard  # noqa: E402
+from metastore_plugins.core.training.passes import capture_step, checkpoint_pass  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

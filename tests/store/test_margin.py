@@ -22,8 +22,9 @@ from storecases import journal_entries, synthetic_batch
 from torch import Tensor, nn
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.passes import capture_step, margins_of
+from metastore_plugins.core.model.losses import margins_of
 from metastore_plugins.core.store.maintenance import compact
+from metastore_plugins.core.training.passes import capture_step
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -330,7 +331,7 @@ def test_capture_step_records_each_samples_margin(tmp_path: Path) -> None:
 
 def test_run_capture_records_margins_of_a_dict_output(tmp_path: Path) -> None:
     """The callbacks' path (``RunCapture.finish_step``): logits under ``output["logits"]``, as HF models return."""
-    from metastore_plugins.core.run import RunCapture
+    from metastore_plugins.core.training.run import RunCapture
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metastore_plugins.core.policy.tags import Tag, TagBook, find_tags, read_tags
 from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.tags import Tag, TagBook, find_tags, read_tags
 
 
 def test_tags_round_trip_and_later_tags_win(tmp_path: Path) -> None:

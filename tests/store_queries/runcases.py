@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from metastore_plugins import GradientStore, StoreWriter, open_store
 from metastore_plugins.core.ops.sketch import projection
-from metastore_plugins.core.passes import capture_step
+from metastore_plugins.core.training.passes import capture_step
 from metastore_plugins.testing import reference_per_sample_gradients
 
 N_SAMPLES, N_FEATURES, N_CLASSES = 24, 6, 3

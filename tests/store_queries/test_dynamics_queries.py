@@ -18,8 +18,8 @@ from torch import Tensor
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core import ops
-from metastore_plugins.core.passes import capture_step
 from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.training.passes import capture_step
 
 TOL = 1e-5
 LAYERS = ("3", "2", "0")  # store.layers(): the order records come in (backward order)

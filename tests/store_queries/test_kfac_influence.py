@@ -23,7 +23,7 @@ from torch.func import grad, vmap
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis import GradientStore
-from metastore_plugins.core.passes import capture_step
+from metastore_plugins.core.training.passes import capture_step
 from metastore_plugins.testing import reference_per_sample_gradients
 
 LRS = (0.7, 0.2)  # per pass

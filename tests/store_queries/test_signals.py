@@ -14,7 +14,7 @@ from torch import nn
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis.signals import signals_from_metadata, suspicion, training_signals
-from metastore_plugins.core.passes import capture_step
+from metastore_plugins.core.training.passes import capture_step
 
 
 def _meta(rows: list[tuple[int, int, float, int, int, float]]) -> dict[str, np.ndarray]:

@@ -26,7 +26,7 @@ from torch import Tensor
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import sketches as sketches_module
-from metastore_plugins.core.passes import capture_step
+from metastore_plugins.core.training.passes import capture_step
 from metastore_plugins.testing import reference_per_sample_gradients
 
 DIM, SEED, TOL = 4, 3, 1e-5

@@ -20,12 +20,12 @@ from typing import Any
 from torch import Tensor, nn
 
 from metastore_plugins.core.analysis import curvature, dynamics, queries, vector_index
-from metastore_plugins.core.analysis import recompute as recompute_module
 from metastore_plugins.core.analysis import sketches as sketch_queries
 from metastore_plugins.core.capture.records import LayerRecord, RepresentationError
-from metastore_plugins.core.policy.tags import find_tags, read_tags
+from metastore_plugins.core.model import recompute as recompute_module
 from metastore_plugins.core.store import StoreReader, find_store_dir
 from metastore_plugins.core.store.snapshots import list_snapshots
+from metastore_plugins.core.store.tags import find_tags, read_tags
 
 
 class GradientStore(StoreReader):
@@ -64,7 +64,7 @@ class GradientStore(StoreReader):
     ) -> list[LayerRecord]:
         """Exact records of ``dataset[i]`` for ``i`` in ``sample_ids``, at this store's weight snapshot ``snapshot``.
 
-        :func:`~metastore_plugins.core.analysis.recompute.recompute` with ``store_dir`` this store
+        :func:`~metastore_plugins.core.model.recompute.recompute` with ``store_dir`` this store
         (``options``: its keyword arguments: ``rank``, ``loss_fn``, ``collate_fn``, ``batch_size``, ...).
         ``snapshot=None`` takes the model's live weights. What a projected or norms-only layer
         cannot give back (:meth:`restore`, exact dots), this gives exactly.

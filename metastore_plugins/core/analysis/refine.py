@@ -4,7 +4,7 @@ A store kept under ``policy="auto"`` answers ``influence`` with estimates (inner
 projected gradients, error about ``1/sqrt(k)`` of ``||g_i|| ||g_j||`` per layer). The few training
 samples a report shows are then recomputed exactly, at the weights of each checkpoint pass
 (the weight snapshots in the store), by a ``recompute`` function the caller provides (the
-callbacks have the live model and datasets; see :func:`~metastore_plugins.core.analysis.recompute.recompute`):
+callbacks have the live model and datasets; see :func:`~metastore_plugins.core.model.recompute.recompute`):
 
 1. per test sample, the ``candidates`` largest and smallest estimated scores (``max_samples``: at most
    that many training samples in all, the shallowest ranks of every test sample first);

@@ -2,7 +2,7 @@
 
 ``<sketch_i, sketch_j>`` estimates ``<g_i, g_j>`` without bias (error in
 :mod:`metastore_plugins.core.ops.sketch`). Summed sketches of a whole capture point are
-cached under ``<store>/sketches/`` (:mod:`~metastore_plugins.core.analysis.sketch_cache`), so
+cached under ``<store>/sketches/`` (:mod:`~metastore_plugins.core.store.sketch_cache`), so
 that sketched influence costs one ``(N, k) x (k, M)`` product once they are built.
 """
 
@@ -18,12 +18,11 @@ import torch
 from torch import Tensor
 
 from metastore_plugins.core import ops
-from metastore_plugins.core.analysis import sketch_cache
 from metastore_plugins.core.analysis.per_batch import positive_int
 from metastore_plugins.core.analysis.queries import influence, on_device, paired_points, summed_scores
 from metastore_plugins.core.analysis.results import Clusters, Scores
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
-from metastore_plugins.core.store import Selection, StoreReader
+from metastore_plugins.core.store import Selection, StoreReader, sketch_cache
 
 Combine = Literal["sum", "concat"]
 

@@ -26,14 +26,14 @@ import numpy as np
 import torch
 import torch.distributed
 
-from metastore_plugins.core.analysis import GradientStore, sketch_cache
+from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.sketches import Combine, check_seed, sketch_key, sketch_layers
 from metastore_plugins.core.distributed import queries as dq
 from metastore_plugins.core.distributed.collectives import Comm
 from metastore_plugins.core.distributed.partition import Share
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
-from metastore_plugins.core.store import find_store_dir
+from metastore_plugins.core.store import find_store_dir, sketch_cache
 
 T = TypeVar("T")
 

@@ -313,7 +313,7 @@ def dataset_lookup(datasets: Mapping[str, Any]) -> SampleLookup | None:
 
     Example: ``dataset_lookup({"train": train_loader.dataset, "val": val_loader.dataset})``.
     """
-    from metastore_plugins.core.sample_ids import unwrap_dataset
+    from metastore_plugins.core.model.sample_ids import unwrap_dataset
 
     found = {split: unwrap_dataset(d) for split, d in datasets.items() if d is not None}
     found = {split: d for split, d in found.items() if hasattr(d, "__getitem__") and hasattr(d, "__len__")}

@@ -2,7 +2,7 @@
 
 One run stores each (capture point, step, micro-batch, rank) once. The same key listed twice
 means a second run was appended to the first (a fresh run into the same directory, which the
-callbacks refuse since :mod:`~metastore_plugins.core.run_start`, or a resumed run that went over
+callbacks refuse since :mod:`~metastore_plugins.core.training.run_start`, or a resumed run that went over
 steps the first one had already stored), and every query over those steps counts both.
 
 Example::

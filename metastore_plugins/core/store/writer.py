@@ -173,7 +173,7 @@ class StoreWriter:
         """Queue one batch: its records and one metadata entry per sample (waits if the queue is full).
 
         ``margins``: ``(B,)`` classification margins ``z_y - max_{k != y} z_k`` (stored float32;
-        :func:`~metastore_plugins.core.passes.margins_of` computes them from logits and labels).
+        :func:`~metastore_plugins.core.model.losses.margins_of` computes them from logits and labels).
 
         After a disk error with ``on_error="warn"`` this drops the batch (see :attr:`stopped`).
         """

@@ -2,11 +2,11 @@
 
 The Lightning and Hugging Face callbacks map their framework's events onto these:
 - sample ids: :class:`IndexedDataset`, :func:`take_sample_ids`, :class:`RecordingBatchSampler` (re-exported);
-- :func:`default_labels` and :func:`default_per_sample_loss` (from :mod:`~metastore_plugins.core.losses`);
-- :class:`CheckpointSchedule` and :func:`indexed_batches` (from :mod:`~metastore_plugins.core.checkpoints`);
+- :func:`default_labels` and :func:`default_per_sample_loss` (from :mod:`~metastore_plugins.core.model.losses`);
+- :class:`CheckpointSchedule` and :func:`indexed_batches` (from :mod:`~metastore_plugins.core.model.pass_sources`);
 - :class:`RunCapture` owns the :class:`~metastore_plugins.core.capture.CaptureSession` of each step, the
   :class:`~metastore_plugins.core.store.StoreWriter`, the capture policy, the tags and the snapshots of the run;
-- :func:`claim_store_dir` (from :mod:`~metastore_plugins.core.run_start`): may a run write into a directory
+- :func:`claim_store_dir` (from :mod:`~metastore_plugins.core.training.run_start`): may a run write into a directory
   that already holds a store.
 
 Example::
@@ -28,34 +28,30 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from metastore_plugins.core.analysis.recompute import pass_recomputer
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_config, batch_mixed_lines
 from metastore_plugins.core.capture.layers.generic import generic_rule_lines
-from metastore_plugins.core.checkpoints import (
-    CheckpointSchedule,
-    PassSource,
-    indexed_batches,
-    rank_share,
-    stream_batches,
-)
-from metastore_plugins.core.loss_scale import LossScaleError, check_loss_reduction, gradients_finite
-from metastore_plugins.core.losses import (
+from metastore_plugins.core.model.losses import (
     LabelsFn,
     LossReduction,
     PerSampleLossFn,
     default_labels,
     default_per_sample_loss,
     logits_of,
+    margins_of,
+    predictions_of,
 )
-from metastore_plugins.core.passes import margins_of, predictions_of, weights_untouched
-from metastore_plugins.core.policy.plan import CapturePlan
-from metastore_plugins.core.policy.runtime import CapturePolicy
-from metastore_plugins.core.policy.tags import TagBook, tag_attributes
-from metastore_plugins.core.rng import preserved_rng
-from metastore_plugins.core.run_start import ExistingStoreError, claim_store_dir
-from metastore_plugins.core.sample_ids import (
+from metastore_plugins.core.model.pass_sources import (
+    CheckpointSchedule,
+    PassSource,
+    indexed_batches,
+    rank_share,
+    stream_batches,
+)
+from metastore_plugins.core.model.recompute import pass_recomputer
+from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
+from metastore_plugins.core.model.sample_ids import (
     SAMPLE_ID_KEYS,
     IndexedDataset,
     RecordingBatchSampler,
@@ -66,10 +62,15 @@ from metastore_plugins.core.sample_ids import (
     take_sample_ids,
     unwrap_dataset,
 )
+from metastore_plugins.core.policy.plan import CapturePlan
+from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding
 from metastore_plugins.core.store.maintenance import CompactionReport, close_and_compact
 from metastore_plugins.core.store.snapshots import SnapshotInfo, SnapshotWriter
+from metastore_plugins.core.store.tags import TagBook, tag_attributes
 from metastore_plugins.core.store.writer import StoreWriter
+from metastore_plugins.core.training.loss_scale import LossScaleError, check_loss_reduction, gradients_finite
+from metastore_plugins.core.training.run_start import ExistingStoreError, claim_store_dir
 
 __all__ = [
     "SAMPLE_ID_KEYS", "CheckpointSchedule", "ExistingStoreError", "IndexedDataset", "LossReduction", "PassSource",
@@ -190,7 +191,7 @@ class RunCapture:
 
         ``batch_loss``: the loss the training step returned (before any division for
         accumulation). The first one given is checked against ``loss_reduction`` of the
-        per-sample losses (:func:`~metastore_plugins.core.loss_scale.check_loss_reduction`):
+        per-sample losses (:func:`~metastore_plugins.core.training.loss_scale.check_loss_reduction`):
         a wrong setting raises before anything is stored; a loss that is no mean or sum of
         them (label smoothing, a regulariser) cannot be checked, which is said once.
         """
@@ -283,7 +284,7 @@ class RunCapture:
         ``loss_of(batch, k)`` runs the model and returns the batch loss (reduced as
         ``loss_reduction`` says). Returns the number of samples captured. Whatever the batches
         and ``loss_of`` draw from the global random number generators is undone
-        (:func:`~metastore_plugins.core.rng.preserved_rng`): training goes on as if no pass ran.
+        (:func:`~metastore_plugins.core.model.rng.preserved_rng`): training goes on as if no pass ran.
         """
         count = 0
         with weights_untouched(model), preserved_rng():

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from metastore_plugins.core.sample_ids import SAMPLE_ID_KEYS, SampleIdError, take_sample_ids, unwrap_dataset
+from metastore_plugins.core.model.sample_ids import SAMPLE_ID_KEYS, SampleIdError, take_sample_ids, unwrap_dataset
 
 
 @dataclass(frozen=True)

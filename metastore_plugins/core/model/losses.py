@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -58,3 +59,41 @@ def default_per_sample_loss(output: Any, labels: Tensor) -> Tensor:
             f"{shape} and labels of shape {tuple(labels.shape)}. Pass per_sample_loss=callable(output, batch) -> (B,)"
         )
     return F.cross_entropy(logits.detach().float(), labels.to(logits.device).long(), reduction="none")
+
+
+def predictions_of(outputs: Any) -> Tensor | None:
+    """Arg-max class of ``(B, C)`` logits (``None`` for other outputs)."""
+    logits = getattr(outputs, "logits", outputs)
+    if isinstance(logits, Tensor) and logits.dim() == 2 and logits.shape[1] > 1:
+        return logits.detach().argmax(1)
+    return None
+
+
+def margins_of(outputs: Any, labels: Any) -> Tensor | None:
+    """Classification margins ``z_y - max_{k != y} z_k`` of ``(B, C)`` logits ``z`` and ``(B,)`` class labels ``y``.
+
+    Positive where the model predicts the label; averaged over training steps it is the "area
+    under the margin" (AUM, Pleiss et al. 2020) that flags mislabeled samples. Computed in float32
+    on the logits' device, detached.
+
+    Returns:
+        ``(B,)`` float32 margins, NaN for a sample whose label is not a class in ``0..C-1`` (an
+        ignore index such as -100); or ``None`` (nothing is stored, as for :func:`predictions_of`)
+        when the outputs are not ``(B, C)`` logits with ``C >= 2``, or the labels are not ``(B,)``
+        integers (regression targets, multi-label rows). Capture never fails over this optional column.
+    """
+    logits = getattr(outputs, "logits", outputs)
+    if not (isinstance(logits, Tensor) and logits.dim() == 2 and logits.shape[1] > 1 and isinstance(labels, Tensor)):
+        return None
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex() or labels.dim() != 1:
+        return None
+    if labels.shape[0] != logits.shape[0]:
+        return None
+    z = logits.detach().float()  # (B, C)
+    y = labels.detach().to(z.device).long()  # (B,)
+    valid = (y >= 0) & (y < z.shape[1])  # (B,)
+    y = torch.where(valid, y, torch.zeros_like(y))
+    own = z.gather(1, y[:, None])  # (B, 1)
+    others = z.scatter(1, y[:, None], float("-inf"))  # (B, C): the label's logit masked out
+    margins = (own - others.max(1, keepdim=True).values).squeeze(1)  # (B,)
+    return torch.where(valid, margins, torch.full_like(margins, float("nan")))
