@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from metastore_plugins.core.analysis import open_store
-from metastore_plugins.core.capture.records import restore_all
+from metastore_plugins.core.records import restore_all
 from metastore_plugins.core.store import StoreWriter, readcache
 from metastore_plugins.core.store.batches import BatchRef
 from metastore_plugins.core.training.passes import capture_step

@@ -91,7 +91,7 @@ def store_run(rows: int, layers: int, n_queries: int, path: Path) -> dict:
     import torch
 
     from metastore_plugins import StoreWriter, open_store
-    from metastore_plugins.core.capture.records import LayerRecord
+    from metastore_plugins.core.records import LayerRecord
 
     def records(vectors: np.ndarray) -> list[LayerRecord]:  # (B, layers, 64) -> one projected record per layer
         b = len(vectors)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from metastore_plugins.core.capture import CaptureSession
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import ENCODINGS, StoreWriter
 from metastore_plugins.core.store.encoding import encode
 

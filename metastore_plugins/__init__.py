@@ -4,6 +4,7 @@ from typing import Any
 
 from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.capture import CaptureSession, register_capture
+from metastore_plugins.core.errors import MetastoreError
 from metastore_plugins.core.model.sample_ids import IndexedDataset
 from metastore_plugins.core.store import StoreWriter
 
@@ -12,6 +13,7 @@ __all__ = [
     "CaptureSession",
     "GradientStore",
     "IndexedDataset",
+    "MetastoreError",
     "MetaStoreCallback",
     "MetaStoreTrainerCallback",
     "StoreWriter",

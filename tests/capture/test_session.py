@@ -21,7 +21,7 @@ from metastore_plugins.core.capture import (
     registered_types,
     unregister_capture,
 )
-from metastore_plugins.core.capture.records import dense_record
+from metastore_plugins.core.records import dense_record
 from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
 
 

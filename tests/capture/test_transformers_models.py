@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from metastore_plugins.core.capture import CaptureSession
-from metastore_plugins.core.capture.records import restore_all
+from metastore_plugins.core.records import restore_all
 from metastore_plugins.testing import reference_per_sample_gradients
 
 transformers = pytest.importorskip("transformers")

@@ -106,17 +106,82 @@ def test_no_import_cycle() -> None:
     assert cycles(graph()) == []
 
 
-def test_the_store_imports_nothing_above_it() -> None:
-    allowed = (
-        "metastore_plugins.core.store",
-        "metastore_plugins.core.capture.records",
-        "metastore_plugins.core.progress",
-    )
-    edges = graph()
-    store_modules = [name for name in edges if name.startswith("metastore_plugins.core.store")]
-    assert len(store_modules) >= 6
-    above = {name: sorted(target for target in edges[name] if not target.startswith(allowed)) for name in store_modules}
-    assert {name: targets for name, targets in above.items() if targets} == {}
+#: The package's layers, bottom to top (docs/design.md draws them): a module imports only its own
+#: package and packages of lower layers; two packages of one layer never import each other.
+LAYERS: list[tuple[str, ...]] = [
+    ("core.errors", "core._moved"),
+    ("core.records", "core.progress"),
+    ("core.capture", "core.store"),
+    ("core.ops",),
+    ("core.policy", "core.model"),
+    ("core.analysis",),
+    ("core.distributed",),
+    ("core.reports",),
+    ("core.training",),
+    # the adapters, the CLI, and the deprecated aliases at old paths (core/_moved.py)
+    (
+        "lightning_callback",
+        "hf_callback",
+        "cli",
+        "testing",
+        "core.passes",
+        "core.rng",
+        "core.options",
+        "core.capture.records",
+        "core.analysis.recompute",
+        "",
+    ),
+]
+
+
+def home_of(module: str) -> tuple[int, str]:
+    """``(layer, package)`` of a module: the longest package of :data:`LAYERS` that holds it."""
+    relative = module.removeprefix(PACKAGE).lstrip(".")
+    homes = [
+        (len(package), layer, package)
+        for layer, packages in enumerate(LAYERS)
+        for package in packages
+        if package == "" or relative == package or relative.startswith(package + ".")
+    ]
+    _, layer, package = max(homes)
+    return layer, package
+
+
+def layering_breaches(edges: dict[str, set[str]]) -> list[str]:
+    breaches = []
+    for source, targets in sorted(edges.items()):
+        layer, package = home_of(source)
+        for target in sorted(targets):
+            target_layer, target_package = home_of(target)
+            upward = target_layer > layer
+            sideways = target_layer == layer and target_package != package and package != ""
+            if upward or sideways:
+                breaches.append(f"{source} -> {target}")
+    return breaches
+
+
+def test_every_module_has_a_home_in_the_layers() -> None:
+    assert home_of(f"{PACKAGE}.core.store.writer") == (2, "core.store")
+    assert home_of(f"{PACKAGE}.core.training.run") == (8, "core.training")
+    assert home_of(f"{PACKAGE}.cli") == (9, "cli")
+    unplaced = [name for name in graph() if name.startswith(f"{PACKAGE}.core.") and home_of(name)[1] == ""]
+    assert unplaced == []
+
+
+def test_the_breach_finder_finds_upward_and_sideways_imports() -> None:
+    edges = {
+        f"{PACKAGE}.core.store.writer": {f"{PACKAGE}.core.capture.session", f"{PACKAGE}.core.errors"},
+        f"{PACKAGE}.core.ops.norms": {f"{PACKAGE}.core.analysis.queries"},
+        f"{PACKAGE}.core.training.run": {f"{PACKAGE}.core.analysis.refine"},
+    }
+    assert layering_breaches(edges) == [
+        f"{PACKAGE}.core.ops.norms -> {PACKAGE}.core.analysis.queries",
+        f"{PACKAGE}.core.store.writer -> {PACKAGE}.core.capture.session",
+    ]
+
+
+def test_each_layer_imports_only_below_it() -> None:
+    assert layering_breaches(graph()) == []
 
 
 def test_core_imports_no_framework_adapter() -> None:

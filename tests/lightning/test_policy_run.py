@@ -24,7 +24,7 @@ from lightning_cases import fit  # noqa: E402
 
 from metastore_plugins import IndexedDataset, MetaStoreCallback, open_store  # noqa: E402
 from metastore_plugins.cli import main as cli_main  # noqa: E402
-from metastore_plugins.core.capture.records import restore_all  # noqa: E402
+from metastore_plugins.core.records import restore_all  # noqa: E402
 from metastore_plugins.testing import reference_per_sample_gradients  # noqa: E402
 
 TOKENS, D_IN, HIDDEN, CLASSES, N, BATCH = 12, 24, 32, 3, 48, 8

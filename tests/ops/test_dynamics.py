@@ -8,7 +8,6 @@ import pytest
 import torch
 from opscases import TOLERANCE, Case, flat_reference, rel_err, separating_thresholds
 
-from metastore_plugins.core.capture.records import to_dense
 from metastore_plugins.core.ops import (
     abs_grad_accumulate,
     batch_gradient,
@@ -18,6 +17,7 @@ from metastore_plugins.core.ops import (
     top_contributors,
     weight_exceed_fraction,
 )
+from metastore_plugins.core.records import to_dense
 
 
 def test_batch_gradient_equals_what_the_optimizer_saw(case: Case) -> None:

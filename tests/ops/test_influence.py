@@ -6,7 +6,6 @@ import pytest
 import torch
 from opscases import TOLERANCE, Case, MaskedSequence, _sequence_batch, capture, cross_entropy, flat_reference, rel_err
 
-from metastore_plugins.core.capture.records import to_dense
 from metastore_plugins.core.ops import (
     cosine,
     influence_scores,
@@ -15,6 +14,7 @@ from metastore_plugins.core.ops import (
     total_dots,
     total_sq_norms,
 )
+from metastore_plugins.core.records import to_dense
 from metastore_plugins.testing import reference_per_sample_gradients
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from opscases import Case, reference_sketch, rel_err
 
-from metastore_plugins.core.capture.records import PROJECTION_SEED, LayerRecord
 from metastore_plugins.core.ops import dots, sketch, sq_norms, total_dots, total_sq_norms
 from metastore_plugins.core.ops._common import RepresentationError
 from metastore_plugins.core.ops.represent import by_layer, norms_record, projected_record, represent
+from metastore_plugins.core.records import PROJECTION_SEED, LayerRecord
 
 K_IN, K_OUT = 5, 4
 

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.analysis.refine import candidate_rows, refine_influence
 from metastore_plugins.core.analysis.results import Scores
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.model.recompute import recompute_batches
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.testing import reference_per_sample_gradients
 
 TOL = 1e-5

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad
 
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.records import LayerRecord
 
 VOCAB, PAD, TOKENS, CLASSES = 11, 0, 5, 3
 

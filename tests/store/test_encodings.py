@@ -17,7 +17,7 @@ from storecases import flat, reference_loop, rel_err
 from torch import Tensor, nn
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
-from metastore_plugins.core.capture.records import LayerRecord, dense_record
+from metastore_plugins.core.records import LayerRecord, dense_record
 from metastore_plugins.core.store import DEFAULT_ENCODING, ENCODINGS
 from metastore_plugins.core.store.encoding import encoded_nbytes
 

@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from storecases import synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import StoreError
 
 #: Bytes of address space the capped subprocess may add after its imports (its own parsing of a valid

@@ -224,7 +224,7 @@ def test_a_description_never_makes_a_header_a_reader_refuses(tmp_path: Path) -> 
     """Short names: every shard describes itself. 40 layers of 1,000-character non-ASCII names (each 6,000 header
     bytes, escaped) in a one-batch shard: the description is left out and the shard still reads."""
     from metastore_plugins import StoreWriter
-    from metastore_plugins.core.capture.records import LayerRecord
+    from metastore_plugins.core.records import LayerRecord
 
     def records(names: list[str]) -> list[LayerRecord]:
         return [

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from metastore_plugins.core.capture.records import restore_all
 from metastore_plugins.core.model.losses import LossReduction
 from metastore_plugins.core.model.recompute import recompute
 from metastore_plugins.core.ops import total_dots, total_sq_norms
+from metastore_plugins.core.records import restore_all
 from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.snapshots import SnapshotWriter, write_snapshot
 

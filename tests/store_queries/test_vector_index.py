@@ -22,7 +22,7 @@ from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import vector_files
 
 TRAIN, TEST, K = "final/train", "final/test", 5

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.analysis import curvature, dynamics, queries, vector_index
 from metastore_plugins.core.analysis import sketches as sketch_queries
-from metastore_plugins.core.capture.records import LayerRecord, RepresentationError
 from metastore_plugins.core.model import recompute as recompute_module
+from metastore_plugins.core.records import LayerRecord, RepresentationError
 from metastore_plugins.core.store import StoreReader, find_store_dir
 from metastore_plugins.core.store.snapshots import list_snapshots
 from metastore_plugins.core.store.tags import find_tags, read_tags

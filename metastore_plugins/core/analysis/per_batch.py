@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from metastore_plugins.core import ops
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.ops._common import chunks, restore_chunk
+from metastore_plugins.core.records import LayerRecord
 
 
 def positive_int(name: str, value: int) -> int:

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis.results import Scores
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import Selection, StoreReader
 
 #: One stored batch of the column side of a product: its sample count and its records.

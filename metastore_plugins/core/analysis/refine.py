@@ -27,7 +27,7 @@ import numpy as np
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis.queries import paired_points
 from metastore_plugins.core.analysis.results import Scores
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import StoreReader
 
 #: ``(split, sample ids, checkpoint name) -> exact records of those samples``, one batch, in that order,

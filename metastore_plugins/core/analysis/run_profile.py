@@ -12,7 +12,7 @@ from torch import Tensor
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis.results import LayerComparison, RunComparison
-from metastore_plugins.core.capture.records import EXACT_KINDS
+from metastore_plugins.core.records import EXACT_KINDS
 from metastore_plugins.core.store import StoreReader
 
 

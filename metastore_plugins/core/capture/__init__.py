@@ -5,7 +5,6 @@ Pure maths and hooks, no I/O. See ``docs/capture.md`` for the formulas and conve
 
 from metastore_plugins.core.capture import layers  # noqa: F401  (imported for its effect: the built-in rules register)
 from metastore_plugins.core.capture.layers.norm import capture_with_vmap
-from metastore_plugins.core.capture.records import LayerRecord, restore_all
 from metastore_plugins.core.capture.registry import (
     CaptureRule,
     LayerContext,
@@ -15,6 +14,7 @@ from metastore_plugins.core.capture.registry import (
     unregister_capture,
 )
 from metastore_plugins.core.capture.session import CaptureSession, UnsupportedLayerError
+from metastore_plugins.core.records import LayerRecord, restore_all
 
 __all__ = [
     "CaptureRule",

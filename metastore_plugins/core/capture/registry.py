@@ -3,7 +3,7 @@
 A capture rule says which of a module's own parameters it covers and how to hook
 the module. Its ``forward`` function is called from a forward hook with a
 :class:`LayerContext`; it registers gradient callbacks through the context, and
-those callbacks emit :class:`~metastore_plugins.core.capture.records.LayerRecord`.
+those callbacks emit :class:`~metastore_plugins.core.records.LayerRecord`.
 
 Register a rule for your own layer with :func:`register_capture`::
 
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.records import LayerRecord
 
 RecordsFn = Callable[[Tensor], list[LayerRecord]]
 

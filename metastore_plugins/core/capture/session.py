@@ -22,16 +22,13 @@ from torch.utils.hooks import RemovableHandle
 
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_message, parameters_below, uses_batch_statistics
 from metastore_plugins.core.capture.layers.generic import generic_rule, output_tensors
-from metastore_plugins.core.capture.records import LayerRecord, restore_all
 from metastore_plugins.core.capture.registry import CaptureRule, RecordsFn, find_rule, first_input, move_batch_first
+from metastore_plugins.core.errors import UnsupportedLayerError
+from metastore_plugins.core.records import LayerRecord, restore_all
 
 LossReduction = Literal["mean", "sum"]
 UnsupportedPolicy = Literal["warn", "error", "skip"]
 UNSUPPORTED_POLICIES: tuple[str, ...] = get_args(UnsupportedPolicy)
-
-
-class UnsupportedLayerError(RuntimeError):
-    """A trainable parameter that no capture rule covers, with ``unsupported="error"``."""
 
 
 class _GradScalerLike(Protocol):

@@ -24,15 +24,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from metastore_plugins.core.errors import DistributedQueryError
+
 T = TypeVar("T")
 
 #: How long a surviving rank waits for late announcements before naming the ranks that are missing.
 GRACE_S = 2.0
 _QUERIES = itertools.count()  # every rank opens the same queries in the same order
-
-
-class DistributedQueryError(RuntimeError):
-    """A partitioned query stopped because another rank died, hung or disagreed; the message names it."""
 
 
 def _default_store() -> Any:

@@ -34,10 +34,10 @@ from metastore_plugins.core.analysis import queries
 from metastore_plugins.core.analysis.per_batch import positive_int
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.sketches import check_seed, compute_sketches, sketch_key, sketch_layers
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.distributed.collectives import Comm
 from metastore_plugins.core.distributed.partition import Part, Share, place, split
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import Selection, StoreReader, sketch_cache
 
 Device = torch.device | str | None

@@ -18,12 +18,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from metastore_plugins.core.errors import SampleIdError
+
 SAMPLE_ID_KEYS = ("sample_id", "idx")
 INDEX_KEY = "sample_id"
-
-
-class SampleIdError(ValueError):
-    """A batch whose samples' dataset indices cannot be known exactly."""
 
 
 class IndexedDataset(Dataset):

@@ -1,6 +1,6 @@
 """Operators on per-sample gradient records: exact maths on the factors, no I/O.
 
-Every function here takes :class:`~metastore_plugins.core.capture.records.LayerRecord`
+Every function here takes :class:`~metastore_plugins.core.records.LayerRecord`
 objects (scaled to per-sample losses, as ``CaptureSession.factors()`` returns them) or
 tensors derived from them; the store streams records chunk by chunk into them.
 

@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import RECOMPUTE_HINT, LayerRecord, RepresentationError
+from metastore_plugins.core.records import RECOMPUTE_HINT, LayerRecord, RepresentationError
 
 #: Default memory budget, in bytes, of one operator call (largest intermediate it builds) and of
 #: one store query (decoded records it holds at once); the one default every ``max_bytes`` uses.

@@ -32,7 +32,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.ops._common import (
     common_params,
     max_rows_per_sample,
@@ -43,6 +42,7 @@ from metastore_plugins.core.ops._common import (
     roles_of,
     selected_roles,
 )
+from metastore_plugins.core.records import LayerRecord
 
 Method = Literal["auto", "factored", "dense"]
 

@@ -42,7 +42,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord, WeightLayout, dense_key
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
     chunks,
@@ -52,6 +51,7 @@ from metastore_plugins.core.ops._common import (
     weight_groups,
 )
 from metastore_plugins.core.ops.represent import by_layer, shared_layers
+from metastore_plugins.core.records import LayerRecord, WeightLayout, dense_key
 
 CurvatureMethod = Literal["kfac", "ekfac"]
 CURVATURE_METHODS: tuple[CurvatureMethod, ...] = ("kfac", "ekfac")

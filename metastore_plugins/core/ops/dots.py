@@ -25,7 +25,6 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import PROJECTION_SEED, LayerRecord
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
     RepresentationError,
@@ -42,6 +41,7 @@ from metastore_plugins.core.ops._common import (
 )
 from metastore_plugins.core.ops.cost import Method, plan_dots
 from metastore_plugins.core.ops.sketch import sketch
+from metastore_plugins.core.records import PROJECTION_SEED, LayerRecord
 
 _FACTORED_FIRST = {"outer": 0, "embedding": 0, "dense": 1}
 

@@ -20,7 +20,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
     chunks,
@@ -32,6 +31,7 @@ from metastore_plugins.core.ops._common import (
     selected_roles,
 )
 from metastore_plugins.core.ops.norms import sq_norms
+from metastore_plugins.core.records import LayerRecord
 
 Entries = Sequence[int] | Sequence[Sequence[int]] | Tensor
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, record_pairs, selected_roles
 from metastore_plugins.core.ops.cost import Method
 from metastore_plugins.core.ops.dots import dots
 from metastore_plugins.core.ops.norms import sq_norms
+from metastore_plugins.core.records import LayerRecord
 
 
 def _shares(a: LayerRecord, b: LayerRecord, params: Collection[str] | None) -> bool:

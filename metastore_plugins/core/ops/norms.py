@@ -20,7 +20,6 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
     chunks,
@@ -36,6 +35,7 @@ from metastore_plugins.core.ops._common import (
     whole_record,
 )
 from metastore_plugins.core.ops.cost import Method, plan_norms
+from metastore_plugins.core.records import LayerRecord
 
 
 def sq_norms_by_param(

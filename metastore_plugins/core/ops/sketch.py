@@ -51,7 +51,6 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import PROJECTION_SEED, LayerRecord
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
     RepresentationError,
@@ -65,6 +64,7 @@ from metastore_plugins.core.ops._common import (
     unsupported,
     whole_record,
 )
+from metastore_plugins.core.records import PROJECTION_SEED, LayerRecord
 
 
 @functools.lru_cache(maxsize=64)

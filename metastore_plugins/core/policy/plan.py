@@ -28,7 +28,6 @@ from typing import Any, Literal
 
 from torch import nn
 
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.ops.cost import (
     BATCH_METADATA_BYTES,
     SAMPLE_METADATA_BYTES,
@@ -37,6 +36,7 @@ from metastore_plugins.core.ops.cost import (
     projected_sample_bytes,
 )
 from metastore_plugins.core.ops.represent import Representation, by_layer, shared_layers
+from metastore_plugins.core.records import LayerRecord
 
 Policy = Literal["auto", "exact"]
 POLICIES: tuple[Policy, ...] = ("auto", "exact")

@@ -19,7 +19,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADATA_BYTES, TENSOR_OVERHEAD_BYTES
 from metastore_plugins.core.ops.represent import Representation, represent
 from metastore_plugins.core.ops.sketch import Projections
@@ -36,6 +35,7 @@ from metastore_plugins.core.policy.plan import (
     make_plan,
     planned_snapshots,
 )
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store.encoding import Encoding, encoded_nbytes
 
 #: ``(step, capture_point) -> keep`` of a tag covering that step, or None.

@@ -18,7 +18,7 @@ from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.refine import RecomputeFn, RefinedScores, refine_influence
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS, training_signals
-from metastore_plugins.core.capture.records import EXACT_KINDS
+from metastore_plugins.core.records import EXACT_KINDS
 from metastore_plugins.core.reports.files import markdown_table, shorten
 
 

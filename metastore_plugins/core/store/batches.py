@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store.encoding import decode, is_scale_key
 from metastore_plugins.core.store.index import StoreIndex
 from metastore_plugins.core.store.journal import KIND_CODES

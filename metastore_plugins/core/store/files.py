@@ -24,11 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-
-class StoreError(ValueError):
-    """A user mistake about a store (not a store, unknown capture point, sample, step or layer),
-    or a damaged or malformed store (a checksum mismatch, a hostile manifest or shard, a link)."""
-
+from metastore_plugins.core.errors import StoreError
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from metastore_plugins.core.errors import JournalError
 from metastore_plugins.core.store.files import StoreDir, StoreError, atomic_write_bytes
 from metastore_plugins.core.store.manifest import json_values_problem
 
@@ -54,10 +55,6 @@ MAX_LINE_BYTES = 256 * 2**20
 #: parsing a line at the cap takes about 70 MB (a 200 MB line of ``{},`` would take 5 GB).
 MAX_LINE_VALUES = 2**20
 _LINE = re.compile(rb"^(\{.*\}) ([0-9a-f]{8})$", re.DOTALL)
-
-
-class JournalError(ValueError):
-    """A journal line that cannot be trusted (torn, damaged or malformed), with what is wrong."""
 
 
 def journal_name(rank: int) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import restore_all
+from metastore_plugins.core.records import restore_all
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.batches import BatchRef, ShardFiles
 from metastore_plugins.core.store.health import check_store, fill_v1_samples

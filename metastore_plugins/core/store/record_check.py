@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import dense_key
+from metastore_plugins.core.records import dense_key
 from metastore_plugins.core.store.encoding import is_scale_key
 from metastore_plugins.core.store.manifest import StoreError
 

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.progress import progress
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store.batches import BatchRef, ShardFiles, tensor_column
 from metastore_plugins.core.store.entries import FLOAT_SAMPLE_FIELDS
 

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, NamedTuple
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import EXACT_KEYS, Encoding, encode_into, stored_specs
 from metastore_plugins.core.store.files import StoreDir

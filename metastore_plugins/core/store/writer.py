@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Literal
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding, check_encoding, encoded_nbytes
 from metastore_plugins.core.store.entries import new_entry

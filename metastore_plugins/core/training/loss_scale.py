@@ -32,11 +32,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.capture.records import LayerRecord
-
-
-class LossScaleError(ValueError):
-    """The loss a trainer back-propagated cannot be related to the per-sample losses exactly."""
+from metastore_plugins.core.errors import LossScaleError
+from metastore_plugins.core.records import LayerRecord
 
 
 def per_sample_weight(

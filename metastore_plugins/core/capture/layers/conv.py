@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins.core.capture.layers.linear import part_name
-from metastore_plugins.core.capture.records import (
+from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
+from metastore_plugins.core.records import (
     LayerRecord,
     as_computed,
     dense_is_smaller,
@@ -44,7 +45,6 @@ from metastore_plugins.core.capture.records import (
     nonzero_rows,
     outer_record,
 )
-from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
 
 Conv = nn.modules.conv._ConvNd
 
@@ -141,7 +141,7 @@ def conv_records(conv: Conv, layer: str, x: Tensor, grad_output: Tensor, params:
     """Records of a convolution for input ``(B, C_in, *spatial)`` and output grad ``(B, C_out, *spatial_out)``.
 
     Under autocast the input is rounded to the dtype the convolution ran in and both operands
-    are upcast to fp32 first (:func:`~metastore_plugins.core.capture.records.as_computed`).
+    are upcast to fp32 first (:func:`~metastore_plugins.core.records.as_computed`).
     """
     computed_in = grad_output.dtype
     grad = as_computed(grad_output, computed_in).reshape(x.shape[0], conv.out_channels, -1)  # (B, C_out, L) fp32

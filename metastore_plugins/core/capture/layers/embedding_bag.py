@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from metastore_plugins.core.capture.layers.embedding import embedding_rows_record
-from metastore_plugins.core.capture.records import LayerRecord, as_computed
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
+from metastore_plugins.core.records import LayerRecord, as_computed
 
 _MODES = {"sum": 0, "mean": 1, "max": 2}
 

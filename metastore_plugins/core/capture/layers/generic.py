@@ -32,8 +32,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from metastore_plugins.core.capture.records import LayerRecord, as_computed, dense_record
 from metastore_plugins.core.capture.registry import CaptureRule, LayerContext, RecordsFn
+from metastore_plugins.core.errors import NotPerSampleError
+from metastore_plugins.core.records import LayerRecord, as_computed, dense_record
 
 #: How far the output recomputed one sample at a time may be from the batched one (relative to its
 #: largest entry) before the module is reported: loose enough for rounding, tight for mixed samples.
@@ -149,10 +150,6 @@ def recompute_tolerance(output: Tensor) -> float:
 
 def _has_batch(tensor: Tensor, dim: int, batch: int) -> bool:
     return tensor.dim() > dim and tensor.shape[dim] == batch
-
-
-class NotPerSampleError(ValueError):
-    """A module's output for a batch of one does not have the shape of one sample's output."""
 
 
 class ModuleCall:

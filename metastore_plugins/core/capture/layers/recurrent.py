@@ -45,8 +45,8 @@ from metastore_plugins.core.capture.layers.unrolled import (
     packed_steps,
     unrolled_forward,
 )
-from metastore_plugins.core.capture.records import LayerRecord
 from metastore_plugins.core.capture.registry import LayerContext, RecordsFn, register_capture
+from metastore_plugins.core.records import LayerRecord
 
 #: layers covered: the rule must name its parameters when it registers (deeper ones are reported at attach)
 MAX_LAYERS = 64

@@ -1,0 +1,364 @@
+"""Per-layer records of per-sample gradients, and their exact restoration.
+
+A ``LayerRecord`` is what capture produces for one layer call of one batch and
+what the store writes. It holds one of three representations (``kind``):
+
+``"outer"``
+    Factors of a Linear/Conv-like layer ``y = x W^T + b`` (weights may be split
+    into ``G`` groups). Each kept row ``r`` is one (sample, token/position) pair:
+
+    - ``prefix``   ``(R, G, d_in)``  the layer input ``A`` (unfolded for convolutions)
+    - ``suffix``   ``(R, G, d_out)`` the gradient of the loss w.r.t. the output, ``D``
+    - ``sample``   ``(R,)`` int32    the sample of the batch the row belongs to
+    - ``position`` ``(R,)`` int32    the token / spatial position of the row
+
+    ``grad W_i[g] = sum_{r: sample_r = i} D[r, g]^T A[r, g]`` and
+    ``grad b_i = sum_{r: sample_r = i} D[r]``. Rows whose suffix is exactly zero
+    contribute nothing and are dropped; ``position`` keeps where kept rows were.
+
+``"embedding"``
+    ``ids`` ``(R,)`` int64 token ids, ``suffix`` ``(R, d)``, ``sample``, ``position``:
+    ``grad W_i[v] = sum_{r: sample_r = i, ids_r = v} D[r]``.
+
+``"dense"``
+    ``grad.<role>`` ``(B, *param_shape)``: the per-sample gradient itself, kept
+    when it is smaller than the factors (and for small parameters such as norms).
+
+Two cheaper representations a capture policy may keep instead (built from the above by
+:mod:`metastore_plugins.core.ops.represent`; they cannot be restored to gradients):
+
+``"projected"``
+    ``projected`` ``(B, k_out, k_in)``: the seeded Kronecker projection ``P_out G_i P_in^T`` of
+    each per-sample gradient (:func:`metastore_plugins.core.ops.sketch`, seed
+    :data:`PROJECTION_SEED`): inner products between samples are estimates. ``sq_norm`` ``(B,)``:
+    each sample's exact squared gradient norm over the record's parameters.
+
+``"norms"``
+    ``sq_norm`` ``(B,)`` only: exact squared norms, enough for self-influence and outliers.
+
+Records are stored *raw*: the gradient of the loss as back-propagated. ``scale``
+multiplies by the factor that turns them into gradients of each sample's own loss
+(undoing the loss reduction and the mixed-precision loss scale).
+
+Under mixed precision every rule reads its operands through :func:`as_computed`: the
+layer input rounded to the dtype the layer computed in (that of its output gradient),
+then both factors upcast to fp32 before any product. Tensors are fp32 in every record.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from metastore_plugins.core.errors import RepresentationError
+
+RecordKind = Literal["outer", "embedding", "dense", "projected", "norms"]
+WeightLayout = Literal["out_in", "in_out"]
+
+#: Tensor keys that are linear in the loss (and therefore scaled); all others are inputs or ids.
+_GRADIENT_KEYS = ("suffix", "projected")
+#: Tensor keys that are quadratic in the loss (scaled by the square of the factor).
+_QUADRATIC_KEYS = ("sq_norm",)
+#: The seed of the projections a ``"projected"`` record was made with (query-time sketches use it too).
+PROJECTION_SEED = 0
+#: Kinds that hold the gradient itself (factored or dense): restorable, usable by every query.
+EXACT_KINDS = ("outer", "embedding", "dense")
+#: Key prefix of a dense record's per-sample gradients: ``grad.<role>``.
+DENSE_PREFIX = "grad."
+
+
+def dense_key(role: str) -> str:
+    """The tensor key of a dense record's per-sample gradient of parameter role ``role``."""
+    return DENSE_PREFIX + role
+
+
+#: The way out for a gradient a projected or norms-only record no longer holds (one wording for every error).
+RECOMPUTE_HINT = "recompute the samples exactly from a weight snapshot with GradientStore.recompute"
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """Per-sample gradient information of one layer call on one batch.
+
+    Attributes:
+        layer: module path in ``model.named_modules()`` (``""`` for the root).
+        kind: representation, see the module docstring.
+        batch_size: number of samples ``B`` in the batch.
+        params: role (``"weight"``, ``"bias"``, or any name for dense records) ->
+            parameter name in ``model.named_parameters()``.
+        param_shapes: role -> shape of that parameter.
+        tensors: the representation's tensors (see the module docstring).
+        layout: for ``"outer"`` records, whether the weight is ``(d_out, d_in)``
+            (``nn.Linear``, convolutions) or ``(d_in, d_out)`` (transformers' ``Conv1D``).
+    """
+
+    layer: str
+    kind: RecordKind
+    batch_size: int
+    params: dict[str, str]
+    param_shapes: dict[str, tuple[int, ...]]
+    tensors: dict[str, Tensor]
+    layout: WeightLayout = "out_in"
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def dense_grad(self, role: str) -> Tensor:
+        """``(B, *param_shape)`` per-sample gradient of parameter role ``role`` of a dense record."""
+        return self.tensors[dense_key(role)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes taken by the record's tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes the dense per-sample gradients of the same parameters would take (fp32)."""
+        return self.batch_size * 4 * sum(math.prod(s) for s in self.param_shapes.values())
+
+    def gradient_keys(self) -> list[str]:
+        """Keys of the tensors that carry the loss gradient (``suffix``, ``grad.*``), not activations or ids."""
+        return [key for key in self.tensors if key in _GRADIENT_KEYS or key.startswith(DENSE_PREFIX)]
+
+    def scale(self, factor: float) -> LayerRecord:
+        """Return a copy whose gradient tensors are multiplied by ``factor``."""
+        if factor == 1.0:
+            return self
+        scaled = set(self.gradient_keys())
+        return replace(
+            self,
+            tensors={
+                key: value * factor if key in scaled else value * factor**2 if key in _QUADRATIC_KEYS else value
+                for key, value in self.tensors.items()
+            },
+        )
+
+    def restore(self) -> dict[str, Tensor]:
+        """Rebuild the dense per-sample gradients: parameter name -> ``(B, *shape)``.
+
+        Raises:
+            ValueError: for a ``"projected"`` or ``"norms"`` record, which no longer holds the gradient.
+        """
+        if self.kind not in EXACT_KINDS:
+            raise RepresentationError(
+                f"layer '{self.layer}' is kept as {self.kind!r}: its per-sample gradients cannot be rebuilt; "
+                f"capture with policy='exact', or {RECOMPUTE_HINT}"
+            )
+        return _RESTORERS[self.kind](self)
+
+
+def _restore_outer(record: LayerRecord) -> dict[str, Tensor]:
+    prefix, suffix = record.tensors["prefix"], record.tensors["suffix"]  # (R, G, d_in), (R, G, d_out)
+    sample = record.tensors["sample"].long()  # (R,)
+    if sample.numel() > 1 and not bool((sample[1:] >= sample[:-1]).all()):
+        order = torch.argsort(sample, stable=True)  # group rows by sample
+        prefix, suffix, sample = prefix[order], suffix[order], sample[order]
+    batch = record.batch_size
+    counts = torch.bincount(sample, minlength=batch)  # (B,)
+    t_max = int(counts.max()) if sample.numel() else 0
+    position = torch.arange(sample.numel(), device=sample.device) - (torch.cumsum(counts, 0) - counts)[sample]  # (R,)
+    padded_prefix = prefix.new_zeros(batch, t_max, *prefix.shape[1:])  # (B, T_max, G, d_in)
+    padded_suffix = suffix.new_zeros(batch, t_max, *suffix.shape[1:])  # (B, T_max, G, d_out)
+    padded_prefix[sample, position] = prefix
+    padded_suffix[sample, position] = suffix
+    params: dict[str, str] = {role: record.params[role] for role in ("weight", "bias") if role in record.params}
+    dense = _dense_from_factors(record.layer, padded_prefix, padded_suffix, params, record.param_shapes, record.layout)
+    return {name: dense.tensors[dense_key(role)] for role, name in params.items()}
+
+
+def _restore_embedding(record: LayerRecord) -> dict[str, Tensor]:
+    ids, suffix = record.tensors["ids"].long(), record.tensors["suffix"]  # (R,), (R, d)
+    num_embeddings, dim = record.param_shapes["weight"]
+    flat = suffix.new_zeros(record.batch_size * num_embeddings, dim)  # (B * V, d)
+    flat.index_add_(0, record.tensors["sample"].long() * num_embeddings + ids, suffix)
+    return {record.params["weight"]: flat.view(record.batch_size, num_embeddings, dim)}
+
+
+def _restore_dense(record: LayerRecord) -> dict[str, Tensor]:
+    return {name: record.tensors[dense_key(role)] for role, name in record.params.items()}
+
+
+_RESTORERS = {"outer": _restore_outer, "embedding": _restore_embedding, "dense": _restore_dense}
+
+
+def restore_all(records: list[LayerRecord]) -> dict[str, Tensor]:
+    """Sum the restored per-sample gradients of many records (several calls, tied weights)."""
+    total: dict[str, Tensor] = {}
+    for record in records:
+        for name, grad in record.restore().items():
+            total[name] = total[name] + grad if name in total else grad
+    return total
+
+
+def as_computed(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tensor`` as a layer that computed in ``dtype`` read it, in fp32: every rule's mixed-precision convention.
+
+    Autocast runs a Linear, a convolution or an attention projection in its low-precision dtype,
+    which is the dtype of the layer's output and so of the output gradient, and rounds the layer's
+    input to it. Rounding a saved input the same way and upcasting every factor to fp32 (exact)
+    before any product makes each per-sample gradient the exact gradient of the function autocast
+    computed, rounded once to fp32, and never multiplies tensors of two dtypes. Tensors of an fp32
+    layer come back as they are (no copy), ids unchanged.
+
+    Args:
+        tensor: a layer input, or an output gradient (for which ``dtype`` is its own dtype).
+        dtype: the dtype the layer computed in: that of its output gradient.
+    """
+    if not tensor.is_floating_point():
+        return tensor
+    return tensor.to(dtype).float()
+
+
+def kept_rows(suffix: Tensor) -> Tensor:
+    """Indices of rows of a ``(R, ...)`` suffix that are not exactly zero (rows holding NaN are kept)."""
+    flat = suffix.reshape(suffix.shape[0], math.prod(suffix.shape[1:]))  # (R, rest), also for R = 0
+    return nonzero_rows(flat).nonzero().squeeze(1)  # (R_kept,)
+
+
+def nonzero_rows(tensor: Tensor, dim: int = 1) -> Tensor:
+    """Bool, ``dim`` reduced: whether each slice along ``dim`` has an entry that is not exactly zero (NaN counts).
+
+    ``max != 0 or min != 0``: two reductions that allocate nothing, 5x faster than
+    ``tensor.ne(0).any(dim)``, which builds a boolean copy of the whole tensor.
+    """
+    return tensor.amax(dim=dim).ne(0) | tensor.amin(dim=dim).ne(0)
+
+
+def dense_is_smaller(
+    rows: int, groups: int, d_in: int, d_out: int, batch: int, param_shapes: dict[str, tuple[int, ...]]
+) -> bool:
+    """Whether ``batch`` dense fp32 per-sample gradients take fewer bytes than ``rows`` kept factor rows.
+
+    A factor row holds ``G (d_in + d_out)`` floats plus its sample and position (two int32).
+    """
+    factored_bytes = rows * (4 * groups * (d_in + d_out) + 8)
+    return factored_bytes > batch * 4 * sum(math.prod(shape) for shape in param_shapes.values())
+
+
+def outer_record(
+    layer: str,
+    prefix: Tensor,
+    suffix: Tensor,
+    params: dict[str, str],
+    param_shapes: dict[str, tuple[int, ...]],
+    layout: WeightLayout = "out_in",
+    choose_smaller: bool = True,
+    pack: bool = True,
+) -> LayerRecord:
+    """Build an ``"outer"`` record from token-major factors, dropping zero-suffix rows.
+
+    Args:
+        prefix: ``(B, T, G, d_in)`` layer inputs per sample and position, in any float dtype: they are
+            rounded to the suffix's dtype, the dtype the layer computed in (:func:`as_computed`).
+        suffix: ``(B, T, G, d_out)`` output gradients per sample and position.
+        choose_smaller: return the dense record instead when it takes fewer bytes.
+        pack: drop the zero-suffix rows (padding). ``False`` keeps all ``B T`` rows, for a record that
+            is only summarized (projected, norms) before it is stored: zero rows add nothing to those,
+            and whole ``(B, T)`` blocks need no scatter. :func:`packed` drops them later if needed.
+    """
+    computed_in = suffix.dtype
+    batch, tokens = suffix.shape[0], suffix.shape[1]
+    groups, d_in, d_out = prefix.shape[2], prefix.shape[3], suffix.shape[3]
+    flat_prefix = prefix.reshape(batch * tokens, groups, d_in)  # (B*T, G, d_in)
+    flat_suffix = suffix.reshape(batch * tokens, groups, d_out)  # (B*T, G, d_out)
+    if not pack:
+        rows = torch.arange(batch * tokens, device=suffix.device)  # (B*T,)
+        return _outer(layer, flat_prefix, flat_suffix, rows, tokens, batch, params, param_shapes, layout)
+    rows = kept_rows(flat_suffix)  # (R,)
+    if choose_smaller and dense_is_smaller(
+        rows.numel(), groups, d_in, d_out, batch, param_shapes
+    ):  # before copying rows
+        return _dense_from_factors(
+            layer, as_computed(prefix, computed_in), as_computed(suffix, computed_in), params, param_shapes, layout
+        )
+    return _outer(layer, flat_prefix.index_select(0, rows), flat_suffix.index_select(0, rows), rows, tokens, batch,
+                  params, param_shapes, layout)  # fmt: skip
+
+
+def _outer(
+    layer: str,
+    prefix_rows: Tensor,
+    suffix_rows: Tensor,
+    rows: Tensor,
+    tokens: int,
+    batch: int,
+    params: dict[str, str],
+    param_shapes: dict[str, tuple[int, ...]],
+    layout: WeightLayout,
+) -> LayerRecord:
+    """The ``"outer"`` record of kept rows ``(R, G, d)`` at flat positions ``rows`` (``sample * T + position``)."""
+    computed_in = suffix_rows.dtype
+    return LayerRecord(
+        layer=layer,
+        kind="outer",
+        batch_size=batch,
+        params=params,
+        param_shapes=param_shapes,
+        layout=layout,
+        tensors={
+            "prefix": as_computed(prefix_rows, computed_in),
+            "suffix": as_computed(suffix_rows, computed_in),
+            "sample": torch.div(rows, tokens, rounding_mode="floor").int(),
+            "position": torch.remainder(rows, tokens).int(),
+        },
+    )
+
+
+def packed(record: LayerRecord) -> LayerRecord:
+    """An ``"outer"`` record without its zero-suffix rows (``outer_record(pack=False)`` keeps them)."""
+    if record.kind != "outer":
+        return record
+    keep = kept_rows(record.tensors["suffix"])  # (R_kept,)
+    if keep.numel() == record.tensors["suffix"].shape[0]:
+        return record
+    return replace(record, tensors={key: value.index_select(0, keep) for key, value in record.tensors.items()})
+
+
+def _dense_from_factors(
+    layer: str,
+    prefix: Tensor,
+    suffix: Tensor,
+    params: dict[str, str],
+    param_shapes: dict[str, tuple[int, ...]],
+    layout: WeightLayout,
+) -> LayerRecord:
+    """The ``"dense"`` record of token-major fp32 factors: ``grad W_i[g] = sum_t D[i,t,g]^T A[i,t,g]`` in one einsum."""
+    batch = suffix.shape[0]
+    grads: dict[str, Tensor] = {}
+    if "weight" in params:
+        weight = torch.einsum("btgo,btgi->bgoi", suffix, prefix)  # (B, G, d_out, d_in)
+        weight = weight.reshape(batch, -1, weight.shape[-1])  # (B, G*d_out, d_in)
+        if layout == "in_out":
+            weight = weight.transpose(1, 2)  # (B, d_in, d_out)
+        grads["weight"] = weight.reshape(batch, *param_shapes["weight"])
+    if "bias" in params:
+        grads["bias"] = suffix.sum(1).reshape(batch, *param_shapes["bias"])  # (B, G*d_out)
+    return dense_record(layer, grads, {role: params[role] for role in grads})
+
+
+def to_dense(record: LayerRecord) -> LayerRecord:
+    """The same gradients as a ``"dense"`` record."""
+    if record.kind == "dense":
+        return record
+    by_name = record.restore()
+    return replace(
+        record,
+        kind="dense",
+        tensors={dense_key(role): by_name[name] for role, name in record.params.items()},
+    )
+
+
+def dense_record(layer: str, grads: dict[str, Tensor], params: dict[str, str]) -> LayerRecord:
+    """Build a ``"dense"`` record from per-sample gradients ``role -> (B, *shape)``."""
+    batch = next(iter(grads.values())).shape[0]
+    return LayerRecord(
+        layer=layer,
+        kind="dense",
+        batch_size=batch,
+        params=params,
+        param_shapes={role: tuple(g.shape[1:]) for role, g in grads.items()},
+        tensors={dense_key(role): g.float() for role, g in grads.items()},
+    )
