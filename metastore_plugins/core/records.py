@@ -48,6 +48,7 @@ then both factors upcast to fp32 before any product. Tensors are fp32 in every r
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -58,6 +59,8 @@ from metastore_plugins.core.errors import RepresentationError
 
 RecordKind = Literal["outer", "embedding", "dense", "projected", "norms"]
 WeightLayout = Literal["out_in", "in_out"]
+#: What a per-sample column may be given as: a tensor, or a sequence with one value per sample.
+ArrayLike = Tensor | Sequence[float] | Sequence[int]
 
 #: Tensor keys that are linear in the loss (and therefore scaled); all others are inputs or ids.
 _GRADIENT_KEYS = ("suffix", "projected")
@@ -362,3 +365,66 @@ def dense_record(layer: str, grads: dict[str, Tensor], params: dict[str, str]) -
         param_shapes={role: tuple(g.shape[1:]) for role, g in grads.items()},
         tensors={dense_key(role): g.float() for role, g in grads.items()},
     )
+
+
+#: The per-sample columns a batch stores beside its records, in stored order (``sample_id`` always).
+SAMPLE_COLUMNS = ("sample_id", "label", "loss", "prediction", "margin")
+#: Columns stored float32 whatever dtype was given (NaN where a batch has none).
+FLOAT_SAMPLE_COLUMNS = ("loss", "margin")
+#: Each optional column's bit in a journal batch's ``meta`` mask (docs/format.md): which ones the shard holds.
+META_BITS = {"label": 1, "loss": 2, "prediction": 4, "margin": 8}
+#: The :class:`BatchMeta` field each optional column is given as.
+_COLUMN_FIELDS = {"label": "labels", "loss": "losses", "prediction": "predictions", "margin": "margins"}
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """What the writer stores beside one batch's records: its place in the run and one entry per sample.
+
+    Attributes:
+        sample_ids: ``(B,)`` dataset indices of the batch's samples.
+        step: the optimizer step the batch belongs to.
+        capture_point: ``"train"``, or the pass that captured it (``"epoch-0/val"``).
+        epoch: the epoch of the step.
+        micro_batch: the micro-batch of the step (gradient accumulation), or the batch of a pass.
+        labels: ``(B, ...)`` labels, or ``None``.
+        losses: ``(B,)`` per-sample losses (stored float32), or ``None``.
+        predictions: ``(B, ...)`` predictions, or ``None``.
+        margins: ``(B,)`` classification margins ``z_y - max_{k != y} z_k`` (stored float32;
+            :func:`~metastore_plugins.core.model.losses.margins_of` computes them), or ``None``.
+        lr: the learning rate of the step (for a pass: the weight TracIn gives it), or ``None``.
+    """
+
+    sample_ids: ArrayLike
+    step: int
+    capture_point: str = "train"
+    epoch: int = 0
+    micro_batch: int = 0
+    labels: ArrayLike | None = None
+    losses: ArrayLike | None = None
+    predictions: ArrayLike | None = None
+    margins: ArrayLike | None = None
+    lr: float | None = None
+
+    def columns(self) -> dict[str, Tensor]:
+        """The per-sample columns given, on the CPU and copied: name (:data:`SAMPLE_COLUMNS`) -> ``(B, ...)``.
+
+        Raises:
+            ValueError: a column without one entry per sample, or margins of more than one value per sample.
+        """
+        ids = torch.as_tensor(self.sample_ids).detach().cpu().long().reshape(-1).clone()  # (B,)
+        size = ids.shape[0]
+        columns = {"sample_id": ids}
+        for name, argument in _COLUMN_FIELDS.items():
+            values = getattr(self, argument)
+            if values is None:
+                continue
+            column = torch.as_tensor(values).detach().cpu()
+            if name in FLOAT_SAMPLE_COLUMNS:
+                column = column.float()
+            if column.dim() == 0 or column.shape[0] != size:
+                raise ValueError(f"{argument} must have one entry per sample ({size}); got shape {tuple(column.shape)}")
+            if name == "margin" and column.dim() != 1:
+                raise ValueError(f"margins must hold one value per sample, shape ({size},); got {tuple(column.shape)}")
+            columns[name] = column.contiguous().clone()  # the caller may reuse its buffer before the shard is written
+        return columns

@@ -5,7 +5,7 @@ Example::
     with StoreWriter("runs/demo/store", rank=0) as writer:
         with CaptureSession(model) as session:
             loss_fn(model(x), y).backward()
-        writer.write(session.factors(), sample_ids=ids, step=0, labels=y, losses=per_sample_loss)
+        writer.write(session.factors(), BatchMeta(ids, step=0, labels=y, losses=per_sample_loss))
 
 Training waits only when the queue holds ``queue_bytes`` already (backpressure); the
 writer's memory stays within ``queue_bytes`` plus one shard's records (``shard_bytes``
@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Literal
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.records import LayerRecord
+from metastore_plugins.core.records import BatchMeta, LayerRecord
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding, check_encoding, encoded_nbytes
 from metastore_plugins.core.store.entries import new_entry
@@ -35,8 +35,6 @@ from metastore_plugins.core.store.index_writer import RankIndexWriter
 from metastore_plugins.core.store.journal import journal_name
 from metastore_plugins.core.store.shardfile import ShardBuffer, Written, write_shard
 from metastore_plugins.core.store.shardinfo import describe
-
-ArrayLike = Tensor | Sequence[float] | Sequence[int]
 
 
 @dataclass
@@ -60,17 +58,6 @@ class WriterStats:
     dense_bytes: int = 0  # what the same samples' dense fp32 per-sample gradients would take
     files: list[str] = field(default_factory=list)
     timer_shards: int = 0  # shards written because the oldest unwritten batch waited flush_seconds / 2
-
-
-def _column(name: str, values: ArrayLike | None, size: int, dtype: torch.dtype | None) -> Tensor | None:
-    if values is None:
-        return None
-    column = torch.as_tensor(values).detach().cpu()
-    if dtype is not None:
-        column = column.to(dtype)
-    if column.dim() == 0 or column.shape[0] != size:
-        raise ValueError(f"{name} must have one entry per sample ({size}); got shape {tuple(column.shape)}")
-    return column.contiguous().clone()  # the caller may reuse its buffer before the shard is written
 
 
 class StoreWriter:
@@ -155,64 +142,41 @@ class StoreWriter:
         """The rank's manifest: config and layers (a copy is not made: do not modify)."""
         return self._index.manifest
 
-    def write(
-        self,
-        records: Sequence[LayerRecord],
-        *,
-        sample_ids: ArrayLike,
-        step: int,
-        capture_point: str = "train",
-        epoch: int = 0,
-        micro_batch: int = 0,
-        labels: ArrayLike | None = None,
-        losses: ArrayLike | None = None,
-        predictions: ArrayLike | None = None,
-        margins: ArrayLike | None = None,
-        lr: float | None = None,
-    ) -> None:
+    def write(self, records: Sequence[LayerRecord], meta: BatchMeta | None = None, /, **fields: Any) -> None:
         """Queue one batch: its records and one metadata entry per sample (waits if the queue is full).
 
-        ``margins``: ``(B,)`` classification margins ``z_y - max_{k != y} z_k`` (stored float32;
-        :func:`~metastore_plugins.core.model.losses.margins_of` computes them from logits and labels).
+        ``meta``: the batch's :class:`~metastore_plugins.core.records.BatchMeta`; or its fields as
+        keywords (``sample_ids=ids, step=3, labels=y``).
 
         After a disk error with ``on_error="warn"`` this drops the batch (see :attr:`stopped`).
         """
+        if meta is None:
+            meta = BatchMeta(**fields)
+        elif fields:
+            raise TypeError(f"write() takes a BatchMeta or its fields as keywords, not both; got {sorted(fields)}")
         self._raise_if_failed()
         if self._closed:
             raise RuntimeError("this StoreWriter is closed; open a new one to write more")
         if self.stopped is not None:
-            self.dropped_samples += int(torch.as_tensor(sample_ids).numel())
+            self.dropped_samples += int(torch.as_tensor(meta.sample_ids).numel())
             return
-        if not isinstance(capture_point, str) or not capture_point.strip():
-            raise ValueError(f"capture_point must be a non-empty name such as 'train'; got {capture_point!r}")
-        ids = torch.as_tensor(sample_ids).detach().cpu().long().reshape(-1).clone()
-        size = ids.shape[0]
-        meta = {"sample_id": ids}
-        columns = (
-            ("label", "labels", labels, None),
-            ("loss", "losses", losses, torch.float32),
-            ("prediction", "predictions", predictions, None),
-            ("margin", "margins", margins, torch.float32),
-        )
-        for name, argument, values, dtype in columns:
-            column = _column(argument, values, size, dtype)
-            if column is not None and name == "margin" and column.dim() != 1:
-                raise ValueError(f"margins must hold one value per sample, shape ({size},); got {tuple(column.shape)}")
-            if column is not None:
-                meta[name] = column
+        if not isinstance(meta.capture_point, str) or not meta.capture_point.strip():
+            raise ValueError(f"capture_point must be a non-empty name such as 'train'; got {meta.capture_point!r}")
+        columns = meta.columns()
+        size = columns["sample_id"].shape[0]
         records = list(records)
         self._check_records(records, size)
         info = {
-            "capture_point": capture_point,
-            "step": int(step),
-            "epoch": int(epoch),
-            "micro_batch": int(micro_batch),
+            "capture_point": meta.capture_point,
+            "step": int(meta.step),
+            "epoch": int(meta.epoch),
+            "micro_batch": int(meta.micro_batch),
             "rank": self.rank,
             "size": size,
-            "lr": None if lr is None else float(lr),
+            "lr": None if meta.lr is None else float(meta.lr),
         }
-        nbytes = sum(r.nbytes for r in records) + sum(t.numel() * t.element_size() for t in meta.values())
-        self._put(_Batch(records, meta, info, nbytes), nbytes)
+        nbytes = sum(r.nbytes for r in records) + sum(t.numel() * t.element_size() for t in columns.values())
+        self._put(_Batch(records, columns, info, nbytes), nbytes)
 
     def update_config(self, changes: dict[str, Any]) -> None:
         """Merge ``changes`` into the manifest's config (written with the next shard, or when closing)."""

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.core.model.losses import margins_of, predictions_of
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
+from metastore_plugins.core.records import BatchMeta
 from metastore_plugins.core.store.writer import StoreWriter
 
 #: ``(outputs, labels) -> (B,)`` per-sample losses.
@@ -49,19 +50,9 @@ def capture_step(
         outputs = forward()
         losses = per_sample_loss(outputs, labels)  # (B,)
         (losses.mean() * loss_scale).backward()
-    writer.write(
-        session.factors(),
-        sample_ids=sample_ids,
-        step=step,
-        capture_point=capture_point,
-        epoch=epoch,
-        micro_batch=micro_batch,
-        labels=labels,
-        losses=losses.detach(),
-        predictions=predictions_of(outputs),
-        margins=margins_of(outputs, labels),
-        lr=lr,
-    )
+    outcome = losses.detach(), predictions_of(outputs), margins_of(outputs, labels)
+    at = BatchMeta(sample_ids, step, capture_point, epoch, micro_batch, labels, *outcome, lr)
+    writer.write(session.factors(), at)
     return losses.detach().mean()
 
 

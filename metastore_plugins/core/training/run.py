@@ -64,6 +64,7 @@ from metastore_plugins.core.model.sample_ids import (
 )
 from metastore_plugins.core.policy.plan import CapturePlan
 from metastore_plugins.core.policy.runtime import CapturePolicy
+from metastore_plugins.core.records import BatchMeta
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding
 from metastore_plugins.core.store.maintenance import CompactionReport, close_and_compact
 from metastore_plugins.core.store.snapshots import SnapshotInfo, SnapshotWriter
@@ -212,19 +213,10 @@ class RunCapture:
                 check_loss_reduction(batch_loss.detach().cpu(), losses, self.loss_reduction, self.owner)
             except LossScaleError as exc:
                 warnings.warn(f"{self.owner}: the loss reduction cannot be checked ({exc})", stacklevel=3)
-        self.writer.write(
-            kept,
-            sample_ids=sample_ids,
-            step=step,
-            capture_point=capture_point,
-            epoch=epoch,
-            micro_batch=micro_batch,
-            labels=labels,
-            losses=losses,
-            predictions=predictions_of(logits_of(forward_output)),
-            margins=margins_of(logits_of(forward_output), labels),
-            lr=lr,
-        )
+        logits = logits_of(forward_output)
+        at = BatchMeta(sample_ids, step, capture_point, epoch, micro_batch, labels, losses, predictions_of(logits),
+                       margins_of(logits, labels), lr)  # fmt: skip
+        self.writer.write(kept, at)
 
     def abort_step(self) -> None:
         """Forget an unfinished step (the model stays hooked, paused)."""
