@@ -1,173 +1,25 @@
-"""Reports built from store queries, written as plain files (JSON, CSV, markdown)."""
+"""Reports built from store queries, written as plain files (JSON, CSV, markdown) and TensorBoard events.
 
-from __future__ import annotations
+The package re-exports what its modules build (:mod:`.build`: the outlier and influence tables and
+their files; :mod:`.tables`: the rows; :mod:`.files`: markdown).
+"""
 
-import json
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
-
-import numpy as np
-
-from metastore_plugins.core.analysis import GradientStore
-from metastore_plugins.core.analysis.refine import RecomputeFn
-from metastore_plugins.core.analysis.signals import TRAINING_STEPS
-from metastore_plugins.core.capture.batch_mixing import batch_mixed_note
-from metastore_plugins.core.reports.files import (
-    influence_markdown,
-    markdown_table,
-    open_reports,
-    write_table,
-    write_text,
+from metastore_plugins.core.reports.build import (
+    INFLUENCE_SAMPLES,
+    RenderFn,
+    ReportOptions,
+    report_tables,
+    write_reports,
+    write_tables,
 )
-from metastore_plugins.core.reports.stored import (
-    budget_caption,
-    budget_notes,
-    dropped_message,
-    outlier_ranking,
-    stored_self_influence,
-    with_gradients,
-)
-from metastore_plugins.core.reports.tables import (
-    OUTLIER_COLUMNS,
-    checkpoint_points,
-    influence_rows,
-    outlier_markdown,
-    outlier_points,
-    outlier_rows,
-    outlier_table,
-)
-
-#: test samples in the influence report by default (those with the smallest ids)
-INFLUENCE_SAMPLES = 16
-
-
-#: ``(split, sample id) -> text`` of a sample (``None`` if it has none), e.g. decoded input ids.
-RenderFn = Callable[[str, int], "str | None"]
-
-
-def write_reports(
-    store: GradientStore,
-    directory: str | Path,
-    *,
-    train_split: str = "train",
-    test_split: str = "val",
-    k: int = 20,
-    render: RenderFn | None = None,
-    scores: tuple[np.ndarray, np.ndarray] | None = None,
-    influence_samples: int | None = INFLUENCE_SAMPLES,
-    outliers_from: str = "checkpoints",
-    recompute: RecomputeFn | None = None,
-    rank_outliers_by: str = "auto",
-) -> dict[str, Any]:
-    """Build the outlier and influence reports from the checkpoint passes and write them to ``directory``.
-
-    With ``render``, outlier rows get a ``text`` column and influence rows ``test_text`` and
-    the ``text`` of each proponent and opponent. ``scores``: the training samples'
-    ``(ids, self-influence)`` when already computed (:func:`~.tables.self_influence_of`).
-    ``influence_samples``: the influence report covers the test samples with the smallest
-    ids, this many (``None``: all of them, at a cost that grows with train x test pairs).
-    ``outliers_from``: where self-influence is summed, ``"checkpoints"`` or ``"training"``
-    (:func:`~.tables.outlier_points`). ``rank_outliers_by``: ``"auto"`` (AUM where the training
-    steps hold margins, else self-influence), ``"aum"``, ``"loss"`` or ``"self_influence"``
-    (:func:`~.tables.outlier_scores`).
-    ``recompute``: refines estimated influence scores exactly (:func:`~.tables.influence_rows`).
-
-    Returns what was written: ``{"outliers": rows, "influence": rows, "files": [paths],
-    "outlier_columns": columns, "outlier_caption": lines}``.
-    """
-    tables = report_tables(
-        store,
-        train_split=train_split,
-        test_split=test_split,
-        k=k,
-        render=render,
-        scores=scores,
-        influence_samples=influence_samples,
-        outliers_from=outliers_from,
-        recompute=recompute,
-        rank_outliers_by=rank_outliers_by,
-    )
-    return write_tables(store, directory, tables)
-
-
-def report_tables(
-    store: GradientStore,
-    *,
-    train_split: str = "train",
-    test_split: str = "val",
-    k: int = 20,
-    render: RenderFn | None = None,
-    scores: tuple[np.ndarray, np.ndarray] | None = None,
-    influence_samples: int | None = INFLUENCE_SAMPLES,
-    outliers_from: str = "checkpoints",
-    recompute: RecomputeFn | None = None,
-    rank_outliers_by: str = "auto",
-) -> dict[str, Any]:
-    """The rows :func:`write_reports` writes, without writing them.
-
-    ``{"outliers", "influence", "outlier_columns", "outlier_caption"}``.
-
-    Its store queries are those a partitioned report pass makes on every rank, in this order:
-    ``self_influence`` (unless ``scores`` is given), then one ``influence``.
-    """
-    train, test = checkpoint_points(store, train_split), checkpoint_points(store, test_split)
-    if not train and TRAINING_STEPS not in store.capture_points():
-        raise ValueError(
-            f"the store has no checkpoint passes 'epoch-*/{train_split}' or 'step-*/{train_split}' and no training "
-            f"steps; it has {store.capture_points()}" + (f": {dropped_message(store)}" if budget_notes(store) else "")
-        )
-    sources = outlier_points(store, train, outliers_from)  # what the budget kept as metadata only is used as such
-    scores = scores if scores is not None else stored_self_influence(store, sources)
-    table = outlier_table(store, sources, k, scores, outlier_ranking(store, sources, rank_outliers_by))
-    notes = budget_notes(store)
-    outliers, caption = table.rows, budget_caption(store, table.caption, len(scores[0]))
-    caption += batch_mixed_note(store.config).values()  # layers below a training BatchNorm
-    columns: tuple[str, ...] = OUTLIER_COLUMNS
-    if render is not None:
-        for row in outliers:
-            row["text"] = render(train_split, row["sample_id"])
-        columns = (*OUTLIER_COLUMNS, "text")
-    influence: list[dict[str, Any]] | None = None
-    pairs = [(a, a.split("/")[0] + "/" + test_split) for a in train if a.split("/")[0] + "/" + test_split in test]
-    pairs = [(a, b) for a, b in pairs if len(with_gradients(store, (a, b), inner=True)) == 2]
-    if pairs:
-        influence = influence_rows(
-            store, [a for a, _ in pairs], [b for _, b in pairs], k=5, samples=influence_samples, recompute=recompute
-        )
-    elif test or notes:
-        caption.append("No influence report: no checkpoint pass holds train and test gradients with inner products.")
-    if render is not None and influence is not None:
-        for row in influence:
-            row["test_text"] = render(test_split, row["test_id"])
-            for entry in (*row["proponents"], *row["opponents"]):
-                entry["text"] = render(train_split, entry["sample_id"])
-    return {"outliers": outliers, "influence": influence, "outlier_columns": columns, "outlier_caption": caption}
-
-
-def write_tables(store: GradientStore, directory: str | Path, tables: dict[str, Any]) -> dict[str, Any]:
-    """Write :func:`report_tables`'s rows and the store's summary into ``directory``; returns them with ``"files"``.
-
-    ``tables["influence"] is None`` (no test passes): no influence files.
-    """
-    with open_reports(store.path, directory) as out:  # <store>/reports: never through a link
-        files = write_table(out, "outliers", tables["outliers"], tables["outlier_columns"])
-        caption = tables.get("outlier_caption", [])  # what ranks the rows and where each column comes from
-        write_text(out, "outliers.md", outlier_markdown(tables["outliers"], tables["outlier_columns"], caption))
-        influence = tables["influence"]
-        if influence is not None:
-            files.append(write_text(out, "influence.json", json.dumps(influence, indent=1)))
-            files.append(write_text(out, "influence.md", influence_markdown(influence)))
-        files.append(
-            write_text(out, "summary.json", json.dumps({**store.summary(), **batch_mixed_note(store.config)}, indent=1))
-        )
-    return {**tables, "influence": influence or [], "files": [str(p) for p in files]}
-
+from metastore_plugins.core.reports.files import markdown_table
+from metastore_plugins.core.reports.tables import OUTLIER_COLUMNS, checkpoint_points, influence_rows, outlier_rows
 
 __all__ = [
     "INFLUENCE_SAMPLES",
     "OUTLIER_COLUMNS",
     "RenderFn",
+    "ReportOptions",
     "checkpoint_points",
     "influence_rows",
     "markdown_table",

@@ -21,7 +21,7 @@ import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS, TrainingSignals, training_signals
-from metastore_plugins.core.reports.render import new_figure
+from metastore_plugins.core.reports.render import flagged_ids, new_figure, ring_points
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -50,17 +50,9 @@ def data_map_figure(
     axes = figure.add_subplot()
     points = axes.scatter(x, y, c=signals.correctness, cmap="RdYlBu", vmin=0.0, vmax=1.0, s=12, alpha=0.8, linewidths=0)
     figure.colorbar(points, ax=axes, label="correctness (fraction of steps predicted right)", pad=0.01)
-    ring = np.isin(signals.sample_ids, np.fromiter((int(i) for i in flagged), dtype=np.int64, count=len(flagged)))
+    ring = np.isin(signals.sample_ids, flagged_ids(flagged))
     if ring.any():
-        axes.scatter(
-            x[ring],
-            y[ring],
-            s=60,
-            facecolors="none",
-            edgecolors="black",
-            linewidths=1.1,
-            label=f"{flagged_label} ({int(ring.sum())})",
-        )
+        ring_points(axes, x, y, ring, size=60, label=f"{flagged_label} ({int(ring.sum())})")
         axes.legend(loc="upper right", fontsize=8, frameon=True)
     for text, (px, py) in (("easy to learn", (0.02, 0.97)), ("hard to learn", (0.02, 0.03))):
         axes.text(

@@ -132,7 +132,7 @@ def scatter_figure(
     else:
         points = axes.scatter(x, y, s=14, alpha=0.75, linewidths=0, c=labels, cmap="viridis")
         figure.colorbar(points, ax=axes, label="label")
-    wanted = np.unique(np.fromiter((int(i) for i in flagged), dtype=np.int64, count=len(flagged)))
+    wanted = flagged_ids(flagged)
     ring = np.isin(ids, wanted)
     if ring.any():
         drawn = len(np.unique(ids[ring]))
@@ -141,14 +141,8 @@ def scatter_figure(
             if drawn < len(wanted)
             else ""
         )
-        axes.scatter(
-            x[ring],
-            y[ring],
-            s=70,
-            facecolors="none",
-            edgecolors="black",
-            linewidths=1.1,
-            label=f"{flagged_label or 'flagged: outlier report'} ({drawn} drawn{left})",
+        ring_points(
+            axes, x, y, ring, size=70, label=f"{flagged_label or 'flagged: outlier report'} ({drawn} drawn{left})"
         )
     for name, values in (("x", x), ("y", y)):
         scale = _axis_scale(values)
@@ -163,6 +157,16 @@ def scatter_figure(
     if not len(x):
         axes.text(0.5, 0.5, "no samples", transform=axes.transAxes, ha="center", va="center")
     return figure
+
+
+def flagged_ids(flagged: Collection[int]) -> np.ndarray:
+    """The distinct sample ids of ``flagged``, sorted, as int64."""
+    return np.unique(np.fromiter((int(i) for i in flagged), dtype=np.int64, count=len(flagged)))
+
+
+def ring_points(axes: Any, x: np.ndarray, y: np.ndarray, ring: np.ndarray, *, size: float, label: str) -> None:
+    """A black ring (no fill) around each point ``(x, y)[ring]``, named ``label`` in the legend."""
+    axes.scatter(x[ring], y[ring], s=size, facecolors="none", edgecolors="black", linewidths=1.1, label=label)
 
 
 def _class_colours(count: int) -> list[Any]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.policy.plan import CapturePlan, in_words
-from metastore_plugins.core.reports.tables import _has_margins, self_influence_of
+from metastore_plugins.core.reports.tables import Scores, has_margins, self_influence_of
 
 #: Record kinds that give inner products between samples (``"norms"`` records hold a squared norm alone).
 INNER_PRODUCT_KINDS = frozenset({"outer", "embedding", "dense", "projected"})
@@ -41,7 +41,7 @@ def with_gradients(store: GradientStore, points: Sequence[str], *, inner: bool =
     return found
 
 
-def stored_self_influence(store: GradientStore, points: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+def stored_self_influence(store: GradientStore, points: Sequence[str]) -> Scores:
     """``(sample ids, TracIn self-influence)`` over the points of ``points`` that hold gradients (both empty
     when none does)."""
     held = with_gradients(store, points)
@@ -58,7 +58,7 @@ def outlier_ranking(store: GradientStore, points: Sequence[str], rank_by: str) -
     if rank_by == "self_influence":
         why = dropped_message(store) or "they hold metadata only"
         raise ValueError(f"self-influence needs gradients of the checkpoint passes and the store holds none: {why}")
-    return ("aum" if _has_margins(store) else "loss") if rank_by == "auto" else rank_by
+    return ("aum" if has_margins(store) else "loss") if rank_by == "auto" else rank_by
 
 
 def budget_notes(store: GradientStore) -> list[str]:

@@ -49,6 +49,9 @@ def _last_metadata(store: GradientStore, points: Sequence[str]) -> dict[int, dic
     return rows
 
 
+#: ``(sample ids, TracIn self-influence)`` of the training samples, both ``(N,)`` (:func:`self_influence_of`)
+Scores = tuple[np.ndarray, np.ndarray]
+
 #: where the outlier report takes self-influence from
 OutlierSource = Literal["checkpoints", "training"]
 OUTLIER_SOURCES: tuple[str, ...] = get_args(OutlierSource)
@@ -84,7 +87,7 @@ def outlier_points(store: GradientStore, checkpoints: Sequence[str], outliers_fr
     return [TRAINING_STEPS]
 
 
-def self_influence_of(store: GradientStore, points: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+def self_influence_of(store: GradientStore, points: Sequence[str]) -> Scores:
     """``(sample ids, TracIn self-influence)``, both ``(N,)``, ids in first-seen order.
 
     ``sum lr ||g_i||^2`` over every occurrence of each sample in the capture points
@@ -123,7 +126,8 @@ class OutlierScores:
     trained: int | None
 
 
-def _has_margins(store: GradientStore) -> bool:
+def has_margins(store: GradientStore) -> bool:
+    """Whether the store's training steps hold a finite classification margin (for AUM)."""
     if TRAINING_STEPS not in store.capture_points():
         return False
     return bool(np.isfinite(store.metadata(TRAINING_STEPS)["margin"]).any())
@@ -143,7 +147,7 @@ def outlier_scores(
     store: GradientStore,
     points: Sequence[str],
     rank_by: str = "auto",
-    self_influence: tuple[np.ndarray, np.ndarray] | None = None,
+    self_influence: Scores | None = None,
 ) -> OutlierScores:
     """The outlier report's ranking of the training samples (docs/quality.md measures the choice).
 
@@ -157,7 +161,7 @@ def outlier_scores(
     """
     if rank_by not in OUTLIER_RANKINGS:
         raise ValueError(f"rank_outliers_by must be one of {OUTLIER_RANKINGS}, got {rank_by!r}")
-    margins = _has_margins(store)
+    margins = has_margins(store)
     if rank_by == "aum" and not margins:
         raise ValueError(
             "rank_outliers_by='aum' needs the training steps with their margins (capture_train_steps=True and "
@@ -231,7 +235,7 @@ def outlier_table(
     store: GradientStore,
     points: Sequence[str],
     k: int = 20,
-    scores: tuple[np.ndarray, np.ndarray] | None = None,
+    scores: Scores | None = None,
     rank_by: str = "auto",
 ) -> OutlierTable:
     """The ``k`` most suspicious training samples by :func:`outlier_scores`, and the table's caption.
@@ -309,11 +313,7 @@ def outlier_markdown(rows: Sequence[dict[str, Any]], columns: Sequence[str], cap
 
 
 def outlier_rows(
-    store: GradientStore,
-    points: Sequence[str],
-    k: int = 20,
-    scores: tuple[np.ndarray, np.ndarray] | None = None,
-    rank_by: str = "auto",
+    store: GradientStore, points: Sequence[str], k: int = 20, scores: Scores | None = None, rank_by: str = "auto"
 ) -> list[dict[str, Any]]:
     """The rows of :func:`outlier_table`."""
     return outlier_table(store, points, k, scores, rank_by).rows
