@@ -3,7 +3,8 @@
 For each paired checkpoint pass ``c`` (train and test gradients at the same weights), the curvature
 ``F_c`` is fitted on that pass's training records (:mod:`metastore_plugins.core.ops.curvature`),
 each test gradient is preconditioned, ``(F_c + delta I)^-1 g_test``, and scored against every
-training gradient on its factors. Passes are summed with TracIn's learning-rate weights:
+training gradient on its factors (under a partitioned scan one rank fits ``F_c`` and preconditions
+the test gradients, every rank scores its shards). Passes are summed with TracIn's learning-rate weights:
 ``sum_c lr_c g_train_i(w_c)^T (F_c + delta_c I)^-1 g_test_j(w_c)``.
 """
 
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from metastore_plugins.core.analysis.queries import ColumnBatch, dot_blocks, paired_points, summed_scores
+from metastore_plugins.core.analysis.queries import scored_pairs, selected_pairs, whole
 from metastore_plugins.core.analysis.results import Scores
+from metastore_plugins.core.analysis.scan import ColumnBatch
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import (
     CURVATURE_METHODS,
@@ -97,13 +99,10 @@ def kfac_influence(
     for name, value in (("damping", damping), ("relative_damping", relative_damping)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise ValueError(f"{name} must be a positive number, got {value!r}")
-    row_parts, col_parts = [], []
-    for train_cp, test_cp in paired_points(train, test):
+
+    def preconditioned(train_cp: str, cols: Selection) -> Iterator[list[ColumnBatch]]:
         curvature = fit_curvature(store.select(train_cp, layers=layers), method, max_bytes)
-        rows = store.select(train_cp, sample_ids=train_ids, layers=layers)
-        cols = store.select(test_cp, sample_ids=test_ids, layers=layers)
-        chunks = _preconditioned_chunks(cols, curvature, damping, relative_damping, max_bytes // 2)
-        matrix = dot_blocks(rows, chunks, weighted=True)
-        row_parts.append((rows.sample_ids(), matrix))
-        col_parts.append((cols.sample_ids(), matrix))
-    return summed_scores(row_parts, col_parts)
+        return _preconditioned_chunks(cols, curvature, damping, relative_damping, max_bytes // 2)
+
+    pairs = selected_pairs(store, train, test, layers, train_ids, test_ids)
+    return whole(scored_pairs(store, pairs, columns=preconditioned, max_bytes=max_bytes))

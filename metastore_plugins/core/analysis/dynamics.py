@@ -11,6 +11,8 @@ Conventions shared by every method here:
   ``-lr_t`` times the step's gradient. Momentum and adaptive optimizers are not modelled.
 - **Parameters shared by layers** (a module called twice, tied weights) are handled per
   parameter: the per-sample gradient of a parameter sums every record that holds it.
+- **Scans.** Each reads through the store's scan (:mod:`.scan`): partial sums are added, per-sample
+  rows gathered in selection order, so a partitioned store gives the one-process results.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from metastore_plugins.core import ops
 from metastore_plugins.core.analysis.per_batch import abs_sum, add_to, entry_values, positive_int, top_entries
 from metastore_plugins.core.analysis.results import Contributors, RunComparison, Spike, WeightChange
 from metastore_plugins.core.analysis.run_profile import compare_profiles, run_profile
+from metastore_plugins.core.analysis.scan import Scan, scan_of
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreError, StoreReader, find_store_dir
 
@@ -61,13 +64,13 @@ def _nonempty(store: StoreReader, capture_point: str, steps: Steps, epochs: Epoc
     return selection
 
 
-def _changes(names: list[str], selection: Selection, max_bytes: int) -> dict[str, Tensor]:
-    """``sum_t lr_t sum_{i in t} |g_i|`` per parameter over the selection (float64)."""
+def _changes(names: list[str], selection: Selection, max_bytes: int, scan: Scan) -> dict[str, Tensor]:
+    """``sum_t lr_t sum_{i in t} |g_i|`` per parameter over the selection (float64), summed over the scan's parts."""
     total: dict[str, Tensor] = {}
-    for batch in selection.batches():
+    for batch in scan.part(selection, "weight changes").selection.batches():
         for name, value in abs_sum(batch.records, names, max_bytes).items():
             add_to(total, name, batch.ref.lr_weight * value.double())
-    return total
+    return scan.sum(total, "weight changes")
 
 
 # -- queries -------------------------------------------------------------------------
@@ -107,15 +110,17 @@ def batch_gradient(
             f"step {step} is not stored at capture point {capture_point!r}; stored steps: "
             f"{shown[:20]}{' ...' if len(shown) > 20 else ''}"
         )
+    scan = scan_of(store)
     total: dict[str, Tensor] = {}
-    count, batches = 0, 0
-    for batch in selection.batches():
+    what, count, batches = f"batch_gradient of step {step}", 0, 0
+    for batch in scan.part(selection, what).selection.batches():
         factor = 1.0 / batch.size if reduction == "mean_of_batches" else 1.0
         for name, grad in ops.batch_gradient(batch.records, "sum").items():
             add_to(total, name, grad * factor)
         count, batches = count + batch.size, batches + 1
-    divisor = {"mean": count, "sum": 1, "mean_of_batches": batches}[reduction]
-    return {name: grad / divisor for name, grad in total.items()}
+    counts = scan.every((count, batches), f"{what} (counts)")
+    divisor = {"mean": sum(c for c, _ in counts), "sum": 1, "mean_of_batches": sum(b for _, b in counts)}[reduction]
+    return {name: grad / divisor for name, grad in scan.sum(total, what).items()}
 
 
 def changed_most(
@@ -141,7 +146,7 @@ def changed_most(
     k = positive_int("k", k)
     names = list(store.parameters()) if layer is None else list(store.layer_params(layer).values())
     selection = _nonempty(store, capture_point, steps, epochs, _layers_holding(store, names))
-    totals = _changes(names, selection, max_bytes)
+    totals = _changes(names, selection, max_bytes, scan_of(store))
     rows: list[WeightChange] = []
     for name in names:
         if name in totals:
@@ -180,9 +185,9 @@ def top_contributors(
     """
     k = positive_int("k", k)
     name = _layer_param(store, layer, role)
-    selection = _nonempty(store, capture_point, steps, epochs, _layers_holding(store, [name]))
+    selection, scan = _nonempty(store, capture_point, steps, epochs, _layers_holding(store, [name])), scan_of(store)
     if entries is None:
-        changes = _changes([name], selection, max_bytes)[name]
+        changes = _changes([name], selection, max_bytes, scan)[name]
         entries, _ = top_entries(changes, positive_int("n_entries", n_entries))
     shape = store.parameters()[name]
     try:
@@ -194,19 +199,27 @@ def top_contributors(
     if flat_entries.dim() != 2 or flat_entries.shape[1] != len(shape) or flat_entries.is_floating_point():
         raise ValueError(f"entries must be index tuples into {name} of shape {shape}, got {entries!r}")
     flat_entries = flat_entries.long()
-    n = flat_entries.shape[0]
-    values = torch.zeros(n, 0, dtype=torch.float64)
-    ids = torch.zeros(n, 0, dtype=torch.long)
-    step_of = torch.zeros(n, 0, dtype=torch.long)
-    for batch in selection.batches():
-        part = entry_values(batch.records, name, flat_entries, max_bytes).T.double()  # (E, B)
-        values = torch.cat([values, part], 1)
-        ids = torch.cat([ids, batch.meta["sample_id"].long().expand(n, -1)], 1)
-        step_of = torch.cat([step_of, torch.full((n, batch.size), batch.ref.step)], 1)
-        order = torch.sort(values.abs(), dim=1, descending=True, stable=True).indices[:, :k]  # (E, k)
-        values, ids, step_of = values.gather(1, order), ids.gather(1, order), step_of.gather(1, order)
+    n, part = flat_entries.shape[0], scan.part(selection, f"top_contributors of {name!r}")
+    at = torch.from_numpy(part.positions)  # (n_p,) where each occurrence stands in the selection
+    kept = [torch.zeros(n, 0, dtype=torch.float64)] + [torch.zeros(n, 0, dtype=torch.long)] * 3
+    for batch in part.selection.batches():
+        block = entry_values(batch.records, name, flat_entries, max_bytes).T.double()  # (E, B)
+        new = [block, batch.meta["sample_id"].long().expand(n, -1), torch.full((n, batch.size), batch.ref.step)]
+        new.append(at[: batch.size].expand(n, -1))
+        at = at[batch.size :]
+        kept = _largest([torch.cat(pair, 1) for pair in zip(kept, new)], k)
+    found = scan.every(kept, f"top_contributors of {name!r}")
+    merged = [torch.cat(columns, 1) for columns in zip(*found)]  # every part's, ordered as one process meets them
+    first = torch.sort(merged[3], dim=1, stable=True).indices
+    values, ids, step_of, _ = _largest([m.gather(1, first) for m in merged], k)
     chosen = [tuple(e) for e in flat_entries.tolist()]
     return Contributors(name, chosen, ids.numpy(), step_of.numpy(), values.numpy())
+
+
+def _largest(columns: list[Tensor], k: int) -> list[Tensor]:
+    """``(E, n)`` columns ``[values, ...]`` cut to each row's ``k`` largest ``|values|`` (ties: the earlier first)."""
+    order = torch.sort(columns[0].abs(), dim=1, descending=True, stable=True).indices[:, :k]  # (E, k)
+    return [c.gather(1, order) for c in columns]
 
 
 def exceed_fractions(
@@ -237,15 +250,20 @@ def exceed_fractions(
         at_steps = sorted({ref.step for ref in store.select(capture_point, steps=steps).refs})
         grads = (batch_gradient(store, step, capture_point, layers=layers) for step in at_steps)
         return np.array(at_steps, dtype=np.int64), np.array([ops.weight_exceed_fraction(g, threshold) for g in grads])
-    norms, at = [], []
-    for batch in store.select(capture_point, steps=steps, layers=layers).batches():
-        if not batch.records:
-            continue  # kept as "nothing" by the capture policy
-        norms.append(ops.total_sq_norms(batch.records).clamp_min(0).sqrt())  # (B,)
-        at.append(torch.full((batch.size,), batch.ref.step, dtype=torch.int64))
-    if not norms:
+    scan, what = scan_of(store), f"exceed_fractions of {capture_point!r}"
+    selection = store.select(capture_point, steps=steps, layers=layers)
+    part, rows, dtype = scan.part(selection, what), [], torch.float32  # the norms' own dtype, compared in it
+    for batch in part.selection.batches():
+        kept = bool(batch.records)  # a batch kept as "nothing" by the capture policy counts for nothing
+        norms = ops.total_sq_norms(batch.records).clamp_min(0).sqrt() if kept else torch.zeros(batch.size)  # (B,)
+        dtype, norms = norms.dtype if kept else dtype, norms.double()
+        rows.append(torch.stack([norms, torch.full_like(norms, batch.ref.step), torch.full_like(norms, kept)], 1))
+    block = torch.cat(rows).numpy() if rows else np.zeros((0, 3))
+    found = torch.from_numpy(scan.gather(block, part, what))  # (N, 3): norm, step, kept
+    found = found[found[:, 2] > 0]
+    if not len(found):
         return np.zeros(0, dtype=np.int64), np.zeros(0)
-    stored, fractions = ops.step_exceed_fractions(torch.cat(norms), torch.cat(at), threshold)
+    stored, fractions = ops.step_exceed_fractions(found[:, 0].to(dtype), found[:, 1].long(), threshold)
     return stored.numpy(), fractions.numpy()
 
 
@@ -309,4 +327,7 @@ def compare(
         raise StoreError(
             f"{what} in both {store.path} and {other.path} with the same parameters; compare runs of one model"
         )
-    return compare_profiles(run_profile(store, capture_point, common), run_profile(other, capture_point, common))
+    scan = scan_of(store)  # the other run is read the same way
+    return compare_profiles(
+        run_profile(store, capture_point, common, scan), run_profile(other, capture_point, common, scan)
+    )

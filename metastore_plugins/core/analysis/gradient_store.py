@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.analysis import curvature, dynamics, queries, vector_index
 from metastore_plugins.core.analysis import sketches as sketch_queries
+from metastore_plugins.core.analysis.scan import LOCAL, Scan
 from metastore_plugins.core.model import recompute as recompute_module
 from metastore_plugins.core.records import LayerRecord, RepresentationError
 from metastore_plugins.core.store import StoreReader, find_store_dir
@@ -33,9 +34,12 @@ class GradientStore(StoreReader):
 
     Each query is a function of :mod:`.queries`, :mod:`.dynamics` or :mod:`.sketches` whose
     first argument is the store; here it is bound as a method, with the same signature and
-    docstring (``store.influence(...)`` is ``queries.influence(store, ...)``).
+    docstring (``store.influence(...)`` is ``queries.influence(store, ...)``). Each reads the
+    store through :attr:`scan` (:mod:`.scan`).
     """
 
+    #: how queries read the store: every batch here (a ``DistributedStore``: this rank's shards)
+    scan: Scan = LOCAL
     # norms, influence, similarity
     norms = queries.norms
     self_influence = queries.self_influence

@@ -4,13 +4,15 @@ Every function takes a :class:`~metastore_plugins.core.store.StoreReader` first 
 method of :class:`~metastore_plugins.core.analysis.GradientStore` (``store.influence(...)``).
 Every per-sample result is aligned with ``store.sample_ids(capture_point, ...)`` for the
 same arguments. Memory stays within ``max_bytes`` of records (plus the result matrix).
+Each reads its selections through the store's scan (:mod:`.scan`): here, or partitioned by shard.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -19,12 +21,10 @@ from torch import Tensor
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis.results import Scores
+from metastore_plugins.core.analysis.scan import ColumnBatch, Part, Scan, chunked, scan_of
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import Selection, StoreReader
-
-#: One stored batch of the column side of a product: its sample count and its records.
-ColumnBatch = tuple[int, list[LayerRecord]]
 
 
 def on_device(records: list[LayerRecord], device: torch.device | str | None) -> list[LayerRecord]:
@@ -78,8 +78,7 @@ def dot_matrix(
     device: torch.device | str | None = None,
 ) -> np.ndarray:
     """``(N, M)`` gradient inner products between two selections (times each row batch's lr if ``weighted``)."""
-    col_chunks = ([(c.size, c.records) for c in chunk] for chunk in cols.chunks(max_bytes // 2))
-    return dot_blocks(rows, col_chunks, weighted, device)
+    return dot_blocks(rows, chunked(cols, max_bytes), weighted, device)
 
 
 def dot_blocks(
@@ -143,24 +142,51 @@ def summed_scores(
     return Scores(total, row_ids, col_ids)
 
 
-def norms(store: StoreReader, capture_point: str | None = None, *, by_layer: bool = False, **where: Any) -> Any:
-    """Per-sample gradient norms ``||g_i||`` (whole model, or ``{layer: (N,)}`` with ``by_layer``)."""
-    result = sq_norms(store.select(capture_point, **where), by_layer)
-    roots = {key: np.sqrt(np.clip(value, 0, None)) for key, value in result.items()}
+def norms(
+    store: StoreReader,
+    capture_point: str | None = None,
+    *,
+    by_layer: bool = False,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    scan: Scan | None = None,
+    **where: Any,
+) -> Any:
+    """Per-sample gradient norms ``||g_i||`` (whole model, or ``{layer: (N,)}`` with ``by_layer``).
+
+    ``scan``: how the selection is read (the store's :attr:`scan` by default), as for every query here.
+    """
+    scan = scan or scan_of(store)
+    part = scan.part(store.select(capture_point, **where), f"norms of {capture_point!r}")
+    local = sq_norms(part.selection, by_layer, max_bytes, scan.device)  # {key: (n,)}
+    keys = list(dict.fromkeys(key for keys in scan.every(list(local), "norms (keys)") for key in keys))
+    roots = {}
+    for key in keys:
+        block = local.get(key, np.zeros(len(part.positions)))  # a part without the key: 0, as in one process
+        roots[key] = np.sqrt(np.clip(scan.gather(block, part, f"norms ({key})"), 0, None))
     return roots if by_layer else roots.get("total", np.zeros(0))
 
 
-def self_influence(store: StoreReader, capture_point: str | Sequence[str] | None = None, **where: Any) -> np.ndarray:
+def self_influence(
+    store: StoreReader,
+    capture_point: str | Sequence[str] | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    scan: Scan | None = None,
+    **where: Any,
+) -> np.ndarray:
     """TracIn self-influence ``sum_c lr_c ||g_i(w_c)||^2``, aligned with ``sample_ids`` of the first capture point.
 
-    Several capture points (checkpoint passes) are summed per sample id; ``lr`` is the
-    one recorded with each batch (1 when none was).
+    Several capture points (checkpoint passes) are summed per sample id (aligned with
+    :func:`self_influence_ids`); ``lr`` is the one recorded with each batch (1 when none was).
     """
+    scan = scan or scan_of(store)
     points = [capture_point] if capture_point is None or isinstance(capture_point, str) else list(capture_point)
     parts = []
     for point in points:
         selection = store.select(point, **where)
-        parts.append((selection.sample_ids(), lr_sq_norms(selection)))
+        part = scan.part(selection, f"self_influence of {point!r}")
+        local = lr_sq_norms(part.selection, max_bytes, scan.device)  # (n,)
+        parts.append((selection.sample_ids(), scan.gather(local, part, f"self_influence of {point!r}")))
     return summed_by_id(parts)
 
 
@@ -214,14 +240,8 @@ def influence(
         layers: restrict to these layers (all by default).
         train_ids, test_ids: restrict to these samples.
     """
-    row_parts, col_parts = [], []
-    for train_cp, test_cp in paired_points(train, test):
-        rows = store.select(train_cp, sample_ids=train_ids, layers=layers)
-        cols = store.select(test_cp, sample_ids=test_ids, layers=layers)
-        matrix = dot_matrix(rows, cols, weighted=True, max_bytes=max_bytes)
-        row_parts.append((rows.sample_ids(), matrix))
-        col_parts.append((cols.sample_ids(), matrix))
-    return summed_scores(row_parts, col_parts)
+    pairs = selected_pairs(store, train, test, layers, train_ids, test_ids)
+    return whole(scored_pairs(store, pairs, max_bytes=max_bytes))
 
 
 def in_run_influence(
@@ -244,8 +264,78 @@ def in_run_influence(
     """
     rows = store.select(train, steps=steps, sample_ids=train_ids, layers=layers)
     cols = store.select(test, sample_ids=test_ids, layers=layers)
-    matrix = dot_matrix(rows, cols, weighted=True, max_bytes=max_bytes)
-    return summed_scores([(rows.sample_ids(), matrix)], [(cols.sample_ids(), matrix)])
+    return whole(scored_pairs(store, [(train, rows, test, cols)], max_bytes=max_bytes))
+
+
+#: ``(train capture point, test selection) -> column chunks``: what the train rows are scored against.
+ColumnsOf = Callable[[str, Selection], Iterable[Sequence[ColumnBatch]]]
+#: One paired pass: ``(train capture point, rows, test capture point, columns)``.
+Pair = tuple[str, Selection, str, Selection]
+
+
+def selected_pairs(
+    store: StoreReader,
+    train: str | Sequence[str],
+    test: str | Sequence[str],
+    layers: Sequence[str] | None,
+    train_ids: Sequence[int] | None,
+    test_ids: Sequence[int] | None,
+) -> list[Pair]:
+    """The paired passes (:func:`paired_points`) with their selections, restricted to the layers and samples."""
+    return [
+        (
+            a,
+            store.select(a, sample_ids=train_ids, layers=layers),
+            b,
+            store.select(b, sample_ids=test_ids, layers=layers),
+        )
+        for a, b in paired_points(train, test)
+    ]
+
+
+def pair_blocks(
+    store: StoreReader, pairs: Sequence[Pair], columns: ColumnsOf | None, max_bytes: int, scan: Scan
+) -> Iterator[tuple[Part, Selection, np.ndarray]]:
+    """Per pair, this process's part of the rows, the columns, and its ``(n, M)`` block ``lr_b <g_i, g_j>``.
+
+    The columns (``columns(train, cols)``, the test gradients by default) are read by one process
+    and handed to all (:meth:`Scan.columns`).
+    """
+    read = columns or (lambda _, cols: chunked(cols, max_bytes))
+    for train_cp, rows, test_cp, cols in pairs:
+        part = scan.part(rows, f"influence of {train_cp!r}")
+        chunks = scan.columns(partial(read, train_cp, cols), f"influence: test gradients of {test_cp!r}")
+        yield part, cols, dot_blocks(part.selection, chunks, weighted=True, device=scan.device)  # (n, M)
+
+
+def scored_pairs(
+    store: StoreReader,
+    pairs: Sequence[Pair],
+    *,
+    columns: ColumnsOf | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    scan: Scan | None = None,
+    dst: int | None = None,
+) -> Scores | None:
+    """``sum_c lr_c <g_i, g_j>`` over paired passes (:func:`pair_blocks`), summed per sample id.
+
+    The score matrix is gathered on every process (``dst=None``) or on ``dst`` only: ``None`` elsewhere.
+    """
+    scan = scan or scan_of(store)
+    row_parts, col_parts = [], []
+    for (train_cp, rows, _, _), (part, cols, local) in zip(pairs, pair_blocks(store, pairs, columns, max_bytes, scan)):
+        full = scan.gather_on(local, part, f"influence: scores of {train_cp!r}", dst)  # (N, M)
+        if full is not None:
+            row_parts.append((rows.sample_ids(), full))
+            col_parts.append((cols.sample_ids(), full))
+    return summed_scores(row_parts, col_parts) if row_parts else None
+
+
+def whole(scores: Scores | None) -> Scores:
+    """The scores of a query gathered on every process (never ``None``)."""
+    if scores is None:
+        raise RuntimeError("a partitioned query gathered its scores on another rank; call it with dst=None")
+    return scores
 
 
 def nearest_occurrences(
@@ -278,8 +368,31 @@ def similar(
     columns the query samples."""
     rows = store.select(candidates, sample_ids=candidate_ids, layers=layers)
     cols = store.select(query, sample_ids=query_ids, layers=layers)
-    matrix = dot_matrix(rows, cols, max_bytes=max_bytes)
+    return whole(scored_similar(store, rows, cols, candidates, cosine=cosine, max_bytes=max_bytes))
+
+
+def scored_similar(
+    store: StoreReader,
+    rows: Selection,
+    cols: Selection,
+    candidates: str,
+    *,
+    cosine: bool = True,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    scan: Scan | None = None,
+    dst: int | None = None,
+) -> Scores | None:
+    """:func:`similar` of two selections (the candidates named ``candidates``), gathered as :func:`scored_pairs` does.
+
+    Cosine divides by ``||g_i|| ||g_j||``: each process computes its rows' norms, one the columns'.
+    """
+    scan = scan or scan_of(store)
+    part = scan.part(rows, f"similar in {candidates!r}")
+    chunks = scan.columns(lambda: chunked(cols, max_bytes), "similar: query gradients")
+    local = dot_blocks(part.selection, chunks, device=scan.device)  # (n, M)
     if cosine:
-        row_sq, col_sq = sq_norms(rows)["total"], sq_norms(cols)["total"]
-        matrix = ops.cosine(torch.from_numpy(matrix), torch.from_numpy(row_sq), torch.from_numpy(col_sq)).numpy()
-    return Scores(matrix, rows.sample_ids(), cols.sample_ids())
+        row_sq = sq_norms(part.selection, device=scan.device).get("total", np.zeros(0))  # (n,)
+        col_sq = scan.first(lambda: sq_norms(cols)["total"], "similar: query norms")  # (M,)
+        local = ops.cosine(torch.from_numpy(local), torch.from_numpy(row_sq), torch.from_numpy(col_sq)).numpy()
+    full = scan.gather_on(local, part, "similar: scores", dst)  # (N, M)
+    return None if full is None else Scores(full, rows.sample_ids(), cols.sample_ids())

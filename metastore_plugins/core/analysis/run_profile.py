@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis.results import LayerComparison, RunComparison
+from metastore_plugins.core.analysis.scan import LOCAL, Scan
 from metastore_plugins.core.records import EXACT_KINDS
 from metastore_plugins.core.store import StoreReader
 
@@ -35,15 +37,17 @@ class Profile:
         return np.array([sums[s] / counts[s] if counts.get(s) else math.nan for s in steps])
 
 
-def run_profile(store: StoreReader, capture_point: str, layers: list[str]) -> Profile:
-    """One pass over a capture point: per-layer and per-step norms, losses, cumulative updates."""
+def run_profile(store: StoreReader, capture_point: str, layers: list[str], scan: Scan = LOCAL) -> Profile:
+    """One pass over a capture point: per-layer and per-step norms, losses, cumulative updates (summed over
+    the scan's parts)."""
     selection = store.select(capture_point, layers=layers)
+    what = f"compare: profile of {capture_point!r} in {store.path.name}"
     step_size: Counter[int] = Counter()
     for ref in selection.refs:
         step_size[ref.step] += ref.size
     profile = Profile({}, {}, {}, {}, {}, {}, {})
     updates: dict[str, dict[str, Tensor]] = {layer: {} for layer in layers}
-    for batch in selection.batches():
+    for batch in scan.part(selection, what).selection.batches():
         step, lr = batch.ref.step, batch.ref.lr_weight
         by_layer: dict[str, list] = {}
         for record in batch.records:
@@ -65,10 +69,24 @@ def run_profile(store: StoreReader, capture_point: str, layers: list[str]) -> Pr
         if loss is not None:
             profile.step_loss[step] = profile.step_loss.get(step, 0.0) + float(loss.double().sum())
             profile.loss_count[step] = profile.loss_count.get(step, 0) + batch.size
-    for layer, grads in updates.items():
+    sums = [profile.layer_norm, profile.layer_count, profile.step_norm, profile.step_count]
+    every = scan.every([*sums, profile.step_loss, profile.loss_count], what)
+    layer_norm, layer_count, step_norm, step_count, step_loss, loss_count = (_added(p) for p in zip(*every))
+    profile = Profile(layer_norm, layer_count, step_norm, step_count, step_loss, loss_count, {})
+    for layer in layers:
+        grads = scan.sum(updates[layer], f"{what} ({layer})")
         if grads:
             profile.update[layer] = torch.cat([grads[name].reshape(-1) for name in sorted(grads)])
     return profile
+
+
+def _added(parts: tuple[dict[Any, Any], ...]) -> dict[Any, Any]:
+    """Per key, the sum of its values over the parts (a key some part lacks counts as zero there)."""
+    out: dict[Any, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = out.get(key, 0) + value
+    return out
 
 
 def compare_profiles(mine: Profile, theirs: Profile) -> RunComparison:

@@ -9,7 +9,7 @@ that sketched influence costs one ``(N, k) x (k, M)`` product once they are buil
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +21,7 @@ from metastore_plugins.core import ops
 from metastore_plugins.core.analysis.per_batch import positive_int
 from metastore_plugins.core.analysis.queries import influence, on_device, paired_points, summed_scores
 from metastore_plugins.core.analysis.results import Clusters, Scores
+from metastore_plugins.core.analysis.scan import Scan, scan_of
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreReader, sketch_cache
 
@@ -35,13 +36,22 @@ def compute_sketches(
     combine: Combine,
     max_bytes: int,
     device: torch.device | str | None = None,
+    *,
+    scan: Scan | None = None,
+    what: str = "sketches",
 ) -> tuple[np.ndarray, Tensor]:
     """``(sample ids (N,), sketches)`` of a selection: ``(N, dim^2)`` summed, or ``(N, L dim^2)`` side by side.
 
     The projections are drawn once for the pass (:class:`~metastore_plugins.core.ops.Projections`,
     on the CPU, then moved: the same on every device); each batch is sketched on its own
     (on ``device`` when given), so a sample's sketch does not depend on the other batches.
+    With ``scan``, each process sketches its part (on ``scan.device``) and the rows are gathered
+    (a read named ``what``).
     """
+    if scan is not None:
+        part = scan.part(selection, what)
+        local = compute_sketches(part.selection, order, dim, seed, combine, max_bytes, scan.device)[1]  # (n, width)
+        return selection.sample_ids(), torch.from_numpy(scan.gather(local.numpy(), part, what))  # (N,), (N, width)
     k, draw = dim * dim, ops.Projections()
     ids, parts = [], []
     for batch in selection.batches():
@@ -87,15 +97,20 @@ def _summed_sketches(
     layers: Sequence[str] | str | None,
     cache: bool,
     max_bytes: int,
+    scan: Scan,
 ) -> tuple[np.ndarray, Tensor]:
-    """``(sample ids (N,), summed sketches (N, dim^2) float32)`` of a whole capture point, from the cache if sound."""
+    """``(sample ids (N,), summed sketches (N, dim^2) float32)`` of a whole capture point, from the cache if sound.
+
+    One process reads the cache (its value handed to all), or writes it once the sketches are gathered.
+    """
     order = sketch_layers(store, layers)
     key = sketch_key(store, capture_point, dim, seed, order) if cache else None
-    found = sketch_cache.load(store.path, key) if key is not None else None
+    found = scan.first(lambda: sketch_cache.load(store.path, key) if key is not None else None, "sketches: the cache")
     if found is not None:
         return found
-    ids, summed = compute_sketches(store.select(capture_point, layers=order), order, dim, seed, "sum", max_bytes)
-    if key is not None:
+    selection, what = store.select(capture_point, layers=order), f"sketches of {capture_point!r}"
+    ids, summed = compute_sketches(selection, order, dim, seed, "sum", max_bytes, scan=scan, what=what)
+    if key is not None and scan.leader:
         sketch_cache.save(store.path, key, ids, summed)
     return ids, summed
 
@@ -110,6 +125,7 @@ def sketches(
     combine: Combine = "sum",
     cache: bool = True,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    scan: Scan | None = None,
     **where: Any,
 ) -> np.ndarray:
     """Kronecker sketches of per-sample gradients, aligned with ``sample_ids(capture_point, **where)``.
@@ -123,15 +139,16 @@ def sketches(
     Summed sketches of a whole capture point (no ``where``) are read from, or written to,
     the store's sketch cache unless ``cache=False`` (see :meth:`build_sketches`).
     """
-    dim, seed = positive_int("dim", dim), check_seed(seed)
+    dim, seed, scan = positive_int("dim", dim), check_seed(seed), scan or scan_of(store)
     if combine not in ("sum", "concat"):
         raise ValueError(f"combine must be 'sum' or 'concat', got {combine!r}")
     where = {name: value for name, value in where.items() if value is not None}
     if combine == "sum" and not where:
-        return _summed_sketches(store, capture_point, dim, seed, layers, cache, max_bytes)[1].double().numpy()
+        return _summed_sketches(store, capture_point, dim, seed, layers, cache, max_bytes, scan)[1].double().numpy()
     order = sketch_layers(store, layers)
     selection = store.select(capture_point, layers=order, **where)
-    return compute_sketches(selection, order, dim, seed, combine, max_bytes)[1].double().numpy()
+    what = f"sketches of {capture_point!r}"
+    return compute_sketches(selection, order, dim, seed, combine, max_bytes, scan=scan, what=what)[1].double().numpy()
 
 
 def build_sketches(
@@ -154,11 +171,9 @@ def build_sketches(
         the sketches each time, without error).
     """
     dim, seed, order = positive_int("dim", dim), check_seed(seed), sketch_layers(store, layers)
-    key = sketch_key(store, capture_point, dim, seed, order)
-    if sketch_cache.load(store.path, key) is not None:
-        return sketch_cache.cache_path(store.path, key)
-    ids, summed = compute_sketches(store.select(capture_point, layers=order), order, dim, seed, "sum", max_bytes)
-    return sketch_cache.save(store.path, key, ids, summed)
+    _summed_sketches(store, capture_point, dim, seed, order, True, max_bytes, scan_of(store))
+    path = sketch_cache.cache_path(store.path, sketch_key(store, capture_point, dim, seed, order))
+    return path if path.is_file() else None
 
 
 def sketched_influence(
@@ -183,12 +198,28 @@ def sketched_influence(
     dim, seed = positive_int("dim", dim), check_seed(seed)
     if not sketch_compresses(store, sketch_layers(store, layers), dim):
         return influence(store, train, test, layers=layers)
-    row_parts, col_parts = [], []
+    return _sketch_scores(store, train, test, dim, seed, layers, cache, lambda s, t: t.T)
+
+
+def _sketch_scores(
+    store: StoreReader,
+    train: str | Sequence[str],
+    test: str | Sequence[str],
+    dim: int,
+    seed: int,
+    layers: Sequence[str] | None,
+    cache: bool,
+    against: Callable[[Tensor, Tensor], Tensor],
+) -> Scores:
+    """``sum_c (lr_c S_c) X_c`` over paired passes, ``X_c = against(S_c, T_c)`` ``(k, M)`` from the summed
+    sketches ``S_c`` ``(N, k)`` of the train pass and ``T_c`` ``(M, k)`` of the test pass (float64)."""
+    row_parts, col_parts, scan = [], [], scan_of(store)
     for train_cp, test_cp in paired_points(train, test):
-        row_ids, rows = _summed_sketches(store, train_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES)  # (N,), (N, k)
-        col_ids, cols = _summed_sketches(store, test_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES)  # (M,), (M, k)
+        row_ids, rows = _summed_sketches(store, train_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES, scan)  # (N, k)
+        col_ids, cols = _summed_sketches(store, test_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES, scan)  # (M, k)
+        s = rows.double()  # (N, k)
         lr = torch.from_numpy(_learning_rates(store, train_cp))  # (N,)
-        matrix = ((lr[:, None] * rows.double()) @ cols.double().T).numpy()  # (N, M)
+        matrix = ((lr[:, None] * s) @ against(s, cols.double())).numpy()  # (N, M)
         row_parts.append((row_ids, matrix))
         col_parts.append((col_ids, matrix))
     return summed_scores(row_parts, col_parts)
@@ -223,20 +254,14 @@ def kernel_influence(
     dim, seed = positive_int("dim", dim), check_seed(seed)
     if isinstance(regularization, bool) or not isinstance(regularization, (int, float)) or not regularization > 0:
         raise ValueError(f"regularization must be a positive number, got {regularization!r}")
-    row_parts, col_parts = [], []
-    for train_cp, test_cp in paired_points(train, test):
-        row_ids, rows = _summed_sketches(store, train_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES)  # (N,), (N, k)
-        col_ids, cols = _summed_sketches(store, test_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES)  # (M,), (M, k)
-        s = rows.double()  # (N, k)
+
+    def solved(s: Tensor, t: Tensor) -> Tensor:
         gram = s.T @ s  # (k, k)
         ridge = regularization * float(torch.trace(gram)) / gram.shape[0]
         eye = torch.eye(gram.shape[0], dtype=gram.dtype)
-        solved = torch.linalg.solve(gram + max(ridge, 1e-300) * eye, cols.double().T)  # (k, M)
-        lr = torch.from_numpy(_learning_rates(store, train_cp))  # (N,)
-        matrix = ((lr[:, None] * s) @ solved).numpy()  # (N, M)
-        row_parts.append((row_ids, matrix))
-        col_parts.append((col_ids, matrix))
-    return summed_scores(row_parts, col_parts)
+        return torch.linalg.solve(gram + max(ridge, 1e-300) * eye, t.T)  # (k, M)
+
+    return _sketch_scores(store, train, test, dim, seed, layers, cache, solved)
 
 
 def _learning_rates(store: StoreReader, capture_point: str) -> np.ndarray:

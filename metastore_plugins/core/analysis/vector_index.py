@@ -47,12 +47,13 @@ from safetensors.torch import save as save_bytes
 from metastore_plugins.core.analysis import queries
 from metastore_plugins.core.analysis.refine import RecomputeFn, refine_influence
 from metastore_plugins.core.analysis.results import Scores
+from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import check_seed, compute_sketches, sketch_layers
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
+
 from metastore_plugins.core.store import StoreError, StoreReader
 from metastore_plugins.core.store import vector_files as vf
 from metastore_plugins.core.store.journal import KIND_CODES
-
 #: A flat index scans ``N * D`` numbers per query; above this many, FAISS IVF (when installed).
 FLAT_MAX_VALUES = 1 << 23
 #: The sketch size of a capture point whose records are factors (a projected one uses its own ``k``).
@@ -386,7 +387,9 @@ def influence(
     (:func:`~metastore_plugins.core.analysis.refine.refine_influence`). ``train_ids`` scans every row.
     """
     full: Callable[..., Scores] = queries.influence
-    if k is None or index is False or train_ids is not None:
+    if scan_of(store).partitioned and recompute is not None:
+        raise ValueError("recompute= is not supported by partitioned queries; refine the result with refine_influence")
+    if k is None or index is False or train_ids is not None or scan_of(store).partitioned:
         return full(store, train, test, layers=layers, train_ids=train_ids, test_ids=test_ids, max_bytes=max_bytes)
     count = candidates or max(4 * k, 50)
     order = sketch_layers(store, layers)
@@ -446,7 +449,7 @@ def similar(
             candidate_ids=found,
         )
 
-    if k is None or index is False:
+    if k is None or index is False or scan_of(store).partitioned:
         return scan(None)
     order = sketch_layers(store, layers)
     opened = open_index(store, candidates, layers=order, build=bool(index), max_bytes=max_bytes)

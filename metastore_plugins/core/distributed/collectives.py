@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from metastore_plugins.core.errors import DistributedQueryError
+from metastore_plugins.core.process_group import group_up
 
 T = TypeVar("T")
 
@@ -62,7 +63,7 @@ class Comm:
     @classmethod
     def of(cls, group: Any = None) -> Comm:
         """The communicator of ``group`` (the default group), or of one process when none is initialised."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not group_up():
             if group is not None:
                 raise ValueError("a process group was given but torch.distributed is not initialised")
             return cls()
@@ -150,6 +151,14 @@ class Comm:
         if out is None:
             return None
         return [part[:n].cpu().numpy() for part, n in zip(out, parts)]
+
+    def all_sum(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """The sum over ranks of every rank's ``tensor`` (same shape and dtype on each), on every rank."""
+        if self.world == 1:
+            return tensor
+        local = tensor.to(self.device).clone()
+        self._run(what, lambda: dist.all_reduce(local, group=self.group))
+        return local.cpu()
 
     def all_gather_objects(self, value: T, what: str) -> list[T]:
         """Every rank's (picklable, small) ``value``, on every rank."""

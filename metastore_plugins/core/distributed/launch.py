@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from metastore_plugins.core.process_group import group_up
+
 #: Default bound on one collective: a rank that died or hangs is reported after this long at most.
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -37,7 +39,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
     """
     if not launched():
         return False
-    if dist.is_initialized():
+    if group_up():
         return True
     missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
@@ -51,5 +53,5 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
 
 def shutdown() -> None:
     """Destroy the default process group if one is initialised."""
-    if dist.is_available() and dist.is_initialized():
+    if group_up():
         dist.destroy_process_group()

@@ -7,7 +7,8 @@ first, the file name breaks ties) and each goes to the rank with the fewest rows
 load within ``4/3`` of the best possible one, and within one shard's rows of the mean.
 
 A rank scores the batches of its shards in selection order, so its results are a
-subsequence of the single-process result: :attr:`Part.positions` says where they go.
+subsequence of the single-process result: :attr:`Part.positions
+<metastore_plugins.core.analysis.scan.Part.positions>` says where they go.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from metastore_plugins.core.analysis.scan import Part
 from metastore_plugins.core.store import Selection
+
+__all__ = ["Part", "Share", "assign_shards", "batch_owners", "batch_sizes", "place", "sample_owners", "split"]
 
 
 def assign_shards(rows_per_shard: Mapping[str, int], world: int) -> dict[str, int]:
@@ -35,21 +39,6 @@ def assign_shards(rows_per_shard: Mapping[str, int], world: int) -> dict[str, in
         owner[name] = rank
         load[rank] += rows
     return owner
-
-
-@dataclass(frozen=True)
-class Part:
-    """One rank's share of a selection.
-
-    Attributes:
-        selection: the batches of the rank's shards, in selection order (rows keep their filter).
-        positions: ``(n_r,)`` where each of its sample occurrences stands in the whole selection.
-        total: ``N``, the whole selection's sample occurrences.
-    """
-
-    selection: Selection
-    positions: np.ndarray
-    total: int
 
 
 @dataclass(frozen=True)
@@ -95,6 +84,7 @@ def split(selection: Selection, world: int) -> list[Part]:
             replace(selection, batch_rows=selection.batch_rows[owners == rank]),
             np.flatnonzero(by_sample == rank),
             len(by_sample),
+            by_sample,
         )
         for rank in range(world)
     ]

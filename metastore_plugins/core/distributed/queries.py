@@ -1,16 +1,12 @@
-"""Partitioned queries: the train side split across ranks by shard, the test side broadcast, results gathered.
+"""The queries of :mod:`metastore_plugins.core.analysis` over a :class:`~.scan.PartitionedScan`, as functions.
 
-Each function is the query of :mod:`metastore_plugins.core.analysis` of the same name, run by
-every rank of a process group at once (call it on every rank, with the same arguments):
-
-- the train side (rows: the samples scored) is split by shard, balanced by rows
-  (:mod:`~metastore_plugins.core.distributed.partition`); each rank reads only its shards
-  and runs the single-process code (``queries.lr_sq_norms``, ``queries.dot_blocks``,
-  ``sketches.compute_sketches``) on its share;
-- the test side (the query gradients) is read by rank 0, chunk by chunk, and broadcast;
-- per-rank blocks are gathered and put back in selection order: every rank gets the full
-  result (``dst=None``), or only rank ``dst`` does (others get ``None``); rankings
-  (:func:`partitioned_influence_top`) all-gather each rank's top-k instead of its scores.
+Each ``partitioned_<query>`` is the analysis query of that name read through a partitioned scan of
+``group`` (call it on every rank, with the same arguments): the rows (the samples scored) are split
+by shard, balanced by rows (:mod:`~metastore_plugins.core.distributed.partition`); the column side
+(the query gradients) is read by rank 0, chunk by chunk, and broadcast; per-rank blocks are
+gathered and put back in selection order: every rank gets the full result (``dst=None``), or only
+rank ``dst`` does (others get ``None``). :func:`partitioned_influence_top` all-gathers each rank's
+top-k instead of its scores. A :class:`~.store.DistributedStore` runs every query this way.
 
 Results equal the single-process query's, in the same order. ``influence``, ``similar``
 with ``cosine=False`` and the sketches are computed by the same op calls on the same blocks
@@ -22,8 +18,7 @@ float rounding (relative 1e-6 in float32). Without a process group they run in t
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,63 +26,19 @@ import torch
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import queries
+from metastore_plugins.core.analysis import sketches as sketch_queries
 from metastore_plugins.core.analysis.per_batch import positive_int
 from metastore_plugins.core.analysis.results import Scores
-from metastore_plugins.core.analysis.sketches import check_seed, compute_sketches, sketch_key, sketch_layers
-from metastore_plugins.core.distributed.collectives import Comm
-from metastore_plugins.core.distributed.partition import Part, Share, place, split
+from metastore_plugins.core.analysis.scan import Device
+from metastore_plugins.core.distributed.scan import PartitionedScan
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
-from metastore_plugins.core.records import LayerRecord
-from metastore_plugins.core.store import Selection, StoreReader, sketch_cache
-
-Device = torch.device | str | None
+from metastore_plugins.core.store import StoreReader
 
 
-def _setup(group: Any, device: Device) -> tuple[Comm, Device]:
-    """The communicator, and the device to compute on: ``device``, else the local GPU under NCCL, else the CPU."""
-    comm = Comm.of(group)
-    return comm, device if device is not None else (comm.device if comm.device.type != "cpu" else None)
-
-
-def _collect(comm: Comm, block: np.ndarray, parts: list[Part], what: str, dst: int | None) -> np.ndarray | None:
-    """Every rank's ``(n_r, ...)`` block put back in selection order, on every rank (``dst=None``) or on ``dst``."""
-    total, positions = parts[0].total, [p.positions for p in parts]
-    if dst is None:
-        return place(comm.all_gather_rows(block, what), positions, total)
-    gathered = comm.gather_rows(block, what, dst)
-    return None if gathered is None else place(gathered, positions, total)
-
-
-def _mine(store: StoreReader, comm: Comm, parts: list[Part], what: str) -> Part:
-    """This rank's part; a store that keeps a ledger (``DistributedStore.shares``) notes the rows it scores."""
-    part = parts[comm.rank]
+def _scan(store: StoreReader, group: Any, device: Device) -> PartitionedScan:
+    """A partitioned scan of ``group``; it notes its reads in the store's ledger (``DistributedStore.shares``)."""
     ledger = getattr(store, "shares", None)
-    if isinstance(ledger, list):
-        ledger.append(Share(what, len(part.positions), part.total))
-    return part
-
-
-def _portable(records: list[LayerRecord]) -> list[LayerRecord]:
-    """Records whose tensors own just their bytes (a view would send its whole shard when pickled)."""
-    return [replace(r, tensors={k: v.clone() for k, v in r.tensors.items()}) for r in records]
-
-
-def broadcast_columns(comm: Comm, cols: Selection, max_bytes: int, what: str) -> Iterator[list[queries.ColumnBatch]]:
-    """The column batches, chunk by chunk (``max_bytes / 2`` of records each): read by rank 0, broadcast to all."""
-    source = iter(cols.chunks(max_bytes // 2)) if comm.rank == 0 else None
-    while True:
-        chunk: list[queries.ColumnBatch] | None = None
-        if source is not None:
-            found = next(source, None)
-            chunk = (
-                None
-                if found is None
-                else [(b.size, b.records if comm.world == 1 else _portable(b.records)) for b in found]
-            )
-        chunk = comm.broadcast(chunk, what)
-        if chunk is None:  # rank 0 has read every chunk
-            return
-        yield chunk
+    return PartitionedScan(group, device, ledger if isinstance(ledger, list) else None)
 
 
 def partitioned_self_influence(
@@ -99,22 +50,9 @@ def partitioned_self_influence(
     max_bytes: int = DEFAULT_MAX_BYTES,
     **where: Any,
 ) -> np.ndarray:
-    """:func:`~metastore_plugins.core.analysis.queries.self_influence` (``sum_c lr_c ||g_i(w_c)||^2``) on every rank.
-
-    Aligned as the single-process result: ``sample_ids(cp, **where)`` for one capture point,
-    ``self_influence_ids(points)`` for several. Equal to it to float rounding.
-    """
-    comm, device = _setup(group, device)
-    points = [capture_points] if capture_points is None or isinstance(capture_points, str) else list(capture_points)
-    results = []
-    for point in points:
-        selection = store.select(point, **where)
-        parts = split(selection, comm.world)
-        mine = _mine(store, comm, parts, f"self_influence of {point!r}")
-        local = queries.lr_sq_norms(mine.selection, max_bytes, device)  # (n_r,)
-        values = _collect(comm, local, parts, f"self_influence of {point!r}", None)
-        results.append((selection.sample_ids(), values if values is not None else np.zeros(0)))
-    return queries.summed_by_id(results)
+    """:func:`~metastore_plugins.core.analysis.queries.self_influence` (``sum_c lr_c ||g_i(w_c)||^2``) on every rank."""
+    scan = _scan(store, group, device)
+    return queries.self_influence(store, capture_points, max_bytes=max_bytes, scan=scan, **where)
 
 
 def partitioned_norms(
@@ -128,18 +66,8 @@ def partitioned_norms(
     **where: Any,
 ) -> Any:
     """:func:`~metastore_plugins.core.analysis.queries.norms` (``||g_i||``, or ``{layer: (N,)}``) on every rank."""
-    comm, device = _setup(group, device)
-    selection = store.select(capture_point, **where)
-    parts = split(selection, comm.world)
-    mine = _mine(store, comm, parts, f"norms of {capture_point!r}")
-    local = queries.sq_norms(mine.selection, by_layer, max_bytes, device)  # {key: (n_r,)}
-    keys = list(dict.fromkeys(k for ks in comm.all_gather_objects(list(local), "norms (keys)") for k in ks))
-    roots = {}
-    for key in keys:
-        block = local.get(key, np.zeros(len(mine.positions)))  # a rank without the key: 0, as in one process
-        full = _collect(comm, block, parts, f"norms ({key})", None)
-        roots[key] = np.sqrt(np.clip(full if full is not None else np.zeros(0), 0, None))
-    return roots if by_layer else roots.get("total", np.zeros(0))
+    scan = _scan(store, group, device)
+    return queries.norms(store, capture_point, by_layer=by_layer, max_bytes=max_bytes, scan=scan, **where)
 
 
 def partitioned_influence(
@@ -161,20 +89,8 @@ def partitioned_influence(
     rank ``dst`` (other ranks return ``None``). For rankings only, :func:`partitioned_influence_top`
     sends ``k`` scores per rank and column instead.
     """
-    comm, device = _setup(group, device)
-    row_parts, col_parts = [], []
-    for train_cp, test_cp in queries.paired_points(train, test):
-        rows = store.select(train_cp, sample_ids=train_ids, layers=layers)
-        cols = store.select(test_cp, sample_ids=test_ids, layers=layers)
-        parts = split(rows, comm.world)
-        columns = broadcast_columns(comm, cols, max_bytes, f"influence: test gradients of {test_cp!r}")
-        mine = _mine(store, comm, parts, f"influence of {train_cp!r}").selection
-        local = queries.dot_blocks(mine, columns, weighted=True, device=device)  # (n_r, M)
-        full = _collect(comm, local, parts, f"influence: scores of {train_cp!r}", dst)  # (N, M)
-        if full is not None:
-            row_parts.append((rows.sample_ids(), full))
-            col_parts.append((cols.sample_ids(), full))
-    return queries.summed_scores(row_parts, col_parts) if row_parts else None
+    pairs = queries.selected_pairs(store, train, test, layers, train_ids, test_ids)
+    return queries.scored_pairs(store, pairs, max_bytes=max_bytes, scan=_scan(store, group, device), dst=dst)
 
 
 def partitioned_similar(
@@ -190,25 +106,11 @@ def partitioned_similar(
     device: Device = None,
     dst: int | None = None,
 ) -> Scores | None:
-    """:func:`~metastore_plugins.core.analysis.queries.similar`: candidates partitioned, query gradients broadcast.
-
-    Cosine divides by ``||g_i|| ||g_j||``: the candidates' norms are computed by their rank,
-    the queries' by rank 0 and broadcast.
-    """
-    comm, device = _setup(group, device)
+    """:func:`~metastore_plugins.core.analysis.queries.similar`: candidates partitioned, query gradients broadcast."""
     rows = store.select(candidates, layers=layers)
     cols = store.select(query, sample_ids=query_ids, layers=layers)
-    parts = split(rows, comm.world)
-    mine = _mine(store, comm, parts, f"similar in {candidates!r}").selection
-    local = queries.dot_blocks(
-        mine, broadcast_columns(comm, cols, max_bytes, "similar: query gradients"), device=device
-    )
-    if cosine:
-        row_sq = queries.sq_norms(mine, device=device).get("total", np.zeros(0))  # (n_r,)
-        col_sq = comm.broadcast(queries.sq_norms(cols)["total"] if comm.rank == 0 else None, "similar: query norms")
-        local = ops.cosine(torch.from_numpy(local), torch.from_numpy(row_sq), torch.from_numpy(col_sq)).numpy()
-    full = _collect(comm, local, parts, "similar: scores", dst)  # (N, M)
-    return None if full is None else Scores(full, rows.sample_ids(), cols.sample_ids())
+    scan = _scan(store, group, device)
+    return queries.scored_similar(store, rows, cols, candidates, cosine=cosine, max_bytes=max_bytes, scan=scan, dst=dst)
 
 
 def partitioned_sketches(
@@ -229,22 +131,8 @@ def partitioned_sketches(
     layers, cache=False)``. With ``cache``, rank 0 reads the store's sketch cache first (and
     broadcasts it when sound), or writes it once the sketches are gathered.
     """
-    comm, device = _setup(group, device)
-    dim, seed, order = positive_int("dim", dim), check_seed(seed), sketch_layers(store, layers)
-    key = sketch_key(store, capture_point, dim, seed, order) if cache else None
-    found = sketch_cache.load(store.path, key) if key is not None and comm.rank == 0 else None
-    kept = comm.broadcast(None if found is None else found[1].numpy(), "sketches: the cached sketches")
-    if kept is not None:
-        return np.asarray(kept, dtype=np.float64)
-    selection = store.select(capture_point, layers=order)
-    parts = split(selection, comm.world)
-    mine = _mine(store, comm, parts, f"sketches of {capture_point!r}").selection
-    _, local = compute_sketches(mine, order, dim, seed, "sum", max_bytes, device)  # (n_r, k)
-    full = _collect(comm, local.numpy(), parts, f"sketches of {capture_point!r}", None)  # (N, k) float32
-    summed = full if full is not None else np.zeros((0, dim * dim), np.float32)
-    if key is not None and comm.rank == 0:
-        sketch_cache.save(store.path, key, selection.sample_ids(), torch.from_numpy(summed))
-    return summed.astype(np.float64)
+    scan = _scan(store, group, device)
+    return sketch_queries.sketches(store, capture_point, dim, seed, layers, cache=cache, max_bytes=max_bytes, scan=scan)
 
 
 def partitioned_influence_top(
@@ -268,28 +156,21 @@ def partitioned_influence_top(
     each: those rows are all-gathered and summed first. Same rows as ``Scores.top(k)``;
     scores equal to float rounding (exactly for ids held by one rank).
     """
-    comm, device = _setup(group, device)
-    k = positive_int("k", k)
+    scan, k = _scan(store, group, device), positive_int("k", k)
+    pairs = queries.selected_pairs(store, train, test, layers, train_ids, test_ids)
     mine_rows, col_parts, ids_owners = [], [], []
-    for train_cp, test_cp in queries.paired_points(train, test):
-        rows = store.select(train_cp, sample_ids=train_ids, layers=layers)
-        cols = store.select(test_cp, sample_ids=test_ids, layers=layers)
-        parts = split(rows, comm.world)
-        columns = broadcast_columns(comm, cols, max_bytes, f"influence: test gradients of {test_cp!r}")
-        mine = _mine(store, comm, parts, f"influence of {train_cp!r}")
-        local = queries.dot_blocks(mine.selection, columns, weighted=True, device=device)  # (n_r, M)
+    for (_, rows, _, _), (part, cols, local) in zip(pairs, queries.pair_blocks(store, pairs, None, max_bytes, scan)):
         ids = rows.sample_ids()
-        owners = np.zeros(len(ids), np.int64)
-        for rank, part in enumerate(parts):
-            owners[part.positions] = rank
-        mine_rows.append((ids[mine.positions], local))
+        owners = part.owners if part.owners is not None else np.zeros(len(ids), np.int64)
+        mine_rows.append((ids[part.positions], local))  # (n_r, M)
         col_parts.append((cols.sample_ids(), local))
         ids_owners.append(np.stack([ids, owners], 1))  # (N_c, 2)
     with warnings.catch_warnings():  # a rank's share of several capture points holds different samples
         warnings.simplefilter("ignore")
         summed = queries.summed_scores(mine_rows, col_parts)  # (u_r, M)
-    pairs = np.unique(np.concatenate(ids_owners), axis=0)  # (id, owner) pairs
-    unique, counts = np.unique(pairs[:, 0], return_counts=True)
+    comm = scan.comm
+    held = np.unique(np.concatenate(ids_owners), axis=0)  # (id, owner) pairs
+    unique, counts = np.unique(held[:, 0], return_counts=True)
     shared = np.isin(summed.row_ids, unique[counts > 1])  # (u_r,) rows with only a partial sum here
     whole = summed.scores[~shared]  # (w_r, M)
     ranked = ops.topk(torch.from_numpy(whole), k, dim=0)

@@ -12,17 +12,16 @@ from __future__ import annotations
 import os
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.distributed import DistributedStore, open_distributed_store
+from metastore_plugins.core.process_group import world_size
 
 T = TypeVar("T")
 
 
 def distributed() -> bool:
     """Whether a ``torch.distributed`` process group of more than one rank is initialised."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return world_size() > 1
 
 
 def report_store(path: str | os.PathLike[str]) -> GradientStore:
@@ -32,12 +31,12 @@ def report_store(path: str | os.PathLike[str]) -> GradientStore:
 
 def writes(store: GradientStore) -> bool:
     """Whether this process writes the reports of ``store``: rank 0 of a partitioned store's group, or the one."""
-    return not isinstance(store, DistributedStore) or store.rank == 0
+    return store.scan.leader
 
 
 def agreed(store: GradientStore, value: T, what: str) -> T:
     """Rank 0's ``value`` on every rank of a partitioned store's group (a collective); ``value`` otherwise."""
-    return store.from_rank_zero(value, what) if isinstance(store, DistributedStore) else value
+    return store.scan.first(lambda: value, what)
 
 
 def share_of(store: GradientStore, since: int = 0) -> dict[str, Any] | None:
@@ -50,10 +49,9 @@ def share_of(store: GradientStore, since: int = 0) -> dict[str, Any] | None:
     if not isinstance(store, DistributedStore):
         return None
     shares = store.shares[since:]
-    world = dist.get_world_size(store.group) if dist.is_available() and dist.is_initialized() else 1
     return {
         "rank": store.rank,
-        "world": world,
+        "world": world_size(store.group),
         "rows": sum(s.rows for s in shares),
         "total": sum(s.total for s in shares),
         "queries": [{"query": s.query, "rows": s.rows, "total": s.total} for s in shares],
