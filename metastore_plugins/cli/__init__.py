@@ -1,0 +1,90 @@
+"""The ``metastore`` command: inspect a store, build reports, answer queries.
+
+Example::
+
+    metastore inspect runs/text-classifier
+    metastore outliers runs/text-classifier -k 10
+    metastore influence runs/text-classifier --test 0,1,2 -k 5
+    metastore restore runs/text-classifier --sample 17 --capture-point epoch-1/val --out g.safetensors
+    metastore compact runs/text-classifier          # merge small shards (crash-safe)
+    metastore verify runs/text-classifier --repair  # mend what a killed run left behind
+    torchrun --nproc-per-node 4 -m metastore_plugins.cli influence runs/text-classifier  # partitioned
+
+User mistakes (unknown run, sample, layer, step) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from metastore_plugins.cli.output import printable
+from metastore_plugins.cli.parser import PARTITIONED, build_parser
+from metastore_plugins.core.analysis import open_store
+from metastore_plugins.core.distributed import (
+    DistributedQueryError,
+    init_from_env,
+    launched,
+    open_distributed_store,
+    rank_of,
+    shutdown,
+)
+from metastore_plugins.core.store import StoreError, find_store_dir
+
+__all__ = ["PARTITIONED", "build_parser", "main"]
+
+
+def _open(args: argparse.Namespace) -> Any:
+    """The store (a partitioned one under ``torchrun`` or with ``--device``), or the directory for maintenance."""
+    if getattr(args, "on_directory", False):
+        return find_store_dir(args.run)
+    if launched() or getattr(args, "device", None):
+        init_from_env(timeout_s=args.timeout)
+        return open_distributed_store(args.run, device=args.device)
+    return open_store(args.run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status. Output cut short by its reader (``| head``) is not an error."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError):  # what is left to flush at exit goes nowhere, quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return status
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    if launched() and args.command not in PARTITIONED:
+        print(
+            f"metastore {args.command}: error: it does not run partitioned; run it without torchrun "
+            f"(partitioned: {', '.join(PARTITIONED)})",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        target = _open(args)
+        quiet = rank_of() != 0  # every rank computes, rank 0 prints
+        with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout) as out:
+            with contextlib.redirect_stdout(out):
+                status = args.func(args, target) or 0
+    except (StoreError, ValueError, FileNotFoundError) as exc:
+        print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)
+        return 2
+    except DistributedQueryError as exc:
+        print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("metastore: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if launched():  # under torchrun the command owns its process group
+            shutdown()
+    return status

@@ -1,0 +1,129 @@
+"""``metastore inspect|verify|compact``: what a store holds, its damage, and the maintenance that mends it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from metastore_plugins.cli.output import emit, plain, printable
+from metastore_plugins.core.analysis import GradientStore, open_store
+from metastore_plugins.core.policy.plan import CapturePlan
+from metastore_plugins.core.store import vector_files
+from metastore_plugins.core.store.maintenance import compact, repair
+from metastore_plugins.core.store.runs import repeated_batches
+from metastore_plugins.core.store.snapshots import SnapshotInfo, check_snapshots
+from metastore_plugins.core.store.tags import Tag, check_tags
+
+#: Text lines of tags ``metastore inspect`` prints at most (``--json`` lists them all).
+TAG_LINES = 50
+
+
+def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
+    """Exit status 1 when the store is damaged."""
+    summary = store.summary()
+    layers = {name: store.layer_info(name) for name in store.layers()}
+    problems = store.verify(checksums=not args.no_checksums) + repeated_batches(store.index)  # two runs in one
+    data = {
+        **summary,
+        "capture_points_detail": {cp: store.steps(cp) for cp in store.capture_points()},
+        "layers_detail": layers,
+        "problems": problems,
+    }
+    plan = store.config.get("capture_plan")
+    plan_lines = _plan_lines(plan, problems)
+    tags, tag_problems = check_tags(store.path)
+    snapshots, snapshot_problems = check_snapshots(store.path, checksums=not args.no_checksums)
+    problems += snapshot_problems + tag_problems
+    data |= {
+        "capture_plan": plan,
+        "tags": [vars(tag) for tag in tags] if args.json else [],  # only printed with --json (300k tags: 1 s)
+        "snapshots": [{**dataclasses.asdict(info), "path": str(info.path)} for info in snapshots],
+    }
+    more = f"  ... and {len(tags) - TAG_LINES:,} more (--json lists them all)" if len(tags) > TAG_LINES else ""
+    ratio = summary["compression"]
+    lines = [
+        f"store      {summary['path']}",
+        f"ranks      {summary['ranks']}   shards {summary['shards']}   encodings {', '.join(summary['encodings'])}",
+        f"samples    {summary['samples']} stored over {summary['steps']} steps",
+        f"bytes      {summary['bytes_on_disk']:,} on disk "
+        f"vs {summary['dense_bytes']:,} as dense fp32 per-sample gradients"
+        + (f" ({ratio:.1f}x smaller)" if ratio else ""),
+        "capture points:",
+        *(
+            f"  {cp:<20} {n} batches, steps {store.steps(cp)[0]}..{store.steps(cp)[-1]}"
+            for cp, n in summary["capture_points"].items()
+        ),
+        "layers:",
+        *(f"  {name:<40} {', '.join(f'{k}:{v}' for k, v in info['kinds'].items())}" for name, info in layers.items()),
+        *plan_lines,
+        f"snapshots  {len(snapshots)} ({sum(info.nbytes for info in snapshots):,} bytes)",
+        *(f"  {_snapshot_line(info)}" for info in snapshots),
+        *_vector_index_lines(store),
+        f"tags       {len(tags)}",
+        *(f"  {_tag_line(tag)}" for tag in tags[:TAG_LINES]),
+        *([more] if more else []),
+        "problems: " + ("none" if not problems else ""),
+        *(f"  {p}" for p in problems),
+    ]
+    emit(args, data, "\n".join(printable(line) for line in lines))  # one stored string never makes two lines
+    return 1 if problems else 0
+
+
+def _vector_index_lines(store: GradientStore) -> list[str]:
+    """The kept nearest-gradient indexes: capture point, rows, width, type (flat, or IVF and its parameters)."""
+    lines = vector_files.check(store.path, {entry.file: entry.sha256 for entry in store.index.shards}, False)[1]
+    if not lines:
+        return ["vector index: none (`metastore influence|similar --index build` builds one)"]
+    return [f"vector index: {len(lines)}", *(f"  {line}" for line in lines)]
+
+
+def _plan_lines(plan: Any, problems: list[str]) -> list[str]:
+    """The capture plan's lines; one more problem (and no plan lines) when the recorded plan is not readable."""
+    if not plan:
+        return ["capture plan: none recorded (an older store)"]
+    try:
+        return CapturePlan.from_json(plan).lines()
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        problems.append(
+            f"the capture_plan in the store's config is not a readable plan ({type(exc).__name__}: {exc}); "
+            "`--json` shows it as recorded"
+        )
+        return ["capture plan: not readable (see problems)"]
+
+
+def _snapshot_line(info: SnapshotInfo) -> str:
+    checksum = "" if info.sha256 else " (no checksum: written before checksums were recorded)"
+    return f"{info.name:<20} step {info.step}, rank {info.rank}{checksum}"
+
+
+def _tag_line(tag: Tag) -> str:
+    steps = f"step {tag.first_step}" if tag.first_step == tag.last_step else f"steps {tag.first_step}..{tag.last_step}"
+    keep = f", keep {tag.keep}" if tag.keep else ""
+    attributes = ", ".join(f"{key}={value}" for key, value in tag.attributes.items())
+    return f"{tag.name:<20} {steps}{keep}" + (f" ({attributes})" if attributes else "")
+
+
+def cmd_verify(args: argparse.Namespace, path: Path) -> int:
+    """Exit status 1 when problems remain (after ``--repair``, the ones it cannot remove)."""
+    removed = repair(path) if args.repair else []
+    problems = open_store(path).verify(checksums=not args.no_checksums)
+    lines = [
+        *(f"repaired: {line}" for line in removed),
+        *problems,
+        "problems: " + ("none" if not problems else str(len(problems))),
+    ]
+    emit(args, {"removed": removed, "problems": problems}, "\n".join(lines))
+    return 1 if problems else 0
+
+
+def cmd_compact(args: argparse.Namespace, path: Path) -> int:
+    report = compact(path, target_bytes=args.target_mb * 2**20)
+    text = (
+        f"shards     {report.shards_before} -> {report.shards_after} "
+        f"({len(report.merged)} merged into {len(report.written)})"
+        + "".join(f"\nskipped    {line}" for line in report.skipped)
+    )
+    emit(args, plain(report), text)
+    return 0

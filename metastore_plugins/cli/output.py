@@ -1,0 +1,43 @@
+"""What the ``metastore`` command prints: stored strings escaped for the terminal, results as text or ``--json``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from typing import Any
+
+#: Characters a terminal acts on (C0/C1 controls: ESC, BEL, CR, newlines; DEL; bidirectional overrides, line
+#: separators): printed escaped (``\\x1b``, ``\\u202e``) wherever a stored string reaches the terminal.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def printable(text: object) -> str:
+    """``str(text)`` with every character a terminal would act on escaped, so stored strings print as data."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+
+
+def plain(value: Any) -> Any:
+    """Dataclasses and named tuples as dicts (recursively), tuples as lists: ready for JSON and tables."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):
+        return {k: plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def _json_default(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+def emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    text = "\n".join(map(printable, text.split("\n")))  # stored names reach the terminal as data
+    print(
+        json.dumps(data, indent=1, default=_json_default) if args.json else text,
+        end="" if text.endswith("\n") else "\n",
+    )
