@@ -1,0 +1,216 @@
+"""The nearest-gradient index kept on disk: one part per shard, the FAISS index, a manifest (``<store>/vector_index/``).
+
+:func:`open_index` brings a capture point's index up to date: a part whose shard changed or went away
+is rebuilt from the shard, a part or FAISS file that does not match its sha256 (or a damaged manifest)
+is said in one warning line and rebuilt, in memory where the store cannot be written. The file
+formats are :mod:`metastore_plugins.core.store.vector_files`'.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
+
+from metastore_plugins.core.analysis.sketches import check_seed, compute_sketches, sketch_layers
+from metastore_plugins.core.analysis.vector_search import Plan, VectorIndex, build_ivf, choose_plan, load_faiss
+from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
+from metastore_plugins.core.store import StoreError, StoreReader
+from metastore_plugins.core.store import vector_files as vf
+
+#: The sketch size of a capture point whose records are factors (a projected one uses its own ``k``).
+DEFAULT_DIM = 16
+
+
+def default_dim(store: StoreReader, capture_point: str, layers: Sequence[str]) -> int:
+    """The ``k`` of the capture point's projected records (their own sketch), else :data:`DEFAULT_DIM`."""
+    for batch in store.select(capture_point, layers=list(layers)).batches():
+        for record in batch.records:
+            if record.kind == "projected":
+                return int(record.tensors["projected"].shape[1])
+        return DEFAULT_DIM
+    return DEFAULT_DIM
+
+
+def open_index(
+    store: StoreReader,
+    capture_point: str,
+    *,
+    dim: int | None = None,
+    seed: int = 0,
+    layers: Sequence[str] | None = None,
+    build: bool = True,
+    plan: Plan | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> VectorIndex | None:
+    """The capture point's index, its stale or missing parts (re)built and kept; ``None`` when ``build`` is
+    False and none was ever built. ``plan`` overrides :func:`choose_plan` (tests, benchmarks)."""
+    order, seed = sketch_layers(store, layers), check_seed(seed)
+    dim = default_dim(store, capture_point, order) if dim is None else int(dim)
+    key = vf.key_hash(capture_point, dim, seed, order)
+    head = {"format": vf.FORMAT, "version": vf.VERSION, "capture_point": capture_point, "dim": dim, "seed": seed}
+    head["layers"] = list(order)
+    try:
+        manifest = vf.read_manifest(store.path, key)
+    except StoreError as exc:
+        _warn(f"{exc}; the index is rebuilt")
+        manifest = None
+    if manifest is None and not build:
+        return None
+    if manifest is not None and {k: manifest.get(k) for k in head} != head:
+        manifest = None
+    known = {str(p.get("shard")): p for p in (manifest or {}).get("parts", [])}
+    selection = store.select(capture_point, layers=order)
+    shard_rows: dict[str, list[int]] = {}
+    for row, ref in zip(selection.batch_rows.tolist(), selection.refs):
+        shard_rows.setdefault(ref.file.name, []).append(row)
+    shards = tuple((shard, store.shard_sha256(shard)) for shard in shard_rows)
+    cached = _OPENED.get((str(store.path), key))
+    if (
+        plan is None
+        and manifest is not None
+        and cached is not None
+        and cached[0] == _signature(store, manifest, shards)
+    ):
+        cached[1].rebuilt = []
+        return cached[1]  # nothing changed since it was opened in this process
+    pieces, rebuilt, writable = [], [], True
+    if build:
+        vf.remove_temporaries(store.path)  # what a build killed mid-write left
+    parts: list[dict[str, Any]] = []
+    for shard, rows in shard_rows.items():
+        sha, sub = store.shard_sha256(shard), replace(selection, batch_rows=np.asarray(rows, dtype=np.int64))
+        entry: dict[str, Any] | None = known.get(shard)
+        piece = _load_part(store, entry, head, shard, sha) if entry is not None else None
+        if piece is None:
+            ids, sketch = compute_sketches(sub, order, dim, seed, "concat", max_bytes)  # (n,), (n, L dim^2)
+            lr = np.concatenate([np.full(ref.size, ref.lr_weight) for ref in sub.refs])  # (n,)
+            piece = (ids, lr, sketch.numpy().astype(np.float32))
+            name = f"part-{key}-{shard.removesuffix('.safetensors')}.safetensors"
+            data = save_bytes(
+                {"vector": torch.from_numpy(piece[2]), "sample_id": torch.from_numpy(ids), "lr": torch.from_numpy(lr)},
+                metadata={**{k: str(v) for k, v in head.items()}, "shard": shard, "shard_sha256": sha},
+            )
+            entry = {"file": name, "shard": shard, "shard_sha256": sha, "rows": len(ids), "sha256": vf.sha256(data)}
+            writable = writable and _write(store, name, data)
+            rebuilt.append(name)
+        pieces.append(piece)
+        parts.append(entry or {})
+    ids = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros(0, np.int64)
+    lr = np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0)
+    width = len(order) * dim * dim
+    vectors = np.concatenate([p[2] for p in pieces]) if pieces else np.zeros((0, width), np.float32)
+    faiss, kept = load_faiss(), (manifest or {}).get("ann")
+    if plan is None and isinstance(kept, dict) and kept.get("parts") == vf.parts_digest(parts):
+        plan = Plan("ivf", int(kept.get("nlist", 0)), int(kept.get("nprobe", 0)))  # a plan asked for once, kept
+    plan = plan or choose_plan(len(ids), width, faiss is not None)
+    if faiss is None:
+        plan = Plan()
+    index = VectorIndex(capture_point, dim, ids, lr, vectors, plan, rebuilt=rebuilt)
+    ann_entry = None
+    if plan.kind == "ivf":
+        ann_entry = _open_ann(store, index, key, parts, kept, faiss)
+        writable = writable and ann_entry is not None
+    new = {**head, "parts": parts, "ann": ann_entry}
+    if writable and (rebuilt or new != manifest):
+        writable = _write(store, vf.manifest_name(key), vf.encode_manifest(new))
+    if writable:
+        _OPENED.pop((str(store.path), key), None)
+        _OPENED[(str(store.path), key)] = (_signature(store, new, shards), index)
+        while len(_OPENED) > MAX_OPENED:
+            _OPENED.pop(next(iter(_OPENED)))
+    return index
+
+
+#: Indexes opened in this process, reused while their manifest, shards and files are unchanged.
+_OPENED: dict[tuple[str, str], tuple[Any, VectorIndex]] = {}
+MAX_OPENED = 4
+
+
+def _signature(store: StoreReader, manifest: dict[str, Any], shards: tuple[tuple[str, str], ...]) -> Any:
+    """What an opened index depends on: its manifest, the shards' sha256, its files' identity (None: unknown)."""
+    ann = manifest.get("ann")
+    names = [str(p.get("file")) for p in manifest["parts"]] + ([str(ann.get("file"))] if isinstance(ann, dict) else [])
+    files = vf.identities(store.path, names)
+    return None if files is None else (vf.encode_manifest(manifest), shards, files)
+
+
+def _load_part(
+    store: StoreReader, entry: dict[str, Any], head: dict[str, Any], shard: str, sha: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A part's ``(ids, lr, vectors)`` when it is current and sound, else None (said once when damaged)."""
+    if entry.get("shard_sha256") != sha or not isinstance(entry.get("file"), str):
+        return None  # stale: its shard changed
+    rows = sum(ref.size for ref in store.batch_refs(head["capture_point"]) if ref.file.name == shard)
+    width = len(head["layers"]) * head["dim"] ** 2
+    try:
+        data = vf.read_checked(
+            store.path, entry["file"], str(entry.get("sha256")), rows * (4 * width + 16) + 4096, "part"
+        )
+        tensors = load_bytes(data)
+    except (StoreError, ValueError, RuntimeError) as exc:
+        _warn(f"{exc}; rebuilt from {shard}")
+        return None
+    vector, ids, lr = tensors.get("vector"), tensors.get("sample_id"), tensors.get("lr")
+    if vector is None or ids is None or lr is None or tuple(vector.shape) != (rows, width) or ids.shape != (rows,):
+        return None
+    if vector.dtype != torch.float32 or ids.dtype != torch.int64 or lr.dtype != torch.float64 or lr.shape != (rows,):
+        return None
+    return ids.numpy(), lr.numpy(), vector.numpy()
+
+
+def _open_ann(
+    store: StoreReader, index: VectorIndex, key: str, parts: list[dict[str, Any]], entry: Any, faiss: Any
+) -> dict[str, Any] | None:
+    """Set ``index.ann``: the kept FAISS index when it was built over these parts with this plan, else a new one.
+    Returns its manifest entry, or None when it could not be written (the index is then kept in memory)."""
+    plan, digest = index.plan, vf.parts_digest(parts)
+    wanted = {"kind": plan.kind, "metric": "l2-augmented", "nlist": plan.nlist, "nprobe": plan.nprobe}
+    wanted["rows"] = len(index.sample_ids)
+    if isinstance(entry, dict) and entry.get("parts") == digest and {k: entry.get(k) for k in wanted} == wanted:
+        try:
+            cap = index.vectors.nbytes + 64 * len(index.sample_ids) + (64 << 20)
+            data = vf.read_checked(store.path, str(entry.get("file")), str(entry.get("sha256")), cap, "FAISS index")
+            index.ann = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+            return dict(entry)
+        except StoreError as exc:
+            _warn(f"{exc}; rebuilt")
+    ann = index.ann = build_ivf(index.weighted(), plan, faiss)
+    name = f"ann-{key}.faiss"
+    data = faiss.serialize_index(ann).tobytes()
+    index.rebuilt.append(name)
+    if not _write(store, name, data):
+        return None
+    return {**wanted, "file": name, "sha256": vf.sha256(data), "parts": digest}
+
+
+def _write(store: StoreReader, name: str, data: bytes) -> bool:
+    try:
+        vf.write(store.path, name, data)
+    except (OSError, StoreError):  # read-only store, a link where the folder belongs: kept in memory
+        return False
+    return True
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message.splitlines()[0] if message else message, stacklevel=3)
+
+
+def build_vector_index(
+    store: StoreReader,
+    capture_point: str,
+    *,
+    dim: int | None = None,
+    seed: int = 0,
+    layers: Sequence[str] | None = None,
+) -> VectorIndex:
+    """Build (or bring up to date) and keep the capture point's index; later ``k=`` queries use it."""
+    index = open_index(store, capture_point, dim=dim, seed=seed, layers=layers, build=True)
+    assert index is not None  # build=True always gives one
+    return index

@@ -1,0 +1,110 @@
+"""The nearest-gradient index in memory: a capture point's vectors and how they are searched (flat or FAISS IVF).
+
+The vectors are per-layer Kronecker sketches side by side, times each row's learning rate: their
+inner product with a test sample's vector is its sketched TracIn score. :func:`choose_plan` picks an
+exhaustive scan (flat) or FAISS IVF (:func:`build_ivf`) from the rows and width; the index's files are
+:mod:`.index_files`, its queries :mod:`.vector_index`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: A flat index scans ``N * D`` numbers per query; above this many, FAISS IVF (when installed).
+FLAT_MAX_VALUES = 1 << 23
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How an index searches: ``"flat"`` (every row), or ``"ivf"`` with ``nlist`` lists, ``nprobe`` probed."""
+
+    kind: str = "flat"
+    nlist: int = 0
+    nprobe: int = 0
+
+
+def choose_plan(rows: int, width: int, have_faiss: bool) -> Plan:
+    """Flat up to :data:`FLAT_MAX_VALUES` numbers (or without FAISS); IVF above, ``nlist ~ 4 sqrt(N)``
+    (a power of two in 64..65536) and ``nprobe = nlist / 4`` (recall@10 >= 0.95 in benchmarks/index_bench.py)."""
+    if rows * width <= FLAT_MAX_VALUES or not have_faiss:
+        return Plan()
+    nlist = int(min(65536, max(64, 2 ** round(math.log2(4 * math.sqrt(rows))))))
+    return Plan("ivf", nlist, max(1, nlist // 4))
+
+
+def load_faiss() -> Any | None:
+    """The ``faiss`` module, or ``None`` where it is not installed (then every index is flat)."""
+    try:
+        import faiss
+    except ImportError:
+        return None
+    return faiss
+
+
+@dataclass
+class VectorIndex:
+    """The vectors of one capture point, in selection order (``store.sample_ids(capture_point)``)."""
+
+    capture_point: str
+    dim: int
+    sample_ids: np.ndarray  # (N,) int64
+    lr: np.ndarray  # (N,) float64, 1 where none was recorded
+    vectors: np.ndarray  # (N, D) float32: per-layer sketches side by side, D = L dim^2
+    plan: Plan
+    ann: Any = None  # build_ivf of lr * vectors, for plan.kind == "ivf"
+    rebuilt: list[str] = field(default_factory=list)  # files (re)built by this open
+    _weighted: np.ndarray | None = field(default=None, repr=False)
+
+    def weighted(self) -> np.ndarray:
+        """``(N, D)`` ``lr_i * vector_i``: inner products with a test sketch are sketched TracIn scores (kept)."""
+        if self._weighted is None:
+            same = bool(np.all(self.lr == 1.0))
+            self._weighted = self.vectors if same else (self.vectors * self.lr[:, None]).astype(np.float32)
+        return self._weighted
+
+    def search(self, queries_: np.ndarray, count: int) -> np.ndarray:
+        """``(M, c)`` rows of the ``c = min(count, N)`` largest ``<lr_i v_i, q>`` per query (no order among them)."""
+        count = min(count, len(self.sample_ids))
+        q = np.ascontiguousarray(queries_, dtype=np.float32)  # (M, D)
+        if count == 0:
+            return np.zeros((len(q), 0), dtype=np.int64)
+        if self.ann is not None:
+            self.ann.nprobe = self.plan.nprobe
+            q = np.hstack([q, np.zeros((len(q), 1), np.float32)])  # (M, D + 1): see build_ivf
+            return np.asarray(self.ann.search(q, count)[1], dtype=np.int64)
+        return largest(self.weighted() @ q.T, count)
+
+    def search_cosine(self, queries_: np.ndarray, count: int) -> np.ndarray:
+        """``(M, c)`` rows of the largest cosines between ``v_i`` and each query (a scan of every row)."""
+        norms = np.linalg.norm(self.vectors, axis=1)  # (N,)
+        cosines = (self.vectors @ np.asarray(queries_, np.float32).T) / np.maximum(norms, 1e-30)[:, None]  # (N, M)
+        return largest(cosines, min(count, len(self.sample_ids)))
+
+
+def build_ivf(weighted: np.ndarray, plan: Plan, faiss: Any) -> Any:
+    """An IVF index (``IndexIVFFlat``, L2) whose nearest neighbours of ``[q, 0]`` are the largest ``<x, q>``.
+
+    Inner-product search is reduced to distance search (Bachrach et al. 2014): each row ``x`` gets one more
+    coordinate ``sqrt(M^2 - |x|^2)`` (``M`` the largest norm), so that ``|x' - [q, 0]|^2 = M^2 + |q|^2 - 2 <x, q>``.
+    IVF clusters the augmented rows by distance; on the benchmark's 10^5 rows this found the whole
+    exhaustive top-10 for 90% of queries at ``nprobe = nlist / 4``, against 82% with IVF on the inner product.
+    """
+    norms = np.linalg.norm(weighted, axis=1)  # (N,)
+    top = float(norms.max()) if len(norms) else 0.0
+    extra = np.sqrt(np.maximum(top * top - norms * norms, 0.0))[:, None]  # (N, 1)
+    rows = np.ascontiguousarray(np.hstack([weighted, extra]), dtype=np.float32)  # (N, D + 1)
+    ann = faiss.IndexIVFFlat(faiss.IndexFlatL2(rows.shape[1]), rows.shape[1], plan.nlist, faiss.METRIC_L2)
+    ann.train(rows[np.random.default_rng(0).permutation(len(rows))[: 40 * plan.nlist]])
+    ann.add(rows)
+    return ann
+
+
+def largest(scores: np.ndarray, count: int) -> np.ndarray:
+    """``(M, count)`` rows of the largest entries of each column of ``(N, M)`` scores."""
+    if count == 0:
+        return np.zeros((scores.shape[1], 0), dtype=np.int64)
+    return np.argpartition(-scores, count - 1, axis=0)[:count].T.astype(np.int64)
