@@ -6,7 +6,9 @@ opened ``O_NOFOLLOW`` (a link is refused, never followed) and ``O_NONBLOCK`` (a 
 blocks), checked with ``lstat`` before and ``fstat`` after (only regular files are read or
 written; a file swapped in between is refused), and reads are bounded. Files are replaced
 atomically through a temporary created ``O_EXCL`` under an unguessable name
-(:data:`TEMPORARY_NAME`), so nobody can plant a file or link where a writer will write.
+(:data:`~metastore_plugins.core.store.file_kinds.TEMPORARY_NAME`), so nobody can plant a file or
+link where a writer will write. What an entry is when it is not a regular file, in words:
+:mod:`~metastore_plugins.core.store.file_kinds`.
 
 Refusals raise :class:`StoreError` naming the path and what to do; disk errors (a full disk)
 stay ``OSError``, which writers report as such.
@@ -17,7 +19,6 @@ from __future__ import annotations
 import errno
 import io
 import os
-import re
 import secrets
 import stat
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.store.file_kinds import kind_of, not_regular, os_problem
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -37,51 +39,7 @@ _RDWR_FLAGS = os.O_RDWR | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC
 #: Creating a temporary: only a new file, never an existing file or link.
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
 _MODE = 0o644
-#: How a temporary's name ends: 16 random hex digits and ``.tmp`` after the name of the file it replaces.
-TEMPORARY_SUFFIX = r"\.[0-9a-f]{16}\.tmp"
-TEMPORARY_NAME = re.compile(r"(?P<target>.+)" + TEMPORARY_SUFFIX, re.ASCII)
 _READ_BLOCK = 1 << 20
-
-
-def temporary_target(name: str) -> str | None:
-    """The file a temporary named ``name`` would have replaced, or None when ``name`` is not a temporary's."""
-    match = TEMPORARY_NAME.fullmatch(name)
-    return None if match is None else match["target"]
-
-
-def kind_of(mode: int) -> str:
-    """``"file"``, ``"directory"``, ``"link"`` or ``"special"`` (FIFO, socket, device) for an ``st_mode``."""
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "directory"
-    if stat.S_ISLNK(mode):
-        return "link"
-    return "special"
-
-
-def not_regular(mode: int) -> str | None:
-    """Why an entry of this mode is not read or written as a file, or None for a regular file."""
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISLNK(mode):
-        return "is a symbolic link; links are not followed"
-    if stat.S_ISDIR(mode):
-        return "is a directory, not a regular file"
-    if stat.S_ISFIFO(mode):
-        return "is a FIFO, not a regular file; not read"
-    if stat.S_ISSOCK(mode):
-        return "is a socket, not a regular file; not read"
-    return "is a device, not a regular file; not read"
-
-
-def os_problem(exc: OSError) -> str:
-    """What an ``OSError`` from opening an entry says, in the words of :func:`not_regular`."""
-    if isinstance(exc, FileNotFoundError):
-        return "missing on disk"
-    if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link put in place after the check
-        return "is a symbolic link; links are not followed"
-    return f"cannot be read ({exc.strerror or exc}); check its permissions"
 
 
 def _check_name(directory: Path, name: str) -> None:
@@ -394,19 +352,22 @@ def open_under(root: Path, directory: Path, *, create: bool = False) -> StoreDir
     return current
 
 
-def open_regular(path: Path, directory: Path) -> tuple[int, os.stat_result]:
-    """:meth:`StoreDir.open_read` of ``path``, which must be an entry of ``directory``."""
+def _entry_of(path: Path, directory: Path) -> StoreDir:
+    """``directory`` opened, refused unless ``path`` is one of its entries."""
     if path.parent != directory:
         raise StoreError(f"{path}: is not a file of the store directory {directory}; not read")
-    with StoreDir(directory) as opened:
+    return StoreDir(directory)
+
+
+def open_regular(path: Path, directory: Path) -> tuple[int, os.stat_result]:
+    """:meth:`StoreDir.open_read` of ``path``, which must be an entry of ``directory``."""
+    with _entry_of(path, directory) as opened:
         return opened.open_read(path.name)
 
 
 def read_bounded(path: Path, directory: Path, cap: int, what: str) -> bytes:
     """:meth:`StoreDir.read` of ``path``, which must be an entry of ``directory``."""
-    if path.parent != directory:
-        raise StoreError(f"{path}: is not a file of the store directory {directory}; not read")
-    with StoreDir(directory) as opened:
+    with _entry_of(path, directory) as opened:
         return opened.read(path.name, cap, what)
 
 

@@ -14,7 +14,7 @@ import torch
 from metastore_plugins.core.store import vector_files
 from metastore_plugins.core.store.batches import ShardFiles
 from metastore_plugins.core.store.entries import ShardEntry, sample_columns
-from metastore_plugins.core.store.files import TEMPORARY_SUFFIX, kind_of
+from metastore_plugins.core.store.file_kinds import TEMPORARY_SUFFIX, kind_of
 from metastore_plugins.core.store.index import StoreIndex, expectation
 from metastore_plugins.core.store.journal import META_BITS, unpack
 from metastore_plugins.core.store.manifest import StoreError

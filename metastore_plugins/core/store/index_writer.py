@@ -9,7 +9,8 @@ from typing import Any
 
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import MAX_SHARD_NUMBER, ShardEntry, shard_pattern
-from metastore_plugins.core.store.files import StoreDir, StoreError, temporary_target
+from metastore_plugins.core.store.file_kinds import any_temporary_target
+from metastore_plugins.core.store.files import StoreDir, StoreError
 from metastore_plugins.core.store.index import read_rank
 from metastore_plugins.core.store.journal import JournalAppender, RankLock, encode_line, journal_name
 
@@ -36,7 +37,7 @@ class RankIndexWriter:
 
     def _open(self, config: dict[str, Any]) -> None:
         for stale in self.files.listdir():  # a killed writer's temporaries of this rank (old names: name.tmp)
-            target = temporary_target(stale) or (stale.removesuffix(".tmp") if stale.endswith(".tmp") else None)
+            target = any_temporary_target(stale)
             own = target in (mf.manifest_name(self.rank), journal_name(self.rank))
             if own or (target is not None and shard_pattern(self.rank).fullmatch(target)):
                 self.files.remove(stale, missing_ok=True)
@@ -128,7 +129,7 @@ def first_free_shard(directory: Path, rank: int, listed: list[str]) -> int:
     ``rank{r}-999999999.safetensors``): a shard under a name readers refuse would be lost.
     """
     pattern = shard_pattern(rank)
-    on_disk = [temporary_target(n) or n.removesuffix(".tmp") for n in os.listdir(directory)]
+    on_disk = [any_temporary_target(n) or n for n in os.listdir(directory)]
     names = [*listed, *(n for n in on_disk if pattern.fullmatch(n))]
     highest = max(names, key=shard_number, default=None)
     if highest is not None and shard_number(highest) >= MAX_SHARD_NUMBER:

@@ -139,11 +139,12 @@ def read_lines(handle: Any) -> Iterator[tuple[int, bytes | None, int]]:
 
 
 class JournalAppender:
-    """Appends lines to a rank's journal, each written whole and fsynced before :meth:`append` returns."""
+    """Appends lines to a journal of the store (index, snapshot checksums, tags), each written whole
+    and fsynced before :meth:`append` returns: the store's one fsync-append."""
 
     def __init__(self, directory: StoreDir, name: str, good_size: int) -> None:
-        """Open journal ``name`` of ``directory`` (never through a link) after cutting it to ``good_size``
-        (dropping a torn tail)."""
+        """Open journal ``name`` of ``directory`` (never through a link; created if missing) after cutting
+        it to ``good_size`` (dropping a torn tail)."""
         self.path = directory.path / name
         self._fd = directory.open_append(name, good_size)
         self.size = good_size
@@ -153,10 +154,21 @@ class JournalAppender:
         StoreDir.append(self._fd, self.size, line)
         self.size += len(line)
 
+    def cut(self, size: int) -> None:
+        """Cut the journal back to ``size`` bytes: lines appended since then are taken back."""
+        os.ftruncate(self._fd, size)
+        self.size = size
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def __enter__(self) -> JournalAppender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def lock_name(rank: int) -> str:

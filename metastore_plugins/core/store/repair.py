@@ -30,7 +30,8 @@ import numpy as np
 
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import ShardEntry, entry_from_json, shard_pattern
-from metastore_plugins.core.store.files import StoreDir, open_regular, temporary_target
+from metastore_plugins.core.store.file_kinds import any_temporary_target
+from metastore_plugins.core.store.files import StoreDir, open_regular
 from metastore_plugins.core.store.health import QUARANTINE, leftover_rank
 from metastore_plugins.core.store.index import expectation, read_rank
 from metastore_plugins.core.store.journal import (
@@ -185,7 +186,7 @@ def _remove_temporaries(files: StoreDir, rank: int) -> list[str]:
     done = []
     ours = (mf.manifest_name(rank), journal_name(rank))
     for name in sorted(files.listdir()):
-        target = temporary_target(name) or (name[:-4] if name.endswith(".tmp") else None)
+        target = any_temporary_target(name)
         if target is None or not (target in ours or shard_pattern(rank).fullmatch(target)):
             continue
         if files.kind(name) == "directory":

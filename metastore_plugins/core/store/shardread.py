@@ -31,7 +31,8 @@ import torch
 import xxhash
 from torch import Tensor
 
-from metastore_plugins.core.store.files import StoreDir, StoreError, not_regular, open_regular, os_problem
+from metastore_plugins.core.store.file_kinds import not_regular, os_problem
+from metastore_plugins.core.store.files import StoreDir, StoreError, open_regular
 
 _DTYPES = {
     "F64": torch.float64,

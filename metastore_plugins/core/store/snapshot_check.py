@@ -10,7 +10,8 @@ A snapshot file is trusted only as far as these checks go (issue 29):
   its ``__metadata__`` names the snapshot and rank its file name gives, with a step, a base name,
   attributes (a JSON object) and shapes (lists of sizes);
 - its entries are of :data:`ENTRY_DTYPES` (parameters fp32; buffers a float dtype or an int64
-  counter; row indices int64), finite, and row updates stay within their tensor.
+  counter; row indices int64), finite, and row updates stay within their tensor
+  (:mod:`~metastore_plugins.core.store.snapshot_delta`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ ENTRY_DTYPES: dict[tuple[bool, str], frozenset[str]] = {
 _META = ("format", "name", "step", "rank", "base", "attributes", "shapes")
 _SHA = re.compile(r"[0-9a-f]{64}")
 _unverified: set[Path] = set()  # snapshots without a checksum already said once
+
+
+def check_name(name: str, rank: int) -> None:
+    """Refuse (``ValueError``) a snapshot name that is not :data:`NAME`, or a rank that is not an int >= 0."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"a snapshot name must be 1-100 letters, digits, '_', '.' or '-'; got {name!r}")
+    if not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"a snapshot rank must be an int >= 0; got {rank!r}")
 
 
 def journal_name(rank: int) -> str:
@@ -256,22 +265,3 @@ def check_values(key: str, value: Tensor, path: Path) -> None:
     """Refuse NaN or inf in a floating entry (a snapshot of them could not recompute anything)."""
     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
         raise StoreError(f"{path}: a damaged snapshot ({key!r} holds NaN or inf values); delete it and take it again")
-
-
-def apply_rows(values: Tensor, rows: Tensor, part: Tensor, key: str, path: Path) -> Tensor:
-    """``values`` with rows ``rows`` replaced by ``part``, refused unless every index and shape fits exactly."""
-    fits = (
-        rows.dim() == 1
-        and values.dim() >= 1
-        and part.shape == (rows.numel(), *values.shape[1:])
-        and part.dtype == values.dtype
-        and (rows.numel() == 0 or (int(rows.min()) >= 0 and int(rows.max()) < values.shape[0]))
-    )
-    if not fits:
-        raise StoreError(
-            f"{path}: a damaged snapshot ({key!r}: rows {list(rows.shape)} outside, or not of the shape of, its "
-            f"tensor {list(values.shape)}); delete it and take it again"
-        )
-    out = values.clone()
-    out[rows] = part
-    return out

@@ -2,7 +2,8 @@
 
 ``<store>/snapshots/<name>-rank<r>.safetensors`` holds the trainable parameters as fp32 and the
 floating-point buffers (BatchNorm running statistics) in their own dtype. To save bytes a snapshot
-refers to the previous one of its rank (``base`` in its metadata) and stores, per parameter ``p``:
+refers to the previous one of its rank (``base`` in its metadata) and stores, per parameter ``p``
+(:mod:`~metastore_plugins.core.store.snapshot_delta`):
 
 - nothing, when every row (dim 0) of ``p`` is bitwise equal to the base's (frozen in practice);
 - ``rows/<p>`` (``(n,)`` int64 row indices) and ``part/<p>`` (``(n, ...)`` those rows), when that is
@@ -37,7 +38,8 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.store import snapshot_check as check
 from metastore_plugins.core.store.files import StoreDir, StoreError
-from metastore_plugins.core.store.journal import encode_line
+from metastore_plugins.core.store.journal import JournalAppender, encode_line
+from metastore_plugins.core.store.snapshot_delta import apply, delta
 
 FORMAT = check.FORMAT
 DIRECTORY = "snapshots"
@@ -78,16 +80,9 @@ def snapshot_bytes(model: nn.Module) -> int:
     return 4 * sum(p.numel() for p in trainable(model).values()) + buffers
 
 
-def _checked(name: str, rank: int) -> None:
-    if not isinstance(name, str) or not check.NAME.fullmatch(name):
-        raise ValueError(f"a snapshot name must be 1-100 letters, digits, '_', '.' or '-'; got {name!r}")
-    if not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"a snapshot rank must be an int >= 0; got {rank!r}")
-
-
 def snapshot_path(store_dir: str | os.PathLike[str], name: str, rank: int = 0) -> Path:
     """``<store_dir>/snapshots/<name>-rank<rank>.safetensors``, for a valid name and rank."""
-    _checked(name, rank)
+    check.check_name(name, rank)
     return Path(store_dir) / DIRECTORY / check.file_name(name, rank)
 
 
@@ -120,7 +115,7 @@ class SnapshotWriter:
             ValueError: naming the parameter, when a weight is NaN or inf (nothing is written).
             StoreError: naming the file, when ``snapshots/`` or the journal is a link or not what it should be.
         """
-        _checked(name, self.rank)
+        check.check_name(name, self.rank)
         params = {
             key: p.detach().to("cpu", torch.float32, copy=True).contiguous() for key, p in trainable(model).items()
         }
@@ -137,7 +132,7 @@ class SnapshotWriter:
             base_name, base, base_buffers = (
                 self._base if self._base is not None and self._base[0] != name else ("", {}, {})
             )
-            tensors = _delta(params, base, "") | _delta(buffers, base_buffers or {}, BUFFERS)
+            tensors = delta(params, base, "") | delta(buffers, base_buffers or {}, BUFFERS)
             meta = {"name": name, "step": str(int(step)), "rank": str(self.rank), "base": base_name}
             attrs = json.dumps(attributes or {}, allow_nan=False)
             _save(root, folder, tensors, {**meta, "attributes": attrs}, (params, buffers))
@@ -159,31 +154,6 @@ class SnapshotWriter:
             _save(root, folder, tensors, {**meta, "attributes": json.dumps(info.attributes)}, (params, buffers))
 
 
-def _delta(new: dict[str, Tensor], old: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    """The entries that turn ``old`` into ``new`` bitwise (see the module docstring)."""
-    out: dict[str, Tensor] = {}
-    for key, value in new.items():
-        before = old.get(key)
-        if before is None or before.shape != value.shape or before.dtype != value.dtype or value.numel() == 0:
-            out[f"{prefix}full/{key}"] = value
-            continue
-        rows = value.shape[0] if value.dim() else 1
-        changed = (_bits(value, rows) != _bits(before, rows)).any(1)  # (rows,) bitwise: -0.0 != 0.0, NaN == NaN
-        count = int(changed.sum())
-        if count == 0:
-            continue
-        if value.dim() and count * (value.nbytes // rows + 8) < value.nbytes:
-            index = changed.nonzero().squeeze(1)  # (n,) int64
-            out[f"{prefix}rows/{key}"], out[f"{prefix}part/{key}"] = index, value[index].contiguous()
-        else:
-            out[f"{prefix}full/{key}"] = value
-    return out
-
-
-def _bits(value: Tensor, rows: int) -> Tensor:
-    return value.reshape(-1).view(torch.uint8).reshape(rows, -1)  # (rows, row_bytes)
-
-
 def _save(root: StoreDir, folder: StoreDir, tensors: dict[str, Tensor], meta: dict[str, str], params: Weights) -> None:
     """Record the file's sha256 in the rank's journal, then write the file whole through a temporary and rename it.
 
@@ -195,16 +165,13 @@ def _save(root: StoreDir, folder: StoreDir, tensors: dict[str, Tensor], meta: di
     rank = int(meta["rank"])
     good = check.read_journal(root, rank).good_size
     _, line = check.record_line(meta["name"], rank, int(meta["step"]), data)
-    fd = root.open_append(check.journal_name(rank), good)
-    try:
-        StoreDir.append(fd, good, encode_line(line))
+    with JournalAppender(root, check.journal_name(rank), good) as journal:
+        journal.append(encode_line(line))
         try:
             folder.atomic_write(check.file_name(meta["name"], rank), data)
         except BaseException:
-            os.ftruncate(fd, good)
+            journal.cut(good)
             raise
-    finally:
-        os.close(fd)
 
 
 def _open(store_dir: Path) -> tuple[StoreDir, StoreDir] | None:
@@ -362,7 +329,7 @@ def _read(folder: StoreDir, name: str, rank: int, journal: check.Journal) -> tup
 
 
 def _resolve(store_dir: Path, name: str, rank: int) -> Weights:
-    _checked(name, rank)
+    check.check_name(name, rank)
     opened = _open(store_dir)
     if opened is None:
         raise StoreError(
@@ -389,7 +356,7 @@ def _resolve(store_dir: Path, name: str, rank: int) -> Weights:
         for current in reversed(chain):  # the oldest first: the last is ``name`` itself
             meta, tensors = _read(folder, current, rank, journal)
             path = folder.path / check.file_name(current, rank)
-            _apply(tensors, groups, path)
+            apply(tensors, groups, path)
             for prefix, shapes in ("", meta["shapes"]), (BUFFERS, meta.get("buffer_shapes", {})):
                 values = groups[prefix] = {key: value for key, value in groups[prefix].items() if key in shapes}
                 wrong = sorted(k for k, shape in shapes.items() if k not in values or [*values[k].shape] != shape)
@@ -397,26 +364,6 @@ def _resolve(store_dir: Path, name: str, rank: int) -> Weights:
                     what = "buffers" if prefix else "parameters"
                     raise StoreError(f"{path}: a damaged snapshot: {what} {wrong[:5]} missing or of the wrong shape")
     return groups[""], groups[BUFFERS] if "buffer_shapes" in meta else None
-
-
-def _apply(tensors: dict[str, Tensor], groups: dict[str, dict[str, Tensor]], path: Path) -> None:
-    """Apply the entries of one snapshot file to the parameters (``groups[""]``) and buffers of its base."""
-    for key, value in tensors.items():
-        buffer, kind, entry = check.entry_kind(key)
-        prefix = BUFFERS if buffer else ""
-        values = groups[prefix]
-        if kind == "full":
-            values[entry] = value
-        elif kind == "rows":
-            part = tensors.get(f"{prefix}part/{entry}")
-            if entry not in values or part is None:
-                raise StoreError(
-                    f"{path}: a damaged snapshot ({key!r} changes rows of a tensor its base does not hold, or has no "
-                    "part); delete it and take it again"
-                )
-            values[entry] = check.apply_rows(values[entry], value, part, key, path)
-        elif f"{prefix}rows/{entry}" not in tensors:  # a part without its rows
-            raise StoreError(f"{path}: a damaged snapshot ({key!r} has no rows); delete it and take it again")
 
 
 def write_snapshot(

@@ -7,7 +7,8 @@ representation of those steps within the budget (``"exact"``, ``"projected"``, `
 automatically (``automatic=True``) with their epoch, step, learning rate and logged metrics.
 
 Each rank appends its tags to ``tags-rank{r}.jsonl``, one checksummed journal line each
-(:func:`~metastore_plugins.core.store.journal.encode_line`), fsynced: a crash tears at most the
+(:func:`~metastore_plugins.core.store.journal.encode_line`), appended and fsynced by the store's
+:class:`~metastore_plugins.core.store.journal.JournalAppender`: a crash tears at most the
 last line, which readers skip (:func:`check_tags` reports it) and the rank's next :class:`TagBook`
 cuts; a damaged earlier line is an error. The file is read and appended through
 :class:`~metastore_plugins.core.store.files.StoreDir`: never through a link, never a FIFO, device or
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from metastore_plugins.core.store.files import StoreDir, StoreError
-from metastore_plugins.core.store.journal import JournalError, decode_line, encode_line, read_lines
+from metastore_plugins.core.store.journal import JournalAppender, JournalError, decode_line, encode_line, read_lines
 
 #: What a tag may ask to keep of its steps (``"snapshot"``: a weight snapshot).
 KEEP_CHOICES = ("exact", "projected", "norms", "nothing", "snapshot")
@@ -106,7 +107,7 @@ class TagBook:
             if found is not None and found.st_size != good:
                 if damage is not None:
                     warnings.warn(f"{self.path}: {damage}; cut, so the next tag starts clean", stacklevel=2)
-                os.close(root.open_append(self.path.name, good))
+                JournalAppender(root, self.path.name, good).close()
 
     @property
     def tags(self) -> list[Tag]:
@@ -169,11 +170,8 @@ class TagBook:
         """Write ``line`` at the end and fsync; on failure cut the file back, so no torn line precedes the next."""
         with StoreDir(self.path.parent, create=True) as root:
             found = root.lstat(self.path.name)
-            fd = root.open_append(self.path.name, found.st_size if found is not None else 0)
-            try:
-                StoreDir.append(fd, os.fstat(fd).st_size, line)
-            finally:
-                os.close(fd)
+            with JournalAppender(root, self.path.name, found.st_size if found is not None else 0) as journal:
+                journal.append(line)
 
 
 def _steps(steps: Any) -> tuple[int, int]:

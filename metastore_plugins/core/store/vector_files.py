@@ -29,7 +29,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from metastore_plugins.core.store.files import StoreDir, StoreError, temporary_target
+from metastore_plugins.core.store.file_kinds import temporary_target
+from metastore_plugins.core.store.files import StoreDir, StoreError
 
 FOLDER = "vector_index"
 FORMAT, VERSION = "metastore-vector-index", 1
