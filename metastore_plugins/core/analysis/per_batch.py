@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from metastore_plugins.core import ops
-from metastore_plugins.core.ops._common import chunks, restore_chunk
 from metastore_plugins.core.records import LayerRecord
 
 
@@ -46,10 +45,10 @@ def abs_sum(records: Sequence[LayerRecord], names: Iterable[str], max_bytes: int
             continue
         batch = held[0].batch_size
         numel = math.prod(next(r.param_shapes[role] for r in held for role, n in r.params.items() if n == name))
-        for lo, hi in chunks(batch, max_bytes // (8 * numel + 1)):
+        for lo, hi in ops.chunks(batch, max_bytes // (8 * numel + 1)):
             grad: Tensor | None = None
             for record in held:
-                part = restore_chunk(record, lo, hi, [name])[name]  # (n, *shape)
+                part = ops.restore_chunk(record, lo, hi, [name])[name]  # (n, *shape)
                 grad = part if grad is None else grad + part
             if grad is not None:
                 add_to(out, name, grad.abs().sum(0))

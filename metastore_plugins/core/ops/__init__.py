@@ -14,10 +14,11 @@ tensors derived from them; the store streams records chunk by chunk into them.
   drawn matrices over a pass), :func:`kmeans` on them;
 - :func:`zscore_by_class`, :func:`rank_outliers`;
 - :func:`batch_gradient`, :func:`abs_grad_accumulate`, :func:`entry_gradients`,
-  :func:`top_contributors`, :func:`exceed_fraction`, :func:`step_exceed_fractions`, :func:`weight_exceed_fraction`.
+  :func:`top_contributors`, :func:`exceed_fraction`, :func:`step_exceed_fractions`, :func:`weight_exceed_fraction`;
+- :func:`restore_chunk` (per-sample gradients of a range of samples), :func:`chunks` (the ranges).
 """
 
-from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES
+from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, chunks, restore_chunk
 from metastore_plugins.core.ops.cluster import KMeansResult, kmeans
 from metastore_plugins.core.ops.cost import (
     ELEMENTWISE_COST,
@@ -65,6 +66,7 @@ __all__ = [
     "TopK",
     "abs_grad_accumulate",
     "batch_gradient",
+    "chunks",
     "cosine",
     "dots",
     "entry_gradients",
@@ -77,6 +79,7 @@ __all__ = [
     "plan_total_dots",
     "projection",
     "rank_outliers",
+    "restore_chunk",
     "self_influence",
     "sketch",
     "sq_norms",
