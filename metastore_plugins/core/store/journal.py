@@ -164,12 +164,6 @@ class JournalAppender:
             os.close(self._fd)
             self._fd = -1
 
-    def __enter__(self) -> JournalAppender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def lock_name(rank: int) -> str:
     return f"rank{rank}.lock"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,7 +166,7 @@ def _save(root: StoreDir, folder: StoreDir, tensors: dict[str, Tensor], meta: di
     rank = int(meta["rank"])
     good = check.read_journal(root, rank).good_size
     _, line = check.record_line(meta["name"], rank, int(meta["step"]), data)
-    with JournalAppender(root, check.journal_name(rank), good) as journal:
+    with closing(JournalAppender(root, check.journal_name(rank), good)) as journal:
         journal.append(encode_line(line))
         try:
             folder.atomic_write(check.file_name(meta["name"], rank), data)

@@ -31,6 +31,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,7 @@ class TagBook:
         """Write ``line`` at the end and fsync; on failure cut the file back, so no torn line precedes the next."""
         with StoreDir(self.path.parent, create=True) as root:
             found = root.lstat(self.path.name)
-            with JournalAppender(root, self.path.name, found.st_size if found is not None else 0) as journal:
+            with closing(JournalAppender(root, self.path.name, found.st_size if found is not None else 0)) as journal:
                 journal.append(line)
 
 
