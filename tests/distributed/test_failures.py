@@ -13,6 +13,8 @@ from ddp_store import run_ranks, write_ddp_store
 from metastore_plugins.core.analysis import queries
 from metastore_plugins.core.distributed import DistributedQueryError, open_distributed_store, partitioned_influence
 
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # forked gloo ranks (run_ranks)
+
 
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

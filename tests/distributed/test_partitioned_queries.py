@@ -37,6 +37,8 @@ TRAIN = ["epoch-0/train", "epoch-1/train"]
 VAL = ["epoch-0/val", "epoch-1/val"]
 RTOL = 1e-6
 
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # forked gloo ranks (run_ranks)
+
 
 def _queries(rank: int, world: int, out: Path) -> str:
     """Run every partitioned query; pickle what this rank got."""

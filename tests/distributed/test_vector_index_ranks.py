@@ -10,6 +10,7 @@ import pickle
 from pathlib import Path
 
 import numpy as np
+import pytest
 from ddp_store import run_ranks, write_ddp_store
 
 from metastore_plugins import open_store
@@ -18,6 +19,8 @@ from metastore_plugins.core.distributed import open_distributed_store
 TRAIN = ["epoch-0/train", "epoch-1/train"]
 VAL = ["epoch-0/val", "epoch-1/val"]
 K = 3
+
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # forked gloo ranks (run_ranks)
 
 
 def _top(rank: int, world: int, out: Path) -> str:

@@ -15,6 +15,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+pytestmark = [pytest.mark.slow, pytest.mark.kill]  # a training run in a subprocess, killed with SIGKILL (about 30 s)
+
 from killcases import check_store, run_and_kill  # noqa: E402
 
 

@@ -119,6 +119,8 @@ def test_steps_eval_strategy_names_passes_by_step(tmp_path: Path) -> None:
     assert open_store(callback.dirpath).capture_points() == ["step-2/train", "step-2/val", "step-4/train", "step-4/val"]
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_torchrun_two_processes(tmp_path: Path) -> None:
     import subprocess
     import sys

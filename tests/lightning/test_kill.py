@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("lightning")
 
+pytestmark = [pytest.mark.slow, pytest.mark.kill]  # a training run in a subprocess, killed with SIGKILL (about 30 s)
+
 from killcases import check_store, run_and_kill  # noqa: E402
 
 
