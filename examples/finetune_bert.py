@@ -50,7 +50,7 @@ from transformers import (  # noqa: E402
 
 from metastore_plugins import MetaStoreTrainerCallback, open_store  # noqa: E402
 from metastore_plugins.core.reports.tables import checkpoint_points  # noqa: E402
-from metastore_plugins.core.training.options import phase_seconds  # noqa: E402
+from metastore_plugins.core.training.lines import phase_seconds  # noqa: E402
 
 SUBJECTS = (
     "the film",

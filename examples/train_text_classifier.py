@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.reports.tensorboard import report_run, summary_writer
+from metastore_plugins.core.reports.tensorboard import summary_writer
 from metastore_plugins.core.training.passes import capture_step, checkpoint_pass
+from metastore_plugins.core.training.report_pass import report_run
 
 VOCAB, PAD, MAX_LEN = 40, 0, 16
 

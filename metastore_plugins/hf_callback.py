@@ -36,17 +36,21 @@ from transformers.utils import logging as hf_logging
 from typing_extensions import Unpack
 
 from metastore_plugins.core.model.pass_sources import dataset_size
-from metastore_plugins.core.reports.files import text_renderer
-from metastore_plugins.core.training.loss_scale import MeasuredLossScale, per_sample_weight
-from metastore_plugins.core.training.options import CallbackOptions, CaptureSettings, check_writable, with_settings_doc
-from metastore_plugins.core.training.run import (
+from metastore_plugins.core.model.sample_ids import (
     RecordingBatchSampler,
-    RunCapture,
     SampleIdError,
     batch_size_of,
-    claim_store_dir,
     record_sampler_ids,
 )
+from metastore_plugins.core.reports.files import text_renderer
+from metastore_plugins.core.training.expectations import expect_run
+from metastore_plugins.core.training.lines import end_line, start_line
+from metastore_plugins.core.training.loss_scale import MeasuredLossScale, per_sample_weight
+from metastore_plugins.core.training.report_pass import ReportResult, build_reports
+from metastore_plugins.core.training.run import RunCapture
+from metastore_plugins.core.training.run_start import check_writable, claim_store_dir
+from metastore_plugins.core.training.settings import CallbackOptions, CaptureSettings
+from metastore_plugins.core.training.settings_doc import with_settings_doc
 
 #: Under transformers' own logger, whose handler and level TrainingArguments(log_level=...) sets, as for the Trainer's
 #: "***** Running training *****" (a logger outside it would show nothing without logging.basicConfig).
@@ -85,7 +89,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self.schedule = self.options.schedule(checkpoint_every_n_evals, "checkpoint_every_n_evals")
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
         self.run: RunCapture | None = None
-        self.report_result: dict[str, Any] | None = None
+        self.report_result: ReportResult | None = None
         self.seconds: dict[str, float] = {}  # the run's passes and refinement (RunCapture.seconds)
         self.passes: list[str] = []
         self._val_passes = 0
@@ -154,7 +158,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         )
         self._expect(args, state, model, kwargs)
         if state.is_world_process_zero:
-            logger.log(self._say, self.options.start_line(self.dirpath, self.schedule, "evaluation(s)"))
+            logger.log(self._say, start_line(self.options, self.dirpath, self.schedule, "evaluation(s)"))
         self._state, self._optimizer, self._started = state, kwargs.get("optimizer"), time.time()
         self._epoch, self._evals, self.passes = int(state.epoch or 0), 0, []
         self._hooks = [
@@ -171,7 +175,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
         sizes = [
             dataset_size(getattr(kwargs.get(key), "dataset", None)) for key in ("train_dataloader", "eval_dataloader")
         ]
-        self.options.expect(
+        expect_run(
+            self.options,
             self.run,  # type: ignore[arg-type]
             model,
             self.schedule,
@@ -354,8 +359,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
             return
         if not state.is_world_process_zero:  # under DDP each rank scores its share of the reports
             if self.options.reports:
-                self.report_result = self.options.build_reports(
-                    self.dirpath, [], step=state.global_step, rank=args.process_index
+                self.report_result = build_reports(
+                    self.options, self.dirpath, [], step=state.global_step, rank=args.process_index
                 )
             return
         if self.passes and not self._val_passes:
@@ -365,7 +370,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
                 "'steps') with an eval_dataset to get one"
             )
         if not self.options.reports:
-            logger.log(self._say, self.options.end_line(self.dirpath, None, [], self.seconds))
+            logger.log(self._say, end_line(self.options, self.dirpath, None, [], self.seconds))
             return
         from metastore_plugins.core.reports.render import dataset_lookup
         from metastore_plugins.core.reports.tensorboard import summary_writer
@@ -379,7 +384,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
         render = text_renderer(kwargs.get("processing_class"), *loaders)  # decoded input_ids
         samples = dataset_lookup({split: getattr(loader, "dataset", None) for split, loader in zip(SPLITS, loaders)})
         try:
-            self.report_result = self.options.build_reports(
+            self.report_result = build_reports(
+                self.options,
                 self.dirpath,
                 writers,
                 step=state.global_step,
@@ -391,7 +397,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         finally:
             for writer in writers:
                 writer.close()
-        logger.log(self._say, self.options.end_line(self.dirpath, self.report_result, logdirs, self.seconds))
+        logger.log(self._say, end_line(self.options, self.dirpath, self.report_result, logdirs, self.seconds))
 
     def _close(self) -> None:
         for handle in self._hooks:

@@ -33,22 +33,26 @@ from torch.optim import Optimizer
 from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
 
+from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.model.pass_sources import dataset_size
 from metastore_plugins.core.model.rng import preserved_rng
-from metastore_plugins.core.model.sample_ids import loader_batch_size
-from metastore_plugins.core.training.options import CallbackOptions, CaptureSettings, check_writable, with_settings_doc
-from metastore_plugins.core.training.run import (
+from metastore_plugins.core.model.sample_ids import (
     SAMPLE_ID_KEYS,
     IndexedDataset,
-    LossReduction,
     RecordingBatchSampler,
-    RunCapture,
     batch_size_of,
-    claim_store_dir,
+    loader_batch_size,
     missing_ids_error,
     record_sampler_ids,
     take_sample_ids,
 )
+from metastore_plugins.core.training.expectations import expect_run
+from metastore_plugins.core.training.lines import end_line, start_line
+from metastore_plugins.core.training.report_pass import ReportResult, build_reports
+from metastore_plugins.core.training.run import RunCapture
+from metastore_plugins.core.training.run_start import check_writable, claim_store_dir
+from metastore_plugins.core.training.settings import CallbackOptions, CaptureSettings
+from metastore_plugins.core.training.settings_doc import with_settings_doc
 
 
 @with_settings_doc
@@ -80,7 +84,7 @@ class MetaStoreCallback(Callback):
         self.options = CallbackOptions.of("MetaStoreCallback", settings)
         self.schedule = self.options.schedule(checkpoint_every_n_epochs, "checkpoint_every_n_epochs")
         self.run: RunCapture | None = None
-        self.report_result: dict[str, Any] | None = None
+        self.report_result: ReportResult | None = None
         self.seconds: dict[str, float] = {}  # the run's passes and refinement (RunCapture.seconds)
         self._ids: Tensor | None = None
         self._sampler: RecordingBatchSampler | None = None
@@ -145,7 +149,7 @@ class MetaStoreCallback(Callback):
         )
         self._expect(trainer, pl_module, self.run)
         self._record_sampler(trainer)
-        rank_zero_info(self.options.start_line(self.dirpath, self.schedule, "epoch(s)"))
+        rank_zero_info(start_line(self.options, self.dirpath, self.schedule, "epoch(s)"))
         dataset = getattr(trainer.train_dataloader, "dataset", None)
         if (
             self._sampler is None
@@ -166,7 +170,8 @@ class MetaStoreCallback(Callback):
         if not epochs and math.isfinite(per_epoch) and per_epoch:
             epochs = -(-batches // int(per_epoch))
         loader = trainer.train_dataloader
-        self.options.expect(
+        expect_run(
+            self.options,
             run,
             pl_module,
             self.schedule,
@@ -298,7 +303,8 @@ class MetaStoreCallback(Callback):
                 "val": getattr(_first(trainer.val_dataloaders), "dataset", None),
             }
             samples = dataset_lookup(datasets) if zero else None  # thumbnails where samples are images
-            self.report_result = self.options.build_reports(
+            self.report_result = build_reports(
+                self.options,
                 self.dirpath,
                 experiments,
                 step=trainer.global_step,
@@ -308,7 +314,7 @@ class MetaStoreCallback(Callback):
             )
         if trainer.is_global_zero and self.dirpath is not None:
             logdirs = [Path(lg.log_dir) for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-            rank_zero_info(self.options.end_line(self.dirpath, self.report_result, logdirs, self.seconds))
+            rank_zero_info(end_line(self.options, self.dirpath, self.report_result, logdirs, self.seconds))
 
     def tag(self, name: str, **options: Any) -> Any:
         """Tag the current step (or ``steps=(first, last)``) with ``name`` and attributes while training runs;

@@ -21,7 +21,7 @@ very autocast forward a capture sees, with plain autograd (see ``docs/capture.md
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
-LossFn = Callable[[nn.Module, Any], Tensor]
+from metastore_plugins.core.model.losses import LossFn
 
 
 class _LossModule(nn.Module):

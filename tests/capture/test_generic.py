@@ -396,7 +396,7 @@ def test_the_capture_plan_message_names_the_generic_parameters(tmp_path: Path) -
 
 
 def test_check_model_accepts_a_model_only_the_generic_rule_covers() -> None:
-    from metastore_plugins.core.training.options import CallbackOptions
+    from metastore_plugins.core.training.settings import CallbackOptions
 
     model = TokenModel()
     for module in (model.embed, model.cls.proj, model.nested.norm, model.head):

@@ -23,9 +23,7 @@ from reportcases import RTOL, assert_shares, assert_tables_match, read_tables
 from metastore_plugins.core.analysis import queries
 from metastore_plugins.core.distributed import open_distributed_store
 from metastore_plugins.core.reports import tables
-from metastore_plugins.core.reports.tensorboard import report_run
-
-pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # forked gloo ranks (run_ranks)
+from metastore_plugins.core.training.report_pass import report_run
 
 
 class RecordingWriter:

@@ -23,7 +23,7 @@ def run(rank: int, out: str) -> None:
     try:
         from hf_cases import make_dataset, make_model, simulate_train
 
-        from metastore_plugins.core.training.run import ExistingStoreError
+        from metastore_plugins.core.errors import ExistingStoreError
         from metastore_plugins.hf_callback import MetaStoreTrainerCallback
 
         def once(**settings: object) -> str:

@@ -31,7 +31,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import BertForSequenceClassification  # noqa: E402
 
 from metastore_plugins import open_store  # noqa: E402
-from metastore_plugins.core.training.run import SampleIdError  # noqa: E402
+from metastore_plugins.core.errors import SampleIdError  # noqa: E402
 from metastore_plugins.hf_callback import MetaStoreTrainerCallback  # noqa: E402
 
 N_TRAIN, N_VAL = 18, 10  # batches of 4: 4, 4, 4, 4, 2; accumulation 2: windows of 2, 2, 1 micro-batches

@@ -15,13 +15,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 pytest.importorskip("tensorboard")
 
-pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # 2 training processes under torch.distributed (gloo)
-
 from hf_cases import make_dataset, make_model, reference_gradient, relative_error  # noqa: E402
 from reportcases import assert_shares, assert_tables_match, read_tables  # noqa: E402
 
 from metastore_plugins import open_store  # noqa: E402
-from metastore_plugins.core.reports.tensorboard import report_run  # noqa: E402
+from metastore_plugins.core.training.report_pass import report_run  # noqa: E402
 
 
 def test_two_processes_exact_ids_and_gradients(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 from hf_cases import has_accelerate, make_dataset, make_model, train
 
 from metastore_plugins import MetaStoreTrainerCallback, open_store
-from metastore_plugins.core.training.run import ExistingStoreError
+from metastore_plugins.core.errors import ExistingStoreError
 
 pytestmark = pytest.mark.skipif(not has_accelerate(), reason="transformers.Trainer needs accelerate")
 
@@ -119,8 +119,6 @@ def test_the_start_and_end_lines_show_in_transformers_output(
         assert "***** Running training *****" in transformers_output.getvalue()  # shown as the Trainer's are
 
 
-@pytest.mark.slow
-@pytest.mark.torchrun
 def test_under_ddp_every_rank_refuses_or_follows_rank_zero(tmp_path: Path) -> None:
     """2 gloo processes: a fresh second run is refused on both ranks; with overwrite=True both write the new store."""
     worker = Path(__file__).parent / "rerun_ddp_worker.py"

@@ -12,18 +12,12 @@ from torch.utils.data import DataLoader, TensorDataset
 pytest.importorskip("tensorboard")
 pytest.importorskip("matplotlib")
 
+from metastore_plugins.core.errors import SampleIdError  # noqa: E402
+from metastore_plugins.core.model.losses import default_labels, default_per_sample_loss  # noqa: E402
+from metastore_plugins.core.model.pass_sources import CheckpointSchedule, indexed_batches, rank_share  # noqa: E402
+from metastore_plugins.core.model.sample_ids import IndexedDataset, take_sample_ids  # noqa: E402
 from metastore_plugins.core.reports.render import scatter_figure  # noqa: E402
 from metastore_plugins.core.reports.tensorboard import summary_writer, write_tensorboard  # noqa: E402
-from metastore_plugins.core.training.run import (  # noqa: E402
-    CheckpointSchedule,
-    IndexedDataset,
-    SampleIdError,
-    default_labels,
-    default_per_sample_loss,
-    indexed_batches,
-    rank_share,
-    take_sample_ids,
-)
 
 
 def test_indexed_dataset_items_carry_the_index_and_lose_it_again() -> None:

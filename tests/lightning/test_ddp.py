@@ -20,13 +20,11 @@ import torch.nn.functional as F
 pytest.importorskip("lightning")
 pytest.importorskip("tensorboard")
 
-pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # 2 training processes under torch.distributed (gloo)
-
 from lightning_cases import Classifier, make_data  # noqa: E402
 from reportcases import assert_shares, assert_tables_match, read_tables  # noqa: E402
 
 from metastore_plugins import open_store  # noqa: E402
-from metastore_plugins.core.reports.tensorboard import report_run  # noqa: E402
+from metastore_plugins.core.training.report_pass import report_run  # noqa: E402
 from metastore_plugins.testing import reference_per_sample_gradients  # noqa: E402
 
 

@@ -12,7 +12,7 @@ from typing import Any, get_type_hints
 
 import pytest
 
-from metastore_plugins.core.training.options import CallbackOptions, CaptureSettings
+from metastore_plugins.core.training.settings import CallbackOptions, CaptureSettings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from lightning_cases import D_IN, Classifier, DictClassifier, DictData, fit, loaders, make_data  # noqa: E402
 
 from metastore_plugins import MetaStoreCallback, open_store  # noqa: E402
-from metastore_plugins.core.training.run import SampleIdError  # noqa: E402
+from metastore_plugins.core.errors import SampleIdError  # noqa: E402
 
 
 def test_dict_batches_with_an_idx_field_need_no_wrapper(tmp_path: Path) -> None:

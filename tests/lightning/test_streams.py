@@ -14,7 +14,8 @@ from lightning_cases import DictClassifier, fit, make_data
 from torch.utils.data import DataLoader, IterableDataset
 
 from metastore_plugins import MetaStoreCallback, open_store
-from metastore_plugins.core.training.run import SampleIdError, stream_batches
+from metastore_plugins.core.errors import SampleIdError
+from metastore_plugins.core.model.pass_sources import stream_batches
 
 
 class Stream(IterableDataset):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from metastore_plugins import MetaStoreCallback, MetaStoreTrainerCallback
-from metastore_plugins.core.training.options import CaptureSettings
+from metastore_plugins.core.training.settings import CaptureSettings
 
 
 @pytest.mark.parametrize("callback", [MetaStoreCallback, MetaStoreTrainerCallback])

@@ -19,9 +19,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from metastore_plugins import StoreWriter, open_store
+from metastore_plugins.core.model.pass_sources import PassSource, indexed_batches
 from metastore_plugins.core.model.rng import RngState, preserved_rng
+from metastore_plugins.core.model.sample_ids import record_sampler_ids
 from metastore_plugins.core.training.passes import checkpoint_pass
-from metastore_plugins.core.training.run import PassSource, RunCapture, indexed_batches, record_sampler_ids
+from metastore_plugins.core.training.run import RunCapture
 
 
 def _assert_same(a: RngState, b: RngState) -> None:

@@ -17,8 +17,9 @@ from torch import nn
 
 from metastore_plugins import CaptureSession, StoreWriter
 from metastore_plugins.core.model.sample_ids import loader_batch_size
-from metastore_plugins.core.policy.plan import RunShape, default_budget, make_plan
-from metastore_plugins.core.policy.runtime import CapturePolicy, parse_budget
+from metastore_plugins.core.policy.budget import RunShape, default_budget, parse_budget
+from metastore_plugins.core.policy.plan import make_plan
+from metastore_plugins.core.policy.runtime import CapturePolicy
 
 D_IN, HIDDEN, CLASSES, BATCH, TOKENS = 48, 64, 3, 8, 12
 

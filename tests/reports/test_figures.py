@@ -28,8 +28,9 @@ from metastore_plugins.core.reports.render import (  # noqa: E402
     scatter_figure,
 )
 from metastore_plugins.core.reports.samples import influence_figure  # noqa: E402
-from metastore_plugins.core.reports.tensorboard import report_run, write_tensorboard  # noqa: E402
+from metastore_plugins.core.reports.tensorboard import write_tensorboard  # noqa: E402
 from metastore_plugins.core.training.passes import capture_step, checkpoint_pass  # noqa: E402
+from metastore_plugins.core.training.report_pass import report_run  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -21,8 +21,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from metastore_plugins import StoreWriter, open_store  # noqa: E402
 from metastore_plugins.core.reports.dynamics import SPIKE_FACTOR  # noqa: E402
 from metastore_plugins.core.reports.samples import renderers  # noqa: E402
-from metastore_plugins.core.reports.tensorboard import report_run  # noqa: E402
 from metastore_plugins.core.training.passes import capture_step, checkpoint_pass  # noqa: E402
+from metastore_plugins.core.training.report_pass import report_run  # noqa: E402
 
 MODEL_ORDER = ["1", "3"]  # the Linear layers of Sequential(Flatten, Linear, ReLU, Linear), input to output
 SPIKE_STEP = 4  # this step's inputs are scaled up 200 times: its gradient norms spike
@@ -257,7 +257,7 @@ def test_influence_markdown_is_one_line_per_test_sample_where_no_sample_has_a_te
 
 
 def test_the_report_settings_are_checked_where_they_are_given() -> None:
-    from metastore_plugins.core.training.options import CallbackOptions
+    from metastore_plugins.core.training.settings import CallbackOptions
 
     with pytest.raises(ValueError, match=r"Owner\(sample_renderer=...\) must be a function"):
         CallbackOptions("Owner", sample_renderer="text")  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from metastore_plugins.core.model.losses import LossReduction
+from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.model.recompute import recompute
 from metastore_plugins.core.ops import total_dots, total_sq_norms
 from metastore_plugins.core.records import restore_all

@@ -1,26 +1,62 @@
-"""Labels, logits and per-sample losses of the common batch and output shapes: the callbacks' defaults.
+"""The loss contract, and the labels, logits and per-sample losses of the common batch and output shapes.
 
-``(x, y)`` batches and dicts with ``"labels"``; outputs that are logits, have ``.logits`` or
-``["logits"]``; cross-entropy of ``(B, C)`` logits on ``(B,)`` class labels.
+One contract: the **batch loss** of a batch at the model's current weights, a scalar combined from the
+batch's per-sample losses ``l_i`` as the run's
+:data:`~metastore_plugins.core.capture.session.LossReduction` says (``mean_i l_i`` or ``sum_i l_i``).
+It comes in two forms, converted at the edge: :data:`LossFn` ``(model, batch)`` is what users write
+(``recompute(loss_fn=...)``, :mod:`metastore_plugins.testing`), :class:`BatchLoss` ``(batch, k)`` what an
+adapter's checkpoint pass runs (``k``: the micro-batch index, which Lightning's ``training_step`` takes);
+:func:`unbound_loss` turns a pass's loss into the users' form. The per-sample losses recorded with
+the factors, :data:`PerSampleLossFn`, are values, not a loss to differentiate.
+
+The callbacks' defaults read ``(x, y)`` batches and dicts with ``"labels"``; outputs that are logits, have
+``.logits`` or ``["logits"]``; cross-entropy of ``(B, C)`` logits on ``(B,)`` class labels.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 LABEL_KEYS = ("labels", "label", "y")
 
+#: ``(model, batch) -> scalar``: the batch loss, reduced over samples as the run's loss reduction says.
+LossFn = Callable[[nn.Module, Any], Tensor]
 #: ``(forward output, batch) -> (B,)`` per-sample losses.
 PerSampleLossFn = Callable[[Any, Any], Tensor]
 #: ``batch -> (B,)`` labels.
 LabelsFn = Callable[[Any], Tensor]
-#: How the training loss combines per-sample losses.
-LossReduction = Literal["mean", "sum"]
+
+
+class BatchLoss(Protocol):
+    """``(batch, k) -> scalar``: the batch loss of ``batch``, the ``k``-th micro-batch of a pass, at the model's
+    current weights (the model is the caller's: a checkpoint pass runs it)."""
+
+    def __call__(self, batch: Any, k: int, /) -> Tensor: ...
+
+
+def unbound_loss(loss_of: BatchLoss) -> LossFn:
+    """A :class:`BatchLoss` as a :data:`LossFn` (its model is already bound; each batch counts as micro-batch 0)."""
+    return lambda _model, batch: loss_of(batch, 0)
+
+
+__all__ = [
+    "LABEL_KEYS",
+    "BatchLoss",
+    "LabelsFn",
+    "LossFn",
+    "PerSampleLossFn",
+    "default_labels",
+    "default_per_sample_loss",
+    "logits_of",
+    "margins_of",
+    "predictions_of",
+    "unbound_loss",
+]
 
 
 def default_labels(batch: Any) -> Tensor:

@@ -26,15 +26,13 @@ from torch import Tensor, nn
 from torch.utils.data import default_collate
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
-from metastore_plugins.core.model.losses import LossReduction, default_labels, logits_of
+from metastore_plugins.core.capture.session import LossReduction
+from metastore_plugins.core.model.losses import BatchLoss, LossFn, default_labels, logits_of, unbound_loss
 from metastore_plugins.core.model.pass_sources import PassSource, indexed_batches
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
 from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.selection import join_records
 from metastore_plugins.core.store.snapshots import floating_buffers, load_snapshot_state, trainable
-
-#: ``(model, batch) -> scalar``: the batch loss, reduced over samples as ``loss_reduction`` says.
-LossFn = Callable[[nn.Module, Any], Tensor]
 
 
 def default_loss(model: nn.Module, batch: Any, reduction: LossReduction = "mean") -> Tensor:
@@ -213,7 +211,7 @@ def pass_recomputer(
     rank: int,
     model: nn.Module,
     sources: Sequence[PassSource],
-    loss_of: Callable[[Any, int], Tensor],
+    loss_of: BatchLoss,
     *,
     to_device: Callable[[Any], Any],
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
@@ -239,7 +237,7 @@ def pass_recomputer(
             (to_device(batch) for _, batch in batches),
             weights=weights,
             buffers=buffers,
-            loss_fn=lambda _, batch: loss_of(batch, 0),
+            loss_fn=unbound_loss(loss_of),
             loss_reduction=loss_reduction,
             context=context,
             session_options=session_options,

@@ -22,48 +22,13 @@ from typing import Any
 from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADATA_BYTES, TENSOR_OVERHEAD_BYTES
 from metastore_plugins.core.ops.represent import Representation, represent
 from metastore_plugins.core.ops.sketch import Projections
-from metastore_plugins.core.policy.plan import (
-    HEADROOM,
-    LADDER,
-    POLICIES,
-    CapturePlan,
-    Policy,
-    RunShape,
-    check_budget,
-    files_bytes,
-    in_words,
-    make_plan,
-    planned_snapshots,
-)
+from metastore_plugins.core.policy.budget import POLICIES, Budget, Policy, RunShape, usable_bytes
+from metastore_plugins.core.policy.plan import LADDER, CapturePlan, in_words, make_plan
 from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store.encoding import Encoding, encoded_nbytes
 
 #: ``(step, capture_point) -> keep`` of a tag covering that step, or None.
 KeepFor = Callable[[int, str], str | None]
-
-
-def parse_budget(budget: int | float | str | None, owner: str) -> int | None:
-    """Bytes of a budget given as a number of bytes or a string such as ``"250MB"`` / ``"4 GiB"``."""
-    if budget is None:
-        return None
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20}
-    units |= {"gib": 2**30, "tib": 2**40}
-    value: float | None = None
-    if isinstance(budget, str):
-        text = budget.strip().lower().replace(" ", "")
-        number = text.rstrip("kmgtib")
-        try:
-            value = float(number) * units[text[len(number) :]]
-        except (ValueError, KeyError):
-            value = None
-    elif isinstance(budget, (int, float)) and not isinstance(budget, bool):
-        value = float(budget)
-    if value is None or not 0 < value < float("inf"):
-        raise ValueError(
-            f"{owner}(budget=...) must be a positive number of bytes or a size such as '250MB' or '4GiB'; "
-            f"got {budget!r}"
-        )
-    return int(value)
 
 
 class CapturePolicy:
@@ -77,6 +42,8 @@ class CapturePolicy:
         encoding: the store's encoding (bytes per value).
         owner: who runs the capture, for messages.
         on_change: called with the plan after it is made or changed (the manifest keeps it).
+        keep_for: what a tag says the step keeps (:meth:`~metastore_plugins.core.store.tags.TagBook.keep_for`);
+            default: no tags.
     """
 
     def __init__(
@@ -87,35 +54,41 @@ class CapturePolicy:
         encoding: Encoding = "fp16",
         owner: str = "RunCapture",
         on_change: Callable[[CapturePlan], None] | None = None,
+        keep_for: KeepFor | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"{owner}(policy=...) must be one of {', '.join(POLICIES)}; got {policy!r}")
-        self.policy, self.budget, self.encoding, self.owner = policy, budget, encoding, owner
+        self.policy, self.encoding, self.owner = policy, encoding, owner
+        self.budget = Budget(policy, budget)
         self.shape = RunShape()
         self.plan: CapturePlan | None = None
         self.spent = 0  # bytes queued for shards and written as snapshots
-        self.keep_for: KeepFor = lambda step, capture_point: None
+        self.keep_for: KeepFor = keep_for or (lambda step, capture_point: None)
         self.on_change = on_change
         self._rungs: dict[str, int] = {}  # part -> index in LADDER it was lowered to
         self._projections = Projections()
         self._passes_seen = 0
         self._said: set[str] = set()
 
+    @classmethod
+    def within(cls, budget: Budget, **options: Any) -> CapturePolicy:
+        """The policy of ``budget`` (its policy and bytes); ``options``: the constructor's keywords."""
+        return cls(budget.policy, budget.given, **options)
+
     def expect(self, shape: RunShape) -> None:
         """What the run will be (before its first batch; a later call before the plan replaces it).
 
         Raises:
             ValueError: the budget is below what the run's metadata and files alone take, with the figure
-                and the ways out (:func:`~metastore_plugins.core.policy.plan.check_budget`).
+                and the ways out (:meth:`~metastore_plugins.core.policy.budget.Budget.check`).
         """
-        check_budget(self.budget, shape, self.owner)
+        self.budget.check(shape, self.owner)
         self.shape = shape
 
     @property
     def limit(self) -> float:
         """Bytes this rank may spend on shards and snapshots: the budget less the headroom and the other files."""
-        budget = self.plan.budget if self.plan is not None else self.budget
-        return float("inf") if budget is None else (1 - HEADROOM) * budget - files_bytes(self.shape)
+        return usable_bytes(self.plan.budget if self.plan is not None else self.budget.given, self.shape)
 
     def _reserved(self, part: str) -> float:
         """Bytes kept for the last planned checkpoint pass (and its snapshot) until it runs."""
@@ -132,7 +105,9 @@ class CapturePolicy:
         None when not even the batch's metadata fits: the batch is not stored (and no later one of its part).
         """
         if self.plan is None:
-            self.plan = make_plan(records, self.shape, policy=self.policy, budget=self.budget, encoding=self.encoding)
+            self.plan = make_plan(
+                records, self.shape, policy=self.policy, budget=self.budget.given, encoding=self.encoding
+            )
             self._changed()
         part = "train" if capture_point == "train" else "passes"
         if part == "passes" and 0 < self.plan.planned_passes <= self._passes_seen:
@@ -183,31 +158,42 @@ class CapturePolicy:
             self._said.add(message.split(" step ")[0])
             warnings.warn(message, stacklevel=4)
 
-    def should_snapshot(self, step: int = -1) -> bool:
-        """Whether the checkpoint pass about to run (at ``step``) takes a weight snapshot (call once per pass, at
-        its start). A planned snapshot that no longer fits the budget is skipped: said, and recorded in the plan.
+    def start_pass(self) -> None:
+        """Count a checkpoint pass as started (once per pass, before :meth:`snapshot_due` is asked of it)."""
+        self._passes_seen += 1
+
+    def snapshot_due(self) -> bool | None:
+        """Whether the pass started last takes a weight snapshot: True, False (none planned for it), or None (one
+        is planned but no longer fits the budget: :meth:`skip_snapshot` records that). Changes nothing.
 
         Before the plan is made (the first pass of a run that captures no training steps), the snapshots
         the plan will have are known from the run's shape and budget alone.
         """
-        self._passes_seen += 1
-        snapshots = (
-            self.plan.snapshots if self.plan is not None else planned_snapshots(self.shape, self.policy, self.budget)
+        snapshots = self.plan.snapshots if self.plan is not None else self.budget.snapshots(self.shape)
+        if not snapshots or (snapshots > 0 and self._passes_seen < self.shape.passes - snapshots + 1):
+            return False  # none planned, or the plan snapshots only the last passes
+        return True if self.spent + self.shape.snapshot_bytes <= self.limit - self._reserved("passes") else None
+
+    def skip_snapshot(self, step: int) -> None:
+        """Record that the planned snapshot of the pass at ``step`` is skipped (it no longer fits): said once, and
+        in the plan (before the plan is made there is nothing to record)."""
+        if self.plan is None:
+            return
+        self.plan.degraded.append({"step": step, "part": "weight snapshots", "from": "snapshot", "to": "skipped"})
+        self._say_once(
+            f"{self.owner}: the run outgrew its capture plan (budget {self.plan.budget:,} bytes, {self.spent:,} "
+            f"spent): the weight snapshot of the checkpoint pass at step {step} is skipped"
         )
-        if not snapshots:
-            return False
-        if snapshots > 0 and self._passes_seen < self.shape.passes - snapshots + 1:
-            return False  # the plan snapshots only the last passes
-        if self.spent + self.shape.snapshot_bytes <= self.limit - self._reserved("passes"):
-            return True
-        if self.plan is not None:
-            self.plan.degraded.append({"step": step, "part": "weight snapshots", "from": "snapshot", "to": "skipped"})
-            self._say_once(
-                f"{self.owner}: the run outgrew its capture plan (budget {self.plan.budget:,} bytes, {self.spent:,} "
-                f"spent): the weight snapshot of the checkpoint pass at step {step} is skipped"
-            )
-            self._changed()
-        return False
+        self._changed()
+
+    def should_snapshot(self, step: int = -1) -> bool:
+        """:meth:`start_pass`, :meth:`snapshot_due` and, for a planned snapshot that no longer fits,
+        :meth:`skip_snapshot`: what the start of a checkpoint pass at ``step`` runs (once per pass)."""
+        self.start_pass()
+        due = self.snapshot_due()
+        if due is None:
+            self.skip_snapshot(step)
+        return bool(due)
 
     def spend(self, nbytes: int) -> None:
         """Count bytes written outside the shards (a snapshot)."""

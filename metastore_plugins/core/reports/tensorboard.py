@@ -13,14 +13,13 @@
   gradient-norm histograms per epoch;
 - a projector view (``add_embedding``) of gradient sketches of the last training checkpoint pass.
 
-Example::
-
-    writer = summary_writer("runs/demo/tb")                  # torch.utils.tensorboard.SummaryWriter
-    result = report_run("runs/demo/store", "runs/demo/reports", [writer])
+The report pass that runs the queries and calls these is
+:func:`metastore_plugins.core.training.report_pass.report_run` (``report_run`` here is its deprecated path).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -29,24 +28,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from metastore_plugins.core.analysis import GradientStore, open_store
-from metastore_plugins.core.analysis.refine import RecomputeFn
-from metastore_plugins.core.analysis.signals import TRAINING_STEPS
-from metastore_plugins.core.policy.plan import projected_size
-from metastore_plugins.core.reports import OUTLIER_COLUMNS, RenderFn, report_tables, write_tables
+from metastore_plugins.core._moved import REMOVAL
+from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.reports import OUTLIER_COLUMNS
 from metastore_plugins.core.reports.datamap import data_map_figure, map_signals
-from metastore_plugins.core.reports.dynamics import GradientMap, dynamics_norms, gradient_map, heatmap_figure
+from metastore_plugins.core.reports.dynamics import GradientMap, heatmap_figure
 from metastore_plugins.core.reports.dynamics import write_dynamics as write_dynamics
 from metastore_plugins.core.reports.files import influence_markdown
-from metastore_plugins.core.reports.partitioned import agreed, share_of, writes
 from metastore_plugins.core.reports.render import SampleLookup, outlier_grid, save_png, scatter_figure
 from metastore_plugins.core.reports.samples import influence_figures
-from metastore_plugins.core.reports.stored import keep_within_budget, stored_self_influence, with_gradients
 from metastore_plugins.core.reports.tables import (
     _last_metadata,
-    checkpoint_points,
     outlier_markdown,
-    outlier_points,
     self_influence_of,
 )
 
@@ -158,11 +151,6 @@ def write_tensorboard(
     return tags
 
 
-def projector_dim(store: GradientStore) -> int:
-    """The sketch size of the projector view: a projected store's projections, else 8."""
-    return projected_size(store.config) or 8
-
-
 def write_projector(
     writer: Any,
     store: GradientStore,
@@ -267,117 +255,15 @@ def report_figures(
     return figures, [save_png(figure, directory / figure_file(tag)) for tag, figure in figures.items()]
 
 
-def report_run(
-    store_dir: str | os.PathLike[str] | GradientStore,
-    reports_dir: str | os.PathLike[str],
-    writers: Sequence[SummaryWriterLike] = (),
-    *,
-    step: int = 0,
-    k: int = 20,
-    train_split: str = "train",
-    test_split: str = "val",
-    dynamics: bool = True,
-    projector: bool = True,
-    render: RenderFn | None = None,
-    samples: SampleLookup | None = None,
-    outliers_from: str = "checkpoints",
-    recompute: RecomputeFn | None = None,
-    rank_outliers_by: str = "auto",
-    per_layer_scalars: bool = False,
-) -> dict[str, Any] | None:
-    """Files via :func:`write_reports` into ``reports_dir``, and the same reports to each writer.
-
-    ``store_dir``: the store's path, or an opened store. A
-    :class:`~metastore_plugins.core.distributed.DistributedStore` runs the pass on every rank of its
-    group (call it on each, with the same arguments): the queries split the scoring, in this order
-    on every rank: self-influence; when rank 0 has writers (a broadcast flag), the norms of the
-    training steps and the sketches of the last pass; influence. Then rank 0 alone refines
-    (``recompute``), renders, draws and writes files and events; the other ranks ignore ``writers``,
-    ``render``, ``samples`` and ``recompute``, and return ``{"partition": ...}``
-    (:func:`~metastore_plugins.core.reports.partitioned.share_of`), which rank 0's result holds too.
-
-    ``render(split, sample id)`` adds each sample's text to the tables (see :func:`write_reports`).
-    ``outliers_from="training"`` takes self-influence in-run over the training steps instead of at
-    the checkpoint passes (:func:`~metastore_plugins.core.reports.tables.outlier_points`);
-    ``rank_outliers_by`` chooses the ranking (:func:`~metastore_plugins.core.reports.tables.outlier_scores`).
-    The loss-vs-self-influence scatter is saved as ``loss_vs_self_influence.png`` and logged as
-    ``metastore/loss_vs_self_influence``; the data map (``data_map.png``, ``metastore/data_map``)
-    and the heatmap of the training steps' gradient norms (``gradient_norms.png``,
-    ``metastore/gradient_norms``) where they hold what these need. ``samples(split, sample id)``
-    returns dataset items: where they are small images, a thumbnail grid of the top outliers and a
-    figure for each of the first :data:`INFLUENCE_FIGURES` influence rows are written too
-    (``outliers.png``, ``influence-val_{id}.png`` and ``metastore/outlier_samples``,
-    ``metastore/influence_samples/val_{id}``). ``per_layer_scalars``:
-    a gradient-norm scalar chart per layer besides the summary scalars (:func:`~.dynamics.write_dynamics`).
-    ``recompute`` refines estimated influence scores exactly
-    (a projected store; :func:`~metastore_plugins.core.analysis.refine.refine_influence`). Figures
-    need matplotlib; without it they are skipped with a warning and everything else is written.
-
-    Returns ``write_reports``'s result with ``"figures"`` (the figure tags) and ``"tags"`` added,
-    or ``None`` (with a warning) when the store holds no checkpoint passes to report on.
-    """
-    store = store_dir if isinstance(store_dir, GradientStore) else open_store(store_dir)
-    writing, since = writes(store), len(getattr(store, "shares", ()))
-    points = checkpoint_points(store, train_split)
-    if not points and TRAINING_STEPS not in store.capture_points():
-        if writing:
-            warnings.warn(
-                f"no reports: the store {store.path} holds no checkpoint passes 'epoch-*/{train_split}' "
-                "(checkpoint passes were turned off or no epoch finished)",
-                stacklevel=2,
-            )
-        return None
-    sources = outlier_points(store, points, outliers_from)
-    scores = stored_self_influence(store, sources)  # read once, for the table and the histograms
-    views = agreed(store, bool(writers), "report: whether rank 0 writes TensorBoard events")
-    norms = dynamics_norms(store) if views and dynamics and with_gradients(store, [TRAINING_STEPS]) else None
-    sketched = with_gradients(store, points[-1:], inner=True)  # what the budget kept of the last pass
-    sketches = (  # (N, d^2); no cache file: the reports keep to the store's budget
-        store.sketches(sketched[0], dim=projector_dim(store), cache=False) if views and projector and sketched else None
+def __getattr__(name: str) -> object:
+    """``report_run``: moved to :mod:`metastore_plugins.core.training.report_pass` (looked up by name: the
+    report pass sits above the reports)."""
+    if name != "report_run":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"{__name__}.report_run moved to metastore_plugins.core.training.report_pass.report_run; the old path goes "
+        f"in {REMOVAL}",
+        DeprecationWarning,
+        stacklevel=2,
     )
-    tables = report_tables(
-        store,
-        train_split=train_split,
-        test_split=test_split,
-        k=k,
-        render=render if writing else None,
-        scores=scores,
-        outliers_from=outliers_from,
-        recompute=recompute if writing else None,  # the model runs on rank 0 only, without collectives
-        rank_outliers_by=rank_outliers_by,
-    )  # its influence query is the last collective: what follows on rank 0 keeps no other rank waiting
-    partition = share_of(store, since)
-    if not writing:
-        return {"partition": partition}
-    result = write_tables(store, Path(reports_dir), tables)
-    if partition is not None:
-        result["partition"] = partition
-    table = self_influence_table(store, sources, scores)
-    gmap = gradient_map(norms, store.metadata(TRAINING_STEPS)["step"]) if norms is not None else None
-    figures, pngs = report_figures(
-        result,
-        table,
-        samples,
-        Path(reports_dir),
-        train_split=train_split,
-        test_split=test_split,
-        gmap=gmap,
-        store=store,
-    )
-    result["files"] += [str(path) for path in pngs]
-    result["files"] = keep_within_budget(store, result["files"])  # figures past the store's budget: not kept
-    kinds = {tag.partition("/")[0] for tag in figures}  # outlier_samples, influence_samples: image samples
-    result["grids"] = [FIGURES[kind] for kind in ("outlier_samples", "influence_samples") if kind in kinds]
-    result["figures"] = list(figures)
-    result["tags"] = []
-    for writer in writers:
-        result["tags"] += write_tensorboard(writer, result, table, step=step, figures=figures)
-        if norms is not None:  # the training steps hold gradients
-            result["tags"] += write_dynamics(writer, store, norms=norms, per_layer_scalars=per_layer_scalars)
-        if sketches is not None:
-            dim = projector_dim(store)
-            result["tags"] += write_projector(writer, store, points[-1], step=step, dim=dim, sketches=sketches)
-        flush = getattr(writer, "flush", None)
-        if callable(flush):
-            flush()
-    return result
+    return importlib.import_module("metastore_plugins.core.training.report_pass").report_run

@@ -1,13 +1,10 @@
-"""Framework-free pieces every trainer adapter shares: sample ids, labels, checkpoint passes, and ``RunCapture``.
+""":class:`RunCapture`: the capture of one process rank beside a trainer, from its first step to its close.
 
-The Lightning and Hugging Face callbacks map their framework's events onto these:
-- sample ids: :class:`IndexedDataset`, :func:`take_sample_ids`, :class:`RecordingBatchSampler` (re-exported);
-- :func:`default_labels` and :func:`default_per_sample_loss` (from :mod:`~metastore_plugins.core.model.losses`);
-- :class:`CheckpointSchedule` and :func:`indexed_batches` (from :mod:`~metastore_plugins.core.model.pass_sources`);
-- :class:`RunCapture` owns the :class:`~metastore_plugins.core.capture.CaptureSession` of each step, the
-  :class:`~metastore_plugins.core.store.StoreWriter`, the capture policy, the tags and the snapshots of the run;
-- :func:`claim_store_dir` (from :mod:`~metastore_plugins.core.training.run_start`): may a run write into a directory
-  that already holds a store.
+It owns the :class:`~metastore_plugins.core.capture.CaptureSession` of each step, the
+:class:`~metastore_plugins.core.store.StoreWriter`, the capture policy, the tags and the snapshots of the run.
+The callbacks map their framework's events onto it; what they share besides lives beside it in
+:mod:`~metastore_plugins.core.training` (settings, run start, report pass) and in
+:mod:`~metastore_plugins.core.model` (sample ids, losses, checkpoint pass sources).
 
 Example::
 
@@ -32,9 +29,10 @@ from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_config, batch_mixed_lines
 from metastore_plugins.core.capture.layers.generic import generic_rule_lines
+from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.model.losses import (
+    BatchLoss,
     LabelsFn,
-    LossReduction,
     PerSampleLossFn,
     default_labels,
     default_per_sample_loss,
@@ -42,26 +40,10 @@ from metastore_plugins.core.model.losses import (
     margins_of,
     predictions_of,
 )
-from metastore_plugins.core.model.pass_sources import (
-    CheckpointSchedule,
-    PassSource,
-    indexed_batches,
-    rank_share,
-    stream_batches,
-)
+from metastore_plugins.core.model.pass_sources import PassSource
 from metastore_plugins.core.model.recompute import pass_recomputer
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
-from metastore_plugins.core.model.sample_ids import (
-    SAMPLE_ID_KEYS,
-    IndexedDataset,
-    RecordingBatchSampler,
-    SampleIdError,
-    batch_size_of,
-    missing_ids_error,
-    record_sampler_ids,
-    take_sample_ids,
-    unwrap_dataset,
-)
+from metastore_plugins.core.policy.budget import Budget
 from metastore_plugins.core.policy.plan import CapturePlan
 from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.records import BatchMeta
@@ -71,15 +53,9 @@ from metastore_plugins.core.store.snapshots import SnapshotInfo, SnapshotWriter
 from metastore_plugins.core.store.tags import TagBook, tag_attributes
 from metastore_plugins.core.store.writer import StoreWriter
 from metastore_plugins.core.training.loss_scale import LossScaleError, check_loss_reduction, gradients_finite
-from metastore_plugins.core.training.run_start import ExistingStoreError, claim_store_dir
+from metastore_plugins.core.training.pass_rates import PassRates
 
-__all__ = [
-    "SAMPLE_ID_KEYS", "CheckpointSchedule", "ExistingStoreError", "IndexedDataset", "LossReduction", "PassSource",
-    "RecordingBatchSampler", "RunCapture", "SampleIdError", "batch_size_of", "claim_store_dir", "default_labels",
-    "default_per_sample_loss",
-    "indexed_batches", "logits_of", "missing_ids_error", "rank_share", "record_sampler_ids", "stream_batches",
-    "take_sample_ids", "unwrap_dataset",
-]  # fmt: skip
+__all__ = ["RunCapture"]
 
 
 class RunCapture:
@@ -95,8 +71,8 @@ class RunCapture:
         encoding, flush_seconds, config: passed to :class:`StoreWriter`.
         session_options: more :class:`CaptureSession` arguments (``modules``, ``unsupported``, ...).
         owner: who runs the capture (a callback's name), for messages.
-        policy: what each layer keeps under the byte budget (:class:`CapturePolicy`); default every
-            layer exact, no budget.
+        budget: the policy and byte budget of this rank (:class:`~metastore_plugins.core.policy.budget.Budget`;
+            :class:`CapturePolicy` keeps to it); default every layer exact, no budget.
         announce: called with each line of the capture plan when it is made (a logger's ``info``).
     """
 
@@ -113,7 +89,7 @@ class RunCapture:
         config: dict[str, Any] | None = None,
         session_options: dict[str, Any] | None = None,
         owner: str = "RunCapture",
-        policy: CapturePolicy | None = None,
+        budget: Budget | None = None,
         announce: Callable[[str], None] | None = None,
     ) -> None:
         self.path = Path(path)
@@ -123,11 +99,12 @@ class RunCapture:
         self.session_options = dict(session_options or {})
         self.writer = StoreWriter(self.path, rank=rank, encoding=encoding, flush_seconds=flush_seconds, config=config)
         self.rank = rank
-        self.policy = policy or CapturePolicy("exact", encoding=encoding, owner=owner)
-        self.policy.on_change = self._plan_changed
         self.tags = TagBook(self.path, rank)
         self.snapshots = SnapshotWriter(self.path, rank)
-        self.policy.keep_for = self.tags.keep_for
+        keep_for, on_change = self.tags.keep_for, self._plan_changed  # tags set what steps keep; the manifest the plan
+        self.policy = CapturePolicy.within(
+            budget or Budget(), encoding=encoding, owner=owner, on_change=on_change, keep_for=keep_for
+        )
         self._announce = announce
         self.last_pass: tuple[Any, ...] | None = None  # what the last checkpoint pass ran, for recomputer()
         self.compaction: CompactionReport | None = None  # what close() merged
@@ -140,8 +117,7 @@ class RunCapture:
         self.skipped_steps = 0  # fp16 steps whose gradients overflowed: not stored
         self.owner = owner
         self._reduction_checked = False
-        self._lr_since_pass: float | None = None  # None until optimizer_step() is first called
-        self._last_step_lr: float | None = None  # the rate the last optimizer step since the last pass applied
+        self.rates = PassRates()  # the optimizer steps' rates since the last pass
         #: wall seconds spent in checkpoint passes (``"passes"``) and in exact recomputation for the reports
         #: (``"refinement"``, through :meth:`recomputer`), for the end-of-training line and the benchmarks
         self.seconds: dict[str, float] = {"passes": 0.0, "refinement": 0.0}
@@ -245,25 +221,15 @@ class RunCapture:
     # -- checkpoint passes ---------------------------------------------------------------
 
     def optimizer_step(self, lr: float | None) -> None:
-        """Note one optimizer step and the learning rate it applies (``None``: 1), for the next pass's weight."""
-        self._lr_since_pass = (self._lr_since_pass or 0.0) + (1.0 if lr is None else float(lr))
-        self._last_step_lr = None if lr is None else float(lr)
-
-    def pass_lr(self, lr: float | None) -> float | None:
-        """The learning rate a checkpoint pass is recorded with: ``sum_{t in (c-1, c]} lr_t``.
-
-        A pass stands for the optimizer steps since the previous one, so TracIn weights its
-        gradients by the sum of those steps' learning rates (never by the rate at one instant,
-        which a linear decay brings to 0 at the last pass). 0 when no step ran since the
-        previous pass. ``lr`` (the rate now) when :meth:`optimizer_step` was never called.
-        """
-        return lr if self._lr_since_pass is None else self._lr_since_pass
+        """Note one optimizer step and the learning rate it applies (``None``: 1), for the next pass's weight
+        (:class:`~metastore_plugins.core.training.pass_rates.PassRates`)."""
+        self.rates.step(lr)
 
     def checkpoint_pass(
         self,
         model: nn.Module,
         batches: Iterator[tuple[Tensor, Any]],
-        loss_of: Callable[[Any, int], Tensor],
+        loss_of: BatchLoss,
         *,
         capture_point: str,
         step: int,
@@ -299,7 +265,7 @@ class RunCapture:
         self,
         model: nn.Module,
         sources: Sequence[PassSource],
-        loss_of: Callable[[Any, int], Tensor],
+        loss_of: BatchLoss,
         *,
         name: str,
         rank: int,
@@ -317,15 +283,12 @@ class RunCapture:
         The pass is tagged ``name`` (with ``epoch``, ``lr``: the rate the last optimizer step before
         the pass trained at, ``lr`` given (the rate now) when none ran since the previous pass, and
         ``attributes``: the metrics the trainer logged), and takes a weight snapshot when the capture
-        plan has one for it. Its records carry :meth:`pass_lr` (the summed rate of the steps since the
-        previous pass).
+        plan has one for it. Its records carry the summed rate of the steps since the previous pass
+        (:meth:`~metastore_plugins.core.training.pass_rates.PassRates.start_pass`).
         """
         started = time.perf_counter()
         self.last_pass = (model, sources, loss_of, to_device, context)
-        weight = self.pass_lr(lr)
-        trained_at = lr if self._last_step_lr is None else self._last_step_lr  # not the rate a scheduler set since
-        if self._lr_since_pass is not None:
-            self._lr_since_pass, self._last_step_lr = 0.0, None
+        weight, trained_at = self.rates.start_pass(lr)
         attributes = {"epoch": epoch, "lr": trained_at, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
         if self.policy.should_snapshot(step):
             self.snapshot(model, name=name, step=step, attributes=attributes)

@@ -85,6 +85,20 @@ def claim_store_dir(
     return None
 
 
+def check_writable(path: str | os.PathLike[str], setting: str) -> Path:
+    """Create ``path`` and check it is writable, or raise naming ``setting``."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot create the store directory {path} ({exc}); set {setting} to a writable directory"
+        ) from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"the store directory {path} is not writable; set {setting} to a writable directory")
+    return path
+
+
 def holds_store(path: Path) -> bool:
     """Whether ``path`` holds a store with samples: a rank whose index journal lists a shard.
 

@@ -1,0 +1,51 @@
+"""What a callback tells its run's capture policy before the first step: the run's shape, for the plan.
+
+The plan (:mod:`~metastore_plugins.core.policy.plan`) needs the training batches and samples, the checkpoint
+passes and their samples on this rank; the callbacks know them from their trainer, the schedule and the sets.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from metastore_plugins.core.model.pass_sources import CheckpointSchedule
+from metastore_plugins.core.policy.budget import RunShape
+from metastore_plugins.core.training.run import RunCapture
+from metastore_plugins.core.training.settings import CallbackOptions
+
+
+def expect_run(
+    options: CallbackOptions,
+    run: RunCapture,
+    model: nn.Module,
+    schedule: CheckpointSchedule,
+    *,
+    train_batches: int,
+    train_batch_size: int,
+    periods: int,
+    sizes: tuple[int | None, int | None],
+    rank: int,
+    world_size: int,
+) -> None:
+    """Tell the run's capture policy what the run will be, for its plan.
+
+    ``train_batches``: training micro-batches this rank will capture (0: unknown); ``periods``: epochs (or
+    evaluations) the schedule counts; ``sizes``: the training and validation set sizes (None: unknown).
+    """
+    passes = periods // schedule.every_n_epochs if schedule.every_n_epochs else 0
+    train_size, val_size = sizes
+    share = lambda most, size: -(-min(most, most if size is None else size) // max(1, world_size))  # noqa: E731
+    pass_samples = share(schedule.train_samples, train_size) + (
+        share(schedule.val_samples, val_size) if val_size else 0
+    )
+    run.policy.expect(
+        RunShape.of(
+            model,
+            train_batches=(train_batches if train_batches > 0 else -1) if options.capture_train_steps else 0,
+            train_batch_size=train_batch_size,
+            passes=passes,
+            pass_samples=pass_samples,
+            rank=rank,
+            reports=options.reports,
+        )
+    )

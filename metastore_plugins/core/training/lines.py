@@ -1,0 +1,54 @@
+"""The lines a callback logs when training starts and ends, and where its time went after the training steps."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from metastore_plugins.core.model.pass_sources import CheckpointSchedule
+from metastore_plugins.core.training.settings import CallbackOptions
+
+
+def start_line(options: CallbackOptions, store_dir: Path, schedule: CheckpointSchedule, period: str) -> str:
+    """The one line a callback logs when training starts: where the store goes, and what it keeps."""
+    steps = "every training step" if options.capture_train_steps else "no training steps"
+    passes = (
+        f"checkpoint passes every {schedule.every_n_epochs} {period} over at most {schedule.train_samples} "
+        f"training and {schedule.val_samples} validation samples"
+        if schedule.every_n_epochs
+        else "no checkpoint passes"
+    )
+    return f"{options.owner}: per-sample gradients of {steps} and {passes} go to {store_dir} ({options.encoding})"
+
+
+def end_line(
+    options: CallbackOptions,
+    store_dir: Path,
+    result: Mapping[str, Any] | None,
+    logdirs: Sequence[Path],
+    seconds: Mapping[str, float] | None = None,
+) -> str:
+    """The one line a callback logs when training ends: what was written, how long the passes and the reports
+    took (``seconds``: :attr:`RunCapture.seconds`), and how to open it."""
+    how = [f"metastore inspect {store_dir}"] + [f"tensorboard --logdir {logdir}" for logdir in logdirs]
+    seconds = seconds or {}
+    refined = seconds.get("refinement", 0.0)
+    if result is None:
+        made = "no reports" if options.reports else "reports off"
+    else:
+        of = f", of which {refined:.1f} s recomputing samples exactly" if refined else ""
+        made = f"reports in {store_dir / 'reports'} (built in {result.get('seconds', 0.0):.1f} s{of})"
+    passes = f"; checkpoint passes took {seconds['passes']:.1f} s" if seconds.get("passes") else ""
+    return f"{options.owner}: store {store_dir} written, {made}{passes}; open with: {' | '.join(how)}"
+
+
+def phase_seconds(seconds: Mapping[str, float], result: Mapping[str, Any] | None) -> dict[str, float]:
+    """Where a callback's time went after its training steps: ``pass_seconds`` (checkpoint passes),
+    ``report_seconds`` (the reports, recomputation included) and ``refine_seconds`` (the reports' exact
+    recomputation); ``seconds`` is the callback's ``seconds``, ``result`` its ``report_result``."""
+    return {
+        "pass_seconds": round(seconds.get("passes", 0.0), 2),
+        "report_seconds": round((result or {}).get("seconds", 0.0), 2),
+        "refine_seconds": round(seconds.get("refinement", 0.0), 2),
+    }
