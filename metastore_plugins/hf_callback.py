@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +32,32 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.utils import logging as hf_logging
-from typing_extensions import Unpack
+from typing_extensions import Unpack, override
 
+from metastore_plugins.core.errors import SampleIdError
 from metastore_plugins.core.model.pass_sources import dataset_size
-from metastore_plugins.core.model.sample_ids import (
-    RecordingBatchSampler,
-    SampleIdError,
-    batch_size_of,
-    record_sampler_ids,
+from metastore_plugins.core.model.sample_ids import RecordingBatchSampler, batch_size_of
+from metastore_plugins.core.reports.files import DecodeFn, text_renderer
+from metastore_plugins.core.training.adapter_support import (
+    PendingStep,
+    barrier,
+    end_reports,
+    first_lr,
+    from_rank_zero,
+    loader_datasets,
+    model_loss,
+    newest_event_dir,
+    open_run,
+    resumed_batches,
+    run_end,
+    sampler_recorder,
+    to_device,
 )
-from metastore_plugins.core.reports.files import text_renderer
 from metastore_plugins.core.training.expectations import expect_run
 from metastore_plugins.core.training.lines import end_line, start_line
 from metastore_plugins.core.training.loss_scale import MeasuredLossScale, per_sample_weight
-from metastore_plugins.core.training.report_pass import ReportResult, build_reports
+from metastore_plugins.core.training.report_pass import ReportResult
 from metastore_plugins.core.training.run import RunCapture
-from metastore_plugins.core.training.run_start import check_writable, claim_store_dir
 from metastore_plugins.core.training.settings import CallbackOptions, CaptureSettings
 from metastore_plugins.core.training.settings_doc import with_settings_doc
 
@@ -96,7 +105,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self._scale = MeasuredLossScale()
         self._sampler: RecordingBatchSampler | None = None
         self._hooks: list[Any] = []
-        self._pending: dict[str, Any] | None = None
+        self._pending: PendingStep | None = None
         self._state: TrainerState | None = None
         self._optimizer: Any = None
         self._epoch = self._micro = self._evals = self._skip = 0
@@ -106,39 +115,22 @@ class MetaStoreTrainerCallback(TrainerCallback):
 
     # -- start ---------------------------------------------------------------------------
 
+    @override
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         model: nn.Module = kwargs["model"]
         if self.dirpath is None:
             self.dirpath = Path(args.output_dir or ".") / "metastore"
-        check_writable(self.dirpath, "MetaStoreTrainerCallback(dirpath=...) or TrainingArguments(output_dir=...)")
         # log_level="info" (or "debug") shows them as info, like the Trainer's own lines; by default ("passive",
         # transformers at warning level) they are logged at warning level, so a default run says where its store went
         self._say = logging.INFO if getattr(args, "log_level", "passive") != "passive" else logging.WARNING
-        moved = claim_store_dir(
-            self.dirpath,
-            continuing=state.global_step > 0,  # resume_from_checkpoint: the saved state is loaded before this event
-            overwrite=self.options.overwrite,
-            owner="MetaStoreTrainerCallback",
-            resume="trainer.train(resume_from_checkpoint=...)",
-            step=state.global_step,
-            rank=args.process_index,
-            agree=_from_rank_zero,
-        )
-        if moved is not None and state.is_world_process_zero:
-            logger.log(self._say, f"MetaStoreTrainerCallback: overwrite=True: the earlier store moved to {moved}")
         self.options.check_model(model, capturable=True)
         if self.options.capture_train_steps:
             loader = kwargs.get("train_dataloader")  # accelerate's DataLoaderShard iterates the DataLoader it wraps
-            self._sampler = record_sampler_ids(getattr(loader, "base_dataloader", loader))
-            if self._sampler is None:
-                raise SampleIdError(
-                    "MetaStoreTrainerCallback reads the dataset index of every training sample from the train "
-                    "loader's sampler, and this loader has none it can read (an IterableDataset, or "
-                    "dataloader_in_order=False); use a map-style dataset, or pass capture_train_steps=False"
-                )
-            self._skip = _resumed_batches(args, state, loader)
+            self._sampler = sampler_recorder(getattr(loader, "base_dataloader", loader), self.options.owner)
+            skips = not getattr(args, "ignore_data_skip", False)  # a resumed Trainer skips the batches it trained on
+            self._skip = resumed_batches(state.global_step, loader, args.gradient_accumulation_steps) if skips else 0
         config = {
             "framework": "transformers",
             "model": type(model).__name__,
@@ -147,15 +139,23 @@ class MetaStoreTrainerCallback(TrainerCallback):
             "seed": self.schedule.seed,
             "loss_scale": "measured from the gradient reaching the model's loss",
         }
-        self.run = self.options.run_capture(
+        self.run, moved = open_run(
+            self.options,
             self.dirpath,
+            setting="MetaStoreTrainerCallback(dirpath=...) or TrainingArguments(output_dir=...)",
+            resume="trainer.train(resume_from_checkpoint=...)",
+            continuing=state.global_step > 0,  # resume_from_checkpoint: the saved state is loaded before this event
+            step=state.global_step,
             rank=args.process_index,
+            world_size=args.world_size,
+            agree=from_rank_zero,
             loss_reduction="mean",
             config=config,
-            world_size=args.world_size,
             announce=logger.info if state.is_world_process_zero else None,
             early_tags=self._early_tags,
         )
+        if moved is not None and state.is_world_process_zero:
+            logger.log(self._say, f"MetaStoreTrainerCallback: overwrite=True: the earlier store moved to {moved}")
         self._expect(args, state, model, kwargs)
         if state.is_world_process_zero:
             logger.log(self._say, start_line(self.options, self.dirpath, self.schedule, "evaluation(s)"))
@@ -172,9 +172,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         every = (every or 0) * state.max_steps if (every or 0) < 1 else every  # a fraction of the steps, or a number
         epochs = math.ceil(getattr(args, "num_train_epochs", 1) or 1)
         evals = {"epoch": epochs, "steps": int(state.max_steps // max(1, every))}
-        sizes = [
-            dataset_size(getattr(kwargs.get(key), "dataset", None)) for key in ("train_dataloader", "eval_dataloader")
-        ]
+        datasets = loader_datasets(kwargs.get("train_dataloader"), kwargs.get("eval_dataloader"))
         expect_run(
             self.options,
             self.run,  # type: ignore[arg-type]
@@ -183,16 +181,18 @@ class MetaStoreTrainerCallback(TrainerCallback):
             train_batches=int(state.max_steps) * max(1, int(args.gradient_accumulation_steps)),
             train_batch_size=args.per_device_train_batch_size,
             periods=evals.get(strategy, self.schedule.every_n_epochs),  # no evaluation: one pass at the end
-            sizes=(sizes[0], sizes[1]),
+            sizes=(dataset_size(datasets["train"]), dataset_size(datasets["val"])),
             rank=args.process_index,
             world_size=args.world_size,
         )
 
+    @override
     def on_epoch_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._epoch = int(state.epoch or 0)
 
+    @override
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -214,74 +214,61 @@ class MetaStoreTrainerCallback(TrainerCallback):
             self._sampler.next_ids(None)
         self._skip = 0
         ids = self._sampler.next_ids(batch_size_of(batch))
-        state = self._state
-        self._pending = {
-            "batch": batch,
-            "ids": ids,
-            "step": state.global_step if state else 0,
-            "micro_batch": self._micro,
-            "epoch": self._epoch,
-            "lr": _lr(self._optimizer),
-            "watched": False,
-        }
+        step = self._state.global_step if self._state else 0
+        self._pending = PendingStep(batch, ids, step, self._micro, self._epoch, first_lr(self._optimizer))
         self._micro += 1
         self.run.begin_step(module, grad_scaler=self._scale)
 
     def _after_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         pending = self._pending
-        if pending is None or pending["watched"] or self.run is None:
+        if pending is None or pending.watched or self.run is None:
             return
-        pending["watched"] = True
-        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-        if not isinstance(loss, Tensor):
-            raise ValueError(
-                f"{type(module).__name__} returned no loss: MetaStoreTrainerCallback needs the model to compute its "
-                "loss from `labels` in the batch. Check the dataset has a label column the Trainer keeps ('label' or "
-                "'labels'), and do not set label_smoothing_factor or compute_loss_func (the Trainer then takes the "
-                "labels away from the model)"
-            )
-        _, losses = self.run.losses(output, pending["batch"])
-        weight = per_sample_weight(loss.detach(), losses, pending["batch"].get("num_items_in_batch"))
+        pending.watched = True
+        loss = model_loss(
+            output,
+            f"{type(module).__name__} returned no loss: MetaStoreTrainerCallback needs the model to compute its "
+            "loss from `labels` in the batch. Check the dataset has a label column the Trainer keeps ('label' or "
+            "'labels'), and do not set label_smoothing_factor or compute_loss_func (the Trainer then takes the "
+            "labels away from the model)",
+        )
+        _, losses = self.run.losses(output, pending.batch)
+        weight = per_sample_weight(loss.detach(), losses, pending.batch.get("num_items_in_batch"))
         self._scale.watch(loss, weight, len(losses))
 
+    @override
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._finish()
 
+    @override
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._finish()
         if self.run is not None:
-            self.run.optimizer_step(_lr(self._optimizer))  # the next checkpoint pass stands for this step
+            self.run.optimizer_step(first_lr(self._optimizer))  # the next checkpoint pass stands for this step
 
     def _finish(self) -> None:
         pending, self._pending = self._pending, None
-        if pending is None or self.run is None:
-            return
-        self.run.end_backward()
-        self.run.finish_step(
-            pending["batch"],
-            pending["ids"],
-            step=pending["step"],
-            epoch=pending["epoch"],
-            micro_batch=pending["micro_batch"],
-            lr=pending["lr"],
-        )
+        if pending is not None and self.run is not None:
+            pending.finish(self.run)
 
+    @override
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.run is not None:
             self.run.epoch_ended()  # the epoch's steps go to disk without waiting for them
 
+    @override
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.run is not None:
             self.run.checkpoint_saved()  # the store holds every step the checkpoint saw
 
     # -- checkpoint passes ---------------------------------------------------------------
 
+    @override
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.run is None:  # an evaluation outside training
             return
@@ -291,10 +278,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
 
     def _checkpoint_pass(self, args: TrainingArguments, state: TrainerState, kwargs: dict[str, Any]) -> None:
         model: nn.Module = kwargs["model"]
-        if str(getattr(args.eval_strategy, "value", args.eval_strategy)) == "epoch":
-            name = f"epoch-{max(0, math.ceil(state.epoch or 0) - 1)}"
-        else:
-            name = f"step-{state.global_step}"
+        by_epoch = str(getattr(args.eval_strategy, "value", args.eval_strategy)) == "epoch"
+        name = f"epoch-{max(0, math.ceil(state.epoch or 0) - 1)}" if by_epoch else f"step-{state.global_step}"
         sources = self.schedule.sources(
             kwargs.get("train_dataloader"),
             kwargs.get("eval_dataloader"),
@@ -311,10 +296,10 @@ class MetaStoreTrainerCallback(TrainerCallback):
             name=name,
             rank=args.process_index,
             world_size=args.world_size,
-            to_device=lambda batch: _to(batch, device),
+            to_device=lambda batch: to_device(batch, device),
             step=state.global_step,
             epoch=self._epoch,
-            lr=_lr(self._optimizer),
+            lr=first_lr(self._optimizer),
             attributes=dict(state.log_history[-1]) if state.log_history else None,
         )
         self.passes.append(name)
@@ -323,11 +308,9 @@ class MetaStoreTrainerCallback(TrainerCallback):
     def _pass_loss(self, model: nn.Module, run: RunCapture, batch: Any, k: int) -> Tensor:
         """The model's loss of a checkpoint-pass batch, rescaled to the mean of its per-sample losses."""
         output = model(**batch)
-        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-        if not isinstance(loss, Tensor):
-            raise ValueError(
-                f"{type(model).__name__} returned no loss for a checkpoint-pass batch; the batches need `labels`"
-            )
+        loss = model_loss(
+            output, f"{type(model).__name__} returned no loss for a checkpoint-pass batch; the batches need `labels`"
+        )
         _, losses = run.losses(output, batch)
         return loss / (per_sample_weight(loss.detach(), losses) * len(losses))
 
@@ -340,64 +323,47 @@ class MetaStoreTrainerCallback(TrainerCallback):
 
     # -- end of training -----------------------------------------------------------------
 
+    @override
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if (
-            self.run is not None
-            and not self.passes
-            and self.schedule.every_n_epochs > 0
-            and kwargs.get("train_dataloader") is not None
-        ):
+        no_pass = self.run is not None and not self.passes and self.schedule.every_n_epochs > 0
+        if no_pass and kwargs.get("train_dataloader") is not None:
             self._checkpoint_pass(args, state, kwargs)  # no evaluation ran during training
-        recompute = self.run.recomputer() if self.run is not None else None
-        self.seconds = self.run.seconds if self.run is not None else {}
+        recompute, self.seconds = run_end(self.run)
         self._close()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        barrier()
         if self.dirpath is None:
             return
-        if not state.is_world_process_zero:  # under DDP each rank scores its share of the reports
-            if self.options.reports:
-                self.report_result = build_reports(
-                    self.options, self.dirpath, [], step=state.global_step, rank=args.process_index
-                )
-            return
-        if self.passes and not self._val_passes:
+        zero = state.is_world_process_zero  # under DDP every rank scores its share of the reports; rank 0 writes
+        if zero and self.passes and not self._val_passes:
             logger.warning(
                 "MetaStoreTrainerCallback: no evaluation ran during training (eval_strategy='no'?), so the checkpoint "
                 "passes hold no evaluation samples and there is no influence report; set eval_strategy='epoch' (or "
                 "'steps') with an eval_dataset to get one"
             )
-        if not self.options.reports:
-            logger.log(self._say, end_line(self.options, self.dirpath, None, [], self.seconds))
-            return
-        from metastore_plugins.core.reports.render import dataset_lookup
-        from metastore_plugins.core.reports.tensorboard import summary_writer
+        logdirs = _report_logdirs(args, self.tensorboard_dir, self._started) if zero and self.options.reports else []
+        if self.options.reports:
+            from metastore_plugins.core.reports.tensorboard import summary_writer
 
-        report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
-        logdirs = []
-        if "tensorboard" in report_to or "all" in report_to:
-            logdirs.append(Path(self.tensorboard_dir or _trainer_tensorboard_dir(args, self._started)))
-        writers = [summary_writer(logdir) for logdir in logdirs]
-        loaders = kwargs.get("train_dataloader"), kwargs.get("eval_dataloader")
-        render = text_renderer(kwargs.get("processing_class"), *loaders)  # decoded input_ids
-        samples = dataset_lookup({split: getattr(loader, "dataset", None) for split, loader in zip(SPLITS, loaders)})
-        try:
-            self.report_result = build_reports(
-                self.options,
-                self.dirpath,
-                writers,
-                step=state.global_step,
-                rank=0,
-                render=render,
-                samples=samples,  # figures where the samples are small images
-                recompute=recompute,
-            )
-        finally:
-            for writer in writers:
-                writer.close()
-        logger.log(self._say, end_line(self.options, self.dirpath, self.report_result, logdirs, self.seconds))
+            writers = [summary_writer(logdir) for logdir in logdirs]
+            datasets = loader_datasets(kwargs.get("train_dataloader"), kwargs.get("eval_dataloader"))
+            try:
+                self.report_result = end_reports(
+                    self.options,
+                    self.dirpath,
+                    writers,
+                    step=state.global_step,
+                    rank=args.process_index,
+                    datasets=datasets,
+                    recompute=recompute,
+                    render=text_renderer(_decoder(kwargs.get("processing_class")), datasets),  # decoded input_ids
+                )
+            finally:
+                for writer in writers:
+                    writer.close()
+        if zero:
+            logger.log(self._say, end_line(self.options, self.dirpath, self.report_result, logdirs, self.seconds))
 
     def _close(self) -> None:
         for handle in self._hooks:
@@ -408,49 +374,21 @@ class MetaStoreTrainerCallback(TrainerCallback):
             run.close()
 
 
-# -- helpers ---------------------------------------------------------------------------
+def _decoder(tokenizer: Any) -> DecodeFn | None:
+    """A HF tokenizer's ``decode`` without special tokens (``None`` without a tokenizer)."""
+    decode = getattr(tokenizer, "decode", None)
+    return functools.partial(decode, skip_special_tokens=True) if callable(decode) else None
 
 
-def _from_rank_zero(decision: tuple[str, str]) -> tuple[str, str]:
-    """Rank 0's ``decision`` on every rank of the process group (itself without one)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return decision
-    box = [decision]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _lr(optimizer: Any) -> float | None:
-    return float(optimizer.param_groups[0]["lr"]) if optimizer is not None and optimizer.param_groups else None
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Mapping):
-        return {key: value.to(device) if isinstance(value, Tensor) else value for key, value in batch.items()}
-    return batch
-
-
-def _resumed_batches(args: TrainingArguments, state: TrainerState, loader: Any) -> int:
-    """Micro-batches the Trainer skips at the start of a resumed epoch (its sampler still draws them)."""
-    if not state.global_step or getattr(args, "ignore_data_skip", False) or not hasattr(loader, "__len__"):
-        return 0
-    accumulation = max(1, int(args.gradient_accumulation_steps))
-    updates_per_epoch = max(1, -(-len(loader) // accumulation))
-    return (state.global_step % updates_per_epoch) * accumulation
-
-
-#: the report splits of the Trainer's train and eval dataloaders
-SPLITS = ("train", "val")
-
-
-def _trainer_tensorboard_dir(args: TrainingArguments, started: float) -> Path:
-    """The directory of the Trainer's own TensorBoard writer (created at the start of training)."""
+def _report_logdirs(args: TrainingArguments, tensorboard_dir: Path | None, started: float) -> list[Path]:
+    """Where the TensorBoard reports go: none unless the Trainer reports to TensorBoard; else ``tensorboard_dir``,
+    or the directory of the Trainer's own TensorBoard writer (created at the start of training)."""
+    report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+    if "tensorboard" not in report_to and "all" not in report_to:
+        return []
+    if tensorboard_dir is not None:
+        return [tensorboard_dir]
     if os.getenv("TENSORBOARD_LOGGING_DIR"):
-        return Path(os.path.expanduser(os.environ["TENSORBOARD_LOGGING_DIR"]))
+        return [Path(os.path.expanduser(os.environ["TENSORBOARD_LOGGING_DIR"]))]
     runs = Path(args.output_dir or ".") / "runs"
-    found = [
-        d
-        for d in runs.glob("*")
-        if d.is_dir() and any(f.stat().st_mtime >= started - 60 for f in d.glob("events.out.tfevents.*"))
-    ]
-    return max(found, key=lambda d: d.stat().st_mtime) if found else runs / "metastore"
+    return [newest_event_dir(runs, started) or runs / "metastore"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,27 +30,33 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.data import IterableDataset
-from typing_extensions import Unpack
+from typing_extensions import Unpack, override
 
 from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.model.pass_sources import dataset_size
-from metastore_plugins.core.model.rng import preserved_rng
 from metastore_plugins.core.model.sample_ids import (
-    SAMPLE_ID_KEYS,
     IndexedDataset,
     RecordingBatchSampler,
-    batch_size_of,
     loader_batch_size,
-    missing_ids_error,
     record_sampler_ids,
-    take_sample_ids,
+)
+from metastore_plugins.core.training.adapter_support import (
+    batch_ids,
+    check_item_ids,
+    end_reports,
+    first_loader,
+    first_lr,
+    loader_datasets,
+    open_run,
+    patch_attribute,
+    run_end,
+    silenced,
+    strip_index,
 )
 from metastore_plugins.core.training.expectations import expect_run
 from metastore_plugins.core.training.lines import end_line, start_line
-from metastore_plugins.core.training.report_pass import ReportResult, build_reports
+from metastore_plugins.core.training.report_pass import ReportResult
 from metastore_plugins.core.training.run import RunCapture
-from metastore_plugins.core.training.run_start import check_writable, claim_store_dir
 from metastore_plugins.core.training.settings import CallbackOptions, CaptureSettings
 from metastore_plugins.core.training.settings_doc import with_settings_doc
 
@@ -88,7 +94,7 @@ class MetaStoreCallback(Callback):
         self.seconds: dict[str, float] = {}  # the run's passes and refinement (RunCapture.seconds)
         self._ids: Tensor | None = None
         self._sampler: RecordingBatchSampler | None = None
-        self._watched: tuple[Any, Any] | None = None  # (strategy, its own process_dataloader attribute or None)
+        self._unwatch: Callable[[], None] | None = None  # puts the strategy's process_dataloader back
         self._step = 0
         self._step_lr: float | None = None
         self._restored = False  # load_state_dict ran: this fit resumes from a checkpoint
@@ -96,6 +102,7 @@ class MetaStoreCallback(Callback):
 
     # -- setup ---------------------------------------------------------------------------
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -112,23 +119,11 @@ class MetaStoreCallback(Callback):
             )
         self._watch_train_loaders(trainer)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "metastore"
-        check_writable(self.dirpath, "MetaStoreCallback(dirpath=...)")
         restored, self._restored = self._restored, False  # this fit's restore only
-        moved = claim_store_dir(
-            self.dirpath,
-            continuing=restored or trainer.global_step > 0,
-            overwrite=self.options.overwrite,
-            owner="MetaStoreCallback",
-            resume="trainer.fit(model, ..., ckpt_path=...)",
-            step=trainer.global_step,
-            rank=trainer.global_rank,
-            agree=lambda decision: trainer.strategy.broadcast(decision, src=0),
-        )
-        if moved is not None:
-            rank_zero_info(f"MetaStoreCallback: overwrite=True: the earlier store in {self.dirpath} moved to {moved}")
         config = {
             "framework": "lightning",
             "loss_reduction": self.loss_reduction,
@@ -138,28 +133,28 @@ class MetaStoreCallback(Callback):
             "module": type(pl_module).__name__,
             "seed": self.schedule.seed,
         }
-        self.run = self.options.run_capture(
+        self.run, moved = open_run(
+            self.options,
             self.dirpath,
+            setting="MetaStoreCallback(dirpath=...)",
+            resume="trainer.fit(model, ..., ckpt_path=...)",
+            continuing=restored or trainer.global_step > 0,
+            step=trainer.global_step,
             rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            agree=lambda decision: trainer.strategy.broadcast(decision, src=0),
             loss_reduction=self.loss_reduction,
             config=config,
-            world_size=trainer.world_size,
             announce=rank_zero_info,
             early_tags=self._early_tags,
         )
+        if moved is not None:
+            rank_zero_info(f"MetaStoreCallback: overwrite=True: the earlier store in {self.dirpath} moved to {moved}")
         self._expect(trainer, pl_module, self.run)
         self._record_sampler(trainer)
         rank_zero_info(start_line(self.options, self.dirpath, self.schedule, "epoch(s)"))
-        dataset = getattr(trainer.train_dataloader, "dataset", None)
-        if (
-            self._sampler is None
-            and not isinstance(dataset, (IndexedDataset, IterableDataset))
-            and hasattr(dataset, "__len__")
-        ):
-            with preserved_rng():  # reading an item may draw (augmentation)
-                first = dataset[0]  # type: ignore[index]  # fail before training when no id can come
-            if not (isinstance(first, Mapping) and any(key in first for key in SAMPLE_ID_KEYS)):
-                raise missing_ids_error("training")
+        if self._sampler is None:  # fail before training when no id can come
+            check_item_ids(getattr(trainer.train_dataloader, "dataset", None))
 
     def _expect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: RunCapture) -> None:
         """The run's planned micro-batches, epochs and set sizes, for the capture plan."""
@@ -180,7 +175,7 @@ class MetaStoreCallback(Callback):
             periods=epochs,
             sizes=(
                 dataset_size(getattr(loader, "dataset", None)),
-                dataset_size(getattr(_first(trainer.val_dataloaders), "dataset", None)),
+                dataset_size(getattr(first_loader(trainer.val_dataloaders), "dataset", None)),
             ),
             rank=trainer.global_rank,
             world_size=trainer.world_size,
@@ -188,34 +183,34 @@ class MetaStoreCallback(Callback):
 
     # -- training steps ------------------------------------------------------------------
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._record_sampler(trainer)  # Lightning may have reloaded the train dataloader
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        loader = trainer.train_dataloader
-        ids = take_sample_ids(batch, strip=isinstance(getattr(loader, "dataset", None), IndexedDataset))
-        derived = self._sampler.next_ids(batch_size_of(batch)) if self._sampler is not None else None
-        found = ids if ids is not None else derived
-        if found is None:
-            raise missing_ids_error("training")
-        self._ids = found.detach().cpu()
-        self._step, self._step_lr = trainer.global_step, self._lr(trainer)  # the step this (micro-)batch contributes to
+        indexed = isinstance(getattr(trainer.train_dataloader, "dataset", None), IndexedDataset)
+        self._ids = batch_ids(batch, self._sampler, strip=indexed)
+        self._step, self._step_lr = trainer.global_step, _lr(trainer)  # the step this (micro-)batch contributes to
         if self.run is not None and self.options.capture_train_steps:
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             self.run.begin_step(pl_module, loss_scale=1.0 / trainer.accumulate_grad_batches, grad_scaler=scaler)
 
+    @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.run is not None:
             self.run.end_backward()
 
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         if self.run is not None:
-            self.run.optimizer_step(float(optimizer.param_groups[0]["lr"]))  # the next checkpoint pass stands for it
+            self.run.optimizer_step(first_lr(optimizer))  # the next checkpoint pass stands for it
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -234,29 +229,34 @@ class MetaStoreCallback(Callback):
             batch_loss=loss * accumulate if isinstance(loss, Tensor) else None,
         )
 
+    @override
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        _strip_index(trainer.val_dataloaders, batch, dataloader_idx)
+        strip_index(trainer.val_dataloaders, batch, dataloader_idx)
 
+    @override
     def on_test_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        _strip_index(trainer.test_dataloaders, batch, dataloader_idx)
+        strip_index(trainer.test_dataloaders, batch, dataloader_idx)
 
+    @override
     def on_predict_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        _strip_index(trainer.predict_dataloaders, batch, dataloader_idx)
+        strip_index(trainer.predict_dataloaders, batch, dataloader_idx)
 
     # -- checkpoint passes ---------------------------------------------------------------
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.run is not None:
             if self.schedule.due(trainer.current_epoch):
                 self._checkpoint_passes(trainer, pl_module, self.run)
             self.run.epoch_ended()  # the epoch's steps (and the pass) go to disk without waiting for them
 
+    @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -264,16 +264,11 @@ class MetaStoreCallback(Callback):
             self.run.checkpoint_saved()  # the store holds every step the checkpoint saw
 
     def _checkpoint_passes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: RunCapture) -> None:
-        epoch = trainer.current_epoch
-        train_loader = trainer.train_dataloader
-        batch_size = lambda loader: loader_batch_size(loader) or 32  # noqa: E731
-        val_loader = _first(trainer.val_dataloaders)
-        sources = self.schedule.sources(
-            train_loader, val_loader, train_batch_size=batch_size(train_loader), val_batch_size=batch_size(val_loader)
-        )
+        epoch, loaders = trainer.current_epoch, (trainer.train_dataloader, first_loader(trainer.val_dataloaders))
+        sizes = [loader_batch_size(loader) or 32 for loader in loaders]
         run.checkpoint_passes(
             pl_module,
-            sources,
+            self.schedule.sources(*loaders, train_batch_size=sizes[0], val_batch_size=sizes[1]),
             lambda batch, k: _quiet_loss(pl_module, batch, k),
             name=f"epoch-{epoch}",
             rank=trainer.global_rank,
@@ -281,36 +276,25 @@ class MetaStoreCallback(Callback):
             to_device=lambda batch: move_data_to_device(batch, pl_module.device),
             step=trainer.global_step,
             epoch=epoch,
-            lr=self._lr(trainer),
+            lr=_lr(trainer),
             context=trainer.precision_plugin.train_step_context,
             attributes={key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1},
         )
 
     # -- end of fit ----------------------------------------------------------------------
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        recompute = self.run.recomputer() if self.run is not None else None
-        self.seconds = self.run.seconds if self.run is not None else {}
+        recompute, self.seconds = run_end(self.run)
         self._close()
         trainer.strategy.barrier("metastore-reports")
         if self.options.reports and self.dirpath is not None:  # every rank: under DDP each scores its share
-            from metastore_plugins.core.reports.render import dataset_lookup
-
             zero = trainer.is_global_zero  # writes; the others' loggers and datasets are not read
             experiments = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)] if zero else []
-            datasets = {
-                "train": getattr(trainer.train_dataloader, "dataset", None),
-                "val": getattr(_first(trainer.val_dataloaders), "dataset", None),
-            }
-            samples = dataset_lookup(datasets) if zero else None  # thumbnails where samples are images
-            self.report_result = build_reports(
-                self.options,
-                self.dirpath,
-                experiments,
-                step=trainer.global_step,
-                rank=trainer.global_rank,
-                samples=samples,
-                recompute=recompute,
+            datasets = loader_datasets(trainer.train_dataloader, first_loader(trainer.val_dataloaders))
+            step, rank = trainer.global_step, trainer.global_rank
+            self.report_result = end_reports(
+                self.options, self.dirpath, experiments, step=step, rank=rank, datasets=datasets, recompute=recompute
             )
         if trainer.is_global_zero and self.dirpath is not None:
             logdirs = [Path(lg.log_dir) for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
@@ -325,20 +309,24 @@ class MetaStoreCallback(Callback):
         """
         return self.options.tag(self.run, name, getattr(self, "_step", 0), self._early_tags, **options)
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close()
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close()
 
     # -- resuming ------------------------------------------------------------------------
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "dirpath": None if self.dirpath is None else str(self.dirpath),
             "train_indices": self.schedule.train_indices,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = True  # fit(ckpt_path=...): the store of the checkpoint's run is continued
         if state_dict.get("dirpath"):
@@ -372,26 +360,17 @@ class MetaStoreCallback(Callback):
                 record_sampler_ids(processed)  # IndexedDataset items carry their ids
             return processed
 
-        self._watched = (strategy, vars(strategy).get("process_dataloader"))
-        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]  # undone at teardown
+        self._unwatch = patch_attribute(strategy, "process_dataloader", process_dataloader)  # undone at teardown
 
     def _unwatch_train_loaders(self) -> None:
-        watched, self._watched = self._watched, None
-        if watched is not None:
-            strategy, own = watched
-            if own is None:
-                del strategy.process_dataloader  # the class's method shows through again
-            else:
-                strategy.process_dataloader = own
+        undo, self._unwatch = self._unwatch, None
+        if undo is not None:
+            undo()
 
     def _record_sampler(self, trainer: pl.Trainer) -> None:
         """The recorder on the train loader this epoch iterates (:meth:`_watch_train_loaders`), if it has one."""
         batch_sampler = getattr(trainer.train_dataloader, "batch_sampler", None)
         self._sampler = batch_sampler if isinstance(batch_sampler, RecordingBatchSampler) else None
-
-    @staticmethod
-    def _lr(trainer: pl.Trainer) -> float | None:
-        return float(trainer.optimizers[0].param_groups[0]["lr"]) if trainer.optimizers else None
 
     def _close(self) -> None:
         self._unwatch_train_loaders()
@@ -400,34 +379,15 @@ class MetaStoreCallback(Callback):
             run.close()
 
 
-def _loss(output: Any) -> Tensor:
+def _quiet_loss(pl_module: pl.LightningModule, batch: Any, k: int) -> Tensor:
+    """The training step's loss of a checkpoint-pass (or recomputed) batch, which must not log."""
+    with silenced(pl_module, ("log", "log_dict")):
+        output = pl_module.training_step(batch, k)
     loss = output["loss"] if isinstance(output, dict) else output
     if not isinstance(loss, Tensor):
         raise ValueError("training_step must return the loss (a tensor, or a dict with 'loss') for checkpoint passes")
     return loss
 
 
-def _quiet_loss(pl_module: pl.LightningModule, batch: Any, k: int) -> Tensor:
-    """The training step's loss of a checkpoint-pass (or recomputed) batch, which must not log: instance
-    attributes hide the class's logging methods until the step returns."""
-    pl_module.log = _no_log  # type: ignore[method-assign]
-    pl_module.log_dict = _no_log  # type: ignore[method-assign]
-    try:
-        return _loss(pl_module.training_step(batch, k))
-    finally:
-        del pl_module.log, pl_module.log_dict  # the class's methods show through again
-
-
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    """Stands in for ``LightningModule.log`` and ``log_dict`` during a checkpoint pass."""
-
-
-def _first(loaders: Any) -> Any:
-    return loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
-
-
-def _strip_index(loaders: Any, batch: Any, dataloader_idx: int) -> None:
-    """Remove what an IndexedDataset added, so that evaluation steps see the dataset's own items."""
-    loader = loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders
-    if isinstance(getattr(loader, "dataset", None), IndexedDataset):
-        take_sample_ids(batch, strip=True)
+def _lr(trainer: pl.Trainer) -> float | None:
+    return first_lr(trainer.optimizers[0] if trainer.optimizers else None)

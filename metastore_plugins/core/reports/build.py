@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -14,6 +13,7 @@ from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_note
 from metastore_plugins.core.reports.files import (
+    RenderFn,
     influence_markdown,
     open_reports,
     write_table,
@@ -39,10 +39,6 @@ from metastore_plugins.core.reports.tables import (
 
 #: test samples in the influence report by default (those with the smallest ids)
 INFLUENCE_SAMPLES = 16
-
-
-#: ``(split, sample id) -> text`` of a sample (``None`` if it has none), e.g. decoded input ids.
-RenderFn = Callable[[str, int], "str | None"]
 
 
 class ReportOptions(TypedDict, total=False):

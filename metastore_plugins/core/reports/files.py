@@ -6,7 +6,7 @@ import csv
 import io
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,19 +118,26 @@ def _sample_table(row: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def text_renderer(tokenizer: Any, train_loader: Any, eval_loader: Any) -> Any:
-    """``(split, sample id) -> text``: the ``input_ids`` of the dataset item, decoded by a HF ``tokenizer``."""
-    decode = getattr(tokenizer, "decode", None)
-    if not callable(decode):
+#: ``(split, sample id) -> text`` of a sample (``None`` if it has none), e.g. decoded input ids.
+RenderFn = Callable[[str, int], "str | None"]
+#: ``token ids -> text``, e.g. a tokenizer's ``decode`` without special tokens.
+DecodeFn = Callable[[Sequence[int]], str]
+
+
+def text_renderer(decode: DecodeFn | None, datasets: Mapping[str, Any]) -> RenderFn | None:
+    """``(split, sample id) -> text``: the ``input_ids`` of item ``sample id`` of ``datasets[split]``, decoded.
+
+    ``None`` without ``decode``; a sample whose item has no ``input_ids`` (or cannot be read) renders as ``None``.
+    """
+    if decode is None:
         return None
-    datasets = {"train": getattr(train_loader, "dataset", None), "val": getattr(eval_loader, "dataset", None)}
 
     def render(split: str, sample_id: int) -> str | None:
         dataset = datasets.get(split)
         try:
             item = dataset[int(sample_id)]  # type: ignore[index]
             ids = item["input_ids"] if isinstance(item, Mapping) else None
-            return None if ids is None else str(decode(ids, skip_special_tokens=True))
+            return None if ids is None else str(decode(ids))
         except (TypeError, KeyError, IndexError):
             return None
 
