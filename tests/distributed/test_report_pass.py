@@ -25,6 +25,8 @@ from metastore_plugins.core.distributed import open_distributed_store
 from metastore_plugins.core.reports import tables
 from metastore_plugins.core.training.report_pass import report_run
 
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # forked gloo ranks (run_ranks)
+
 
 class RecordingWriter:
     """A ``SummaryWriter`` stand-in that keeps ``(method, tag, value)`` of every call (picklable)."""

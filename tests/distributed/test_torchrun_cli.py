@@ -34,6 +34,8 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_influence_and_outliers_under_torchrun_print_the_single_process_answer(
     store_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -61,6 +63,8 @@ def test_influence_and_outliers_under_torchrun_print_the_single_process_answer(
         assert abs(row["self_influence"] - reference[row["sample_id"]]) <= 1e-6 * float(values.max())
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_report_under_torchrun_writes_the_single_process_reports(store_dir: Path, tmp_path: Path) -> None:
     alone = report_run(store_dir, tmp_path / "alone")
     assert alone is not None

@@ -15,6 +15,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 pytest.importorskip("tensorboard")
 
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # 2 training processes under torch.distributed (gloo)
+
 from hf_cases import make_dataset, make_model, reference_gradient, relative_error  # noqa: E402
 from reportcases import assert_shares, assert_tables_match, read_tables  # noqa: E402
 

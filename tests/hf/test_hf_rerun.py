@@ -119,6 +119,8 @@ def test_the_start_and_end_lines_show_in_transformers_output(
         assert "***** Running training *****" in transformers_output.getvalue()  # shown as the Trainer's are
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_under_ddp_every_rank_refuses_or_follows_rank_zero(tmp_path: Path) -> None:
     """2 gloo processes: a fresh second run is refused on both ranks; with overwrite=True both write the new store."""
     worker = Path(__file__).parent / "rerun_ddp_worker.py"

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 pytest.importorskip("lightning")
 pytest.importorskip("tensorboard")
 
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # 2 training processes under torch.distributed (gloo)
+
 from lightning_cases import Classifier, make_data  # noqa: E402
 from reportcases import assert_shares, assert_tables_match, read_tables  # noqa: E402
 

@@ -74,10 +74,10 @@ def kfac_influence(
     method: CurvatureMethod = "ekfac",
     damping: float | None = None,
     relative_damping: float = DEFAULT_RELATIVE_DAMPING,
+    max_bytes: int = DEFAULT_MAX_BYTES,
     layers: Sequence[str] | None = None,
     train_ids: Sequence[int] | None = None,
     test_ids: Sequence[int] | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Scores:
     """Influence ``sum_c lr_c g_train_i(w_c)^T (F_c + delta I)^-1 g_test_j(w_c)`` with K-FAC or EK-FAC ``F_c``.
 
@@ -104,5 +104,5 @@ def kfac_influence(
         curvature = fit_curvature(store.select(train_cp, layers=layers), method, max_bytes)
         return _preconditioned_chunks(cols, curvature, damping, relative_damping, max_bytes // 2)
 
-    pairs = selected_pairs(store, train, test, layers, train_ids, test_ids)
+    pairs = selected_pairs(store, train, test, layers=layers, train_ids=train_ids, test_ids=test_ids)
     return whole(scored_pairs(store, pairs, columns=preconditioned, max_bytes=max_bytes))

@@ -40,28 +40,17 @@ class GradientStore(StoreReader):
 
     #: how queries read the store: every batch here (a ``DistributedStore``: this rank's shards)
     scan: Scan = LOCAL
-    # norms, influence, similarity
-    norms = queries.norms
-    self_influence = queries.self_influence
-    self_influence_ids = queries.self_influence_ids
-    influence = vector_index.influence  # queries.influence, or top-k candidates from the index with k=
-    in_run_influence = queries.in_run_influence
-    similar = vector_index.similar  # queries.similar, likewise
+    # norms, influence (with k=: top-k candidates from the nearest-gradient index), similarity
+    norms, self_influence, self_influence_ids = queries.norms, queries.self_influence, queries.self_influence_ids
+    influence, similar, in_run_influence = vector_index.influence, vector_index.similar, queries.in_run_influence
     # training dynamics
-    batch_gradient = dynamics.batch_gradient
-    changed_most = dynamics.changed_most
-    top_contributors = dynamics.top_contributors
-    exceed_fractions = dynamics.exceed_fractions
-    spikes = dynamics.spikes
-    compare = dynamics.compare
-    # sketches
-    sketches = sketch_queries.sketches
-    build_sketches = sketch_queries.build_sketches
-    sketched_influence = sketch_queries.sketched_influence
-    kernel_influence = sketch_queries.kernel_influence
-    kfac_influence = curvature.kfac_influence
-    clusters = sketch_queries.clusters
-    build_vector_index = vector_index.build_vector_index
+    batch_gradient, changed_most = dynamics.batch_gradient, dynamics.changed_most
+    top_contributors, exceed_fractions = dynamics.top_contributors, dynamics.exceed_fractions
+    spikes, compare = dynamics.spikes, dynamics.compare
+    # sketches, curvature, the index
+    sketches, build_sketches, clusters = sketch_queries.sketches, sketch_queries.build_sketches, sketch_queries.clusters
+    sketched_influence, kernel_influence = sketch_queries.sketched_influence, sketch_queries.kernel_influence
+    kfac_influence, build_vector_index = curvature.kfac_influence, vector_index.build_vector_index
 
     def recompute(
         self, model: nn.Module, dataset: Any, sample_ids: Sequence[int], *, snapshot: str | None, **options: Any

@@ -206,9 +206,9 @@ def build_vector_index(
     store: StoreReader,
     capture_point: str,
     *,
+    layers: Sequence[str] | None = None,
     dim: int | None = None,
     seed: int = 0,
-    layers: Sequence[str] | None = None,
 ) -> VectorIndex:
     """Build (or bring up to date) and keep the capture point's index; later ``k=`` queries use it."""
     index = open_index(store, capture_point, dim=dim, seed=seed, layers=layers, build=True)

@@ -240,7 +240,7 @@ def influence(
         layers: restrict to these layers (all by default).
         train_ids, test_ids: restrict to these samples.
     """
-    pairs = selected_pairs(store, train, test, layers, train_ids, test_ids)
+    pairs = selected_pairs(store, train, test, layers=layers, train_ids=train_ids, test_ids=test_ids)
     return whole(scored_pairs(store, pairs, max_bytes=max_bytes))
 
 
@@ -274,21 +274,13 @@ Pair = tuple[str, Selection, str, Selection]
 
 
 def selected_pairs(
-    store: StoreReader,
-    train: str | Sequence[str],
-    test: str | Sequence[str],
-    layers: Sequence[str] | None,
-    train_ids: Sequence[int] | None,
-    test_ids: Sequence[int] | None,
+    store: StoreReader, train: str | Sequence[str], test: str | Sequence[str], **select: Any
 ) -> list[Pair]:
-    """The paired passes (:func:`paired_points`) with their selections, restricted to the layers and samples."""
+    """The paired passes (:func:`paired_points`) with their selections: ``select`` holds ``train_ids``, ``test_ids``
+    (restrict each side to these samples) and ``store.select``'s filters of both (``layers=``)."""
+    train_ids, test_ids = select.pop("train_ids", None), select.pop("test_ids", None)
     return [
-        (
-            a,
-            store.select(a, sample_ids=train_ids, layers=layers),
-            b,
-            store.select(b, sample_ids=test_ids, layers=layers),
-        )
+        (a, store.select(a, sample_ids=train_ids, **select), b, store.select(b, sample_ids=test_ids, **select))
         for a, b in paired_points(train, test)
     ]
 

@@ -236,10 +236,10 @@ def kernel_influence(
     train: str | Sequence[str],
     test: str | Sequence[str],
     *,
+    layers: Sequence[str] | None = None,
     dim: int = 32,
     seed: int = 0,
     regularization: float = 1.0,
-    layers: Sequence[str] | None = None,
     cache: bool = True,
 ) -> Scores:
     """TracIn through a kernel inverse on Kronecker sketches (TRAK's estimator, on the loss gradients).
@@ -249,7 +249,7 @@ def kernel_influence(
     ``sum_c lr_c S_c (S_c^T S_c + lambda_c I)^-1 T_c^T``, with the ridge ``lambda_c = regularization *
     tr(S_c^T S_c) / k`` relative to the mean eigenvalue. Where plain TracIn credits every similar
     training sample with the same effect, the inverse shares it out between them (its LDS: the
-    ``benchmarks.quality.lds`` harness). Costs one ``(k, k)`` solve per pass.
+    ``metastore_bench.quality.lds`` harness). Costs one ``(k, k)`` solve per pass.
     """
     dim, seed = positive_int("dim", dim), check_seed(seed)
     if isinstance(regularization, bool) or not isinstance(regularization, (int, float)) or not regularization > 0:
@@ -275,9 +275,9 @@ def clusters(
     capture_point: str,
     k: int,
     *,
+    layers: Sequence[str] | None = None,
     dim: int = 16,
     seed: int = 0,
-    layers: Sequence[str] | None = None,
     iters: int = 50,
     **where: Any,
 ) -> Clusters:

@@ -75,64 +75,53 @@ def partitioned_influence(
     train: str | Sequence[str],
     test: str | Sequence[str],
     *,
-    layers: Sequence[str] | None = None,
-    train_ids: Sequence[int] | None = None,
-    test_ids: Sequence[int] | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
     group: Any = None,
     device: Device = None,
     dst: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    **select: Any,
 ) -> Scores | None:
     """:func:`~metastore_plugins.core.analysis.queries.influence` (TracIn ``sum_c lr_c <g_i, g_j>``), gathered.
 
-    The ``(N, M)`` matrix is all-gathered (``dst=None``: every rank returns it) or gathered on
-    rank ``dst`` (other ranks return ``None``). For rankings only, :func:`partitioned_influence_top`
-    sends ``k`` scores per rank and column instead.
+    ``select``: its ``layers``, ``train_ids`` and ``test_ids``. The ``(N, M)`` matrix is all-gathered
+    (``dst=None``: every rank returns it) or gathered on rank ``dst`` (other ranks return ``None``).
+    For rankings only, :func:`partitioned_influence_top` sends ``k`` scores per rank and column instead.
     """
-    pairs = queries.selected_pairs(store, train, test, layers, train_ids, test_ids)
+    pairs = queries.selected_pairs(store, train, test, **select)
     return queries.scored_pairs(store, pairs, max_bytes=max_bytes, scan=_scan(store, group, device), dst=dst)
 
 
 def partitioned_similar(
-    store: StoreReader,
-    query: str,
-    candidates: str,
-    *,
-    query_ids: Sequence[int] | None = None,
-    cosine: bool = True,
-    layers: Sequence[str] | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    group: Any = None,
-    device: Device = None,
-    dst: int | None = None,
+    store: StoreReader, query: str, candidates: str, *, group: Any = None, device: Device = None, **options: Any
 ) -> Scores | None:
-    """:func:`~metastore_plugins.core.analysis.queries.similar`: candidates partitioned, query gradients broadcast."""
-    rows = store.select(candidates, layers=layers)
-    cols = store.select(query, sample_ids=query_ids, layers=layers)
-    scan = _scan(store, group, device)
-    return queries.scored_similar(store, rows, cols, candidates, cosine=cosine, max_bytes=max_bytes, scan=scan, dst=dst)
+    """:func:`~metastore_plugins.core.analysis.queries.similar`: candidates partitioned, query gradients broadcast.
+
+    ``options``: its ``query_ids``, ``layers``, ``cosine`` and ``max_bytes``, and ``dst`` as
+    :func:`partitioned_influence` takes it.
+    """
+    layers, query_ids = options.pop("layers", None), options.pop("query_ids", None)
+    rows, cols = store.select(candidates, layers=layers), store.select(query, sample_ids=query_ids, layers=layers)
+    return queries.scored_similar(store, rows, cols, candidates, scan=_scan(store, group, device), **options)
 
 
 def partitioned_sketches(
     store: StoreReader,
     capture_point: str,
     dim: int = 64,
-    seed: int = 0,
-    layers: Sequence[str] | None = None,
-    *,
-    cache: bool = True,
-    max_bytes: int = DEFAULT_MAX_BYTES,
+    *args: Any,
     group: Any = None,
     device: Device = None,
+    **options: Any,
 ) -> np.ndarray:
     """Summed Kronecker sketches ``(N, dim^2)`` of a capture point, built partitioned, on every rank.
 
-    Aligned with ``sample_ids(capture_point)``; the same as ``sketches(capture_point, dim, seed,
-    layers, cache=False)``. With ``cache``, rank 0 reads the store's sketch cache first (and
-    broadcasts it when sound), or writes it once the sketches are gathered.
+    ``args``, ``options``: ``seed``, ``layers``, ``cache``, ``max_bytes`` of
+    :func:`~metastore_plugins.core.analysis.sketches.sketches`, the same as its ``cache=False`` result.
+    With ``cache`` (the default), rank 0 reads the store's sketch cache first (and broadcasts it
+    when sound), or writes it once the sketches are gathered.
     """
     scan = _scan(store, group, device)
-    return sketch_queries.sketches(store, capture_point, dim, seed, layers, cache=cache, max_bytes=max_bytes, scan=scan)
+    return sketch_queries.sketches(store, capture_point, dim, *args, scan=scan, **options)
 
 
 def partitioned_influence_top(
@@ -141,12 +130,10 @@ def partitioned_influence_top(
     test: str | Sequence[str],
     k: int = 10,
     *,
-    layers: Sequence[str] | None = None,
-    train_ids: Sequence[int] | None = None,
-    test_ids: Sequence[int] | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
     group: Any = None,
     device: Device = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    **select: Any,
 ) -> list[dict[str, Any]]:
     """``influence(...).top(k)`` on every rank, without gathering the score matrix.
 
@@ -154,10 +141,11 @@ def partitioned_influence_top(
     its ``k`` largest and smallest scores. A sample id whose occurrences lie on several ranks
     (its shards of two checkpoint passes went to different ranks) has only partial sums on
     each: those rows are all-gathered and summed first. Same rows as ``Scores.top(k)``;
-    scores equal to float rounding (exactly for ids held by one rank).
+    scores equal to float rounding (exactly for ids held by one rank). ``select``: as
+    :func:`partitioned_influence` takes it.
     """
     scan, k = _scan(store, group, device), positive_int("k", k)
-    pairs = queries.selected_pairs(store, train, test, layers, train_ids, test_ids)
+    pairs = queries.selected_pairs(store, train, test, **select)
     mine_rows, col_parts, ids_owners = [], [], []
     for (_, rows, _, _), (part, cols, local) in zip(pairs, queries.pair_blocks(store, pairs, None, max_bytes, scan)):
         ids = rows.sample_ids()

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from metastore_plugins.core.capture.batch_mixing import BATCH_MIXED_FIX, uses_batch_statistics
 from metastore_plugins.core.capture.layers.generic import capture_generic
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
+from metastore_plugins.core.process_group import world_size
 from metastore_plugins.core.records import LayerRecord, as_computed, dense_record
 
 
@@ -101,9 +102,7 @@ def batch_norm_records(
 
 def _synchronized(module: nn.Module) -> bool:
     """Whether a ``SyncBatchNorm`` takes its statistics over the batches of several processes."""
-    if not isinstance(module, nn.SyncBatchNorm) or not torch.distributed.is_available():
-        return False
-    return torch.distributed.is_initialized() and torch.distributed.get_world_size(module.process_group) > 1
+    return isinstance(module, nn.SyncBatchNorm) and world_size(module.process_group) > 1
 
 
 def capture_batch_norm(
