@@ -5,7 +5,6 @@ continues the store; the start and end lines reach transformers' own log output,
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -15,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from hf_cases import has_accelerate, make_dataset, make_model, train
+from reruncases import file_hashes as _files
+from reruncases import stored_counts as _counts
 
 from metastore_plugins import MetaStoreTrainerCallback, open_store
 from metastore_plugins.core.errors import ExistingStoreError
@@ -24,21 +24,6 @@ from metastore_plugins.core.errors import ExistingStoreError
 pytestmark = pytest.mark.skipif(not has_accelerate(), reason="transformers.Trainer needs accelerate")
 
 N_TRAIN = 16  # 4 batches of 4 per epoch
-
-
-def _files(directory: Path) -> dict[str, str]:
-    """sha256 of every regular file under ``directory``, by relative path."""
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
-def _counts(store_dir: Path) -> dict[int, int]:
-    """How many times each sample id is stored at capture point ``train``."""
-    ids, counts = torch.unique(torch.as_tensor(open_store(store_dir).sample_ids("train")), return_counts=True)
-    return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
 def _run(tmp_path: Path, callback: MetaStoreTrainerCallback, **arguments: object) -> object:

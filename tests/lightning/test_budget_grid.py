@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 pytest.importorskip("lightning")
-import lightning as L  # noqa: E402
 from lightning_cases import fit  # noqa: E402
+from netcases import NetModule  # noqa: E402
 
 from metastore_plugins import IndexedDataset, MetaStoreCallback, open_store  # noqa: E402
 from metastore_plugins.cli import main as cli_main  # noqa: E402
@@ -33,24 +32,12 @@ D_IN, HIDDEN, N_TRAIN, N_VAL, BATCH, EPOCHS = 64, 256, 160, 48, 16, 3
 BUDGETS = {"50KB": 50_000, "300KB": 300_000, "1MB": 1_000_000, "6MB": 6_000_000}
 
 
-class MLP(L.LightningModule):
+class MLP(NetModule):
     def __init__(self) -> None:
-        super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 2))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return F.cross_entropy(self(batch[0]), batch[1])
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+            net = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 2))
+        super().__init__(net, lr=0.05)
 
 
 def _data(n: int, seed: int) -> TensorDataset:

@@ -18,9 +18,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("lightning")
-import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning_cases import fit  # noqa: E402
+from netcases import NetModule  # noqa: E402
 
 from metastore_plugins import IndexedDataset, MetaStoreCallback, open_store  # noqa: E402
 from metastore_plugins.cli import main as cli_main  # noqa: E402
@@ -40,23 +40,10 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.inp(x)).mean(1))
 
 
-class Sequences(L.LightningModule):
+class Sequences(NetModule):
     def __init__(self) -> None:
-        super().__init__()
         torch.manual_seed(0)
-        self.net = Net()
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return F.cross_entropy(self(batch[0]), batch[1])
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.0)
+        super().__init__(Net(), lr=0.0)
 
 
 def _data(n: int, seed: int) -> TensorDataset:

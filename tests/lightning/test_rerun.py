@@ -4,7 +4,6 @@ before ``fit``, and the learning rate the automatic ``epoch-N`` tags record."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,8 @@ pytest.importorskip("tensorboard")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from lightning_cases import Classifier, fit, loaders  # noqa: E402
+from reruncases import file_hashes as _files  # noqa: E402
+from reruncases import stored_counts as _counts  # noqa: E402
 
 from metastore_plugins import CaptureSession, MetaStoreCallback, StoreWriter, open_store  # noqa: E402
 from metastore_plugins.cli import main  # noqa: E402
@@ -25,21 +26,6 @@ from metastore_plugins.core.store.tags import read_tags  # noqa: E402
 from metastore_plugins.core.training.run_start import claim_store_dir  # noqa: E402
 
 N_TRAIN = 24
-
-
-def _files(directory: Path) -> dict[str, str]:
-    """sha256 of every regular file under ``directory``, by relative path."""
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
-def _counts(store_dir: Path) -> dict[int, int]:
-    """How many times each sample id is stored at capture point ``train``."""
-    ids, counts = torch.unique(torch.as_tensor(open_store(store_dir).sample_ids("train")), return_counts=True)
-    return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
 def _callback(store: Path, **settings: object) -> MetaStoreCallback:
