@@ -40,9 +40,14 @@ Records are stored *raw*: the gradient of the loss as back-propagated. ``scale``
 multiplies by the factor that turns them into gradients of each sample's own loss
 (undoing the loss reduction and the mixed-precision loss scale).
 
-Under mixed precision every rule reads its operands through :func:`as_computed`: the
-layer input rounded to the dtype the layer computed in (that of its output gradient),
-then both factors upcast to fp32 before any product. Tensors are fp32 in every record.
+Under mixed precision every rule reads its operands through
+:func:`~metastore_plugins.core.capture.build.as_computed`: the layer input rounded to the dtype the
+layer computed in (that of its output gradient), then both factors upcast to fp32 before any
+product. Tensors are fp32 in every record.
+
+This module is the one home of the record vocabulary the capture side, the store, the operators
+and the queries share: record kinds and their tensor keys, representations, per-sample columns
+(:class:`BatchMeta`) and the keys a shard names them by.
 """
 
 from __future__ import annotations
@@ -50,28 +55,42 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 from metastore_plugins.core.errors import RepresentationError
 
-RecordKind = Literal["outer", "embedding", "dense", "projected", "norms"]
-WeightLayout = Literal["out_in", "in_out"]
-#: What a per-sample column may be given as: a tensor, or a sequence with one value per sample.
-ArrayLike = Tensor | Sequence[float] | Sequence[int]
+# -- record kinds and their tensors ------------------------------------------------------------
 
+RecordKind = Literal["outer", "embedding", "dense", "projected", "norms"]
+#: Every record kind, by its code in a journal line's ``kind`` record column (docs/format.md).
+KIND_CODES: tuple[RecordKind, ...] = get_args(RecordKind)
+#: Kinds that hold the gradient itself (factored or dense): restorable, usable by every query.
+EXACT_KINDS: tuple[RecordKind, ...] = ("outer", "embedding", "dense")
+#: Kinds a capture policy keeps instead of the gradient (:data:`REPRESENTATIONS`): not restorable.
+SUMMARY_KINDS: tuple[RecordKind, ...] = ("projected", "norms")
+#: Kinds with one row per sample (no factor rows).
+PER_SAMPLE_KINDS: tuple[RecordKind, ...] = ("dense", "projected", "norms")
+#: The tensor keys of each kind but ``"dense"``, whose keys are ``grad.<role>`` (:func:`dense_key`).
+KIND_TENSORS: dict[str, tuple[str, ...]] = {
+    "outer": ("prefix", "suffix", "sample", "position"),
+    "embedding": ("ids", "suffix", "sample", "position"),
+    "projected": ("projected", "sq_norm"),
+    "norms": ("sq_norm",),
+}
+#: Tensor keys holding integers (ids, and the sample and position of each row); every other is float.
+INTEGER_TENSORS = ("sample", "position", "ids")
 #: Tensor keys that are linear in the loss (and therefore scaled); all others are inputs or ids.
 _GRADIENT_KEYS = ("suffix", "projected")
 #: Tensor keys that are quadratic in the loss (scaled by the square of the factor).
 _QUADRATIC_KEYS = ("sq_norm",)
-#: The seed of the projections a ``"projected"`` record was made with (query-time sketches use it too).
-PROJECTION_SEED = 0
-#: Kinds that hold the gradient itself (factored or dense): restorable, usable by every query.
-EXACT_KINDS = ("outer", "embedding", "dense")
 #: Key prefix of a dense record's per-sample gradients: ``grad.<role>``.
 DENSE_PREFIX = "grad."
+WeightLayout = Literal["out_in", "in_out"]
+#: Every weight layout (:class:`LayerRecord`'s ``layout``).
+WEIGHT_LAYOUTS: tuple[WeightLayout, ...] = get_args(WeightLayout)
 
 
 def dense_key(role: str) -> str:
@@ -79,8 +98,77 @@ def dense_key(role: str) -> str:
     return DENSE_PREFIX + role
 
 
+def kind_tensors(kind: str, roles: Sequence[str]) -> list[str]:
+    """The tensor keys of a record of ``kind`` over parameter roles ``roles`` (the roles name dense keys)."""
+    return [dense_key(role) for role in roles] if kind == "dense" else list(KIND_TENSORS[kind])
+
+
+# -- representations: what a capture policy keeps of a layer ------------------------------------
+
+Representation = Literal["exact", "projected", "norms", "nothing"]
+#: Every representation, richest first.
+REPRESENTATIONS: tuple[Representation, ...] = get_args(Representation)
+#: What a tag may ask its steps to keep: a representation, or a weight snapshot.
+KEEP_CHOICES = (*REPRESENTATIONS, "snapshot")
+#: The seed of the projections a ``"projected"`` record was made with (query-time sketches use it too).
+PROJECTION_SEED = 0
 #: The way out for a gradient a projected or norms-only record no longer holds (one wording for every error).
 RECOMPUTE_HINT = "recompute the samples exactly from a weight snapshot with GradientStore.recompute"
+
+# -- per-sample columns and shard keys ----------------------------------------------------------
+
+#: What a per-sample column may be given as: a tensor, or a sequence with one value per sample.
+ArrayLike = Tensor | Sequence[float] | Sequence[int]
+#: The per-sample columns a batch stores beside its records, in stored order (``sample_id`` always).
+SAMPLE_COLUMNS = ("sample_id", "label", "loss", "prediction", "margin")
+#: Columns stored float32 whatever dtype was given (NaN where a batch has none).
+FLOAT_SAMPLE_COLUMNS = ("loss", "margin")
+#: Each optional column's bit in a journal batch's ``meta`` mask: which ``b{j}/meta/{column}`` tensors
+#: the shard holds. ``margin`` (8) came later: journals written before it never set the bit.
+META_BITS = {"label": 1, "loss": 2, "prediction": 4, "margin": 8}
+#: The :class:`BatchMeta` field each optional column is given as.
+_COLUMN_FIELDS = {"label": "labels", "loss": "losses", "prediction": "predictions", "margin": "margins"}
+
+
+def batch_prefix(batch: int) -> str:
+    """The key prefix of everything a shard holds of its stored batch ``batch``: ``b{batch}/``."""
+    return f"b{batch}/"
+
+
+def record_prefix(batch: int, record: int) -> str:
+    """The key prefix of record ``record`` of stored batch ``batch``: ``b{batch}/r{record}/``."""
+    return f"b{batch}/r{record}/"
+
+
+def meta_prefix(batch: int) -> str:
+    """The key prefix of the per-sample columns of stored batch ``batch``: ``b{batch}/meta/``."""
+    return f"b{batch}/meta/"
+
+
+def record_key(batch: int, record: int, tensor: str) -> str:
+    """The shard key of tensor ``tensor`` of record ``record`` of stored batch ``batch``."""
+    return record_prefix(batch, record) + tensor
+
+
+def meta_key(batch: int, column: str) -> str:
+    """The shard key of per-sample column ``column`` of stored batch ``batch``."""
+    return meta_prefix(batch) + column
+
+
+# -- the records ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecordHead:
+    """Whose gradients a record of one layer call holds: the layer, its parameters' roles and shapes, the layout.
+
+    Attributes: as :class:`LayerRecord`'s of the same names.
+    """
+
+    layer: str
+    params: dict[str, str]
+    param_shapes: dict[str, tuple[int, ...]]
+    layout: WeightLayout = "out_in"
 
 
 @dataclass(frozen=True)
@@ -168,7 +256,8 @@ def _restore_outer(record: LayerRecord) -> dict[str, Tensor]:
     padded_prefix[sample, position] = prefix
     padded_suffix[sample, position] = suffix
     params: dict[str, str] = {role: record.params[role] for role in ("weight", "bias") if role in record.params}
-    dense = _dense_from_factors(record.layer, padded_prefix, padded_suffix, params, record.param_shapes, record.layout)
+    dense = dense_from_factors(RecordHead(record.layer, params, record.param_shapes, record.layout), padded_prefix,
+                               padded_suffix)  # fmt: skip
     return {name: dense.tensors[dense_key(role)] for role, name in params.items()}
 
 
@@ -196,150 +285,20 @@ def restore_all(records: list[LayerRecord]) -> dict[str, Tensor]:
     return total
 
 
-def as_computed(tensor: Tensor, dtype: torch.dtype) -> Tensor:
-    """``tensor`` as a layer that computed in ``dtype`` read it, in fp32: every rule's mixed-precision convention.
-
-    Autocast runs a Linear, a convolution or an attention projection in its low-precision dtype,
-    which is the dtype of the layer's output and so of the output gradient, and rounds the layer's
-    input to it. Rounding a saved input the same way and upcasting every factor to fp32 (exact)
-    before any product makes each per-sample gradient the exact gradient of the function autocast
-    computed, rounded once to fp32, and never multiplies tensors of two dtypes. Tensors of an fp32
-    layer come back as they are (no copy), ids unchanged.
-
-    Args:
-        tensor: a layer input, or an output gradient (for which ``dtype`` is its own dtype).
-        dtype: the dtype the layer computed in: that of its output gradient.
-    """
-    if not tensor.is_floating_point():
-        return tensor
-    return tensor.to(dtype).float()
-
-
-def kept_rows(suffix: Tensor) -> Tensor:
-    """Indices of rows of a ``(R, ...)`` suffix that are not exactly zero (rows holding NaN are kept)."""
-    flat = suffix.reshape(suffix.shape[0], math.prod(suffix.shape[1:]))  # (R, rest), also for R = 0
-    return nonzero_rows(flat).nonzero().squeeze(1)  # (R_kept,)
-
-
-def nonzero_rows(tensor: Tensor, dim: int = 1) -> Tensor:
-    """Bool, ``dim`` reduced: whether each slice along ``dim`` has an entry that is not exactly zero (NaN counts).
-
-    ``max != 0 or min != 0``: two reductions that allocate nothing, 5x faster than
-    ``tensor.ne(0).any(dim)``, which builds a boolean copy of the whole tensor.
-    """
-    return tensor.amax(dim=dim).ne(0) | tensor.amin(dim=dim).ne(0)
-
-
-def dense_is_smaller(
-    rows: int, groups: int, d_in: int, d_out: int, batch: int, param_shapes: dict[str, tuple[int, ...]]
-) -> bool:
-    """Whether ``batch`` dense fp32 per-sample gradients take fewer bytes than ``rows`` kept factor rows.
-
-    A factor row holds ``G (d_in + d_out)`` floats plus its sample and position (two int32).
-    """
-    factored_bytes = rows * (4 * groups * (d_in + d_out) + 8)
-    return factored_bytes > batch * 4 * sum(math.prod(shape) for shape in param_shapes.values())
-
-
-def outer_record(
-    layer: str,
-    prefix: Tensor,
-    suffix: Tensor,
-    params: dict[str, str],
-    param_shapes: dict[str, tuple[int, ...]],
-    layout: WeightLayout = "out_in",
-    choose_smaller: bool = True,
-    pack: bool = True,
-) -> LayerRecord:
-    """Build an ``"outer"`` record from token-major factors, dropping zero-suffix rows.
-
-    Args:
-        prefix: ``(B, T, G, d_in)`` layer inputs per sample and position, in any float dtype: they are
-            rounded to the suffix's dtype, the dtype the layer computed in (:func:`as_computed`).
-        suffix: ``(B, T, G, d_out)`` output gradients per sample and position.
-        choose_smaller: return the dense record instead when it takes fewer bytes.
-        pack: drop the zero-suffix rows (padding). ``False`` keeps all ``B T`` rows, for a record that
-            is only summarized (projected, norms) before it is stored: zero rows add nothing to those,
-            and whole ``(B, T)`` blocks need no scatter. :func:`packed` drops them later if needed.
-    """
-    computed_in = suffix.dtype
-    batch, tokens = suffix.shape[0], suffix.shape[1]
-    groups, d_in, d_out = prefix.shape[2], prefix.shape[3], suffix.shape[3]
-    flat_prefix = prefix.reshape(batch * tokens, groups, d_in)  # (B*T, G, d_in)
-    flat_suffix = suffix.reshape(batch * tokens, groups, d_out)  # (B*T, G, d_out)
-    if not pack:
-        rows = torch.arange(batch * tokens, device=suffix.device)  # (B*T,)
-        return _outer(layer, flat_prefix, flat_suffix, rows, tokens, batch, params, param_shapes, layout)
-    rows = kept_rows(flat_suffix)  # (R,)
-    if choose_smaller and dense_is_smaller(
-        rows.numel(), groups, d_in, d_out, batch, param_shapes
-    ):  # before copying rows
-        return _dense_from_factors(
-            layer, as_computed(prefix, computed_in), as_computed(suffix, computed_in), params, param_shapes, layout
-        )
-    return _outer(layer, flat_prefix.index_select(0, rows), flat_suffix.index_select(0, rows), rows, tokens, batch,
-                  params, param_shapes, layout)  # fmt: skip
-
-
-def _outer(
-    layer: str,
-    prefix_rows: Tensor,
-    suffix_rows: Tensor,
-    rows: Tensor,
-    tokens: int,
-    batch: int,
-    params: dict[str, str],
-    param_shapes: dict[str, tuple[int, ...]],
-    layout: WeightLayout,
-) -> LayerRecord:
-    """The ``"outer"`` record of kept rows ``(R, G, d)`` at flat positions ``rows`` (``sample * T + position``)."""
-    computed_in = suffix_rows.dtype
-    return LayerRecord(
-        layer=layer,
-        kind="outer",
-        batch_size=batch,
-        params=params,
-        param_shapes=param_shapes,
-        layout=layout,
-        tensors={
-            "prefix": as_computed(prefix_rows, computed_in),
-            "suffix": as_computed(suffix_rows, computed_in),
-            "sample": torch.div(rows, tokens, rounding_mode="floor").int(),
-            "position": torch.remainder(rows, tokens).int(),
-        },
-    )
-
-
-def packed(record: LayerRecord) -> LayerRecord:
-    """An ``"outer"`` record without its zero-suffix rows (``outer_record(pack=False)`` keeps them)."""
-    if record.kind != "outer":
-        return record
-    keep = kept_rows(record.tensors["suffix"])  # (R_kept,)
-    if keep.numel() == record.tensors["suffix"].shape[0]:
-        return record
-    return replace(record, tensors={key: value.index_select(0, keep) for key, value in record.tensors.items()})
-
-
-def _dense_from_factors(
-    layer: str,
-    prefix: Tensor,
-    suffix: Tensor,
-    params: dict[str, str],
-    param_shapes: dict[str, tuple[int, ...]],
-    layout: WeightLayout,
-) -> LayerRecord:
-    """The ``"dense"`` record of token-major fp32 factors: ``grad W_i[g] = sum_t D[i,t,g]^T A[i,t,g]`` in one einsum."""
-    batch = suffix.shape[0]
+def dense_from_factors(head: RecordHead, prefix: Tensor, suffix: Tensor) -> LayerRecord:
+    """The ``"dense"`` record of token-major fp32 factors ``(B, T, G, d)``: ``grad W_i[g] = sum_t D[i,t,g]^T A[i,t,g]``
+    in one einsum, and ``grad b_i = sum_t D[i,t]``."""
+    batch, params, shapes = suffix.shape[0], head.params, head.param_shapes
     grads: dict[str, Tensor] = {}
     if "weight" in params:
         weight = torch.einsum("btgo,btgi->bgoi", suffix, prefix)  # (B, G, d_out, d_in)
         weight = weight.reshape(batch, -1, weight.shape[-1])  # (B, G*d_out, d_in)
-        if layout == "in_out":
+        if head.layout == "in_out":
             weight = weight.transpose(1, 2)  # (B, d_in, d_out)
-        grads["weight"] = weight.reshape(batch, *param_shapes["weight"])
+        grads["weight"] = weight.reshape(batch, *shapes["weight"])
     if "bias" in params:
-        grads["bias"] = suffix.sum(1).reshape(batch, *param_shapes["bias"])  # (B, G*d_out)
-    return dense_record(layer, grads, {role: params[role] for role in grads})
+        grads["bias"] = suffix.sum(1).reshape(batch, *shapes["bias"])  # (B, G*d_out)
+    return dense_record(head.layer, grads, {role: params[role] for role in grads})
 
 
 def to_dense(record: LayerRecord) -> LayerRecord:
@@ -365,16 +324,6 @@ def dense_record(layer: str, grads: dict[str, Tensor], params: dict[str, str]) -
         param_shapes={role: tuple(g.shape[1:]) for role, g in grads.items()},
         tensors={dense_key(role): g.float() for role, g in grads.items()},
     )
-
-
-#: The per-sample columns a batch stores beside its records, in stored order (``sample_id`` always).
-SAMPLE_COLUMNS = ("sample_id", "label", "loss", "prediction", "margin")
-#: Columns stored float32 whatever dtype was given (NaN where a batch has none).
-FLOAT_SAMPLE_COLUMNS = ("loss", "margin")
-#: Each optional column's bit in a journal batch's ``meta`` mask (docs/format.md): which ones the shard holds.
-META_BITS = {"label": 1, "loss": 2, "prediction": 4, "margin": 8}
-#: The :class:`BatchMeta` field each optional column is given as.
-_COLUMN_FIELDS = {"label": "labels", "loss": "losses", "prediction": "predictions", "margin": "margins"}
 
 
 @dataclass(frozen=True)

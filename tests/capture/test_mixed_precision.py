@@ -1,6 +1,6 @@
 """CPU autocast in bf16 and fp16: every rule is exact up to the rounding autocast itself does.
 
-The convention (``records.as_computed``): each rule reads the layer input as the layer's kernel
+The convention (``capture.build.as_computed``): each rule reads the layer input as the layer's kernel
 read it, rounded to the dtype the layer ran in (the dtype of its output gradient), and upcasts
 every factor to fp32 before any product. ``u`` below is the dtype's unit roundoff (2^-8 for
 bf16, 2^-11 for fp16). Statements, from strongest to weakest:

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opscases import TOLERANCE, Case, capture, flat_reference, rel_err
 
+from metastore_plugins.core.capture.build import outer_record
 from metastore_plugins.core.ops import dots, plan_dots
-from metastore_plugins.core.records import LayerRecord, outer_record, to_dense
+from metastore_plugins.core.records import LayerRecord, to_dense
 from metastore_plugins.testing import reference_per_sample_gradients
 
 

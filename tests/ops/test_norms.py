@@ -57,7 +57,7 @@ def test_total_sq_norms_with_a_module_called_twice(tied_case: Case) -> None:
 
 
 def test_cost_model_prefers_factors_for_short_rows_and_dense_for_long_ones() -> None:
-    from metastore_plugins.core.records import outer_record
+    from metastore_plugins.core.capture.build import outer_record
 
     g = torch.Generator().manual_seed(0)
     params, shapes = {"weight": "w", "bias": "b"}, {"weight": (8, 6), "bias": (8,)}

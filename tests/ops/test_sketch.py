@@ -19,8 +19,9 @@ import pytest
 import torch
 from opscases import Case, reference_sketch, rel_err
 
+from metastore_plugins.core.capture.build import outer_record
 from metastore_plugins.core.ops import kmeans, projection, sketch
-from metastore_plugins.core.records import LayerRecord, outer_record, to_dense
+from metastore_plugins.core.records import LayerRecord, to_dense
 
 K_OUT, K_IN = 4, 3
 

@@ -56,8 +56,8 @@ from metastore_plugins.core.analysis.vector_search import (
     load_faiss,
 )
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
+from metastore_plugins.core.records import KIND_CODES
 from metastore_plugins.core.store import StoreReader
-from metastore_plugins.core.store.journal import KIND_CODES
 
 __all__ = [
     "DEFAULT_DIM",

@@ -2,4 +2,4 @@
 
 from metastore_plugins.core._moved import moved_module
 
-__getattr__ = moved_module(__name__, ["metastore_plugins.core.records"])
+__getattr__ = moved_module(__name__, ["metastore_plugins.core.records", "metastore_plugins.core.capture.build"])

@@ -15,7 +15,8 @@ from collections.abc import Collection, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.records import RECOMPUTE_HINT, LayerRecord, RepresentationError
+from metastore_plugins.core.errors import RepresentationError
+from metastore_plugins.core.records import KIND_CODES, RECOMPUTE_HINT, SUMMARY_KINDS, LayerRecord
 
 #: Default memory budget, in bytes, of one operator call (largest intermediate it builds) and of
 #: one store query (decoded records it holds at once); the one default every ``max_bytes`` uses.
@@ -24,7 +25,7 @@ DEFAULT_MAX_BYTES = 512 * 2**20
 
 def check_kind(record: LayerRecord) -> None:
     """Raise a ``ValueError`` naming the record if its kind is unknown."""
-    if record.kind not in ("outer", "embedding", "dense", "projected", "norms"):
+    if record.kind not in KIND_CODES:
         raise ValueError(f"record of layer '{record.layer}' has unknown kind {record.kind!r}")
 
 
@@ -39,7 +40,7 @@ def unsupported(record: LayerRecord, what: str) -> RepresentationError:
 
 def need_gradients(record: LayerRecord, what: str) -> None:
     """Raise :class:`RepresentationError` unless ``record`` holds the gradients themselves (factors or dense)."""
-    if record.kind in ("projected", "norms"):
+    if record.kind in SUMMARY_KINDS:
         raise unsupported(record, what)
 
 

@@ -21,13 +21,10 @@ from typing import Literal
 
 import torch
 
+from metastore_plugins.core.capture.build import packed
 from metastore_plugins.core.ops.influence import total_sq_norms
 from metastore_plugins.core.ops.sketch import Projections, sketch
-from metastore_plugins.core.records import EXACT_KINDS, PROJECTION_SEED, LayerRecord, packed
-
-#: What a layer may be kept as at one capture point.
-Representation = Literal["exact", "projected", "norms", "nothing"]
-REPRESENTATIONS: tuple[Representation, ...] = ("exact", "projected", "norms", "nothing")
+from metastore_plugins.core.records import EXACT_KINDS, PROJECTION_SEED, LayerRecord, Representation
 
 
 def by_layer(records: Sequence[LayerRecord]) -> dict[str, list[LayerRecord]]:

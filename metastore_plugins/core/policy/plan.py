@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from metastore_plugins.core.ops.cost import TENSOR_OVERHEAD_BYTES, exact_sample_bytes, projected_sample_bytes
-from metastore_plugins.core.ops.represent import Representation, by_layer, shared_layers
+from metastore_plugins.core.ops.represent import by_layer, shared_layers
 from metastore_plugins.core.policy.budget import (
     AUTO_BYTES_PER_SAMPLE,
     Budget,
@@ -36,7 +36,7 @@ from metastore_plugins.core.policy.budget import (
     size_text,
     usable_bytes,
 )
-from metastore_plugins.core.records import LayerRecord
+from metastore_plugins.core.records import LayerRecord, Representation
 
 #: Rungs from richest to cheapest: a representation and its projection size (0: none).
 LADDER: tuple[tuple[Representation, int], ...] = (

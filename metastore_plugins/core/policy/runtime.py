@@ -20,11 +20,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADATA_BYTES, TENSOR_OVERHEAD_BYTES
-from metastore_plugins.core.ops.represent import Representation, represent
+from metastore_plugins.core.ops.represent import represent
 from metastore_plugins.core.ops.sketch import Projections
 from metastore_plugins.core.policy.budget import POLICIES, Budget, Policy, RunShape, usable_bytes
 from metastore_plugins.core.policy.plan import LADDER, CapturePlan, in_words, make_plan
-from metastore_plugins.core.records import LayerRecord
+from metastore_plugins.core.records import REPRESENTATIONS, LayerRecord, Representation
 from metastore_plugins.core.store.encoding import Encoding, encoded_nbytes
 
 #: ``(step, capture_point) -> keep`` of a tag covering that step, or None.
@@ -115,7 +115,7 @@ class CapturePolicy:
         planned = self.plan.part(capture_point)
         limit = self.limit - self._reserved(part)
         keep = self.keep_for(step, capture_point)
-        if keep in ("exact", "projected", "norms", "nothing"):
+        if keep in REPRESENTATIONS:
             kept, size = self._kept(records, {layer: keep for layer in planned}, self.plan.k)  # type: ignore[misc]
             if self.spent + size <= limit:
                 self.spent += size
@@ -233,14 +233,14 @@ class CapturePolicy:
 
 def _rung_of(part: dict[str, Representation], k: int) -> int:
     """The ladder rung a part was planned at (its cheapest layer decides; exact layers are no larger)."""
-    order = ["exact", "projected", "norms", "nothing"]
+    order = list(REPRESENTATIONS)
     cheapest = max(part.values(), key=order.index, default="exact")
     return LADDER.index((cheapest, k if cheapest == "projected" else 0))
 
 
 def _no_richer(representation: Representation, floor: Representation) -> Representation:
     """``representation``, or ``floor`` where it is richer (exact layers follow a projection down)."""
-    order = ["exact", "projected", "norms", "nothing"]
+    order = list(REPRESENTATIONS)
     return floor if order.index(representation) < order.index(floor) else representation
 
 

@@ -24,10 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.records import LayerRecord
+from metastore_plugins.core.records import KIND_CODES, LayerRecord
 from metastore_plugins.core.store.encoding import decode, is_scale_key
 from metastore_plugins.core.store.index import StoreIndex
-from metastore_plugins.core.store.journal import KIND_CODES
 from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.readcache import SHARDS
 from metastore_plugins.core.store.record_check import check_record

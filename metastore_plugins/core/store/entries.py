@@ -15,16 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from metastore_plugins.core.store.journal import KIND_CODES, META_BITS, JournalError, pack, unpack
+from metastore_plugins.core.records import FLOAT_SAMPLE_COLUMNS, KIND_CODES, META_BITS, PER_SAMPLE_KINDS, SAMPLE_COLUMNS
+from metastore_plugins.core.store.journal import JournalError, pack, unpack
 from metastore_plugins.core.store.manifest import ENCODING_NAMES, MAX_INT, name_problem
 
 BATCH_FIELDS = ("capture_point", "step", "epoch", "micro_batch", "size", "lr", "meta")
-#: Kinds with one row per sample (no factor rows).
-PER_SAMPLE_KINDS = ("dense", "projected", "norms")
 RECORD_FIELDS = ("batch", "layer", "kind", "rows", "bytes", "dense_bytes")
-SAMPLE_FIELDS = ("sample_id", "label", "loss", "prediction", "margin")
-#: Sample columns that are always float32 (NaN where not stored); label and prediction keep their kind.
-FLOAT_SAMPLE_FIELDS = ("loss", "margin")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _XXH3_128 = re.compile(r"[0-9a-f]{32}")
 #: The most capture-point or layer names one journal line may list.
@@ -46,7 +42,7 @@ class ShardEntry:
     layers: list[str]
     batches: dict[str, np.ndarray]  # BATCH_FIELDS -> (n_b,); capture_point and layer index the name lists
     records: dict[str, np.ndarray]  # RECORD_FIELDS -> (n_r,)
-    samples: dict[str, np.ndarray] | None  # SAMPLE_FIELDS present -> (n_s,); None until read (version 1)
+    samples: dict[str, np.ndarray] | None  # SAMPLE_COLUMNS present -> (n_s,); None until read (version 1)
     xxh3_128: str | None = None  # the fast checksum of the query path (lines written since issue 35); None: sha256
 
     @property
@@ -162,7 +158,7 @@ def entry_from_json(raw: dict[str, Any], rank: int, layers: dict[str, Any]) -> S
     entry = ShardEntry(
         file, raw["bytes"], raw["sha256"], raw["encoding"], rank, capture_points, layer_names, batches, records, None
     )
-    entry.samples = _samples(_columns(raw.get("samples"), SAMPLE_FIELDS, ("sample_id",), "samples"), entry.rows)
+    entry.samples = _samples(_columns(raw.get("samples"), SAMPLE_COLUMNS, ("sample_id",), "samples"), entry.rows)
     entry.xxh3_128 = xxh3
     return entry
 
@@ -174,7 +170,7 @@ def _samples(s: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
         if key in s:
             _need(s[key].dtype.kind in "iuf", f"samples.{key}", f"must be numbers; got {s[key].dtype}")
             samples[key] = s[key].astype(np.int64 if s[key].dtype.kind in "iu" else np.float64)
-    for key in FLOAT_SAMPLE_FIELDS:
+    for key in FLOAT_SAMPLE_COLUMNS:
         if key in s:
             _need(s[key].dtype.kind == "f", f"samples.{key}", f"must be floats; got {s[key].dtype}")
             samples[key] = s[key].astype(np.float32)
@@ -253,7 +249,7 @@ def new_entry(
 def sample_columns(batches: list[tuple[int, dict[str, torch.Tensor]]]) -> dict[str, np.ndarray]:
     """The journal's sample columns of ``(size, metadata tensors)`` batches (``sample_id`` required)."""
     samples = {"sample_id": np.concatenate([meta["sample_id"].numpy().astype(np.int64) for _, meta in batches])}
-    for key in SAMPLE_FIELDS[1:]:
+    for key in SAMPLE_COLUMNS[1:]:
         if any(key in meta for _, meta in batches):
             samples[key] = _scalar_column(key, [(size, meta.get(key)) for size, meta in batches])
     return samples
@@ -264,8 +260,8 @@ def _scalar_column(key: str, parts: list[tuple[int, torch.Tensor | None]]) -> np
     arrays = [
         None if v is None or v.dim() != 1 else (v.float() if v.dtype == torch.bfloat16 else v).numpy() for _, v in parts
     ]
-    floating = key in FLOAT_SAMPLE_FIELDS or any(a is not None and a.dtype.kind not in "iub" for a in arrays)
-    dtype = np.float32 if key in FLOAT_SAMPLE_FIELDS else (np.float64 if floating else np.int64)
+    floating = key in FLOAT_SAMPLE_COLUMNS or any(a is not None and a.dtype.kind not in "iub" for a in arrays)
+    dtype = np.float32 if key in FLOAT_SAMPLE_COLUMNS else (np.float64 if floating else np.int64)
     fill = np.nan if floating else -1
     return np.concatenate(
         [np.full(n, fill, dtype) if a is None else a.astype(dtype) for (n, _), a in zip(parts, arrays)]

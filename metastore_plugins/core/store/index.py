@@ -15,19 +15,18 @@ from typing import Any
 
 import numpy as np
 
+from metastore_plugins.core.records import FLOAT_SAMPLE_COLUMNS, KIND_CODES, SAMPLE_COLUMNS
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import (
     BATCH_FIELDS,
-    FLOAT_SAMPLE_FIELDS,
     RECORD_FIELDS,
-    SAMPLE_FIELDS,
     ShardEntry,
     entry_from_json,
     entry_from_v1,
     meta_columns,
 )
 from metastore_plugins.core.store.files import StoreError, open_regular, read_bounded
-from metastore_plugins.core.store.journal import KIND_CODES, JournalError, decode_line, journal_name, read_lines
+from metastore_plugins.core.store.journal import JournalError, decode_line, journal_name, read_lines
 from metastore_plugins.core.store.shardread import ShardExpectation, expected_keys
 
 
@@ -185,13 +184,13 @@ def expectation(
 
 def join_samples(entries: list[ShardEntry]) -> dict[str, np.ndarray]:
     """The entries' sample columns joined; a column some entries lack is filled (-1, or NaN for floats)."""
-    names = [key for key in SAMPLE_FIELDS if any(key in (e.samples or {}) for e in entries)]
+    names = [key for key in SAMPLE_COLUMNS if any(key in (e.samples or {}) for e in entries)]
     joined: dict[str, np.ndarray] = {}
     for key in names or ["sample_id"]:
         parts = [(e.samples or {}).get(key) for e in entries]
-        floating = key in FLOAT_SAMPLE_FIELDS or any(p is not None and p.dtype.kind == "f" for p in parts)
+        floating = key in FLOAT_SAMPLE_COLUMNS or any(p is not None and p.dtype.kind == "f" for p in parts)
         fill = np.nan if floating else -1
-        dtype = np.float32 if key in FLOAT_SAMPLE_FIELDS else (np.float64 if floating else np.int64)
+        dtype = np.float32 if key in FLOAT_SAMPLE_COLUMNS else (np.float64 if floating else np.int64)
         joined[key] = (
             np.concatenate(
                 [np.full(e.rows, fill, dtype) if p is None else p.astype(dtype) for e, p in zip(entries, parts)]

@@ -17,7 +17,8 @@ The JSON object of a line describes one shard (every field and bound: docs/forma
 
 Columns are little-endian arrays in base64; ``capture_point`` and ``layer`` index the line's
 name lists; ``lr`` is NaN where none was given; ``meta`` is a bit mask of the optional metadata
-tensors the shard holds for the batch (:data:`META_BITS`).
+tensors the shard holds for the batch (:data:`~metastore_plugins.core.records.META_BITS`); ``kind`` codes
+record kinds (:data:`~metastore_plugins.core.records.KIND_CODES`).
 """
 
 from __future__ import annotations
@@ -43,11 +44,6 @@ from metastore_plugins.core.store.manifest import json_values_problem
 DTYPES: dict[str, np.dtype[Any]] = {
     code: np.dtype(f"<{code}") for code in ("i1", "u1", "i2", "i4", "i8", "f4", "f8", "b1")
 }
-#: Bits of the ``meta`` batch column: the optional ``b{j}/meta/{column}`` tensors a shard holds.
-#: ``margin`` (8) came later: journals written before it never set the bit and have no ``margin`` column.
-META_BITS = {"label": 1, "loss": 2, "prediction": 4, "margin": 8}
-#: Record kinds by their code in the ``kind`` record column.
-KIND_CODES = ("outer", "embedding", "dense", "projected", "norms")
 #: The longest line a reader accepts (a shard of 64 MiB of a tiny MLP needs about 15 MiB).
 MAX_LINE_BYTES = 256 * 2**20
 #: The most JSON values a line may hold, counted before parsing (:func:`json_values_problem`): a line names at

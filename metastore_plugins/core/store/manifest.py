@@ -22,7 +22,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-# their home is files.py; many modules import them from here
+# their home is records.py (the shard keys) and files.py; many modules import them from here
+from metastore_plugins.core.records import EXACT_KINDS, WEIGHT_LAYOUTS
+from metastore_plugins.core.records import meta_key as meta_key
+from metastore_plugins.core.records import record_key as record_key
 from metastore_plugins.core.store.files import StoreError as StoreError
 from metastore_plugins.core.store.files import atomic_write_bytes as atomic_write_bytes
 from metastore_plugins.core.store.files import fsync_dir as fsync_dir
@@ -73,14 +76,6 @@ def shard_name(rank: int, index: int) -> str:
     return f"rank{rank}-{index:06d}.safetensors"
 
 
-def record_key(batch: int, record: int, tensor: str) -> str:
-    return f"b{batch}/r{record}/{tensor}"
-
-
-def meta_key(batch: int, column: str) -> str:
-    return f"b{batch}/meta/{column}"
-
-
 def new_manifest(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT, "schema_version": SCHEMA_VERSION, "rank": rank, "config": config, "layers": {}}
 
@@ -121,8 +116,6 @@ def parse_manifest(data: bytes, path: Path, rank: int) -> dict[str, Any]:
 # -- structure checks: a reader trusts nothing a manifest says before these pass -------------
 
 SHARD_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors", re.ASCII)
-KINDS = ("outer", "embedding", "dense")
-LAYOUTS = ("out_in", "in_out")
 ENCODING_NAMES = ("fp32", "fp16", "bf16", "int8")
 
 
@@ -198,7 +191,7 @@ def check_layers(layers: Any, path: Path) -> None:
                 f"{where}.param_shapes[{role!r}]",
                 f"must be a list of at most 8 sizes of at most {MAX_PARAM_NUMEL} elements; got {ascii(shape)[:80]}",
             )
-        _need(layer.get("layout") in LAYOUTS, path, where, f'"layout" must be one of {LAYOUTS}')
+        _need(layer.get("layout") in WEIGHT_LAYOUTS, path, where, f'"layout" must be one of {WEIGHT_LAYOUTS}')
 
 
 def check_manifest(manifest: dict[str, Any], path: Path) -> None:
@@ -250,7 +243,7 @@ def _check_batch(batch: Any, manifest: dict[str, Any], path: Path, where: str) -
         at = f"{where}.records[{k}]"
         _need(isinstance(record, dict), path, at, "must be an object")
         _need(record.get("layer") in manifest["layers"], path, f"{at}.layer", 'is not in "layers"')
-        _need(record.get("kind") in KINDS, path, f"{at}.kind", f"must be one of {KINDS}")
+        _need(record.get("kind") in EXACT_KINDS, path, f"{at}.kind", f"must be one of {EXACT_KINDS}")
         for key in ("rows", "bytes", "dense_bytes"):
             _need(in_range(record.get(key), 0), path, f"{at}.{key}", "must be a non-negative integer")
 

@@ -25,12 +25,11 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from metastore_plugins.core.records import restore_all
+from metastore_plugins.core.records import KIND_CODES, restore_all
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.batches import BatchRef, ShardFiles
 from metastore_plugins.core.store.health import check_store, fill_v1_samples
 from metastore_plugins.core.store.index import RankIndex, StoreIndex, read_rank
-from metastore_plugins.core.store.journal import KIND_CODES
 from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.selection import Selection
 

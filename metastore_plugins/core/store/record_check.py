@@ -9,12 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.records import dense_key
+from metastore_plugins.core.records import EXACT_KINDS, INTEGER_TENSORS, KIND_TENSORS, dense_key
 from metastore_plugins.core.store.encoding import is_scale_key
 from metastore_plugins.core.store.manifest import StoreError
-
-_INTEGER_KEYS = ("sample", "position", "ids")
-_KIND_KEYS = {"outer": ("prefix", "suffix", "sample", "position"), "embedding": ("ids", "suffix", "sample", "position")}
 
 
 def check_record(
@@ -53,14 +50,14 @@ def check_record(
                 f"must be float {(size, *shapes[role])}; got {value.dtype} {tuple(value.shape)}",
             )
         return
-    if kind in ("projected", "norms"):
+    for key in KIND_TENSORS[kind]:
+        need(key in tensors, key, "is missing")
+    if kind not in EXACT_KINDS:
         _check_kept(need, tensors, kind, size)
         return
-    for key in _KIND_KEYS[kind]:
-        need(key in tensors, key, "is missing")
-    for key in _KIND_KEYS[kind]:
+    for key in KIND_TENSORS[kind]:
         value = tensors[key]
-        if key in _INTEGER_KEYS:
+        if key in INTEGER_TENSORS:
             need(
                 not value.is_floating_point() and value.dim() == 1,
                 key,
@@ -74,11 +71,7 @@ def check_record(
             f"has {value.shape[0]} rows, suffix has {tensors['suffix'].shape[0]}",
         )
     sample = tensors["sample"]
-    need(
-        sample.numel() == 0 or (int(sample.min()) >= 0 and int(sample.max()) < size),
-        "sample",
-        f"holds samples outside 0..{size - 1}",
-    )
+    need(_within(sample, size), "sample", f"holds samples outside 0..{size - 1}")
     need(bool((sample[1:] >= sample[:-1]).all()), "sample", "is not grouped by sample in ascending order")
     suffix = tensors["suffix"]
     if kind == "embedding":
@@ -88,12 +81,7 @@ def check_record(
             "suffix",
             f"must be (R, {dim}); got {tuple(suffix.shape)}",
         )
-        ids = tensors["ids"]
-        need(
-            ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab),
-            "ids",
-            f"holds token ids outside 0..{vocab - 1}",
-        )
+        need(_within(tensors["ids"], vocab), "ids", f"holds token ids outside 0..{vocab - 1}")
         return
     prefix = tensors["prefix"]
     need(prefix.dim() == 3, "prefix", f"must be (R, G, d_in); got {tuple(prefix.shape)}")
@@ -116,11 +104,13 @@ def check_record(
         need(groups * d_out == math.prod(shapes["bias"]), "suffix", f"does not make a bias of shape {shapes['bias']}")
 
 
+def _within(values: Tensor, bound: int) -> bool:
+    """Whether every entry of integer ``values`` lies in ``0..bound - 1``."""
+    return values.numel() == 0 or (int(values.min()) >= 0 and int(values.max()) < bound)
+
+
 def _check_kept(need: Any, tensors: dict[str, Tensor], kind: str, size: int) -> None:
     """A ``"projected"`` record: ``projected (B, k_out, k_in)`` and ``sq_norm (B,)``; a ``"norms"`` one: ``sq_norm``."""
-    keys = ("projected", "sq_norm") if kind == "projected" else ("sq_norm",)
-    for key in keys:
-        need(key in tensors, key, "is missing")
     sq_norm = tensors.get("sq_norm", torch.empty(0))
     need(
         sq_norm.is_floating_point() and tuple(sq_norm.shape) == (size,),

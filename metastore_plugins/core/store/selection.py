@@ -16,13 +16,11 @@ import torch
 from torch import Tensor
 
 from metastore_plugins.core.progress import progress
-from metastore_plugins.core.records import LayerRecord
+from metastore_plugins.core.records import FLOAT_SAMPLE_COLUMNS, SAMPLE_COLUMNS, LayerRecord
 from metastore_plugins.core.store.batches import BatchRef, ShardFiles, tensor_column
-from metastore_plugins.core.store.entries import FLOAT_SAMPLE_FIELDS
 
-#: Metadata columns every selection returns (missing values: -1 for ids/labels, NaN for floats).
+#: Batch columns every selection returns beside the per-sample ones (SAMPLE_COLUMNS: -1 or NaN where missing).
 BATCH_COLUMNS = ("step", "epoch", "micro_batch", "rank")
-SAMPLE_COLUMNS = ("sample_id", "label", "loss", "prediction", "margin")
 
 
 def subset_record(record: LayerRecord, keep: Tensor) -> LayerRecord:
@@ -159,7 +157,7 @@ class Selection:
                 columns[key] = index.sample[key][rows]
             else:
                 columns[key] = (
-                    np.full(len(rows), np.nan, np.float32) if key in FLOAT_SAMPLE_FIELDS else np.full(len(rows), -1)
+                    np.full(len(rows), np.nan, np.float32) if key in FLOAT_SAMPLE_COLUMNS else np.full(len(rows), -1)
                 )
         for key in BATCH_COLUMNS:
             columns[key] = index.batch[key][batch]

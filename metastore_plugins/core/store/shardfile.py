@@ -23,8 +23,7 @@ from typing import Any, BinaryIO, NamedTuple
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.records import LayerRecord
-from metastore_plugins.core.store import manifest as mf
+from metastore_plugins.core.records import LayerRecord, meta_key, record_key
 from metastore_plugins.core.store.encoding import EXACT_KEYS, Encoding, encode_into, stored_specs
 from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.shardread import digests_of
@@ -90,16 +89,14 @@ def write_shard(
     if sys.byteorder != "little":
         raise NotImplementedError("shards are written on little-endian hosts only (safetensors stores little-endian)")
     tensors = [
-        (mf.record_key(index, k, name), name, tensor)
+        (record_key(index, k, name), name, tensor)
         for index, (batch_records, _) in enumerate(batches)
         for k, record in enumerate(batch_records)
         for name, tensor in record.tensors.items()
     ]
     records = [(key, tensor) for key, name, tensor in tensors if name not in EXACT_KEYS]
     columns = [
-        (mf.meta_key(index, column), values)
-        for index, (_, meta) in enumerate(batches)
-        for column, values in meta.items()
+        (meta_key(index, column), values) for index, (_, meta) in enumerate(batches) for column, values in meta.items()
     ] + [(key, tensor.float()) for key, name, tensor in tensors if name in EXACT_KEYS]
     encoded, plain = _groups(records), _groups(columns)
     specs = {

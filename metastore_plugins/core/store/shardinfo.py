@@ -51,7 +51,7 @@ _BATCH_KEY = re.compile(r"b(0|[1-9][0-9]{0,9})/(.+)", re.ASCII | re.DOTALL)
 
 def header_room(keys: Iterable[tuple[str, int]]) -> int:
     """Bytes of header metadata a shard with these ``(tensor key, ndim)`` can carry and stay within the
-    header a reader allows (:func:`~metastore_plugins.core.store.shardread.header_cap`: 64 KiB plus
+    header a reader allows (:func:`~metastore_plugins.core.store.shard_header.header_cap`: 64 KiB plus
     ``256 + 6 len(key)`` per key): what each key's allowance leaves after its own entry at its largest
     (13-digit sizes and offsets), and half the 64 KiB for the rest of ``__metadata__`` and padding."""
     return 2**15 + sum(max(0, 150 + 5 * len(key) - 14 * ndim) for key, ndim in keys)

@@ -3,9 +3,9 @@
 A shard is opened without following links or blocking (FIFOs, devices), read into memory
 (never memory-mapped: a file truncated under a mapping kills the process), checked against
 what the index says (size, the checksums it lists over exactly the bytes read, the exact set of
-tensor keys), and its safetensors header is parsed here within a size bound derived from those
-keys, so a hostile header cannot cost more than the index allows. The header's entries are
-checked as whole columns (numpy), and tensors are views of the one buffer read, never copies.
+tensor keys), and its safetensors header is parsed by hand within a size bound derived from those
+keys (:mod:`~metastore_plugins.core.store.shard_header`). Tensors are views of the one buffer read,
+never copies.
 
 Checksums (:data:`DIGESTS`): ``sha256`` of the whole file (every store), and ``xxh3_128`` in
 journal lines written since issue 35: 20 times faster here, so the query path checks it alone
@@ -16,49 +16,30 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
-import math
 import os
 import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import xxhash
 from torch import Tensor
 
-from metastore_plugins.core.store.file_kinds import not_regular, os_problem
-from metastore_plugins.core.store.files import StoreDir, StoreError, open_regular
+from metastore_plugins.core.records import (
+    INTEGER_TENSORS,
+    SAMPLE_COLUMNS,
+    batch_prefix,
+    kind_tensors,
+    meta_key,
+    record_key,
+)
+from metastore_plugins.core.store.encoding import EXACT_KEYS
+from metastore_plugins.core.store.files import StoreDir, StoreError, not_regular, open_regular, os_problem
+from metastore_plugins.core.store.shard_header import Entry, parse_header
 
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 _SCALED_ENCODINGS = ("fp16", "int8")  # as encoding.stored_specs: every floating tensor, zero rows included
-_FLOAT_TENSORS = ("prefix", "suffix", "projected")  # encoded: with row scales under fp16 / int8
-_KIND_TENSORS = {
-    "outer": ("prefix", "suffix", "sample", "position"),
-    "embedding": ("ids", "suffix", "sample", "position"),
-    "projected": ("projected", "sq_norm"),
-    "norms": ("sq_norm",),
-}
-#: Header bytes allowed per expected key (beyond 6 per byte of its name: JSON escapes), and for
-#: ``__metadata__`` and padding. A real entry of 9 dimensions takes under 200 bytes plus its name.
-_HEADER_BYTES_PER_KEY = 256
-_HEADER_SLACK = 1 << 16
-_MAX_DIMS = 16
 
 
 def file_problem(path: Path, directory: Path) -> str | None:
@@ -129,6 +110,10 @@ def check_digests(path: Path, data: Any, wanted: dict[str, str]) -> None:
 BatchKeys = tuple[Collection[str] | None, Sequence[tuple[str, Sequence[str]]]]
 
 
+#: The optional columns a version 1 shard may hold (``margin`` came after version 1).
+_VERSION_1_COLUMNS = tuple(column for column in SAMPLE_COLUMNS[1:] if column != "margin")
+
+
 def expected_keys(batches: Sequence[BatchKeys], encoding: str) -> tuple[frozenset[str], frozenset[str]]:
     """``(required, optional)`` tensor keys of a shard from its batches' ``(meta columns, [(kind, roles)])``.
 
@@ -140,21 +125,18 @@ def expected_keys(batches: Sequence[BatchKeys], encoding: str) -> tuple[frozense
     required: set[str] = set()
     optional: set[str] = set()
     for j, (meta, records) in enumerate(batches):
-        required.add(f"b{j}/meta/sample_id")
+        required.add(meta_key(j, "sample_id"))
         if meta is None:
-            optional.update(f"b{j}/meta/{column}" for column in ("label", "loss", "prediction"))
+            optional.update(meta_key(j, column) for column in _VERSION_1_COLUMNS)
         else:
-            required.update(f"b{j}/meta/{column}" for column in meta)
+            required.update(meta_key(j, column) for column in meta)
         for k, (kind, roles) in enumerate(records):
-            names = [f"grad.{role}" for role in roles] if kind == "dense" else list(_KIND_TENSORS[kind])
-            floats = names if kind == "dense" else [n for n in names if n in _FLOAT_TENSORS]
-            required.update(f"b{j}/r{k}/{name}" for name in names)
-            if scaled:
-                required.update(f"b{j}/r{k}/{name}.scale" for name in floats)
+            names = kind_tensors(kind, roles)
+            required.update(record_key(j, k, name) for name in names)
+            if scaled:  # every float tensor but the exact ones (encoding.EXACT_KEYS) has row scales
+                floats = [name for name in names if name not in INTEGER_TENSORS and name not in EXACT_KEYS]
+                required.update(record_key(j, k, name) + ".scale" for name in floats)
     return frozenset(required), frozenset(optional)
-
-
-Entry = tuple[torch.dtype, tuple[int, ...], tuple[int, int]]
 
 
 class ShardData:
@@ -222,7 +204,7 @@ class ShardData:
 
     def keys_of_batch(self, batch: int) -> list[str]:
         """The keys of stored batch ``batch`` (those starting with ``b{batch}/``)."""
-        return list(self._by_prefix.get(f"b{batch}/", ()))
+        return list(self._by_prefix.get(batch_prefix(batch), ()))
 
     def get(self, key: str) -> Tensor:
         """The tensor ``key``: a read-only view of the checked bytes (see the class); :class:`StoreError`
@@ -294,127 +276,8 @@ def size_problem(path: Path, opened: os.stat_result, expect: ShardExpectation) -
 
 def parse_shard(path: Path, buffer: Tensor, expect: ShardExpectation, identity: tuple[int, int, int, int]) -> ShardData:
     """The :class:`ShardData` of checked bytes ``buffer`` (``(bytes,)`` uint8): its header parsed and checked."""
-    header, metadata, start = _parse_header(path, buffer.numpy().data, expect)
+    header, metadata, start = parse_header(path, buffer.numpy().data, expect.required, expect.optional)
     return ShardData(path, buffer, header, start, identity, metadata, (expect.required, expect.optional))
-
-
-def header_cap(expect: ShardExpectation) -> int:
-    """The largest safetensors header (bytes) a shard with the expected keys may have."""
-    keys = expect.required | expect.optional
-    return _HEADER_SLACK + sum(_HEADER_BYTES_PER_KEY + 6 * len(key.encode()) for key in keys)
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("a key appears twice in one object")
-    return out
-
-
-def _parse_header(
-    path: Path, data: memoryview, expect: ShardExpectation
-) -> tuple[dict[str, Entry], dict[str, str], int]:
-    def fail(what: str) -> StoreError:
-        return StoreError(f"{path}: not a readable safetensors file ({what})")
-
-    if len(data) < 8:
-        raise fail("shorter than its 8-byte header length")
-    length, cap = int.from_bytes(data[:8], "little"), header_cap(expect)
-    if length > len(data) - 8 or length > cap:
-        raise fail(f"a header of {length} bytes, larger than the file or the {cap} bytes its index allows")
-    try:
-        text = str(data[8 : 8 + length], "utf-8")
-        raw = json.loads(text)
-        if isinstance(raw, dict) and text.count('"data_offsets"') != len(raw) - ("__metadata__" in raw):
-            raw = json.loads(text, object_pairs_hook=_unique)  # a key twice? (the hook costs a third of the parse)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise fail(f"header is not valid UTF-8 JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise fail("header is not a JSON object")
-    metadata = raw.pop("__metadata__", {})
-    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise fail("__metadata__ is not a map of strings")
-    unexpected = sorted(set(raw) - expect.required - expect.optional)
-    if unexpected:
-        raise StoreError(f"{path}: holds {len(unexpected)} tensor key(s) the index does not list: {_few(unexpected)}")
-    missing = sorted(expect.required - set(raw))
-    if missing:
-        raise StoreError(f"{path}: lacks {len(missing)} tensor key(s) the index lists: {_few(missing)}")
-    start, size = 8 + length, len(data) - 8 - length
-    header = _entries(raw, size)
-    if header is None:  # something is wrong: the first entry at fault, by name
-        header = {key: _entry(key, entry, size, fail) for key, entry in raw.items()}
-    keys = list(header)
-    spans = np.array([span for _, _, span in header.values()], dtype=np.int64).reshape(-1, 2)  # (n, 2)
-    used = np.flatnonzero(spans[:, 0] != spans[:, 1])
-    order = used[np.argsort(spans[used, 0], kind="stable")]  # non-empty tensors by offset
-    clash = np.flatnonzero(spans[order[1:], 0] < spans[order[:-1], 1])
-    if len(clash):
-        first, second = order[clash[0]], order[clash[0] + 1]
-        raise fail(f"tensors {keys[first]} and {keys[second]} overlap")
-    return header, metadata, start
-
-
-def _entries(raw: dict[str, Any], size: int) -> dict[str, Entry] | None:
-    """Every entry checked as columns (dtype, shape, offsets); None when one is wrong (:func:`_entry` names it)."""
-    try:
-        values = list(raw.values())
-        names = [value["dtype"] for value in values]
-        shapes = [value["shape"] for value in values]
-        offsets = [value["data_offsets"] for value in values]
-        dtypes = [_DTYPES[name] for name in names]
-    except (TypeError, KeyError):  # not a dict, a field missing, an unknown or unhashable dtype
-        return None
-    if not (
-        all(type(shape) is list and len(shape) <= _MAX_DIMS for shape in shapes)
-        and all(type(pair) is list and len(pair) == 2 for pair in offsets)
-    ):
-        return None
-    dims = list(chain.from_iterable(shapes))
-    bounds = list(chain.from_iterable(offsets))
-    if not all(type(value) is int for value in chain(dims, bounds)):
-        return None  # floats, bools, None, strings
-    try:
-        dim_array = np.array(dims, dtype=np.int64)  # (sum of ranks,)
-        span = np.array(bounds, dtype=np.int64).reshape(-1, 2)  # (n, 2)
-    except OverflowError:
-        return None
-    if (dim_array < 0).any() or (dim_array >= 2**40).any() or (span < 0).any() or (span >= 2**40).any():
-        return None
-    itemsize = np.array([dtype.itemsize for dtype in dtypes], dtype=np.int64)  # (n,)
-    numel = [math.prod(shape) for shape in shapes]  # exact: up to 16 sizes below 2^40
-    if not ((span[:, 0] <= span[:, 1]).all() and (span[:, 1] <= size).all()):
-        return None
-    if not all(n * i == e for n, i, e in zip(numel, itemsize.tolist(), (span[:, 1] - span[:, 0]).tolist())):
-        return None
-    return {
-        key: (dtype, tuple(shape), (begin, end))
-        for key, dtype, shape, (begin, end) in zip(raw, dtypes, shapes, span.tolist())
-    }
-
-
-def _entry(key: str, entry: Any, size: int, fail: Callable[[str], StoreError]) -> Entry:
-    dtype_name = entry.get("dtype") if isinstance(entry, dict) else None
-    if not (isinstance(dtype_name, str) and dtype_name in _DTYPES):
-        raise fail(f"tensor {key} has dtype {ascii(dtype_name)[:40]}, not one of {', '.join(_DTYPES)}")
-    shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_small_int(d) for d in shape)):
-        raise fail(f"tensor {key} has no valid shape (a list of at most {_MAX_DIMS} sizes below 2^40)")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_small_int(v) for v in offsets)):
-        raise fail(f"tensor {key} has no valid data_offsets (two byte offsets)")
-    dtype = _DTYPES[dtype_name]
-    begin, end = offsets
-    if not begin <= end <= size or end - begin != math.prod(shape) * dtype.itemsize:
-        raise fail(f"tensor {key} has data_offsets {offsets} that do not fit its shape {shape} in {size} data bytes")
-    return dtype, tuple(shape), (begin, end)
-
-
-def _small_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**40
-
-
-def _few(keys: list[str]) -> str:
-    return ", ".join(ascii(k)[1:-1] for k in keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 def shard_problem(path: Path, directory: Path, expect: ShardExpectation) -> str | None:

@@ -36,11 +36,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from metastore_plugins.core.records import KEEP_CHOICES
 from metastore_plugins.core.store.files import StoreDir, StoreError
 from metastore_plugins.core.store.journal import JournalAppender, JournalError, decode_line, encode_line, read_lines
 
-#: What a tag may ask to keep of its steps (``"snapshot"``: a weight snapshot).
-KEEP_CHOICES = ("exact", "projected", "norms", "nothing", "snapshot")
 #: Attribute values a tag holds: JSON scalars.
 Scalar = str | int | float | bool | None
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Literal
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.records import BatchMeta, LayerRecord
+from metastore_plugins.core.records import BatchMeta, LayerRecord, meta_key, record_key
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding, check_encoding, encoded_nbytes
 from metastore_plugins.core.store.entries import new_entry
@@ -379,9 +379,9 @@ class StoreWriter:
 
 def shard_keys(pending: list[_Batch]) -> list[tuple[str, int]]:
     """``(key, ndim)`` of the record and metadata tensors a shard of ``pending`` holds (``.scale`` keys left out)."""
-    keys = [(mf.meta_key(j, column), t.dim()) for j, b in enumerate(pending) for column, t in b.meta.items()]
+    keys = [(meta_key(j, column), t.dim()) for j, b in enumerate(pending) for column, t in b.meta.items()]
     return keys + [
-        (mf.record_key(j, k, name), t.dim())
+        (record_key(j, k, name), t.dim())
         for j, b in enumerate(pending)
         for k, r in enumerate(b.records)
         for name, t in r.tensors.items()

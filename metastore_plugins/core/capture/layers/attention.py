@@ -50,9 +50,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from metastore_plugins.core.capture.build import as_computed, outer_record
 from metastore_plugins.core.capture.layers.linear import linear_records, part_name
 from metastore_plugins.core.capture.registry import LayerContext, RecordsFn, register_capture
-from metastore_plugins.core.records import LayerRecord, as_computed, dense_record, outer_record
+from metastore_plugins.core.records import LayerRecord, dense_record
 
 #: matmul nodes of ``F.linear`` -> the attribute holding the input it multiplied
 _MATMUL_NODES = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}

@@ -29,22 +29,16 @@ output gradient over output positions rather than rows, is a dense record ``<pat
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from metastore_plugins.core.capture.build import as_computed, dense_is_smaller, nonzero_rows, outer_record
 from metastore_plugins.core.capture.layers.linear import part_name
-from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
-from metastore_plugins.core.records import (
-    LayerRecord,
-    as_computed,
-    dense_is_smaller,
-    dense_record,
-    nonzero_rows,
-    outer_record,
-)
+from metastore_plugins.core.capture.registry import ForwardFn, LayerContext, first_input, register_capture
+from metastore_plugins.core.records import LayerRecord, RecordHead, dense_record
 
 Conv = nn.modules.conv._ConvNd
 
@@ -98,14 +92,7 @@ def estimated_kept_rows(grad: Tensor, probes: int = 8) -> int:
     return int(nonzero_rows(probed, dim=1).sum()) * grad.shape[0] // max(1, probed.shape[0])
 
 
-def patch_records(
-    layer: str,
-    rows: Tensor,
-    patches: Tensor,
-    groups: int,
-    params: dict[str, str],
-    shapes: dict[str, tuple[int, ...]],
-) -> list[LayerRecord]:
+def patch_records(head: RecordHead, rows: Tensor, patches: Tensor, groups: int) -> list[LayerRecord]:
     """``grad W_i[g] = D_i[g] A_i[g]^T`` (and ``grad b_i = sum_l D_i[l]``) for channel-major fp32 factors.
 
     Args:
@@ -116,7 +103,7 @@ def patch_records(
     over large images), they are computed directly as one batched matmul over the channel-major
     layouts, without transposing the patches; else an ``"outer"`` record is built.
     """
-    batch = rows.shape[0]
+    batch, params, shapes = rows.shape[0], head.params, head.param_shapes
     d_out, d_in = rows.shape[1] // groups, patches.shape[1] // groups
     if dense_is_smaller(estimated_kept_rows(rows), groups, d_in, d_out, batch, shapes):
         grads = {}
@@ -127,26 +114,26 @@ def patch_records(
             grads["weight"] = per_group.reshape(batch, *shapes["weight"])
         if "bias" in params:
             grads["bias"] = rows.sum(2)  # (B, G * d_out)
-        return [dense_record(layer, grads, params)]
+        return [dense_record(head.layer, grads, params)]
     prefix = patches.transpose(1, 2).reshape(batch, -1, groups, d_in)  # (B, L, G, d_in)
     suffix = rows.transpose(1, 2).reshape(batch, -1, groups, d_out)  # (B, L, G, d_out)
-    return [outer_record(layer, prefix, suffix, params, shapes)]
+    return [outer_record(head.layer, prefix, suffix, params, shapes)]
 
 
-def _shapes(conv: Conv, params: dict[str, str]) -> dict[str, tuple[int, ...]]:
-    return {role: tuple(getattr(conv, role).shape) for role in params}
+def _head(conv: Conv, layer: str, params: dict[str, str]) -> RecordHead:
+    return RecordHead(layer, params, {role: tuple(getattr(conv, role).shape) for role in params})
 
 
 def conv_records(conv: Conv, layer: str, x: Tensor, grad_output: Tensor, params: dict[str, str]) -> list[LayerRecord]:
     """Records of a convolution for input ``(B, C_in, *spatial)`` and output grad ``(B, C_out, *spatial_out)``.
 
     Under autocast the input is rounded to the dtype the convolution ran in and both operands
-    are upcast to fp32 first (:func:`~metastore_plugins.core.records.as_computed`).
+    are upcast to fp32 first (:func:`~metastore_plugins.core.capture.build.as_computed`).
     """
     computed_in = grad_output.dtype
     grad = as_computed(grad_output, computed_in).reshape(x.shape[0], conv.out_channels, -1)  # (B, C_out, L) fp32
     patches = unfold_patches(conv, as_computed(x, computed_in))  # (B, C_in * k, L) fp32
-    return patch_records(layer, grad, patches, conv.groups, params, _shapes(conv, params))
+    return patch_records(_head(conv, layer, params), grad, patches, conv.groups)
 
 
 def conv_transpose_records(
@@ -164,29 +151,36 @@ def conv_transpose_records(
     if "weight" in params:
         inputs = as_computed(x, computed_in).reshape(batch, conv.in_channels, -1)  # (B, C_in, L_in) fp32
         patches = unfold_patches(conv, grad, positions=x.shape[2:])  # (B, C_out * k, L_in)
-        weight = {"weight": params["weight"]}
-        records += patch_records(layer, inputs, patches, conv.groups, weight, _shapes(conv, weight))
+        records += patch_records(_head(conv, layer, {"weight": params["weight"]}), inputs, patches, conv.groups)
     if "bias" in params:
         bias = grad.reshape(batch, conv.out_channels, -1).sum(2)  # (B, C_out)
         records.append(dense_record(part_name(layer, "bias"), {"bias": bias}, {"bias": params["bias"]}))
     return records
 
 
-@register_capture(nn.Conv1d, nn.Conv2d, nn.Conv3d)
-def capture_conv(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext
-) -> None:
-    """Hook body for ``nn.Conv1d/2d/3d`` (stride, padding incl. strings, padding modes, dilation, groups)."""
-    x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, C_in, *spatial)
-    params = ctx.param_names(module)
-    ctx.on_output_grad(output, lambda grad: conv_records(module, ctx.name, x, grad, params))  # type: ignore[arg-type]
+RecordsOf = Callable[[Conv, str, Tensor, Tensor, dict[str, str]], list[LayerRecord]]
 
 
-@register_capture(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-def capture_conv_transpose(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext
-) -> None:
-    """Hook body for ``nn.ConvTranspose1d/2d/3d`` (stride, padding, output_padding, output_size, dilation, groups)."""
-    x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, C_in, *spatial)
-    params = ctx.param_names(module)
-    ctx.on_output_grad(output, lambda grad: conv_transpose_records(module, ctx.name, x, grad, params))  # type: ignore[arg-type]
+def _hook(records_of: RecordsOf, what: str) -> ForwardFn:
+    """The hook body of a convolution family: its records are ``records_of(module, name, x, grad, params)``."""
+
+    def capture(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, ctx: LayerContext
+    ) -> None:
+        x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, C_in, *spatial)
+        params = ctx.param_names(module)
+        ctx.on_output_grad(output, lambda grad: records_of(module, ctx.name, x, grad, params))  # type: ignore[arg-type]
+
+    capture.__doc__ = f"Hook body for {what}."
+    return capture
+
+
+capture_conv = register_capture(nn.Conv1d, nn.Conv2d, nn.Conv3d)(
+    _hook(conv_records, "``nn.Conv1d/2d/3d`` (stride, padding incl. strings, padding modes, dilation, groups)")
+)
+capture_conv_transpose = register_capture(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)(
+    _hook(
+        conv_transpose_records,
+        "``nn.ConvTranspose1d/2d/3d`` (stride, padding, output_padding, output_size, dilation, groups)",
+    )
+)

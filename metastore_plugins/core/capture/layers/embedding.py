@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from metastore_plugins.core.capture.build import as_computed, nonzero_rows
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
-from metastore_plugins.core.records import LayerRecord, as_computed, nonzero_rows
+from metastore_plugins.core.records import LayerRecord
 
 
 def embedding_rows_record(

@@ -24,9 +24,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from metastore_plugins.core.capture.build import as_computed
 from metastore_plugins.core.capture.layers.embedding import embedding_rows_record
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
-from metastore_plugins.core.records import LayerRecord, as_computed
+from metastore_plugins.core.records import LayerRecord
 
 _MODES = {"sum": 0, "mean": 1, "max": 2}
 

@@ -32,9 +32,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from metastore_plugins.core.capture.build import as_computed
 from metastore_plugins.core.capture.registry import CaptureRule, LayerContext, RecordsFn
 from metastore_plugins.core.errors import NotPerSampleError
-from metastore_plugins.core.records import LayerRecord, as_computed, dense_record
+from metastore_plugins.core.records import LayerRecord, dense_record
 
 #: How far the output recomputed one sample at a time may be from the batched one (relative to its
 #: largest entry) before the module is reported: loose enough for rounding, tight for mixed samples.

@@ -6,8 +6,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from metastore_plugins.core.capture.build import outer_record
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
-from metastore_plugins.core.records import LayerRecord, WeightLayout, outer_record
+from metastore_plugins.core.records import LayerRecord, WeightLayout
 
 
 def part_name(layer: str, part: str) -> str:
@@ -26,7 +27,7 @@ def linear_records(
 ) -> list[LayerRecord]:
     """Factors of ``y = x W^T + b`` for inputs ``(B, ..., d_in)`` and output grads ``(B, ..., d_out)``.
 
-    ``pack``: drop zero rows (:func:`~metastore_plugins.core.records.outer_record`).
+    ``pack``: drop zero rows (:func:`~metastore_plugins.core.capture.build.outer_record`).
     """
     batch = inputs.shape[0]
     prefix = inputs.reshape(batch, -1, 1, inputs.shape[-1])  # (B, T, 1, d_in)

@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins.core.capture.batch_mixing import BATCH_MIXED_FIX, uses_batch_statistics
+from metastore_plugins.core.capture.build import as_computed
 from metastore_plugins.core.capture.layers.generic import capture_generic
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
 from metastore_plugins.core.process_group import world_size
-from metastore_plugins.core.records import LayerRecord, as_computed, dense_record
+from metastore_plugins.core.records import LayerRecord, dense_record
 
 
 def layer_norm_records(
