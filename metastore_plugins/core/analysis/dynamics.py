@@ -201,7 +201,7 @@ def top_contributors(
     flat_entries = flat_entries.long()
     n, part = flat_entries.shape[0], scan.part(selection, f"top_contributors of {name!r}")
     at = torch.from_numpy(part.positions)  # (n_p,) where each occurrence stands in the selection
-    kept = [torch.zeros(n, 0, dtype=torch.float64)] + [torch.zeros(n, 0, dtype=torch.long)] * 3
+    kept = [torch.zeros(n, 0, dtype=torch.float64)] + [torch.zeros(n, 0, dtype=torch.long)] * 3  # value,id,step,at
     for batch in part.selection.batches():
         block = entry_values(batch.records, name, flat_entries, max_bytes).T.double()  # (E, B)
         new = [block, batch.meta["sample_id"].long().expand(n, -1), torch.full((n, batch.size), batch.ref.step)]

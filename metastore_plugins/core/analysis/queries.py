@@ -286,7 +286,7 @@ def selected_pairs(
 
 
 def pair_blocks(
-    store: StoreReader, pairs: Sequence[Pair], columns: ColumnsOf | None, max_bytes: int, scan: Scan
+    pairs: Sequence[Pair], columns: ColumnsOf | None, max_bytes: int, scan: Scan
 ) -> Iterator[tuple[Part, Selection, np.ndarray]]:
     """Per pair, this process's part of the rows, the columns, and its ``(n, M)`` block ``lr_b <g_i, g_j>``.
 
@@ -315,7 +315,7 @@ def scored_pairs(
     """
     scan = scan or scan_of(store)
     row_parts, col_parts = [], []
-    for (train_cp, rows, _, _), (part, cols, local) in zip(pairs, pair_blocks(store, pairs, columns, max_bytes, scan)):
+    for (train_cp, rows, _, _), (part, cols, local) in zip(pairs, pair_blocks(pairs, columns, max_bytes, scan)):
         full = scan.gather_on(local, part, f"influence: scores of {train_cp!r}", dst)  # (N, M)
         if full is not None:
             row_parts.append((rows.sample_ids(), full))

@@ -147,7 +147,7 @@ def partitioned_influence_top(
     scan, k = _scan(store, group, device), positive_int("k", k)
     pairs = queries.selected_pairs(store, train, test, **select)
     mine_rows, col_parts, ids_owners = [], [], []
-    for (_, rows, _, _), (part, cols, local) in zip(pairs, queries.pair_blocks(store, pairs, None, max_bytes, scan)):
+    for (_, rows, _, _), (part, cols, local) in zip(pairs, queries.pair_blocks(pairs, None, max_bytes, scan)):
         ids = rows.sample_ids()
         owners = part.owners if part.owners is not None else np.zeros(len(ids), np.int64)
         mine_rows.append((ids[part.positions], local))  # (n_r, M)
