@@ -21,6 +21,8 @@ from metastore_plugins.core.distributed import open_distributed_store
 TRAIN = ["epoch-0/train", "epoch-1/train"]
 VAL = ["epoch-0/val", "epoch-1/val"]
 
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # forked gloo ranks (run_ranks)
+
 
 def _ask(store: Any) -> dict[str, Any]:
     """Every query compared, asked of ``store`` (partitioned or not)."""
@@ -35,6 +37,7 @@ def _ask(store: Any) -> dict[str, Any]:
         "compare": store.compare(store.path),
         "in_run": store.in_run_influence("epoch-1/val"),
         "kfac": store.kfac_influence(TRAIN, VAL, method="kfac"),
+        "ekfac": store.kfac_influence(TRAIN, VAL, train_ids=range(0, 40, 3)),
         "sketched": store.sketched_influence(TRAIN, VAL, dim=2, cache=False),
         "kernel": store.kernel_influence(TRAIN, VAL, dim=2, cache=False),
         "concat": store.sketches("train", dim=2, combine="concat", steps=(0, 5)),
@@ -90,7 +93,7 @@ def test_dynamics_queries_equal_one_process(results: tuple[dict[str, Any], list[
 def test_influence_queries_equal_one_process(results: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
     alone, ranks = results
     for got in ranks:
-        for name in ("in_run", "kfac", "sketched", "kernel"):
+        for name in ("in_run", "kfac", "ekfac", "sketched", "kernel"):
             np.testing.assert_array_equal(got[name].row_ids, alone[name].row_ids)
             np.testing.assert_array_equal(got[name].col_ids, alone[name].col_ids)
             assert_close(got[name].scores, alone[name].scores)
@@ -104,4 +107,5 @@ def test_each_rank_read_its_share(results: tuple[dict[str, Any], list[dict[str, 
         assert rows_0 + rows_1 == total, query
     assert any(q.startswith("influence of 'train'") for q, _, _ in shares[0])  # in-run influence, partitioned
     assert any(q.startswith("top_contributors") for q, _, _ in shares[0])
+    assert any(q.startswith("curvature of") for q, _, _ in shares[0])  # K-FAC sums, each rank its shards
     assert sum(rows for _, rows, _ in shares[1]) > 0

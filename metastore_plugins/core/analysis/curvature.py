@@ -3,9 +3,10 @@
 For each paired checkpoint pass ``c`` (train and test gradients at the same weights), the curvature
 ``F_c`` is fitted on that pass's training records (:mod:`metastore_plugins.core.ops.curvature`),
 each test gradient is preconditioned, ``(F_c + delta I)^-1 g_test``, and scored against every
-training gradient on its factors (under a partitioned scan one rank fits ``F_c`` and preconditions
-the test gradients, every rank scores its shards). Passes are summed with TracIn's learning-rate weights:
-``sum_c lr_c g_train_i(w_c)^T (F_c + delta_c I)^-1 g_test_j(w_c)``.
+training gradient on its factors. Passes are summed with TracIn's learning-rate weights:
+``sum_c lr_c g_train_i(w_c)^T (F_c + delta_c I)^-1 g_test_j(w_c)``. Under a partitioned scan every
+rank adds the K-FAC sums of its shards to the others', one rank preconditions the test gradients
+(the broadcast side), every rank scores its shards.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 from metastore_plugins.core.analysis.queries import scored_pairs, selected_pairs, whole
 from metastore_plugins.core.analysis.results import Scores
-from metastore_plugins.core.analysis.scan import ColumnBatch
+from metastore_plugins.core.analysis.scan import LOCAL, ColumnBatch, Scan, scan_of
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import (
     CURVATURE_METHODS,
@@ -23,25 +24,60 @@ from metastore_plugins.core.ops.curvature import (
     CurvatureSums,
     EigenvalueCorrection,
     LayerCurvature,
+    LayerSums,
     precondition,
 )
 from metastore_plugins.core.store import Selection, StoreReader
 
 
 def fit_curvature(
-    selection: Selection, method: CurvatureMethod = "ekfac", max_bytes: int = DEFAULT_MAX_BYTES
+    selection: Selection,
+    method: CurvatureMethod = "ekfac",
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    scan: Scan = LOCAL,
+    what: str = "curvature",
 ) -> dict[str, LayerCurvature]:
-    """Per layer, the K-FAC (one read of the selection) or EK-FAC (two reads) curvature of its samples."""
+    """Per layer, the K-FAC (one read of the selection) or EK-FAC (two reads) curvature of its samples.
+
+    Each process reads its part of the selection (``scan``, a read named ``what``); the sums are
+    added over the processes before each fit, so every process fits the same curvature.
+    """
+    part = scan.part(selection, what)
     sums = CurvatureSums()
-    for batch in selection.batches():
+    for batch in part.selection.batches():
         sums.add(batch.records)
-    curvature = sums.fit()
+    curvature = _added_sums(sums, scan, what).fit()
     if method == "ekfac":
         correction = EigenvalueCorrection(curvature)
-        for batch in selection.batches():
+        for batch in part.selection.batches():
             correction.add(batch.records, max_bytes)
+        correction.sums = scan.sum(correction.sums, f"{what} (eigenvalues)")
+        counts = scan.every(correction.samples, f"{what} (samples)")
+        correction.samples = {layer: sum(c[layer] for c in counts) for layer in correction.samples}
         curvature = correction.fit()
     return curvature
+
+
+def _added_sums(sums: CurvatureSums, scan: Scan, what: str) -> CurvatureSums:
+    """Every process's K-FAC sums added (a layer some process saw no batch of counts as zero there)."""
+    heads = scan.every(
+        {layer: (s.params, s.layout, s.rows, s.factored_samples, s.dense_samples) for layer, s in sums.layers.items()},
+        f"{what} (layers)",
+    )
+    kept = {
+        (layer, name): getattr(s, name) for layer, s in sums.layers.items() for name in ("inputs", "outputs", "dense")
+    }
+    tensors = scan.sum({f"{layer}\n{name}": t for (layer, name), t in kept.items() if t is not None}, what)
+    out = CurvatureSums()
+    for head in heads:
+        for layer, (params, layout, rows, factored, dense) in head.items():
+            added = out.layers.setdefault(layer, LayerSums(dict(params), layout=layout))
+            added.rows, added.factored_samples = added.rows + rows, added.factored_samples + factored
+            added.dense_samples += dense
+    for key, tensor in tensors.items():
+        layer, name = key.split("\n")
+        setattr(out.layers[layer], name, tensor)
+    return out
 
 
 def _preconditioned_chunks(
@@ -100,9 +136,16 @@ def kfac_influence(
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise ValueError(f"{name} must be a positive number, got {value!r}")
 
-    def preconditioned(train_cp: str, cols: Selection) -> Iterator[list[ColumnBatch]]:
-        curvature = fit_curvature(store.select(train_cp, layers=layers), method, max_bytes)
-        return _preconditioned_chunks(cols, curvature, damping, relative_damping, max_bytes // 2)
+    scan, pairs = (
+        scan_of(store),
+        selected_pairs(store, train, test, layers=layers, train_ids=train_ids, test_ids=test_ids),
+    )
+    curvatures = {
+        cp: fit_curvature(store.select(cp, layers=layers), method, max_bytes, scan, f"curvature of {cp!r}")
+        for cp in dict.fromkeys(cp for cp, _, _, _ in pairs)
+    }  # per train pass: every process fits the same
 
-    pairs = selected_pairs(store, train, test, layers=layers, train_ids=train_ids, test_ids=test_ids)
+    def preconditioned(train_cp: str, cols: Selection) -> Iterator[list[ColumnBatch]]:
+        return _preconditioned_chunks(cols, curvatures[train_cp], damping, relative_damping, max_bytes // 2)
+
     return whole(scored_pairs(store, pairs, columns=preconditioned, max_bytes=max_bytes))
