@@ -7,7 +7,8 @@ It comes in two forms, converted at the edge: :data:`LossFn` ``(model, batch)`` 
 (``recompute(loss_fn=...)``, :mod:`metastore_plugins.testing`), :class:`BatchLoss` ``(batch, k)`` what an
 adapter's checkpoint pass runs (``k``: the micro-batch index, which Lightning's ``training_step`` takes);
 :func:`unbound_loss` turns a pass's loss into the users' form. The per-sample losses recorded with
-the factors, :data:`PerSampleLossFn`, are values, not a loss to differentiate.
+the factors, :data:`PerSampleLossFn` (of the batch) or :data:`PerSampleLoss` (of its labels), are values, not
+a loss to differentiate.
 
 The callbacks' defaults read ``(x, y)`` batches and dicts with ``"labels"``; outputs that are logits, have
 ``.logits`` or ``["logits"]``; cross-entropy of ``(B, C)`` logits on ``(B,)`` class labels.
@@ -28,6 +29,8 @@ LABEL_KEYS = ("labels", "label", "y")
 LossFn = Callable[[nn.Module, Any], Tensor]
 #: ``(forward output, batch) -> (B,)`` per-sample losses.
 PerSampleLossFn = Callable[[Any, Any], Tensor]
+#: ``(forward output, labels) -> (B,)`` per-sample losses (the plain loop's; :func:`default_per_sample_loss`).
+PerSampleLoss = Callable[[Any, Tensor], Tensor]
 #: ``batch -> (B,)`` labels.
 LabelsFn = Callable[[Any], Tensor]
 
@@ -49,6 +52,7 @@ __all__ = [
     "BatchLoss",
     "LabelsFn",
     "LossFn",
+    "PerSampleLoss",
     "PerSampleLossFn",
     "default_labels",
     "default_per_sample_loss",

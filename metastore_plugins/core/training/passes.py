@@ -16,13 +16,10 @@ from typing import Any
 from torch import Tensor, nn
 
 from metastore_plugins.core.capture import CaptureSession
-from metastore_plugins.core.model.losses import margins_of, predictions_of
+from metastore_plugins.core.model.losses import PerSampleLoss, margins_of, predictions_of
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
 from metastore_plugins.core.records import BatchMeta
 from metastore_plugins.core.store.writer import StoreWriter
-
-#: ``(outputs, labels) -> (B,)`` per-sample losses.
-PerSampleLoss = Callable[[Any, Tensor], Tensor]
 
 
 def capture_step(
