@@ -14,7 +14,7 @@ Run (``pip install -e ".[examples]"``)::
     python examples/lightning_digits.py                                 # full: 1497 training samples, 4 epochs
     python examples/lightning_digits.py --train-size 600 --epochs 3     # fast (the test)
     python examples/lightning_digits.py --outliers-from training        # rank by the training steps; small passes
-    # timing (benchmarks/callback_bench.py):
+    # timing (metastore_bench/callback_bench.py):
     python examples/lightning_digits.py --no-callback | --no-passes | --no-reports
     tensorboard --logdir runs/lightning-digits/tb                       # TEXT, IMAGES, HISTOGRAMS, PROJECTOR
 

@@ -32,7 +32,7 @@ def test_lightning_variants_run_and_the_doc_section_is_rewritten(tmp_path: Path)
         [
             sys.executable,
             "-m",
-            "benchmarks.callback_bench",
+            "metastore_bench.callback_bench",
             "--only",
             "lightning",
             "--rounds",

@@ -21,7 +21,7 @@ def test_a_tiny_run_is_measured_and_the_doc_section_is_rewritten(tmp_path: Path)
     doc, out = tmp_path / "benchmarks.md", tmp_path / "capture_families.json"
     doc.write_text("# hand-written\n\n<!-- capture-families:start -->\nold\n<!-- capture-families:end -->\n\nkept\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "benchmarks.capture_families", "--size", "tiny", "--repeats", "1"]
+    command = [sys.executable, "-m", "metastore_bench.capture_families", "--size", "tiny", "--repeats", "1"]
     command += ["--warmup", "0", "--threads", "1", "--doc", str(doc), "--out", str(out)]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

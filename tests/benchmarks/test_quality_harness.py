@@ -1,4 +1,4 @@
-"""``python -m benchmarks.quality --quick`` as a smoke test: every detector and attributor scored, docs written."""
+"""``python -m metastore_bench.quality --quick`` as a smoke test: every detector and attributor scored, docs written."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ pytest.importorskip("cleanlab")
 pytest.importorskip("dattri")
 pytest.importorskip("sklearn")
 
-from benchmarks.quality.__main__ import main  # noqa: E402
-from benchmarks.quality.detectors import STORE_DETECTORS  # noqa: E402
-from benchmarks.quality.label_errors import REPORT_DEFAULT  # noqa: E402
+from metastore_bench.quality.__main__ import main  # noqa: E402
+from metastore_bench.quality.detectors import STORE_DETECTORS  # noqa: E402
+from metastore_bench.quality.label_errors import REPORT_DEFAULT  # noqa: E402
 
 
 def test_quick_run(tmp_path: Path) -> None:

@@ -16,12 +16,12 @@ from scipy.stats import spearmanr
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # this repository's ``benchmarks`` (opacus installs another one)
+    sys.path.insert(0, str(REPO))  # ``metastore_bench`` is not installed: found from the repository
 
 pytest.importorskip("sklearn")
 
-from benchmarks.quality import lds, lds_peers, tokens  # noqa: E402
-from benchmarks.quality.digits import Capture, ModelKind, load_digits_arrays, make_model, train_model  # noqa: E402
+from metastore_bench.quality import lds, lds_peers, tokens  # noqa: E402
+from metastore_bench.quality.digits import Capture, ModelKind, load_digits_arrays, make_model, train_model  # noqa: E402
 from metastore_plugins import StoreWriter, open_store  # noqa: E402
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from benchmarks.quality.metrics import auroc, flagged_scores, precision_at_k
-from benchmarks.quality.noise import confusion_map, flip_labels
+from metastore_bench.quality.metrics import auroc, flagged_scores, precision_at_k
+from metastore_bench.quality.noise import confusion_map, flip_labels
 
 
 def test_auroc_matches_sklearn_with_ties_and_nan() -> None:

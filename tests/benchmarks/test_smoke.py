@@ -1,8 +1,7 @@
 """The benchmark harness runs end to end at its smallest sizes (not a timing test).
 
-It runs ``python -m benchmarks run --smoke`` in a subprocess from the repository root:
-opacus 1.6 installs a top-level ``benchmarks`` package into site-packages, and only the
-current directory coming first on ``sys.path`` makes ``-m benchmarks`` this repository's.
+It runs ``python -m metastore_bench run --smoke`` in a subprocess from the repository root
+(the harness is not installed with the package: the repository on ``sys.path`` finds it).
 """
 
 from __future__ import annotations
@@ -26,8 +25,9 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("bench")
     doc = out / "benchmarks.md"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "metastore_bench", "run", "--smoke", "--threads", "1"]
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "run", "--smoke", "--out", str(out), "--doc", str(doc), "--threads", "1"],
+        [*command, "--out", str(out), "--doc", str(doc)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -111,10 +111,10 @@ def test_markdown_and_plot_written(smoke_run: tuple[dict, Path]) -> None:
 def test_rewriting_keeps_hand_written_text(tmp_path: Path) -> None:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_report", REPO / "benchmarks" / "report.py")
+    spec = importlib.util.spec_from_file_location("bench_report", REPO / "metastore_bench" / "report.py")
     assert spec is not None and spec.loader is not None
     report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)  # by path: site-packages may hold another `benchmarks`
+    spec.loader.exec_module(report)  # by path, as a module of its own
     write_doc = report.write_doc
     doc = tmp_path / "b.md"
     write_doc(doc, "first\n", "# Title\n\nHand-written.\n")

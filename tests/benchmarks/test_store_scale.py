@@ -17,7 +17,7 @@ def test_a_small_run_is_measured_and_the_doc_section_is_rewritten(tmp_path: Path
     doc, out = tmp_path / "benchmarks.md", tmp_path / "store_scale.json"
     doc.write_text("# hand-written\n\n<!-- store_scale:start -->\nold\n<!-- store_scale:end -->\n\nkept below\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "benchmarks.store_scale", "--steps", "400", "--batch", "4"]
+    command = [sys.executable, "-m", "metastore_bench.store_scale", "--steps", "400", "--batch", "4"]
     command += ["--shard-bytes", "4096", "--repeats", "1", "--name", "small", "--out", str(out), "--doc", str(doc)]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr

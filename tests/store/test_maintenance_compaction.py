@@ -133,7 +133,7 @@ def test_a_planted_temporary_link_is_never_written_through(tmp_path: Path, dangl
 def test_a_million_sample_store_compacts_with_every_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 29's 10^7-sample store at a tenth of the size and a sixteenth of the line cap (10^6 samples, about
     27 MB of journal against 16 MiB), so that one merged line would pass the cap as 10^7 passes 256 MiB; the
-    10^7 run itself: ``python -m benchmarks.compaction_scale``."""
+    10^7 run itself: ``python -m metastore_bench.compaction_scale``."""
     path = tmp_path / "store"
     ids = bulk_store(path, shards=100, batches=100, size=100)
     monkeypatch.setattr(journal_module, "MAX_LINE_BYTES", 16 * 2**20)

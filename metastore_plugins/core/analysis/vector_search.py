@@ -29,7 +29,7 @@ class Plan:
 
 def choose_plan(rows: int, width: int, have_faiss: bool) -> Plan:
     """Flat up to :data:`FLAT_MAX_VALUES` numbers (or without FAISS); IVF above, ``nlist ~ 4 sqrt(N)``
-    (a power of two in 64..65536) and ``nprobe = nlist / 4`` (recall@10 >= 0.95 in benchmarks/index_bench.py)."""
+    (a power of two in 64..65536) and ``nprobe = nlist / 4`` (recall@10 >= 0.95 in metastore_bench/index_bench.py)."""
     if rows * width <= FLAT_MAX_VALUES or not have_faiss:
         return Plan()
     nlist = int(min(65536, max(64, 2 ** round(math.log2(4 * math.sqrt(rows))))))

@@ -1,12 +1,12 @@
 """Compaction of a metadata-only store of 10^7 samples (issue 29): every sample must open after it.
 
-``python -m benchmarks.compaction_scale [--samples 10000000] [--target-mb 256] [--dir PATH]`` (from the
+``python -m metastore_bench.compaction_scale [--samples 10000000] [--target-mb 256] [--dir PATH]`` (from the
 repository root) writes a rank 0 store of ``--samples`` samples (sample id, label and loss each; no records)
 directly, 100 batches of 100 samples per shard, as the writer lays shards and journal lines out (building it
 with a training loop would take hours), then runs ``compact`` as ``metastore compact --target-mb`` does, opens
 the store and checks that it lists every sample id once. It prints the time and peak memory of each step, the
 journal's size and its longest line against the reader's cap, and merges the figures into
-``benchmarks/results/compaction_scale.json``. With the code before issue 29 the same run printed "86 -> 1"
+``metastore_bench/results/compaction_scale.json``. With the code before issue 29 the same run printed "86 -> 1"
 and opened with 0 samples (a 275 MB line at 8.6 M samples, over the 256 MiB cap).
 """
 

@@ -10,8 +10,8 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from benchmarks.quality.digits import load_digits_arrays, make_model
-from benchmarks.quality.tokens import load_token_arrays, make_token_model
+from .digits import load_digits_arrays, make_model
+from .tokens import load_token_arrays, make_token_model
 
 Kind = Literal["mlp", "cnn", "tokens"]
 KINDS: tuple[Kind, ...] = ("mlp", "cnn", "tokens")

@@ -1,6 +1,6 @@
 """The default capture policy at scale: a MiniLM fine-tune on many reviews, and BERT-base's bytes on paper.
 
-``python -m benchmarks.policy_scale [--reviews 20000] [--no-run] [--doc PATH] [--out JSON]``:
+``python -m metastore_bench.policy_scale [--reviews 20000] [--no-run] [--doc PATH] [--out JSON]``:
 
 - **scale run**: ``examples/finetune_bert.py`` on ``--reviews`` composed reviews for one epoch
   (checkpoint passes over the callback's default 256-sample training subset and the 128
@@ -11,23 +11,20 @@
   in every representation, which give the store of a 100k-example, 3-epoch fine-tune for each
   policy rung, and the plan the default policy makes for it.
 
-Writes ``benchmarks/results/policy_scale.json`` and the ``policy-scale`` section of ``docs/benchmarks.md``.
+Writes ``metastore_bench/results/policy_scale.json`` and the ``policy-scale`` section of ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from .timing import machine, write_section
+from .example_runs import run_example
+from .publish import bench_parser, publish, visible_machine
 
-REPO = Path(__file__).resolve().parent.parent
 START, END = "<!-- policy-scale:start -->", "<!-- policy-scale:end -->"
 GIB = 2**30
 
@@ -37,16 +34,8 @@ def scale_run(reviews: int) -> dict[str, Any]:
     for variant, extra in (("no callback", ["--no-callback"]), ("default policy", [])):
         with tempfile.TemporaryDirectory(prefix="msbench-scale-") as tmp:
             print(f"[policy-scale] {reviews} reviews: {variant}", file=sys.stderr, flush=True)
-            args = ["--out", tmp, "--train-size", str(reviews), "--epochs", "1", "--checkpoint-train-samples", "256"]
-            subprocess.run(
-                [sys.executable, str(REPO / "examples" / "finetune_bert.py"), *args, *extra],
-                cwd=REPO,
-                check=True,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONWARNINGS": "ignore"},
-            )
-            result = json.loads((Path(tmp) / "result.json").read_text())
+            args = ["--train-size", str(reviews), "--epochs", "1", "--checkpoint-train-samples", "256"]
+            result = run_example("examples/finetune_bert.py", tmp, [*args, *extra])
             if variant != "no callback":
                 manifest = json.loads((Path(tmp) / "metastore" / "manifest-rank0.json").read_text())
                 result["plan"] = manifest["config"]["capture_plan"]
@@ -61,7 +50,8 @@ def bert_base_on_paper(tokens: int = 128, examples: int = 100_000, epochs: int =
 
     from metastore_plugins import CaptureSession
     from metastore_plugins.core.ops.cost import SAMPLE_METADATA_BYTES
-    from metastore_plugins.core.policy.plan import LADDER, RunShape, make_plan, measure
+    from metastore_plugins.core.policy.budget import RunShape
+    from metastore_plugins.core.policy.plan import LADDER, make_plan, measure
 
     torch.manual_seed(0)
     model = BertForSequenceClassification(BertConfig(num_labels=2))
@@ -134,21 +124,15 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.policy_scale", description=__doc__.splitlines()[0])
+    parser = bench_parser("policy_scale", __doc__, "policy_scale.json")
     parser.add_argument("--reviews", type=int, default=20_000)
     parser.add_argument("--no-run", action="store_true", help="only the on-paper figures (keep the last scale run)")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "policy_scale.json")
     args = parser.parse_args(argv)
     previous = json.loads(args.out.read_text()).get("results", {}) if args.out.exists() else {}
     results = {"bert_base": bert_base_on_paper()}
     results["scale_run"] = previous.get("scale_run") if args.no_run else scale_run(args.reviews)
-    meta = {"machine": f"{machine()}, {os.cpu_count()} CPUs visible"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    write_section(args.doc, markdown(results, meta), START, END)
-    print(markdown(results, meta))
-    return 0
+    meta = {"machine": visible_machine()}
+    return publish(args.out, {"meta": meta, "results": results}, markdown(results, meta), args.doc, (START, END))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Capture rules: the generic rule against the specific ones, on the same layers.
 
-``python -m benchmarks.capture_families [--size full|tiny] [--repeats 11] [--threads N] [--doc PATH] [--out JSON]``
+``python -m metastore_bench.capture_families [--size full|tiny] [--repeats 11] [--threads N] [--doc PATH] [--out JSON]``
 
 Per layer family (``nn.Linear``, ``nn.LayerNorm``, ``nn.Conv2d``, ``nn.Embedding``), one layer at a
 realistic size runs forward + backward of one batch three ways, round-robin (one step each per
-round, median over rounds, :func:`benchmarks.timing.round_robin`), each on its own copy of the layer:
+round, median over rounds, :func:`metastore_bench.timing.round_robin`), each on its own copy of the layer:
 
 - ``no capture``: plain autograd;
 - ``specific rule``: a :class:`CaptureSession` with the family's built-in rule (records read and reset
@@ -19,23 +19,18 @@ the parameters only the generic rule covers (Llama's RMSNorm weights, ViT's ``cl
 generic rule costs inside a model.
 
 To add a layer family, append a :class:`Case` to :func:`layer_cases`; a model, to :func:`model_cases`.
-Writes ``benchmarks/results/capture_families.json`` and the ``capture-families`` section of
+Writes ``metastore_bench/results/capture_families.json`` and the ``capture-families`` section of
 ``docs/benchmarks.md``. ``--size tiny`` is a smoke run (seconds), not a measurement.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime as dt
-import json
-import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,9 +39,9 @@ from torch import Tensor, nn
 from metastore_plugins.core.capture import CaptureSession, find_rule, register_capture, restore_all, unregister_capture
 from metastore_plugins.testing import max_relative_error
 
-from .timing import machine, median, round_robin, versions, write_section
+from .publish import publish, round_robin_meta, round_robin_parser
+from .timing import median, round_robin
 
-REPO = Path(__file__).resolve().parent.parent
 START, END = "<!-- capture-families:start -->", "<!-- capture-families:end -->"
 
 Loss = Callable[[nn.Module, Any], Tensor]
@@ -233,7 +228,7 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [
         f"### {meta['machine']}, {meta['threads']} thread(s); torch {meta['versions'].get('torch')}",
         "",
-        f"`python -m benchmarks.capture_families` ({meta['measured']}, size `{meta['size']}`): median of "
+        f"`python -m metastore_bench.capture_families` ({meta['measured']}, size `{meta['size']}`): median of "
         f"{meta['repeats']} round-robin rounds of forward + backward of one batch, each variant on its own copy of "
         "the module; records read and reset every step. Overheads are against no capture. The generic rule is "
         "forced on each layer by unregistering its specific rule while the session attaches; the last column "
@@ -275,14 +270,7 @@ def _ms(row: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.capture_families", description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=["full", "tiny"], default="full")
-    parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "capture_families.json")
-    args = parser.parse_args(argv)
+    args = round_robin_parser("capture_families", __doc__, "capture_families.json").parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     results: dict[str, Any] = {"layers": {}, "models": {}}
@@ -290,19 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             print(f"[capture-families] {case.name}", file=sys.stderr, flush=True)
             results[part][case.name] = measure(case, args.repeats, args.warmup)
-    meta = {
-        "machine": f"{machine()}, {os.cpu_count()} CPUs visible",
-        "threads": torch.get_num_threads(),
-        "versions": versions("torch", "transformers"),
-        "measured": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "size": args.size,
-        "repeats": args.repeats,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    write_section(args.doc, markdown(results, meta), START, END)
-    print(markdown(results, meta))
-    return 0
+    meta = round_robin_meta(args, torch.get_num_threads(), "transformers")
+    return publish(args.out, {"meta": meta, "results": results}, markdown(results, meta), args.doc, (START, END))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ chose, the rate it ran at against one large matmul, and its peak memory in a fre
 - ``matmul_gflops``: ``2 n^3`` flops of one ``(n, n) @ (n, n)`` fp32 product over its time, in
   the same process and thread count, timed in the same rounds as the influence it is compared to;
 - ``influence_memory``: ``store.influence(train, test)`` in a fresh subprocess
-  (:func:`benchmarks.scaling_bench.measure`): peak resident set minus the resident set just
+  (:func:`metastore_bench.scaling_bench.measure`): peak resident set minus the resident set just
   before, split into anonymous memory (sampled) and the file pages (shards) mapped meanwhile.
 """
 

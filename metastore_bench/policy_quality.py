@@ -1,6 +1,6 @@
 """The default capture policy against ``policy="exact"`` on the examples: bytes, time, and what the reports find.
 
-``python -m benchmarks.policy_quality [--only hf|lightning] [--doc PATH] [--out JSON]`` runs each
+``python -m metastore_bench.policy_quality [--only hf|lightning] [--doc PATH] [--out JSON]`` runs each
 example twice in fresh processes, ``--policy exact`` then ``--policy auto`` (the same seeds, so the
 same training; and ``--policy exact --encoding fp32``, the reference for influence), and compares:
 
@@ -11,16 +11,13 @@ same training; and ``--policy exact --encoding fp32``, the reference for influen
   sample; overlap of the estimated top-5 proponents and opponents with the exact ones; and whether
   the report's refined top-5 (recomputed exactly) equals the exact top-5.
 
-Writes ``benchmarks/results/policies.json`` and the ``policies`` section of ``docs/benchmarks.md``.
+Writes ``metastore_bench/results/policies.json`` and the ``policies`` section of ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,27 +27,15 @@ import numpy as np
 
 from metastore_plugins.core.policy.plan import summarize
 
-from .timing import machine, write_section
+from .example_runs import run_example
+from .publish import bench_parser, keep_previous, publish, visible_machine
 
-REPO = Path(__file__).resolve().parent.parent
 START, END = "<!-- policies:start -->", "<!-- policies:end -->"
 #: example -> (script, store subdirectory of --out, extra arguments)
 EXAMPLES = {
     "hf": ("examples/finetune_bert.py", "metastore", []),
     "lightning": ("examples/lightning_digits.py", "store", []),
 }
-
-
-def run(script: str, out: Path, extra: list[str]) -> dict[str, Any]:
-    subprocess.run(
-        [sys.executable, str(REPO / script), "--out", str(out), *extra],
-        cwd=REPO,
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    return json.loads((out / "result.json").read_text())
 
 
 def ranks(values: np.ndarray) -> np.ndarray:
@@ -121,7 +106,7 @@ def measure(name: str, keep: Path | None) -> dict[str, Any]:
         runs = {}
         for variant, arguments in VARIANTS.items():
             print(f"[policies] {name}: {variant}", file=sys.stderr, flush=True)
-            runs[variant] = run(script, where / variant, [*extra, *arguments])
+            runs[variant] = run_example(script, where / variant, [*extra, *arguments])
         quality = influence_quality(where / "exact-fp32" / sub, where / "auto" / sub)
         plan = json.loads((where / "auto" / sub / "manifest-rank0.json").read_text())["config"]["capture_plan"]
     return {
@@ -170,24 +155,15 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.policy_quality", description=__doc__.splitlines()[0])
+    parser = bench_parser("policy_quality", __doc__, "policies.json")
     parser.add_argument("--only", choices=sorted(EXAMPLES), action="append")
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs' directories under this one")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "policies.json")
     args = parser.parse_args(argv)
     results = {name: measure(name, args.keep) for name in args.only or list(EXAMPLES)}
     if args.only and args.out.exists():
-        previous = json.loads(args.out.read_text()).get("results", {})
-        results = {
-            name: results.get(name, previous.get(name)) for name in EXAMPLES if name in results or name in previous
-        }
-    meta = {"machine": f"{machine()}, {os.cpu_count()} CPUs visible"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    write_section(args.doc, markdown(results, meta), START, END)
-    print(markdown(results, meta))
-    return 0
+        results = keep_previous(args.out, results, EXAMPLES)
+    meta = {"machine": visible_machine()}
+    return publish(args.out, {"meta": meta, "results": results}, markdown(results, meta), args.doc, (START, END))
 
 
 if __name__ == "__main__":

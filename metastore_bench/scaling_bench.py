@@ -1,6 +1,6 @@
 """Scaling: time and peak memory of store influence as the number of train samples N grows.
 
-Each point runs in a fresh subprocess (``python -m benchmarks.scaling_bench STORE N REPEATS METHOD``)
+Each point runs in a fresh subprocess (``python -m metastore_bench.scaling_bench STORE N REPEATS METHOD``)
 and measures its own resident memory, which sees every allocation, torch's included (``tracemalloc``
 would not). On Linux the peak is ``VmHWM`` of ``/proc/self/status``, reset with ``/proc/self/clear_refs``
 just before the computation; we report that peak minus the resident size at the reset: the extra
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from .publish import REPO
 
 
 def _status_mib(field: str) -> float | None:
@@ -82,7 +82,7 @@ def worker(store_path: str, n_train: int, repeats: int, method: str, threads: in
     torch.set_num_threads(threads)
     from metastore_plugins.core.analysis import open_store
 
-    from .analytics_bench import rebuild_pass
+    from .stores import rebuild_pass
 
     store = open_store(store_path)
     ids = list(range(n_train)) if n_train > 0 else None
@@ -115,7 +115,7 @@ def measure(store_path: Path, n_train: int, repeats: int, method: str, threads: 
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.scaling_bench",
+        "metastore_bench.scaling_bench",
         str(store_path),
         str(n_train),
         str(repeats),
@@ -132,7 +132,7 @@ def measure(store_path: Path, n_train: int, repeats: int, method: str, threads: 
 
 
 def run(workload: Any, sizes: list[int], n_test: int, repeats: int, threads: int) -> dict[str, Any]:
-    from .analytics_bench import write_store
+    from .stores import write_store
 
     model = workload.build()
     points = []

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
+from ..publish import REPO
 
 
 def _example() -> ModuleType:

@@ -1,6 +1,6 @@
 """Partitioned influence (issue 22): one process against two, on a store of 10^5 training rows.
 
-``python -m benchmarks.distributed_bench [--rows 100000] [--test 64] [--name NAME] [--doc PATH]``
+``python -m metastore_bench.distributed_bench [--rows 100000] [--test 64] [--name NAME] [--doc PATH]``
 (from the repository root) writes a store the way 2 DDP ranks do (``StoreWriter(rank=0/1)``,
 64 MiB shards): a 64-128-10 MLP's factors of ``--rows`` training samples (capture point
 ``ckpt/train``, batches of 1,000) and ``--test`` test samples (``ckpt/test``), fp32. Then, each
@@ -12,7 +12,7 @@ in fresh processes started with ``torch.multiprocessing`` (spawn, gloo on the CP
 Each rank reports its wall time for the query (after a barrier; median of ``REPEATS``), the shard bytes its share
 lists (``planned``: the shards it scores, plus the test shards on rank 0) and the bytes its
 ``read()`` calls returned (``rchar`` of ``/proc/self/io``, page cache included). The figures
-are merged into ``benchmarks/results/distributed.json`` under ``--name``; ``--doc`` rewrites
+are merged into ``metastore_bench/results/distributed.json`` under ``--name``; ``--doc`` rewrites
 the table between the ``distributed`` markers of that markdown file.
 """
 
@@ -37,12 +37,13 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.timing import machine, versions, write_section
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.analysis import queries
 from metastore_plugins.core.distributed import partitioned_influence, partitioned_influence_top, split
 
-REPO = Path(__file__).resolve().parent.parent
+from .publish import RESULTS, publish
+from .timing import machine, versions
+
 START, END = "<!-- distributed:start -->", "<!-- distributed:end -->"
 BATCH = 1000
 #: each rank's figures are the median of this many runs (the machine is shared)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--test", type=int, default=64)
     parser.add_argument("--name", default="default")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "distributed.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "distributed.json")
     parser.add_argument("--doc", type=Path)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,12 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     data = json.loads(args.out.read_text()) if args.out.exists() else {"runs": {}}
     data["runs"][args.name] = run
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
-    text = table(data["runs"])
-    print(text)
-    if args.doc is not None:
-        write_section(args.doc, text, START, END)
+    publish(args.out, data, table(data["runs"]), args.doc, (START, END))
 
 
 if __name__ == "__main__":

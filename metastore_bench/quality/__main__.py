@@ -1,8 +1,10 @@
-"""``python -m benchmarks.quality [--quick] [--only label-errors|lds] [--doc docs/quality.md]``: the quality harness.
+"""The quality harness: label-error detection and LDS, each against its peers.
+
+``python -m metastore_bench.quality [--quick] [--only label-errors|lds] [--doc docs/quality.md]``
 
 Label errors on the digits MLP, the digits CNN and the MiniLM review classifier, every noise
 kind at 5-30%, each detector against cleanlab (:mod:`.label_errors`); LDS of TracIn against a
-peer (:mod:`.lds`). Writes ``benchmarks/results/quality*.json``, the tables of
+peer (:mod:`.lds`). Writes ``metastore_bench/results/quality*.json``, the tables of
 ``docs/quality.md`` and its plot. ``--quick`` is the CI smoke run (one small setting per task
 family, no MiniLM).
 """
@@ -18,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from ..timing import machine, versions, write_section
+from ..publish import RESULTS, write_section
+from ..timing import machine, versions
 from .digits_task import DigitsTask
 from .label_errors import Setting, evaluate
 from .tables import cost_table, metric_table, plot
 
-REPO = Path(__file__).resolve().parents[2]
 NOISES = ("uniform", "class_conditional", "hard")
 #: the detectors drawn in the plot, with their legend labels
 PLOTTED = {
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the smoke run (a few minutes), no docs written")
     parser.add_argument("--only", choices=("label-errors", "lds"), default=None)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="results directory")
+    parser.add_argument("--out", default=str(RESULTS), help="results directory")
     parser.add_argument("--doc", default=None, help="markdown file whose generated sections are replaced")
     args = parser.parse_args(argv)
     out = Path(args.out)

@@ -1,10 +1,10 @@
 """Recurrent layers: the fused kernel without capture against the unrolled recurrence capture runs.
 
-``python -m benchmarks.recurrent_bench [--size full|tiny] [--repeats 11] [--threads N] [--doc PATH] [--out JSON]``
+``python -m metastore_bench.recurrent_bench [--size full|tiny] [--repeats 11] [--threads N] [--doc PATH] [--out JSON]``
 
 Per module (``nn.LSTM``, ``nn.GRU``; 2 layers, ``B = 32``, ``T = 64``, ``d_in = H = 256``; a padded batch and a
 ``PackedSequence`` of random lengths), forward + backward of one batch two ways, round-robin (one step each
-per round, median over rounds, :func:`benchmarks.timing.round_robin`), each on its own copy of the module:
+per round, median over rounds, :func:`metastore_bench.timing.round_robin`), each on its own copy of the module:
 
 - ``fused``: plain autograd through the fused kernel (oneDNN for LSTM on the CPU, ATen's for GRU);
 - ``captured``: a :class:`CaptureSession`: the fused forward, then the unrolled recurrence that replaces its
@@ -15,22 +15,17 @@ saved for backward and still alive, which the fused forward's discarded graph is
 the records; and the numerical difference of the captured run from the fused one (its ``.grad`` and the
 sum of its per-sample gradients against the fused ``.grad``, relative to each parameter's largest entry).
 
-Writes ``benchmarks/results/recurrent.json`` and the ``recurrent`` section of ``docs/benchmarks.md``.
+Writes ``metastore_bench/results/recurrent.json`` and the ``recurrent`` section of ``docs/benchmarks.md``.
 ``--size tiny`` is a smoke run (seconds), not a measurement.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime as dt
-import json
-import os
 import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,9 +34,9 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 from metastore_plugins.core.capture import CaptureSession, restore_all
 
-from .timing import machine, median, round_robin, versions, write_section
+from .publish import publish, round_robin_meta, round_robin_parser
+from .timing import median, round_robin
 
-REPO = Path(__file__).resolve().parent.parent
 START, END = "<!-- recurrent:start -->", "<!-- recurrent:end -->"
 
 Batch = Tensor | PackedSequence
@@ -163,7 +158,7 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [
         f"### {meta['machine']}, {meta['threads']} thread(s); torch {meta['versions'].get('torch')}",
         "",
-        f"`python -m benchmarks.recurrent_bench` ({meta['measured']}, size `{meta['size']}`): median of "
+        f"`python -m metastore_bench.recurrent_bench` ({meta['measured']}, size `{meta['size']}`): median of "
         f"{meta['repeats']} round-robin rounds of forward + backward of one batch, each variant on its own copy "
         "of the module; records read and reset every step. *Saved* is what autograd keeps for backward once the "
         "forward has returned (distinct storages); *records* the bytes of one step's records. The last two "
@@ -193,33 +188,15 @@ def _mib(nbytes: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.recurrent_bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=["full", "tiny"], default="full")
-    parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "recurrent.json")
-    args = parser.parse_args(argv)
+    args = round_robin_parser("recurrent_bench", __doc__, "recurrent.json").parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     results: dict[str, Any] = {}
     for case in cases(args.size):
         print(f"[recurrent] {case.name}", file=sys.stderr, flush=True)
         results[case.name] = measure(case, args.repeats, args.warmup)
-    meta = {
-        "machine": f"{machine()}, {os.cpu_count()} CPUs visible",
-        "threads": torch.get_num_threads(),
-        "versions": versions("torch"),
-        "measured": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "size": args.size,
-        "repeats": args.repeats,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    write_section(args.doc, markdown(results, meta), START, END)
-    print(markdown(results, meta))
-    return 0
+    meta = round_robin_meta(args, torch.get_num_threads())
+    return publish(args.out, {"meta": meta, "results": results}, markdown(results, meta), args.doc, (START, END))
 
 
 if __name__ == "__main__":

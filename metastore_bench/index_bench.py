@@ -1,0 +1,176 @@
+"""Top-10 through the nearest-gradient index against the exhaustive scan, on synthetic sketch vectors.
+
+The vectors have the width the index keeps for a real plan: ``k x k = 64`` for the MiniLM and
+BERT-base plans' 8x8 projections (summed over layers, see docs/policies.md), 256 for 16x16.
+Rows are clustered like gradients (a few hundred directions, log-normal norms, noise), queries
+drawn the same way. Per row count: the exhaustive scan (numpy, and FAISS ``IndexFlatIP``), the
+plan :func:`~metastore_plugins.core.analysis.vector_search.choose_plan` picks, and IVF at several
+``nprobe``: median single-query top-10 latency, recall@10 against the exhaustive scan of the same
+scores, build time and bytes.
+
+    nice -n 10 python -m metastore_bench.index_bench --rows 100000 1000000 --dim 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from metastore_plugins.core.analysis.vector_search import Plan, VectorIndex, build_ivf, choose_plan, load_faiss
+
+
+def synthetic(rows: int, width: int, seed: int, clusters: int = 256) -> np.ndarray:
+    """``(rows, width)`` float32: cluster directions + noise, log-normal norms (gradients are heavy-tailed)."""
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((clusters, width)).astype(np.float32)
+    out = np.empty((rows, width), np.float32)
+    for start in range(0, rows, 1 << 16):
+        n = min(1 << 16, rows - start)
+        picked = centers[rng.integers(0, clusters, n)]
+        block = picked + 0.7 * rng.standard_normal((n, width)).astype(np.float32)
+        out[start : start + n] = block * rng.lognormal(0.0, 0.5, (n, 1)).astype(np.float32)
+    return out
+
+
+def top10(scores: np.ndarray) -> set[int]:
+    return set(np.argpartition(-scores, 9)[:10].tolist())
+
+
+def median_ms(fn, queries: np.ndarray) -> float:
+    times = []
+    for q in queries:
+        start = time.perf_counter()
+        fn(q[None])
+        times.append(time.perf_counter() - start)
+    return 1000 * float(np.median(times))
+
+
+def run(rows: int, width: int, n_queries: int, nprobes: list[int]) -> dict:
+    faiss = load_faiss()
+    vectors = synthetic(rows, width, 0)
+    queries = synthetic(n_queries, width, 1)
+    truth = [top10(vectors @ q) for q in queries]
+    result: dict = {"rows": rows, "width": width, "queries": n_queries, "vector_bytes": vectors.nbytes}
+    index = VectorIndex("bench", int(round(width**0.5)), np.arange(rows), np.ones(rows), vectors, Plan())
+    result["numpy_scan_ms"] = median_ms(lambda q: index.search(q, 10), queries)
+    result["plan"] = vars(choose_plan(rows, width, faiss is not None))
+    if faiss is None:
+        return result
+    flat = faiss.IndexFlatIP(width)
+    flat.add(vectors)
+    result["faiss_flat_ms"] = median_ms(lambda q: flat.search(q, 10), queries)
+    plan = choose_plan(rows, width, True)
+    nlist = plan.nlist or int(min(65536, max(64, 2 ** round(np.log2(4 * np.sqrt(rows))))))
+    start = time.perf_counter()
+    ann = build_ivf(vectors, Plan("ivf", nlist, nlist // 4), faiss)  # as the library builds it
+    result["ivf"] = {"nlist": nlist, "build_s": time.perf_counter() - start}
+    result["ivf"]["bytes"] = int(faiss.serialize_index(ann).nbytes)
+    result["ivf"]["by_nprobe"] = []
+    for nprobe in sorted({*nprobes, max(1, nlist // 4)}):
+        ivf = VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, Plan("ivf", nlist, nprobe), ann)
+        found = [set(ivf.search(q[None], 10)[0].tolist()) for q in queries]
+        recall = np.mean([len(t & f) / 10 for t, f in zip(truth, found)])
+        wide = [set(ivf.search(q[None], 50)[0].tolist()) for q in queries]  # the candidates a query rescores
+        whole = np.mean([t <= f for t, f in zip(truth, wide)])  # exhaustive top-10 inside the 50 candidates
+        ms = median_ms(lambda q, index=ivf: index.search(q, 10), queries)
+        result["ivf"]["by_nprobe"].append(
+            {"nprobe": nprobe, "recall_at_10": float(recall), "top10_in_50": float(whole), "median_ms": ms}
+        )
+    return result
+
+
+def store_run(rows: int, layers: int, n_queries: int, path: Path) -> dict:
+    """A synthetic store kept projected 8x8 (``layers`` layers, fp16, batches of 32) at ``rows`` training rows:
+    the exhaustive ``store.influence(...).top(10)`` per test sample against ``influence(..., k=10)``."""
+    import tempfile
+
+    import torch
+
+    from metastore_plugins import StoreWriter, open_store
+    from metastore_plugins.core.records import LayerRecord
+
+    def records(vectors: np.ndarray) -> list[LayerRecord]:  # (B, layers, 64) -> one projected record per layer
+        b = len(vectors)
+        return [
+            LayerRecord(
+                f"layer{i}",
+                "projected",
+                b,
+                {"weight": f"layer{i}.weight"},
+                {"weight": (384, 384)},
+                {
+                    "projected": torch.from_numpy(vectors[:, i].reshape(b, 8, 8).copy()),
+                    "sq_norm": torch.from_numpy((vectors[:, i] ** 2).sum(1)),
+                },
+            )
+            for i in range(layers)
+        ]
+
+    root = Path(tempfile.mkdtemp(dir=path))
+    train = synthetic(rows, layers * 64, 0).reshape(rows, layers, 64)
+    test = synthetic(n_queries, layers * 64, 1).reshape(n_queries, layers, 64)
+    start = time.perf_counter()
+    with StoreWriter(root, encoding="fp16") as writer:
+        for step, first in enumerate(range(0, rows, 32)):
+            part = train[first : first + 32]
+            ids = np.arange(first, first + len(part))
+            writer.write(records(part), sample_ids=ids, step=step, capture_point="final/train", lr=0.1)
+        writer.write(records(test), sample_ids=np.arange(rows, rows + n_queries), step=0, capture_point="final/test")
+    result: dict = {"rows": rows, "layers": layers, "write_s": time.perf_counter() - start}
+    store = open_store(root)
+    result["store_bytes"] = sum(f.stat().st_size for f in root.glob("*.safetensors"))
+    test_ids = [rows + j for j in range(n_queries)]
+    times, exhaustive = [], []
+    for j in test_ids[: min(5, n_queries)]:  # a full scan per test sample: a few suffice
+        start = time.perf_counter()
+        exhaustive.append(store.influence("final/train", "final/test", test_ids=[j]).top(10)[0])
+        times.append(time.perf_counter() - start)
+    result["exhaustive_ms"] = 1000 * float(np.median(times))
+    start = time.perf_counter()
+    built = store.build_vector_index("final/train")
+    result["index_build_s"] = time.perf_counter() - start
+    result["index_plan"] = vars(built.plan)
+    result["index_bytes"] = sum(f.stat().st_size for f in (root / "vector_index").iterdir())
+    times, same = [], []
+    for n, j in enumerate(test_ids):
+        start = time.perf_counter()
+        top = store.influence("final/train", "final/test", test_ids=[j], k=10).top(10)[0]
+        times.append(time.perf_counter() - start)
+        if n < len(exhaustive):
+            want = exhaustive[n]
+            same.append(all({i for i, _ in top[d]} == {i for i, _ in want[d]} for d in ("proponents", "opponents")))
+    result["index_query_ms"] = 1000 * float(np.median(times))
+    result["top10_equal"] = float(np.mean(same))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="*", default=[100_000])
+    parser.add_argument("--dim", type=int, default=64, help="vector width (64: 8x8 projections)")
+    parser.add_argument("--queries", type=int, default=50)
+    parser.add_argument("--nprobe", type=int, nargs="+", default=[32, 64, 128, 512])
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    parser.add_argument("--store", type=int, help="also a synthetic projected store of this many training rows")
+    parser.add_argument("--layers", type=int, default=6, help="layers of that store (8x8 each)")
+    parser.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where that store is written")
+    args = parser.parse_args()
+    results = []
+    if args.store:
+        found = store_run(args.store, args.layers, args.queries, args.tmp)
+        print(json.dumps(found), flush=True)
+        results.append(found)
+    for rows in args.rows:
+        found = run(rows, args.dim, args.queries, args.nprobe)
+        print(json.dumps(found), flush=True)
+        results.append(found)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
