@@ -18,6 +18,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("sklearn")
 
 
+@pytest.mark.slow  # the benchmark runs in a subprocess
 def test_lightning_variants_run_and_the_doc_section_is_rewritten(tmp_path: Path) -> None:
     doc, out = tmp_path / "benchmarks.md", tmp_path / "callbacks.json"
     earlier = {

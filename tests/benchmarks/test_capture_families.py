@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow  # the benchmark runs in a subprocess
 def test_a_tiny_run_is_measured_and_the_doc_section_is_rewritten(tmp_path: Path) -> None:
     doc, out = tmp_path / "benchmarks.md", tmp_path / "capture_families.json"
     doc.write_text("# hand-written\n\n<!-- capture-families:start -->\nold\n<!-- capture-families:end -->\n\nkept\n")

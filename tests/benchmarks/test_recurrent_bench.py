@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the benchmark runs in a subprocess
 def test_a_tiny_run_is_measured_and_the_doc_section_is_rewritten(tmp_path: Path) -> None:
     doc, out = tmp_path / "benchmarks.md", tmp_path / "recurrent.json"
     doc.write_text("# hand-written\n\n<!-- recurrent:start -->\nold\n<!-- recurrent:end -->\n\nkept\n")

@@ -38,6 +38,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     return json.loads((out / "smoke.json").read_text()), doc
 
 
+@pytest.mark.slow  # its fixture runs the benchmark in a subprocess
 def test_result_structure(smoke_run: tuple[dict, Path]) -> None:
     result, _ = smoke_run
     assert {"meta", "capture", "storage", "analytics", "scaling", "checks"} <= set(result)
@@ -78,6 +79,7 @@ def test_result_structure(smoke_run: tuple[dict, Path]) -> None:
     assert all(p["median_s"] > 0 and p["rss_peak_mib"] > 0 for p in points)
 
 
+@pytest.mark.slow  # its fixture runs the benchmark in a subprocess
 def test_agreement_checks_passed(smoke_run: tuple[dict, Path]) -> None:
     result, _ = smoke_run
     assert result["checks"] and all(check["passed"] for check in result["checks"]), result["checks"]
@@ -87,6 +89,7 @@ def test_agreement_checks_passed(smoke_run: tuple[dict, Path]) -> None:
         assert agreement["influence_rebuild_fp32"] < 1e-3
 
 
+@pytest.mark.slow  # its fixture runs the benchmark in a subprocess
 def test_markdown_and_plot_written(smoke_run: tuple[dict, Path]) -> None:
     from PIL import Image
 

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the benchmark runs in a subprocess
 def test_a_small_run_is_measured_and_the_doc_section_is_rewritten(tmp_path: Path) -> None:
     doc, out = tmp_path / "benchmarks.md", tmp_path / "store_scale.json"
     doc.write_text("# hand-written\n\n<!-- store_scale:start -->\nold\n<!-- store_scale:end -->\n\nkept below\n")

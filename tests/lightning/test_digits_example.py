@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--train-size", "600", "--epochs", "3"]  # measured: 52 of the 60 flipped labels in the top 10% (87%)
 
 
+@pytest.mark.slow  # the example trains in a subprocess
 def test_digits_example_finds_flipped_labels(tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
     out = tmp_path / "digits"

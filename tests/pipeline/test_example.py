@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from metastore_plugins import open_store
 from metastore_plugins.core.reports import INFLUENCE_SAMPLES
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the example trains in a subprocess
 def test_example_run_produces_a_sound_store_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "run"
     done = subprocess.run(
