@@ -9,9 +9,9 @@ from typing import Any
 
 from metastore_plugins.cli.output import emit, plain, printable
 from metastore_plugins.core.analysis import GradientStore, open_store
-from metastore_plugins.core.policy.plan import CapturePlan
 from metastore_plugins.core.store import vector_files
 from metastore_plugins.core.store.maintenance import compact, repair
+from metastore_plugins.core.store.plan_record import CapturePlan
 from metastore_plugins.core.store.runs import repeated_batches
 from metastore_plugins.core.store.snapshots import SnapshotInfo, check_snapshots
 from metastore_plugins.core.store.tags import Tag, check_tags

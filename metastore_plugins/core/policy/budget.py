@@ -19,6 +19,7 @@ from typing import Literal
 from torch import nn
 
 from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADATA_BYTES
+from metastore_plugins.core.store.plan_record import size_text
 
 Policy = Literal["auto", "exact"]
 POLICIES: tuple[Policy, ...] = ("auto", "exact")
@@ -187,14 +188,6 @@ class Budget:
         share = 0.5 if source == "given" else 1.0  # the default budget holds one snapshot per pass by construction
         left = usable_bytes(cap, shape) - shape.metadata_bytes
         return max(0, min(shape.passes, int(share * left // shape.snapshot_bytes)))
-
-
-def size_text(nbytes: float) -> str:
-    """``"48.8 KiB"``, ``"5.7 MiB"``, ``"1.2 GiB"``: a byte count people can read (bytes below 1 KiB)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:,.1f} {unit}"
-    return f"{int(nbytes)} bytes"
 
 
 def parse_budget(budget: int | float | str | None, owner: str) -> int | None:

@@ -23,9 +23,10 @@ from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADAT
 from metastore_plugins.core.ops.represent import represent
 from metastore_plugins.core.ops.sketch import Projections
 from metastore_plugins.core.policy.budget import POLICIES, Budget, Policy, RunShape, usable_bytes
-from metastore_plugins.core.policy.plan import LADDER, CapturePlan, in_words, make_plan
+from metastore_plugins.core.policy.plan import LADDER, make_plan
 from metastore_plugins.core.records import REPRESENTATIONS, LayerRecord, Representation
 from metastore_plugins.core.store.encoding import Encoding, encoded_nbytes
+from metastore_plugins.core.store.plan_record import CapturePlan, in_words
 
 #: ``(step, capture_point) -> keep`` of a tag covering that step, or None.
 KeepFor = Callable[[int, str], str | None]

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
-from metastore_plugins.core.policy.plan import CapturePlan, in_words
 from metastore_plugins.core.reports.tables import Scores, has_margins, self_influence_of
+from metastore_plugins.core.store.plan_record import CapturePlan, in_words
 
 #: Record kinds that give inner products between samples (``"norms"`` records hold a squared norm alone).
 INNER_PRODUCT_KINDS = frozenset({"outer", "embedding", "dense", "projected"})

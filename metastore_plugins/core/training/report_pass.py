@@ -27,7 +27,6 @@ from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import DistributedQueryError
 from metastore_plugins.core.model.rng import preserved_rng
-from metastore_plugins.core.policy.plan import projected_size
 from metastore_plugins.core.reports import RenderFn, report_tables, write_tables
 from metastore_plugins.core.reports.dynamics import dynamics_norms, gradient_map, write_dynamics
 from metastore_plugins.core.reports.partitioned import agreed, distributed, report_store, share_of, writes
@@ -43,6 +42,7 @@ from metastore_plugins.core.reports.tensorboard import (
     write_projector,
     write_tensorboard,
 )
+from metastore_plugins.core.store.plan_record import projected_size
 from metastore_plugins.core.store.readcache import SHARDS
 from metastore_plugins.core.training.settings import CallbackOptions
 

@@ -44,11 +44,11 @@ from metastore_plugins.core.model.pass_sources import PassSource
 from metastore_plugins.core.model.recompute import pass_recomputer
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
 from metastore_plugins.core.policy.budget import Budget
-from metastore_plugins.core.policy.plan import CapturePlan
 from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.records import BatchMeta
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding
 from metastore_plugins.core.store.maintenance import CompactionReport, close_and_compact
+from metastore_plugins.core.store.plan_record import CapturePlan
 from metastore_plugins.core.store.snapshots import SnapshotInfo, SnapshotWriter
 from metastore_plugins.core.store.tags import TagBook, tag_attributes
 from metastore_plugins.core.store.writer import StoreWriter

@@ -1,0 +1,125 @@
+"""The capture plan as a store records it: ``config["capture_plan"]`` of each rank's manifest, and its text.
+
+The plan is made by :func:`~metastore_plugins.core.policy.plan.make_plan` at the start of a run
+and lowered by :class:`~metastore_plugins.core.policy.runtime.CapturePolicy` as the run goes; the
+store keeps it (:meth:`CapturePlan.to_json`), and whoever reads a store (``metastore inspect``, the
+reports) reads it back here, without the planning code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from metastore_plugins.core.records import Representation
+
+
+def projected_size(config: dict[str, Any]) -> int | None:
+    """The projection size ``k`` of a store's ``"projected"`` layers (from its manifest config), None if none."""
+    plan = config.get("capture_plan")
+    if not isinstance(plan, dict):
+        return None
+    kept = {*plan.get("train", {}).values(), *plan.get("passes", {}).values()}
+    return int(plan["k"]) if "projected" in kept else None
+
+
+@dataclass
+class CapturePlan:
+    """The plan of one rank; :meth:`to_json` goes to the manifest's ``config["capture_plan"]``.
+
+    Attributes:
+        policy, budget: as given (``"auto"`` or ``"exact"``; ``budget``: bytes for this rank; ``budget_source``:
+            how it was set).
+        k: the projection size ``k_in = k_out`` of ``"projected"`` layers.
+        train, passes: layer -> representation at training steps / checkpoint passes.
+        snapshots: the last ``snapshots`` checkpoint passes take a weight snapshot (-1: every pass).
+        planned: bytes planned per part (metadata, snapshots, train, passes, total).
+        exact_layers: layers kept exact whatever the rung (tied parameters, or exact no larger).
+        degraded: what was lowered during the run (step, part, from, to), in order.
+    """
+
+    policy: str
+    budget: int | None
+    budget_source: str
+    encoding: str
+    k: int
+    train: dict[str, Representation]
+    passes: dict[str, Representation]
+    snapshots: int
+    planned_passes: int
+    planned: dict[str, int]
+    exact_layers: list[str] = field(default_factory=list)
+    degraded: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CapturePlan:
+        return cls(**data)
+
+    def part(self, capture_point: str) -> dict[str, Representation]:
+        """The layer map of a capture point: ``"train"`` is a training step, anything else a pass."""
+        return self.train if capture_point == "train" else self.passes
+
+    def lines(self) -> list[str]:
+        """The plan in a few lines of text (printed at the start of training, shown by ``metastore inspect``)."""
+        budget = "no budget" if self.budget is None else f"budget {size_text(self.budget)} ({self.budget_source})"
+        out = [f"capture plan: policy {self.policy!r}, {budget}, encoding {self.encoding}"]
+        out.append(f"  training steps: {summarize(self.train, self.k)}")
+        passes = summarize(self.passes, self.k) if self.planned_passes else "none planned"
+        out.append(f"  checkpoint passes: {passes}")
+        if not self.planned_passes and self.snapshots >= 0:
+            where = "none (no checkpoint passes planned)"
+        elif self.snapshots < 0:
+            where = "at every checkpoint pass (the run's length is unknown)"
+        elif self.snapshots == 0:
+            where = "none (the budget leaves no room for one)" if self.policy == "auto" else "none (policy 'exact')"
+        else:
+            last = "the last" if self.snapshots == 1 else f"the last {self.snapshots}"
+            where = f"at {last} of {self.planned_passes} planned checkpoint passes"
+        out.append(f"  weight snapshots: {where}")
+        planned = ", ".join(f"{key} {size_text(value)}" for key, value in self.planned.items())
+        out.append(f"  planned bytes: {planned}")
+        for change in self.degraded:
+            if change["to"] == "skipped":
+                out.append(
+                    f"  skipped at step {change['step']}: the weight snapshot of that checkpoint pass (the budget "
+                    "was spent)"
+                )
+            elif change["to"] == "not stored":
+                out.append(
+                    f"  stopped at step {change['step']}: {change['part']} no longer stored, not even their metadata "
+                    "(the budget was spent)"
+                )
+            else:
+                out.append(
+                    f"  degraded at step {change['step']}: {change['part']} from {in_words(change['from'])} to "
+                    f"{in_words(change['to'])} "
+                    "(the run outgrew its plan)"
+                )
+        return out
+
+
+def summarize(part: dict[str, Representation], k: int) -> str:
+    """``"projected 16x16 (35 layers), exact (2 layers)"``: how many layers keep what."""
+    if part and set(part.values()) == {"nothing"}:
+        return "metadata only (sample ids, labels, losses, predictions, margins; no gradients)"
+    counts: dict[str, int] = {}
+    for representation in part.values():
+        label = f"projected {k}x{k}" if representation == "projected" else str(representation)
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{label} ({n} layer{'s' * (n != 1)})" for label, n in counts.items()) or "no layers"
+
+
+def in_words(label: str) -> str:
+    """A rung's label as the plan's lines say it (``"nothing"`` keeps the metadata: ``"metadata only"``)."""
+    return "metadata only" if label == "nothing" else label
+
+
+def size_text(nbytes: float) -> str:
+    """``"48.8 KiB"``, ``"5.7 MiB"``, ``"1.2 GiB"``: a byte count people can read (bytes below 1 KiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{int(nbytes)} bytes"
