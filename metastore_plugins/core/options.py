@@ -12,5 +12,6 @@ __getattr__ = moved_module(
         "metastore_plugins.core.training.lines",
         "metastore_plugins.core.training.report_pass",
         "metastore_plugins.core.training.run_start",
+        "metastore_plugins.core.policy.runtime",
     ],
 )

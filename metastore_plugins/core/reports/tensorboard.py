@@ -19,7 +19,6 @@ The report pass that runs the queries and calls these is
 
 from __future__ import annotations
 
-import importlib
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from metastore_plugins.core._moved import REMOVAL
+from metastore_plugins.core._moved import moved_module
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.reports import OUTLIER_COLUMNS
 from metastore_plugins.core.reports.datamap import data_map_figure, map_signals
@@ -255,15 +254,6 @@ def report_figures(
     return figures, [save_png(figure, directory / figure_file(tag)) for tag, figure in figures.items()]
 
 
-def __getattr__(name: str) -> object:
-    """``report_run``: moved to :mod:`metastore_plugins.core.training.report_pass` (looked up by name: the
-    report pass sits above the reports)."""
-    if name != "report_run":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"{__name__}.report_run moved to metastore_plugins.core.training.report_pass.report_run; the old path goes "
-        f"in {REMOVAL}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return importlib.import_module("metastore_plugins.core.training.report_pass").report_run
+#: ``report_run`` and ``projector_dim`` moved to :mod:`metastore_plugins.core.training.report_pass` (the report
+#: pass sits above the reports): found there by name, with a ``DeprecationWarning``.
+__getattr__ = moved_module(__name__, ["metastore_plugins.core.training.report_pass"])
