@@ -117,7 +117,7 @@ class CapturePolicy:
         limit = self.limit - self._reserved(part)
         keep = self.keep_for(step, capture_point)
         if keep in REPRESENTATIONS:
-            kept, size = self._kept(records, {layer: keep for layer in planned}, self.plan.k)  # type: ignore[misc]
+            kept, size = self._kept(records, {layer: keep for layer in planned}, self.plan.k)
             if self.spent + size <= limit:
                 self.spent += size
                 return kept
