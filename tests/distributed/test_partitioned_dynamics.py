@@ -41,6 +41,7 @@ def _ask(store: Any) -> dict[str, Any]:
         "sketched": store.sketched_influence(TRAIN, VAL, dim=2, cache=False),
         "kernel": store.kernel_influence(TRAIN, VAL, dim=2, cache=False),
         "concat": store.sketches("train", dim=2, combine="concat", steps=(0, 5)),
+        "index": store.build_vector_index("epoch-1/train", dim=2).vectors,  # rank 0 builds, rank 1 reads
     }
 
 
@@ -98,6 +99,7 @@ def test_influence_queries_equal_one_process(results: tuple[dict[str, Any], list
             np.testing.assert_array_equal(got[name].col_ids, alone[name].col_ids)
             assert_close(got[name].scores, alone[name].scores)
         assert_close(got["concat"], alone["concat"])
+        assert_close(got["index"], alone["index"])
 
 
 def test_each_rank_read_its_share(results: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
+from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import check_seed, compute_sketches, sketch_layers
 from metastore_plugins.core.analysis.vector_search import Plan, VectorIndex, build_ivf, choose_plan, load_faiss
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
@@ -210,7 +211,14 @@ def build_vector_index(
     dim: int | None = None,
     seed: int = 0,
 ) -> VectorIndex:
-    """Build (or bring up to date) and keep the capture point's index; later ``k=`` queries use it."""
-    index = open_index(store, capture_point, dim=dim, seed=seed, layers=layers, build=True)
+    """Build (or bring up to date) and keep the capture point's index; later ``k=`` queries use it.
+
+    Under a partitioned scan one process builds and writes the files first; the others then read them.
+    """
+    options: dict[str, Any] = {"dim": dim, "seed": seed, "layers": layers, "build": True}
+    scan = scan_of(store)
+    if scan.partitioned:  # rank 0 builds; the others wait for it (the answer sent is None)
+        scan.first(lambda: open_index(store, capture_point, **options) and None, f"vector index of {capture_point!r}")
+    index = open_index(store, capture_point, **options)
     assert index is not None  # build=True always gives one
     return index
