@@ -14,6 +14,7 @@ def int64(text: str) -> int:
 
 
 def sample_ids(text: str) -> list[int]:
+    """``3,17,42`` as ``[3, 17, 42]`` (``--test``)."""
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -21,6 +22,7 @@ def sample_ids(text: str) -> list[int]:
 
 
 def whole(text: str, least: int) -> int:
+    """A whole number ``>= least``; anything else is an argparse error."""
     try:
         value = int(text)
     except ValueError:
@@ -31,10 +33,12 @@ def whole(text: str, least: int) -> int:
 
 
 def positive(text: str) -> int:
+    """A whole number ``>= 1`` (``-k``, ``--target-mb``)."""
     return whole(text, 1)
 
 
 def non_negative(text: str) -> int:
+    """A whole number ``>= 0`` (``--before``)."""
     return whole(text, 0)
 
 

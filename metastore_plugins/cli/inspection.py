@@ -119,6 +119,7 @@ def cmd_verify(args: argparse.Namespace, path: Path) -> int:
 
 
 def cmd_compact(args: argparse.Namespace, path: Path) -> int:
+    """Merge small shards (``--target-mb``); the shard counts before and after, and what was skipped."""
     report = compact(path, target_bytes=args.target_mb * 2**20)
     text = (
         f"shards     {report.shards_before} -> {report.shards_after} "

@@ -32,10 +32,12 @@ def plain(value: Any) -> Any:
 
 
 def _json_default(value: Any) -> Any:
+    """What ``json`` cannot write itself: arrays as lists, anything else as its ``str``."""
     return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
 def emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    """Print ``data`` as JSON under ``--json``, else ``text`` with stored strings escaped (one newline at the end)."""
     text = "\n".join(map(printable, text.split("\n")))  # stored names reach the terminal as data
     print(
         json.dumps(data, indent=1, default=_json_default) if args.json else text,

@@ -15,6 +15,7 @@ from metastore_plugins.core.reports.tables import OUTLIER_RANKINGS
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``metastore`` parser: each subcommand sets ``func`` (and ``on_directory`` when it works on files)."""
     parser = argparse.ArgumentParser(prog="metastore", description="Inspect and query a metastore gradient store.")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -26,6 +26,7 @@ from metastore_plugins.core.store import StoreError
 
 
 def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
+    """The outlier table over the train checkpoint passes (or ``--capture-point``), ranked ``--by``."""
     given = args.capture_point or checkpoint_points(store, "train")  # none left by the budget: AUM or loss alone
     points = list(given) if given or TRAINING_STEPS in store.capture_points() else train_points(store, None)
     by = outlier_ranking(store, points, args.by)
@@ -111,6 +112,7 @@ def _index_option(args: argparse.Namespace) -> bool | None:
 
 
 def cmd_restore(args: argparse.Namespace, store: GradientStore) -> None:
+    """The exact dense gradients of one sample occurrence, written to ``--out`` (safetensors)."""
     from safetensors.torch import save_file
 
     grads = store.restore(args.sample, capture_point=args.capture_point, step=args.step, layer=args.layer)
