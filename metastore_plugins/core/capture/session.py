@@ -21,8 +21,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_message, parameters_below, uses_batch_statistics
+from metastore_plugins.core.capture.context import ModuleContext, SessionLink, batch_dim_of, missed_parameters
 from metastore_plugins.core.capture.layers.generic import generic_rule, output_tensors
-from metastore_plugins.core.capture.registry import CaptureRule, RecordsFn, find_rule, first_input, move_batch_first
+from metastore_plugins.core.capture.registry import CaptureRule, RecordsFn, find_rule, first_input
 from metastore_plugins.core.errors import UnsupportedLayerError
 from metastore_plugins.core.records import LayerRecord, restore_all
 
@@ -36,58 +37,6 @@ class _GradScalerLike(Protocol):
 
 
 _ATTACHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def _sequence_first(module: nn.Module) -> bool:
-    """Whether a built-in transformer container feeds its children ``(T, B, ...)`` tensors."""
-    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-        return not module.self_attn.batch_first
-    if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)):  # e.g. its final `norm`
-        return len(module.layers) > 0 and not module.layers[0].self_attn.batch_first
-    if isinstance(module, nn.Transformer):
-        return not module.batch_first
-    return False
-
-
-class _ModuleContext:
-    """The :class:`~metastore_plugins.core.capture.registry.LayerContext` of one hooked module."""
-
-    def __init__(self, session: CaptureSession, name: str, batch_dim: int, params: dict[str, str]) -> None:
-        self._session = session
-        self.name = name
-        self.batch_dim = batch_dim
-        self._params = params
-
-    @property
-    def pack_rows(self) -> bool:
-        return self.name not in self._session.summarized_layers
-
-    def param_names(self, module: nn.Module) -> dict[str, str]:
-        return self._params
-
-    def batch_first(self, tensor: Tensor) -> Tensor:
-        return move_batch_first(tensor, self.batch_dim)
-
-    def on_output_grad(self, output: Tensor, records: RecordsFn) -> None:
-        if isinstance(output, Tensor) and output.requires_grad:
-            batch_dim = self.batch_dim
-            output.register_hook(
-                lambda grad: self._session._collect(records, move_batch_first(grad, batch_dim), self._params)
-            )
-
-    def on_node_grad(self, node: Any, records: RecordsFn) -> None:
-        node.register_prehook(lambda grads: self._session._collect(records, grads[0], self._params))
-
-    def after_model_forward(self, callback: Callable[[list[Tensor]], None]) -> None:
-        self._session._after_forward.append(callback)
-
-    def track(self, handle: RemovableHandle) -> None:
-        self._session._handles.append(handle)
-
-    def unsupported(self, message: str, params: Sequence[str] | None = None) -> None:
-        """Report that this call cannot be captured exactly; its parameters become uncaptured."""
-        names = [self._params[p] for p in params if p in self._params] if params is not None else self._params.values()
-        self._session._report_unsupported(self.name, message, list(names))
 
 
 class CaptureSession:
@@ -157,6 +106,13 @@ class CaptureSession:
         self._after_forward: list[Callable[[list[Tensor]], None]] = []
         #: layers whose records will only be summarized (projected, norms): their factors keep zero rows
         self.summarized_layers: frozenset[str] = frozenset()
+        self._link = SessionLink(
+            self._collect,
+            lambda layer: layer not in self.summarized_layers,
+            lambda callback: self._after_forward.append(callback),
+            self._handles.append,
+            self._report_unsupported,
+        )
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -357,12 +313,6 @@ class CaptureSession:
     def _wanted(self, path: str) -> bool:
         return self.modules is None or any(path == m or path.startswith(m + ".") for m in self.modules)
 
-    def _batch_dim(self, path: str, ancestors: list[nn.Module]) -> int:
-        for prefix in sorted(self.batch_dims, key=len, reverse=True):
-            if path == prefix or path.startswith(prefix + ".") or prefix == "":
-                return self.batch_dims[prefix]
-        return 1 if any(_sequence_first(m) for m in ancestors) else 0
-
     def _hook_modules(self) -> None:
         canonical = {id(p): name for name, p in self.model.named_parameters()}
         covered: set[int] = set()
@@ -415,7 +365,7 @@ class CaptureSession:
         if not params:
             return
         self._hooked.update(params.values())
-        context = _ModuleContext(self, path, self._batch_dim(path, ancestors), params)
+        context = ModuleContext(self._link, path, batch_dim_of(path, ancestors, self.batch_dims), params)
 
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             if self._attached and not self._paused and not self._in_records:
@@ -428,25 +378,13 @@ class CaptureSession:
         """Report trainable parameters of a ruled module that its rule does not capture (e.g. MHA ``bias_k``)."""
         local_params = module.named_parameters(recurse=rule.covers_children)
         missed = [name for name, p in local_params if p.requires_grad and name not in rule.params]
-        if missed:
-            full = [f"{path}.{name}" if path else name for name in missed]
-            self._report_unsupported(
-                path,
-                f"the capture rule for '{path or '<root>'}' ({type(module).__name__}) does not cover "
-                f"{', '.join(full)}: their per-sample gradients are not captured. Freeze them, register "
-                "a rule that covers them, or pass unsupported='skip' to accept it.",
-                full,
-            )
+        self._report_missed(module, path, missed, has_rule=True)
 
     def _check_own_parameters(self, module: nn.Module, path: str) -> None:
         own = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
-        if own:
-            full = [f"{path}.{name}" if path else name for name in own]
-            self._report_unsupported(
-                path,
-                f"no capture rule for module '{path or '<root>'}' ({type(module).__name__}): per-sample "
-                f"gradients of {', '.join(full)} are not captured. Register one with "
-                "metastore_plugins.core.capture.register_capture, freeze these parameters, "
-                "or pass unsupported='skip' to accept it.",
-                full,
-            )
+        self._report_missed(module, path, own, has_rule=False)
+
+    def _report_missed(self, module: nn.Module, path: str, names: list[str], has_rule: bool) -> None:
+        if names:
+            full, message = missed_parameters(path, module, names, has_rule)
+            self._report_unsupported(path, message, full)

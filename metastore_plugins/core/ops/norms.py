@@ -35,7 +35,7 @@ from metastore_plugins.core.ops._common import (
     whole_record,
 )
 from metastore_plugins.core.ops.cost import Method, plan_norms
-from metastore_plugins.core.records import LayerRecord
+from metastore_plugins.core.records import SUMMARY_KINDS, LayerRecord
 
 
 def sq_norms_by_param(
@@ -59,7 +59,7 @@ def sq_norms_by_param(
     roles = selected_roles(record, params)
     if not roles:
         return {}
-    if record.kind in ("projected", "norms"):
+    if record.kind in SUMMARY_KINDS:
         whole_record(record, params, "squared norms")
         if len(roles) > 1:
             raise unsupported(record, "squared norms of each parameter separately")
@@ -84,7 +84,7 @@ def sq_norms(
     parameter (several calls of a module) are combined by
     :func:`~metastore_plugins.core.ops.influence.total_sq_norms`.
     """
-    if record.kind in ("projected", "norms"):  # exact, all parameters together
+    if record.kind in SUMMARY_KINDS:  # exact, all parameters together
         whole_record(record, params, "squared norms")
         sq_norm = record.tensors["sq_norm"]  # (B,)
         return sq_norm if selected_roles(record, params) else torch.zeros_like(sq_norm)

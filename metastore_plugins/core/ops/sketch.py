@@ -64,7 +64,7 @@ from metastore_plugins.core.ops._common import (
     unsupported,
     whole_record,
 )
-from metastore_plugins.core.records import PROJECTION_SEED, LayerRecord
+from metastore_plugins.core.records import PROJECTION_SEED, SUMMARY_KINDS, LayerRecord
 
 
 @functools.lru_cache(maxsize=64)
@@ -127,7 +127,7 @@ def sketch(
         ``(B, k)`` float32; ``<sketch_i, sketch_j>`` estimates ``<g_i, g_j>`` without bias.
     """
     roles = selected_roles(record, params)
-    if record.kind in ("projected", "norms"):
+    if record.kind in SUMMARY_KINDS:
         return _kept_sketch(record, params, dim_in, dim_out, seed)
     device = next(iter(record.tensors.values())).device
     draw = Projections() if projections is None else projections

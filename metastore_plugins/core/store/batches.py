@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.records import KIND_CODES, LayerRecord
+from metastore_plugins.core.records import KIND_CODES, LayerRecord, meta_key, record_prefix
 from metastore_plugins.core.store.encoding import decode, is_scale_key
 from metastore_plugins.core.store.index import StoreIndex
 from metastore_plugins.core.store.manifest import StoreError
@@ -140,12 +140,12 @@ class BatchRef:
         shard = self._shard()
         self._check_sample_ids(shard)
         return [
-            self._record(entry, shard.read(self.batch, f"b{self.batch}/r{k}/"), f"b{self.batch}/r{k}/")
+            self._record(entry, shard.read(self.batch, prefix := record_prefix(self.batch, k)), prefix)
             for k, entry in wanted
         ]
 
     def _check_sample_ids(self, shard: ShardData) -> None:
-        key = f"b{self.batch}/meta/sample_id"
+        key = meta_key(self.batch, "sample_id")
         stored = shard.get(key)
         index = self.files.index
         row0 = int(index.batch["row0"][self.row])

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from metastore_plugins.core.records import META_BITS
+from metastore_plugins.core.records import META_BITS, meta_key, meta_prefix
 from metastore_plugins.core.store import vector_files
 from metastore_plugins.core.store.batches import ShardFiles
 from metastore_plugins.core.store.entries import ShardEntry, sample_columns
@@ -101,7 +101,7 @@ def _wrong_sample_ids(data: ShardData, index: StoreIndex, shard: int) -> list[st
     wrong = []
     for row in np.flatnonzero(batch["shard"] == shard):
         j, row0, size = int(batch["j"][row]), int(batch["row0"][row]), int(batch["size"][row])
-        stored = data.get(f"b{j}/meta/sample_id")
+        stored = data.get(meta_key(j, "sample_id"))
         listed = index.sample["sample_id"][row0 : row0 + size]
         if stored.dim() != 1 or stored.is_floating_point() or not np.array_equal(stored.long().numpy(), listed):
             wrong.append(f"b{j}")
@@ -116,7 +116,7 @@ def _wrong_margins(data: ShardData, index: StoreIndex, shard: int) -> list[str]:
     has_margin = (batch["meta"] >= 0) & ((batch["meta"] & META_BITS["margin"]) > 0)  # meta -1: version 1, never
     for row in np.flatnonzero((batch["shard"] == shard) & has_margin):
         j, row0, size = int(batch["j"][row]), int(batch["row0"][row]), int(batch["size"][row])
-        stored = data.get(f"b{j}/meta/margin")
+        stored = data.get(meta_key(j, "margin"))
         listed = np.full(size, np.nan, np.float32) if listed_all is None else listed_all[row0 : row0 + size]
         if stored.dtype != torch.float32 or tuple(stored.shape) != (size,):
             wrong.append(f"b{j}")
@@ -150,7 +150,7 @@ def contradicted_columns(data: ShardData, entry: ShardEntry) -> list[str]:
     starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     wrong: dict[str, list[str]] = {}
     for j, size in enumerate(sizes):
-        meta = data.read(j, f"b{j}/meta/")
+        meta = data.read(j, meta_prefix(j))
         for key in CHECKED_SAMPLE_COLUMNS:
             listed_all = samples.get(key)
             listed = None if listed_all is None else listed_all[starts[j] : starts[j] + size]
@@ -263,7 +263,7 @@ def fill_v1_samples(directory: Path, entries: list[ShardEntry], layers: dict[str
 def _v1_samples(data: ShardData, entry: ShardEntry) -> dict[str, np.ndarray]:
     parts: dict[str, list[np.ndarray]] = {key: [] for key in ("sample_id", "label", "loss", "prediction")}
     for j, size in enumerate(entry.batches["size"].tolist()):
-        meta = data.read(j, f"b{j}/meta/")
+        meta = data.read(j, meta_prefix(j))
         ids = meta.get("sample_id")
         if ids is None or ids.dim() != 1 or ids.is_floating_point() or ids.shape[0] != size:
             raise StoreError(f"{data.path}: tensor b{j}/meta/sample_id must be ({size},) integer sample ids")

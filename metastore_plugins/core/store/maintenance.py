@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from metastore_plugins.core.records import batch_prefix
 from metastore_plugins.core.store import journal
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import MAX_NAMES, MAX_SHARD_NUMBER, ShardEntry
@@ -230,7 +231,7 @@ def _merged_shard(
     for entry, data in zip(members, datas):
         for key in data.keys():
             batch, rest = key.split("/", 1)
-            new = f"b{int(batch[1:]) + offset}/{rest}"
+            new = batch_prefix(int(batch[1:]) + offset) + rest
             dtype, shape, raw = data.stored(key)
             specs[new], sources[new] = (dtype, shape), raw
         offset += len(entry.batches["step"])

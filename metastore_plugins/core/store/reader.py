@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from metastore_plugins.core.records import KIND_CODES, restore_all
+from metastore_plugins.core.records import KIND_CODES, PER_SAMPLE_KINDS, restore_all
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.batches import BatchRef, ShardFiles
 from metastore_plugins.core.store.health import check_store, fill_v1_samples
@@ -342,7 +342,7 @@ def _check_restore_size(records: Sequence[Any], sample_id: int) -> None:
     """
     cap, total, largest = max_restore_bytes(), 0, ("", 0)
     for record in records:
-        if record.kind not in ("outer", "embedding"):
+        if record.kind in PER_SAMPLE_KINDS:
             continue  # dense records are already in memory; projected and norms records are refused by restore
         nbytes = 4 * record.batch_size * sum(math.prod(shape) for shape in record.param_shapes.values())
         total += nbytes

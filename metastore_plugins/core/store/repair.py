@@ -312,7 +312,8 @@ class _Copies:
             return None
         out, keys = [], set(data.keys())
         for j, digest in enumerate(prints):
-            ids = data.get(f"b{j}/meta/sample_id").numpy() if f"b{j}/meta/sample_id" in keys else None
+            key = mf.meta_key(j, "sample_id")
+            ids = data.get(key).numpy() if key in keys else None
             candidates = self._candidates(ids)
             out.append(any(digest in self._prints_of(i) for i in candidates))
         return out

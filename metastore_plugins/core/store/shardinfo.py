@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from metastore_plugins.core.records import meta_prefix
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import (
     BATCH_FIELDS,
@@ -151,7 +152,7 @@ def entry_from_shard(directory: Path, name: str, rank: int) -> tuple[ShardEntry,
 
 
 def _meta(data: ShardData, j: int, size: int) -> tuple[int, dict[str, torch.Tensor]]:
-    meta = data.read(j, f"b{j}/meta/")
+    meta = data.read(j, meta_prefix(j))
     ids = meta.get("sample_id")
     if ids is None or ids.dim() != 1 or ids.is_floating_point() or ids.shape[0] != size:
         raise JournalError(f"tensor b{j}/meta/sample_id must be ({size},) integer sample ids")

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from metastore_plugins.core.capture.build import as_computed, outer_record
 from metastore_plugins.core.capture.layers.linear import linear_records, part_name
 from metastore_plugins.core.capture.registry import LayerContext, RecordsFn, register_capture
-from metastore_plugins.core.records import LayerRecord, dense_record
+from metastore_plugins.core.records import LayerRecord, RecordHead, dense_record
 
 #: matmul nodes of ``F.linear`` -> the attribute holding the input it multiplied
 _MATMUL_NODES = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}
@@ -249,11 +249,12 @@ def _hook_packed(
     roles = {role: params[n] for role, n in (("weight", "in_proj_weight"), ("bias", "in_proj_bias")) if n in params}
     shapes = {role: tuple(module.get_parameter(f"in_proj_{role}").shape) for role in roles}
     layer, pack = part_name(ctx.name, "in_proj"), ctx.pack_rows
+    head = RecordHead(layer, roles, shapes)
     if len(found) == 1 and found[0].split is None:  # self-attention: one linear of width 3E
         inputs = sequence_to_batch(found[0].inputs, batch)  # (B, L, E)
         ctx.on_node_grad(
             found[0].node,
-            lambda grad: linear_records(layer, inputs, sequence_to_batch(grad, batch), roles, shapes, pack=pack),
+            lambda grad: linear_records(head, inputs, sequence_to_batch(grad, batch), pack=pack),
         )
         return True
     split = found[0].split
@@ -283,11 +284,12 @@ def _hook_separate(
     roles = {"weight": params[projection.weight]}
     shapes = {"weight": tuple(module.get_parameter(projection.weight).shape)}
     layer, pack = part_name(ctx.name, projection.weight.removesuffix("_weight")), ctx.pack_rows
+    head = RecordHead(layer, roles, shapes)
     offset = int(module.embed_dim) * _SEPARATE_WEIGHTS.index(projection.weight)
     bias_shape = tuple(module.get_parameter("in_proj_bias").shape) if bias else ()
 
     def records(grad: Tensor) -> list[LayerRecord]:  # (n*B, E)
-        out = linear_records(layer, inputs, sequence_to_batch(grad, batch), roles, shapes, pack=pack)
+        out = linear_records(head, inputs, sequence_to_batch(grad, batch), pack=pack)
         if bias:
             out.append(
                 bias_block_record(
@@ -319,9 +321,10 @@ def _hook_out_projection(
     shapes = {role: tuple(module.get_parameter(f"out_proj.{role}").shape) for role in roles}
     attended = sequence_to_batch(projection.inputs, batch)  # (B, L, E)
     layer, pack = part_name(ctx.name, "out_proj"), ctx.pack_rows
+    head = RecordHead(layer, roles, shapes)
     ctx.on_node_grad(
         projection.node,
-        lambda grad: linear_records(layer, attended, sequence_to_batch(grad, batch), roles, shapes, pack=pack),
+        lambda grad: linear_records(head, attended, sequence_to_batch(grad, batch), pack=pack),
     )
 
 

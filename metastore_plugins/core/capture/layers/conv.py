@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins.core.capture.build import as_computed, dense_is_smaller, nonzero_rows, outer_record
-from metastore_plugins.core.capture.layers.linear import part_name
+from metastore_plugins.core.capture.layers.linear import module_head, part_name
 from metastore_plugins.core.capture.registry import ForwardFn, LayerContext, first_input, register_capture
 from metastore_plugins.core.records import LayerRecord, RecordHead, dense_record
 
@@ -120,10 +120,6 @@ def patch_records(head: RecordHead, rows: Tensor, patches: Tensor, groups: int) 
     return [outer_record(head.layer, prefix, suffix, params, shapes)]
 
 
-def _head(conv: Conv, layer: str, params: dict[str, str]) -> RecordHead:
-    return RecordHead(layer, params, {role: tuple(getattr(conv, role).shape) for role in params})
-
-
 def conv_records(conv: Conv, layer: str, x: Tensor, grad_output: Tensor, params: dict[str, str]) -> list[LayerRecord]:
     """Records of a convolution for input ``(B, C_in, *spatial)`` and output grad ``(B, C_out, *spatial_out)``.
 
@@ -133,7 +129,7 @@ def conv_records(conv: Conv, layer: str, x: Tensor, grad_output: Tensor, params:
     computed_in = grad_output.dtype
     grad = as_computed(grad_output, computed_in).reshape(x.shape[0], conv.out_channels, -1)  # (B, C_out, L) fp32
     patches = unfold_patches(conv, as_computed(x, computed_in))  # (B, C_in * k, L) fp32
-    return patch_records(_head(conv, layer, params), grad, patches, conv.groups)
+    return patch_records(module_head(conv, layer, params), grad, patches, conv.groups)
 
 
 def conv_transpose_records(
@@ -151,7 +147,7 @@ def conv_transpose_records(
     if "weight" in params:
         inputs = as_computed(x, computed_in).reshape(batch, conv.in_channels, -1)  # (B, C_in, L_in) fp32
         patches = unfold_patches(conv, grad, positions=x.shape[2:])  # (B, C_out * k, L_in)
-        records += patch_records(_head(conv, layer, {"weight": params["weight"]}), inputs, patches, conv.groups)
+        records += patch_records(module_head(conv, layer, {"weight": params["weight"]}), inputs, patches, conv.groups)
     if "bias" in params:
         bias = grad.reshape(batch, conv.out_channels, -1).sum(2)  # (B, C_out)
         records.append(dense_record(part_name(layer, "bias"), {"bias": bias}, {"bias": params["bias"]}))

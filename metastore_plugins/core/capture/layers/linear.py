@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.capture.build import outer_record
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
-from metastore_plugins.core.records import LayerRecord, WeightLayout
+from metastore_plugins.core.records import LayerRecord, RecordHead, WeightLayout
 
 
 def part_name(layer: str, part: str) -> str:
@@ -16,15 +16,7 @@ def part_name(layer: str, part: str) -> str:
     return f"{layer}.{part}" if layer else part
 
 
-def linear_records(
-    layer: str,
-    inputs: Tensor,
-    grad_output: Tensor,
-    params: dict[str, str],
-    param_shapes: dict[str, tuple[int, ...]],
-    layout: WeightLayout = "out_in",
-    pack: bool = True,
-) -> list[LayerRecord]:
+def linear_records(head: RecordHead, inputs: Tensor, grad_output: Tensor, pack: bool = True) -> list[LayerRecord]:
     """Factors of ``y = x W^T + b`` for inputs ``(B, ..., d_in)`` and output grads ``(B, ..., d_out)``.
 
     ``pack``: drop zero rows (:func:`~metastore_plugins.core.capture.build.outer_record`).
@@ -32,11 +24,12 @@ def linear_records(
     batch = inputs.shape[0]
     prefix = inputs.reshape(batch, -1, 1, inputs.shape[-1])  # (B, T, 1, d_in)
     suffix = grad_output.reshape(batch, -1, 1, grad_output.shape[-1])  # (B, T, 1, d_out)
-    return [outer_record(layer, prefix, suffix, params, param_shapes, layout, pack=pack)]
+    return [outer_record(head.layer, prefix, suffix, head.params, head.param_shapes, head.layout, pack=pack)]
 
 
-def _shapes(module: nn.Module, params: dict[str, str]) -> dict[str, tuple[int, ...]]:
-    return {role: tuple(getattr(module, role).shape) for role in params}
+def module_head(module: nn.Module, layer: str, params: dict[str, str], layout: WeightLayout = "out_in") -> RecordHead:
+    """The head of records of ``module``'s parameters ``params`` (role -> name), their shapes read from the module."""
+    return RecordHead(layer, params, {role: tuple(getattr(module, role).shape) for role in params}, layout)
 
 
 @register_capture(nn.Linear)
@@ -47,9 +40,7 @@ def capture_linear(
     x = ctx.batch_first(first_input(args, kwargs)).detach()  # (B, ..., d_in)
     params = ctx.param_names(module)
     pack = ctx.pack_rows
-    ctx.on_output_grad(
-        output, lambda grad: linear_records(ctx.name, x, grad, params, _shapes(module, params), pack=pack)
-    )
+    ctx.on_output_grad(output, lambda grad: linear_records(module_head(module, ctx.name, params), x, grad, pack=pack))
 
 
 @register_capture("transformers.pytorch_utils.Conv1D")
@@ -61,7 +52,5 @@ def capture_conv1d_transposed(
     params = ctx.param_names(module)
     ctx.on_output_grad(
         output,
-        lambda grad: linear_records(
-            ctx.name, x, grad, params, _shapes(module, params), layout="in_out", pack=ctx.pack_rows
-        ),
+        lambda grad: linear_records(module_head(module, ctx.name, params, "in_out"), x, grad, pack=ctx.pack_rows),
     )

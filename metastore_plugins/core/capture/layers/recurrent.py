@@ -46,7 +46,7 @@ from metastore_plugins.core.capture.layers.unrolled import (
     unrolled_forward,
 )
 from metastore_plugins.core.capture.registry import LayerContext, RecordsFn, register_capture
-from metastore_plugins.core.records import LayerRecord
+from metastore_plugins.core.records import LayerRecord, RecordHead
 
 #: layers covered: the rule must name its parameters when it registers (deeper ones are reported at attach)
 MAX_LAYERS = 64
@@ -195,8 +195,8 @@ def hook_direction(
         for part in parts:
             prefix, suffix_rows = factors(part, gates)
             name = part_name(ctx.name, f"{part}{suffix}")
-            out += linear_records(name, steps.to_batch(prefix), steps.to_batch(suffix_rows), params[part],
-                                  shapes[part], pack=pack)  # fmt: skip
+            head = RecordHead(name, params[part], shapes[part])
+            out += linear_records(head, steps.to_batch(prefix), steps.to_batch(suffix_rows), pack=pack)
         return out
 
     if projected is not None:
