@@ -35,7 +35,7 @@ def checkpoint_points(store: GradientStore, split: str) -> list[str]:
     return [cp for _, cp in sorted(keyed)]
 
 
-def _last_metadata(store: GradientStore, points: Sequence[str]) -> dict[int, dict[str, Any]]:
+def last_metadata(store: GradientStore, points: Sequence[str]) -> dict[int, dict[str, Any]]:
     """Per sample id: label, prediction and loss from the last capture point that holds it."""
     rows: dict[int, dict[str, Any]] = {}
     for cp in points:
@@ -255,7 +255,7 @@ def outlier_table(
         meta = store.metadata(last_pass)
         at_pass = {int(i): (int(p), float(v)) for i, p, v in zip(meta["sample_id"], meta["prediction"], meta["loss"])}
     sources = [*points, *([TRAINING_STEPS] if ranked.trained is not None else [])]
-    labels_of = {int(sid): row["label"] for sid, row in _last_metadata(store, list(dict.fromkeys(sources))).items()}
+    labels_of = {int(sid): row["label"] for sid, row in last_metadata(store, list(dict.fromkeys(sources))).items()}
     ids = ranked.ids
     labels = torch.tensor([labels_of[int(i)] if isinstance(labels_of[int(i)], int) else -1 for i in ids])
     usable = np.nan_to_num(ranked.score, nan=-np.inf)  # a sample with no score ranks last
@@ -352,7 +352,7 @@ def influence_rows(
                     f"influence scores stay estimates: recomputing them exactly failed ({exc!r})", stacklevel=2
                 )
         scores = refined or RefinedScores(scores.scores, scores.row_ids, scores.col_ids, None)
-    train_meta, test_meta = _last_metadata(store, train), _last_metadata(store, test)
+    train_meta, test_meta = last_metadata(store, train), last_metadata(store, test)
     rows = []
     for entry in scores.top(k):
         sid = entry["sample_id"]

@@ -37,7 +37,7 @@ from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.render import SampleLookup, outlier_grid, save_png, scatter_figure
 from metastore_plugins.core.reports.samples import influence_figures
 from metastore_plugins.core.reports.tables import (
-    _last_metadata,
+    last_metadata,
     outlier_markdown,
     self_influence_of,
 )
@@ -75,7 +75,7 @@ def self_influence_table(
 ) -> dict[str, np.ndarray]:
     """Every training sample of ``points``: ``sample_id``, ``self_influence``, ``label``, ``loss``."""
     ids, values = scores if scores is not None else self_influence_of(store, points)
-    meta = _last_metadata(store, points)
+    meta = last_metadata(store, points)
     labels = np.array([meta[int(i)]["label"] if isinstance(meta[int(i)]["label"], int) else -1 for i in ids])
     losses = np.array([meta[int(i)]["loss"] for i in ids], dtype=np.float64)
     return {"sample_id": np.asarray(ids), "self_influence": values, "label": labels, "loss": losses}

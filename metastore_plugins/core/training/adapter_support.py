@@ -1,10 +1,12 @@
-"""What the framework adapters share beside their event mapping: the step in flight, loaders, batches and ranks.
+"""What the framework adapters share beside their event mapping: a run's start and end, the step in flight, loaders.
 
 The callbacks (``lightning_callback``, ``hf_callback``) translate their framework's events; the
 framework-free pieces both need, or that would otherwise be spelled inside one adapter, live here:
-the training micro-batch between its forward and the event after its backward (:class:`PendingStep`),
-the learning rate of an optimizer, the first of a trainer's loaders, the sample-id checks on the
-train set, a decision of rank 0 on every rank, and the model methods a checkpoint pass silences.
+claiming the store directory and opening the run (:func:`open_run`), the end-of-training reports
+(:func:`run_end`, :func:`end_reports`), the training micro-batch between its forward and the event
+after its backward (:class:`PendingStep`), sample ids of batches and samplers, the learning rate of an
+optimizer, a trainer's loaders and datasets, a decision of rank 0 on every rank, and the model methods
+a checkpoint pass silences.
 """
 
 from __future__ import annotations
@@ -283,14 +285,14 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 __all__ = [
     "PendingStep",
     "RunStart",
-    "batch_ids",
     "barrier",
+    "batch_ids",
     "check_item_ids",
     "end_reports",
     "first_loader",
     "first_lr",
-    "loader_datasets",
     "from_rank_zero",
+    "loader_datasets",
     "model_loss",
     "newest_event_dir",
     "open_run",
