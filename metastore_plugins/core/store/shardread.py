@@ -36,7 +36,8 @@ from metastore_plugins.core.records import (
     record_key,
 )
 from metastore_plugins.core.store.encoding import EXACT_KEYS
-from metastore_plugins.core.store.files import StoreDir, StoreError, not_regular, open_regular, os_problem
+from metastore_plugins.core.store.file_kinds import not_regular, os_problem
+from metastore_plugins.core.store.files import StoreDir, StoreError, open_regular
 from metastore_plugins.core.store.shard_header import Entry, parse_header
 
 _SCALED_ENCODINGS = ("fp16", "int8")  # as encoding.stored_specs: every floating tensor, zero rows included
