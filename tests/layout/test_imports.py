@@ -8,6 +8,7 @@ or under ``if TYPE_CHECKING:``. ``from package import name`` is an edge to the s
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,9 @@ def test_no_import_cycle() -> None:
 
 #: The package's layers, bottom to top (docs/design.md draws them): a module imports only its own
 #: package and packages of lower layers; two packages of one layer never import each other.
+#: Old module paths kept for one release (core/_moved.py): they import nothing but that helper.
+DEPRECATED_PATHS = ("core.passes", "core.rng", "core.options", "core.capture.records", "core.analysis.recompute")
+
 LAYERS: list[tuple[str, ...]] = [
     ("core.errors", "core._moved", "core.process_group"),
     ("core.records", "core.progress"),
@@ -118,19 +122,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("core.distributed",),
     ("core.reports",),
     ("core.training",),
-    # the adapters, the CLI, and the deprecated aliases at old paths (core/_moved.py)
-    (
-        "lightning_callback",
-        "hf_callback",
-        "cli",
-        "testing",
-        "core.passes",
-        "core.rng",
-        "core.options",
-        "core.capture.records",
-        "core.analysis.recompute",
-        "",
-    ),
+    # the adapters, the CLI, the package root, and the old paths kept for one release
+    ("lightning_callback", "hf_callback", "cli", "testing", "", *DEPRECATED_PATHS),
 ]
 
 
@@ -200,3 +193,41 @@ def test_a_renamed_operator_result_keeps_its_old_name_for_one_release() -> None:
     with pytest.warns(DeprecationWarning, match="BatchContributors"):
         old = ops.Contributors
     assert old is ops.BatchContributors
+
+
+def drawn_layers() -> dict[str, int]:
+    """docs/design.md's picture of the layers: each package or module it names, with the layer it is drawn in."""
+    picture = (ROOT.parent / "docs" / "design.md").read_text().split("```")[1]
+    top_level = {"lightning_callback", "hf_callback", "cli", "testing"}
+    drawn: dict[str, int] = {}
+    layer = -1
+    for line in picture.splitlines():
+        fields = re.split(r"\s{2,}", line.strip())  # the picture's columns are two or more spaces apart
+        if fields[0].isdigit():
+            layer, fields = int(fields[0]), fields[1:]
+        for field in fields:
+            named = re.fullmatch(r"([a-z_]+)(?:/|\.py)", field)
+            if named:
+                name = named.group(1)
+                drawn[name if name in top_level else f"core.{name}"] = layer
+    return drawn
+
+
+def test_the_design_page_draws_every_layer_where_the_code_has_it() -> None:
+    drawn = drawn_layers()
+    assert drawn["core.training"] == 8 and drawn["core.errors"] == 0 and drawn["cli"] == 9
+    aliases = {
+        "core._moved",
+        "core.passes",
+        "core.rng",
+        "core.options",
+        "core.capture.records",
+        "core.analysis.recompute",
+    }
+    expected = {
+        package: layer
+        for layer, packages in enumerate(LAYERS)
+        for package in packages
+        if package and package not in aliases
+    }
+    assert {name: drawn.get(name) for name in expected} == expected
