@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from matplotlib.image import imread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +47,7 @@ def _wait_until_serving(port: int, server: subprocess.Popen[bytes], seconds: flo
     raise AssertionError("tensorboard did not answer in time")
 
 
+@pytest.mark.filterwarnings("ignore:unclosed file:ResourceWarning")  # the server's stderr pipe is left to the collector
 def test_reports_render_in_a_real_tensorboard(tmp_path: Path) -> None:
     run = tmp_path / "run"
     subprocess.run(

@@ -31,6 +31,8 @@ from metastore_plugins.core.store.plan_record import CapturePlan  # noqa: E402
 D_IN, HIDDEN, N_TRAIN, N_VAL, BATCH, EPOCHS = 64, 256, 160, 48, 16, 3
 BUDGETS = {"50KB": 50_000, "300KB": 300_000, "1MB": 1_000_000, "6MB": 6_000_000}
 
+pytestmark = pytest.mark.filterwarnings("ignore:the report figure.* leaves no room for them")  # small budgets: said
+
 
 class MLP(NetModule):
     def __init__(self) -> None:

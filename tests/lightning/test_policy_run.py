@@ -71,6 +71,7 @@ def _run(tmp_path: Path, **settings: Any) -> tuple[MetaStoreCallback, Any]:
     return callback, module
 
 
+@pytest.mark.filterwarnings("ignore:the report figure.* leaves no room for them")  # the budget leaves them out
 def test_a_tagged_range_is_kept_exact_under_a_budget_that_projects(tmp_path: Path) -> None:
     callback, module = _run(tmp_path, budget="400kB")
     store = open_store(callback.dirpath)
@@ -98,6 +99,7 @@ def test_a_tagged_range_is_kept_exact_under_a_budget_that_projects(tmp_path: Pat
     assert all(p["snapshots"] == [p["name"]] for p in passes) and "val_loss" in passes[-1]["attributes"]
 
 
+@pytest.mark.filterwarnings("ignore:.*a tag asks to keep step .* which does not fit the budget")  # it says so
 def test_a_tiny_budget_is_never_exceeded_and_the_plan_is_shown(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     budget = 60_000
     with pytest.warns(UserWarning, match="outgrew its capture plan"):

@@ -203,6 +203,7 @@ HOLD = textwrap.dedent(
 )
 
 
+@pytest.mark.filterwarnings("ignore:unclosed file:ResourceWarning")  # the holder's stdout pipe is left to the collector
 def test_a_writer_in_another_process_holds_the_rank(tmp_path: Path) -> None:
     _write(tmp_path, steps=range(3))
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)

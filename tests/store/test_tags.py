@@ -38,6 +38,7 @@ def test_tags_round_trip_and_later_tags_win(tmp_path: Path) -> None:
     assert TagBook(tmp_path).keep_for(5, "train") == "exact"  # reopened: the same book
 
 
+@pytest.mark.filterwarnings("ignore:.*cut, so the next tag starts clean:UserWarning")  # the cut it checks, said
 def test_a_torn_last_line_is_cut_and_a_damaged_one_is_named(tmp_path: Path) -> None:
     book = TagBook(tmp_path)
     book.add("a", steps=1)
@@ -107,6 +108,7 @@ def _line(entry: dict) -> bytes:
     return text + b" " + f"{zlib.crc32(text):08x}".encode() + b"\n"
 
 
+@pytest.mark.filterwarnings("ignore:.*cut, so the next tag starts clean:UserWarning")  # the cut it checks, said
 def test_a_damaged_last_line_is_skipped_then_cut_and_a_bad_middle_line_names_the_file(tmp_path: Path) -> None:
     book = TagBook(tmp_path)
     book.add("a", steps=1)
