@@ -108,13 +108,17 @@ def _tag_line(tag: Tag) -> str:
 def cmd_verify(args: argparse.Namespace, path: Path) -> int:
     """Exit status 1 when problems remain (after ``--repair``, the ones it cannot remove)."""
     removed = repair(path) if args.repair else []
-    problems = open_store(path).verify(checksums=not args.no_checksums)
+    store = open_store(path)
+    problems = store.verify(checksums=not args.no_checksums)
+    index_lines = _vector_index_lines(store)
     lines = [
         *(f"repaired: {line}" for line in removed),
+        *index_lines,
         *problems,
         "problems: " + ("none" if not problems else str(len(problems))),
     ]
-    emit(args, {"removed": removed, "problems": problems}, "\n".join(lines))
+    data = {"removed": removed, "problems": problems, "vector_index": [line.strip() for line in index_lines[1:]]}
+    emit(args, data, "\n".join(printable(line) for line in lines))
     return 1 if problems else 0
 
 

@@ -82,8 +82,7 @@ def open_index(
         cached[1].rebuilt = []
         return cached[1]  # nothing changed since it was opened in this process
     pieces, rebuilt, writable = [], [], True
-    if build:
-        vf.remove_temporaries(store.path)  # what a build killed mid-write left
+    vf.remove_temporaries(store.path)  # what a build killed mid-write left
     parts: list[dict[str, Any]] = []
     for shard, rows in shard_rows.items():
         sha, sub = store.shard_sha256(shard), replace(selection, batch_rows=np.asarray(rows, dtype=np.int64))

@@ -13,7 +13,10 @@ Per rank, under its lock (:class:`~metastore_plugins.core.store.journal.RankLock
   otherwise set aside in ``quarantine/`` and reported. A shard that may hold the only copy of a
   sample is never deleted;
 - a missing manifest is rebuilt from the layers the rank's shards describe; when one of them does
-  not, the rank is left untouched and the message says how to restore it.
+  not, the rank is left untouched and the message says how to restore it;
+- then the nearest-gradient index (``vector_index/``, a cache): its damaged or stale files and a
+  stopped build's leftovers are removed (:func:`~metastore_plugins.core.store.vector_files.repair`);
+  the next query rebuilds them.
 
 The manifest is written before the journal, the journal is read back with the reader and
 checked before anything is removed, and every removal names what it removed.
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.store import manifest as mf
+from metastore_plugins.core.store import vector_files
 from metastore_plugins.core.store.entries import ShardEntry, entry_from_json, shard_pattern
 from metastore_plugins.core.store.file_kinds import any_temporary_target
 from metastore_plugins.core.store.files import StoreDir, open_regular
@@ -104,7 +108,18 @@ def repair(directory: str | os.PathLike[str]) -> list[str]:
     for rank in sorted(ranks):
         with RankLock(directory, rank), StoreDir(directory) as files:
             done += _repair_rank(directory, files, rank, manifests.get(rank))
-    return done
+    return done + vector_files.repair(directory, _listed_sha256(directory))
+
+
+def _listed_sha256(directory: Path) -> dict[str, str]:
+    """Listed shard -> its sha256, as the repaired journals list them (a rank that cannot be read lists none)."""
+    listed: dict[str, str] = {}
+    for rank, path in mf.find_manifests(directory):
+        try:
+            listed |= {entry.file: entry.sha256 for entry in read_rank(directory, rank, path).entries}
+        except StoreError:
+            continue
+    return listed
 
 
 def _repair_rank(directory: Path, files: StoreDir, rank: int, manifest_path: Path | None) -> list[str]:
