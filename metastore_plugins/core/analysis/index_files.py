@@ -153,6 +153,9 @@ def _load_part(
         data = vf.read_checked(
             store.path, entry["file"], str(entry.get("sha256")), rows * (4 * width + 16) + 4096, "part"
         )
+        problem = vf.part_binding_problem(data, entry)
+        if problem is not None:
+            raise StoreError(f"{store.path / vf.FOLDER / entry['file']}: {problem}")
         tensors = load_bytes(data)
     except (StoreError, ValueError, RuntimeError) as exc:
         _warn(f"{exc}; rebuilt from {shard}")

@@ -198,9 +198,27 @@ def _file_problem(store_dir: Path, entry: dict[str, Any]) -> str | None:
     if not isinstance(name, str) or not isinstance(expected, str):
         return "listed without a file name or sha256"
     try:
-        read_checked(store_dir, name, expected, 1 << 40, "vector index file")
+        data = read_checked(store_dir, name, expected, 1 << 40, "vector index file")
     except StoreError as exc:
         return _tail(exc, store_dir / FOLDER / name)
+    return part_binding_problem(data, entry) if "shard" in entry else None
+
+
+def part_binding_problem(data: bytes, entry: dict[str, Any]) -> str | None:
+    """Why a part's bytes (sound: their sha256 checked) are not the part of the shard its entry names, or None.
+
+    A part records its shard's name and sha256 in its safetensors metadata: a manifest (CRC intact) that
+    lists another shard's part under this shard's name is caught here, not by the sha256."""
+    try:
+        size = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + size]).get("__metadata__") if 8 + size <= len(data) else None
+    except (ValueError, AttributeError, RecursionError):
+        meta = None
+    if not isinstance(meta, dict) or (meta.get("shard"), meta.get("shard_sha256")) != (
+        entry.get("shard"),
+        entry.get("shard_sha256"),
+    ):
+        return f"it is not the part of {entry.get('shard')} (its own metadata names another shard)"
     return None
 
 
