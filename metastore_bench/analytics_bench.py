@@ -38,6 +38,7 @@ import torch
 from metastore_plugins.core.analysis import open_store
 from metastore_plugins.core.store import readcache
 from metastore_plugins.core.store.batches import BatchRef
+from metastore_plugins.core.store.selection import ReadAhead
 
 from .capture_bench import func_per_sample_grads
 from .influence_profile import Matmul, influence_memory, plan_flops
@@ -199,11 +200,13 @@ def agreement_ok(result: dict[str, Any]) -> bool:
 
 @contextmanager
 def read_clock() -> Iterator[dict[str, float]]:
-    """Seconds spent reading records (``BatchRef.read_records``: the shard from the read cache or the disk,
-    its checksum and header, decoding and checks) and in the read cache (``SHARDS.read``: file reads and
-    checksums, or the identity check of a kept shard), while the block runs."""
+    """Seconds the query waits for reading while the block runs: in ``BatchRef.read_records`` (the shard from
+    the read cache or the disk, its checksum and header, decoding and checks) and in ``ReadAhead.using``
+    (waiting for a shard read ahead), together ``read_records``; and seconds in the read cache
+    (``SHARDS.read``: file reads and checksums, or the identity check of a kept shard) on any thread,
+    the background read ahead's included: ``shard_reads``, overlapped with the arithmetic."""
     spent = {"read_records": 0.0, "shard_reads": 0.0}
-    originals = (BatchRef.read_records, readcache.SHARDS.read)
+    originals = (BatchRef.read_records, readcache.SHARDS.read, ReadAhead.using)
 
     def clocked(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -217,10 +220,12 @@ def read_clock() -> Iterator[dict[str, float]]:
 
     BatchRef.read_records = clocked("read_records", originals[0])  # type: ignore[method-assign]
     readcache.SHARDS.read = clocked("shard_reads", originals[1])  # type: ignore[method-assign]
+    ReadAhead.using = clocked("read_records", originals[2])  # type: ignore[method-assign]
     try:
         yield spent
     finally:
         BatchRef.read_records = originals[0]  # type: ignore[method-assign]
+        ReadAhead.using = originals[2]  # type: ignore[method-assign]
         del readcache.SHARDS.read
 
 

@@ -84,6 +84,10 @@ class ShardCache:
         with self._lock:
             return sum(kept.data.nbytes for kept in self._kept.values())
 
+    def limit(self) -> int:
+        """The allowance in bytes: ``max_bytes``, else :func:`allowance` (read now)."""
+        return allowance() if self.max_bytes is None else self.max_bytes
+
     def clear(self) -> None:
         """Drop every shard (tensors already handed out stay valid)."""
         with self._lock:
@@ -110,7 +114,8 @@ class ShardCache:
             data = read_opened(fd, opened, path, expect)
         finally:
             os.close(fd)
-        self.reads += 1
+        with self._lock:
+            self.reads += 1  # a read-ahead thread reads beside the caller's
         self._keep(identity, _Kept(str(path), data, expect.digests()))
         return data
 
@@ -127,7 +132,7 @@ class ShardCache:
         return data
 
     def _keep(self, identity: Identity, kept: _Kept) -> None:
-        limit = allowance() if self.max_bytes is None else self.max_bytes
+        limit = self.limit()
         size = kept.data.nbytes
         if size > limit:
             return

@@ -3,13 +3,22 @@
 A :class:`Selection` is cheap: rows of the index's columns. Sample ids and metadata are read
 from the index as whole numpy columns; tensors are read from shards only while iterating
 :meth:`Selection.batches`.
+
+While the caller works on the batches of one shard, the next shards (:data:`READ_AHEAD`) are read
+and checked on one background thread (:class:`ReadAhead`), into the process's read cache
+(:mod:`~metastore_plugins.core.store.readcache`), so reading hides behind the arithmetic. The
+batches are still decoded from what :meth:`~metastore_plugins.core.store.batches.ShardFiles.open`
+returns: the cache's checked bytes of a file whose identity is unchanged since it was read, else
+a fresh read and check in the caller, so the guarantees of the safe read path are unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cached_property
+from types import TracebackType
 
 import numpy as np
 import torch
@@ -18,6 +27,8 @@ from torch import Tensor
 from metastore_plugins.core.progress import progress
 from metastore_plugins.core.records import FLOAT_SAMPLE_COLUMNS, SAMPLE_COLUMNS, LayerRecord
 from metastore_plugins.core.store.batches import BatchRef, ShardFiles, tensor_column
+from metastore_plugins.core.store.readcache import SHARDS
+from metastore_plugins.core.store.shardread import ShardData
 
 #: Batch columns every selection returns beside the per-sample ones (SAMPLE_COLUMNS: -1 or NaN where missing).
 BATCH_COLUMNS = ("step", "epoch", "micro_batch", "rank")
@@ -64,6 +75,80 @@ def join_records(batches: list[list[LayerRecord]]) -> list[LayerRecord]:
     return joined
 
 
+#: Shards read ahead of the one in use (0: none), while they fit in the read cache's allowance with it.
+READ_AHEAD = 2
+
+
+class ReadAhead:
+    """Reads the shards a scan needs next on one background thread, into the process's read cache.
+
+    ``shards``: the shard of each batch the scan reads, in order. :meth:`using` is called before the
+    batches of a shard are read: it waits for that shard's read ahead (if one was started) and starts
+    those of the next :data:`READ_AHEAD` shards, as long as the shard in use and those ahead fit in
+    :meth:`~metastore_plugins.core.store.readcache.ShardCache.limit` (a read ahead the cache would not
+    keep would be read twice). A read ahead that failed is not reported here: the caller's own read of
+    that shard (``ShardFiles.open``) reads and checks it again and raises what it finds, with its
+    usual message. :meth:`close` (or leaving the ``with`` block) cancels what has not started and
+    waits for the thread to end.
+    """
+
+    def __init__(self, files: ShardFiles, shards: Sequence[int], ahead: int | None = None) -> None:
+        self.files = files
+        self.order = list(dict.fromkeys(int(s) for s in shards))  # (n_s,) shards in order of first use
+        self.ahead = READ_AHEAD if ahead is None else ahead
+        self._first = {shard: i for i, shard in enumerate(self.order)}
+        self._next = 0  # position in order of the first shard not yet read ahead or used
+        self._pending: dict[int, Future[ShardData]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> ReadAhead:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _bytes(self, shard: int) -> int:
+        return int(self.files.index.shards[shard].bytes)
+
+    def _read(self, shard: int) -> ShardData:
+        files = self.files
+        path = files.directory / files.index.shards[shard].file
+        return SHARDS.read(path, files.directory, files.index.expectation(shard, files.checksums, fast=True))
+
+    def using(self, shard: int) -> None:
+        """Shard ``shard`` is about to be read: wait for its read ahead, start the next ones."""
+        shard = int(shard)
+        future = self._pending.pop(shard, None)
+        if future is not None:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - the caller's own read raises it (see the class)
+                pass
+        self._next = max(self._next, self._first[shard] + 1) if shard in self._first else self._next
+        if self.ahead <= 0:
+            return
+        used = self._bytes(shard) + sum(self._bytes(s) for s in self._pending)
+        limit = SHARDS.limit()
+        while self._next < len(self.order) and len(self._pending) < self.ahead:
+            nxt = self.order[self._next]
+            if used + self._bytes(nxt) > limit:
+                break  # kept until used only within the allowance
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="metastore-read-ahead")
+            self._pending[nxt] = self._pool.submit(self._read, nxt)
+            used += self._bytes(nxt)
+            self._next += 1
+
+    def close(self) -> None:
+        """Cancel the reads not started and wait for the thread to end (no thread is left running)."""
+        pool, self._pool = self._pool, None
+        self._pending.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
 @dataclass
 class StoredBatch:
     """One stored batch, restricted to a selection: its metadata columns and records."""
@@ -104,15 +189,19 @@ class Selection:
         index = self.files.index
         rows, at = self._rows
         positions, starts, counts = np.unique(at, return_index=True, return_counts=True)
-        for position, start, count in progress(zip(positions, starts, counts), len(positions), "reading store"):
-            ref = self.files.ref(int(self.batch_rows[position]))
-            kept = rows[start : start + count]  # (n,) sample rows
-            meta = {key: tensor_column(index.sample[key][kept]) for key in index.sample}
-            records = []
-            if with_records:
-                keep = torch.from_numpy(kept - int(index.batch["row0"][ref.row]))  # (n,) batch-local
-                records = [subset_record(r, keep) for r in ref.read_records(self.layers)]
-            yield StoredBatch(ref, meta, records)
+        shards = index.batch["shard"][self.batch_rows[positions]] if len(positions) else np.zeros(0, np.int64)
+        with ReadAhead(self.files, shards.tolist() if with_records else []) as ahead:
+            steps = zip(positions, starts, counts, shards.tolist())
+            for position, start, count, shard in progress(steps, len(positions), "reading store"):
+                ref = self.files.ref(int(self.batch_rows[position]))
+                kept = rows[start : start + count]  # (n,) sample rows
+                meta = {key: tensor_column(index.sample[key][kept]) for key in index.sample}
+                records = []
+                if with_records:
+                    ahead.using(shard)  # this shard's read ahead done, the next ones started
+                    keep = torch.from_numpy(kept - int(index.batch["row0"][ref.row]))  # (n,) batch-local
+                    records = [subset_record(r, keep) for r in ref.read_records(self.layers)]
+                yield StoredBatch(ref, meta, records)
 
     def chunks(self, max_bytes: int) -> Iterator[list[StoredBatch]]:
         """Groups of consecutive batches whose records take at most ``max_bytes`` (at least one batch)."""
