@@ -97,6 +97,9 @@ Worker = Callable[[int, int, Path], Any]
 
 def _entry(rank: int, world: int, port: int, out: Path, worker: Worker, timeout_s: float) -> None:
     result: dict[str, Any]
+    # A forked child inherits no OpenMP worker threads: once the test process has run a parallel
+    # region (an earlier test's batched matmul), the child's next one waits for them forever.
+    torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=30))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
