@@ -25,6 +25,7 @@ from metastore_plugins.core.ops.curvature import (
     EigenvalueCorrection,
     LayerCurvature,
     LayerSums,
+    layer_groups,
     precondition,
 )
 from metastore_plugins.core.store import Selection, StoreReader
@@ -132,9 +133,8 @@ def kfac_influence(
     """
     if method not in CURVATURE_METHODS:
         raise ValueError(f"method must be one of {CURVATURE_METHODS}, got {method!r}")
-    for name, value in (("damping", damping), ("relative_damping", relative_damping)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    positive_number("damping", damping)
+    positive_number("relative_damping", relative_damping)
 
     scan, pairs = (
         scan_of(store),
@@ -149,3 +149,36 @@ def kfac_influence(
         return _preconditioned_chunks(cols, curvatures[train_cp], damping, relative_damping, max_bytes // 2)
 
     return whole(scored_pairs(store, pairs, columns=preconditioned, max_bytes=max_bytes))
+
+
+def positive_number(name: str, value: float | None) -> float | None:
+    """``value`` unchanged when it is ``None`` or a positive number; else a ``ValueError`` naming ``name``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return value
+
+
+def curvature_refusal(
+    store: StoreReader, capture_points: Sequence[str], layers: Sequence[str] | None = None
+) -> str | None:
+    """Why K-FAC / EK-FAC cannot precondition these capture points (``None``: they can).
+
+    The one check is :func:`~metastore_plugins.core.ops.curvature.layer_groups`, asked of the first
+    stored batch holding records of each capture point (of ``layers``): what it refuses (projected or
+    norms-only records, layers it cannot fit, tied weights) is the answer, in its own words.
+    """
+    chosen = None if layers is None else tuple(layers)
+    for point in capture_points:
+        refs = [ref for ref in store.batch_refs(point) if ref.info["records"]]
+        if not refs:
+            return f"{point!r} holds no per-sample records"
+        try:
+            layer_groups(refs[0].read_records(chosen))
+        except ValueError as exc:  # a RepresentationError is one too
+            return f"{point!r}: {exc}"
+    return None
+
+
+def preconditionable(store: StoreReader, capture_points: Sequence[str], layers: Sequence[str] | None = None) -> bool:
+    """Whether K-FAC / EK-FAC can precondition every layer of these capture points (:func:`curvature_refusal`)."""
+    return curvature_refusal(store, capture_points, layers) is None

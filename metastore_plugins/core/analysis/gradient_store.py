@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from metastore_plugins.core.analysis import curvature, dynamics, queries, vector_index
+from metastore_plugins.core.analysis import curvature, dynamics, methods, queries, vector_index
 from metastore_plugins.core.analysis import sketches as sketch_queries
 from metastore_plugins.core.analysis.scan import LOCAL, Scan
 from metastore_plugins.core.model import recompute as recompute_module
@@ -32,17 +32,18 @@ from metastore_plugins.core.store.tags import find_tags, read_tags
 class GradientStore(StoreReader):
     """A :class:`~metastore_plugins.core.store.StoreReader` that also answers queries.
 
-    Each query is a function of :mod:`.queries`, :mod:`.dynamics` or :mod:`.sketches` whose
-    first argument is the store; here it is bound as a method, with the same signature and
-    docstring (``store.influence(...)`` is ``queries.influence(store, ...)``). Each reads the
-    store through :attr:`scan` (:mod:`.scan`).
+    Each query is a function of :mod:`.queries`, :mod:`.dynamics`, :mod:`.sketches` or :mod:`.methods`
+    whose first argument is the store; here it is bound as a method, with the same signature and
+    docstring (``store.influence(...)`` is ``methods.influence(store, ...)``: one ``method=`` for
+    TracIn, K-FAC, EK-FAC and TRAK). Each reads the store through :attr:`scan` (:mod:`.scan`).
     """
 
     #: how queries read the store: every batch here (a ``DistributedStore``: this rank's shards)
     scan: Scan = LOCAL
-    # norms, influence (with k=: top-k candidates from the nearest-gradient index), similarity
-    norms, self_influence, self_influence_ids = queries.norms, queries.self_influence, queries.self_influence_ids
-    influence, similar, in_run_influence = vector_index.influence, vector_index.similar, queries.in_run_influence
+    # norms; influence and self-influence by method= (TracIn with k=: top-k candidates from the
+    # nearest-gradient index); similarity
+    norms, self_influence, self_influence_ids = queries.norms, methods.self_influence, queries.self_influence_ids
+    influence, similar, in_run_influence = methods.influence, methods.similar, queries.in_run_influence
     # training dynamics
     batch_gradient, changed_most = dynamics.batch_gradient, dynamics.changed_most
     top_contributors, exceed_fractions = dynamics.top_contributors, dynamics.exceed_fractions

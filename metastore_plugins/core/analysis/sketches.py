@@ -26,6 +26,8 @@ from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreReader, sketch_cache
 
 Combine = Literal["sum", "concat"]
+#: the kernel's ridge when none is given: this fraction of the mean eigenvalue of ``S^T S`` (:func:`kernel_influence`)
+DEFAULT_REGULARIZATION = 1.0
 
 
 def compute_sketches(
@@ -239,7 +241,7 @@ def kernel_influence(
     layers: Sequence[str] | None = None,
     dim: int = 32,
     seed: int = 0,
-    regularization: float = 1.0,
+    regularization: float = DEFAULT_REGULARIZATION,
     cache: bool = True,
 ) -> Scores:
     """TracIn through a kernel inverse on Kronecker sketches (TRAK's estimator, on the loss gradients).
