@@ -21,6 +21,10 @@ block-diagonally, one block per layer (a record's parameters together):
   ``Lambda = l_D l_A^T`` ``(d_out, d_in')``; EK-FAC's (George et al. 2018) are the exact diagonal of
   ``F`` in that basis, ``Lambda = (1/N) sum_i (Q_D^T [W_i | b_i] Q_A)^2``, formed from rotated factors
   ``(D_i Q_D)^T (A'_i Q_A)``.
+- **embedding layers** (``"embedding"`` records): the same estimators with a one-hot input, so ``C`` is
+  the diagonal of token frequencies, ``Q_A = I`` and ``Lambda`` is ``(V, d)``; everything stays sparse
+  (one row per distinct token of a sample), see :mod:`.curvature_embedding`. An embedding tied to
+  another layer (an LM head) is refused, as every tied weight is.
 - **dense layers** (``"dense"`` records: norms, small parameters): the flattened gradient's full
   ``F`` (eigendecomposed) up to :data:`FULL_FISHER_MAX_PARAMS` entries, its diagonal above. K-FAC and
   EK-FAC treat them alike.
@@ -42,6 +46,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
     chunks,
@@ -72,8 +77,9 @@ class LayerSums:
 
     Attributes:
         params: role -> parameter name of the layer's records.
-        inputs: ``(G, d_in', d_in')`` ``sum_r a'_r a'_r^T`` over the factored batches' rows.
-        outputs: ``(G, d_out, d_out)`` ``sum_r d_r d_r^T`` over the same rows.
+        inputs: ``(G, d_in', d_in')`` ``sum_r a'_r a'_r^T`` over the factored batches' rows; for an
+            embedding layer ``(V,)`` the token counts (the diagonal of ``sum_r e_{v_r} e_{v_r}^T``).
+        outputs: ``(G, d_out, d_out)`` ``sum_r d_r d_r^T`` over the same rows; embedding: ``(d, d)``.
         rows, factored_samples: token rows ``R`` and samples ``N`` of the factored batches.
         dense: ``(P, P)`` ``sum_i g_i g_i^T`` over the dense batches, or ``(P,)`` ``sum_i g_i^2`` above
             :data:`FULL_FISHER_MAX_PARAMS`.
@@ -90,6 +96,11 @@ class LayerSums:
     dense_samples: int = 0
     layout: WeightLayout = "out_in"
 
+    @property
+    def is_embedding(self) -> bool:
+        """Whether the factored sums are an embedding layer's (``inputs`` holds token counts)."""
+        return self.inputs is not None and self.inputs.dim() == 1
+
     def covariances(self) -> tuple[Tensor, Tensor | None]:
         """``(C, G)`` = ``(inputs / R, outputs / N)`` where there are factored batches, else ``(F, None)``."""
         if self.inputs is not None and self.outputs is not None:
@@ -103,16 +114,17 @@ class LayerCurvature:
     """One layer's fitted curvature in its eigenbasis.
 
     Attributes:
-        kind: ``"outer"`` or ``"dense"``.
+        kind: ``"outer"``, ``"embedding"`` or ``"dense"``.
         params: role -> parameter name.
-        q_in: outer: ``(G, d_in', d_in')`` ``Q_A``; dense: ``(P, P)`` ``Q``, or ``None`` (diagonal).
-        q_out: outer: ``(G, d_out, d_out)`` ``Q_D``; dense: ``None``.
-        eigenvalues: outer: ``(G, d_out, d_in')`` ``Lambda``; dense: ``(P,)``.
+        q_in: outer: ``(G, d_in', d_in')`` ``Q_A``; dense: ``(P, P)`` ``Q``, or ``None`` (diagonal); embedding:
+            ``None`` (``Q_A = I``).
+        q_out: outer: ``(G, d_out, d_out)`` ``Q_D``; embedding: ``(d, d)`` ``Q_D``; dense: ``None``.
+        eigenvalues: outer: ``(G, d_out, d_in')`` ``Lambda``; embedding: ``(V, d)``; dense: ``(P,)``.
         samples: training samples it was fitted on.
         layout: the weight's layout (``"in_out"``: transformers' ``Conv1D``).
     """
 
-    kind: Literal["outer", "dense"]
+    kind: Literal["outer", "embedding", "dense"]
     params: dict[str, str]
     q_in: Tensor | None
     q_out: Tensor | None
@@ -133,7 +145,7 @@ def layer_groups(records: Sequence[LayerRecord]) -> dict[str, list[LayerRecord]]
 
     Raises:
         RepresentationError: for a projected or norms-only layer.
-        ValueError: for an embedding layer or layers that share a parameter (tied weights), named.
+        ValueError: for layers that share a parameter (tied weights: an embedding tied to an LM head), named.
     """
     tied = shared_layers(records)
     for record in records:
@@ -143,7 +155,7 @@ def layer_groups(records: Sequence[LayerRecord]) -> dict[str, list[LayerRecord]]
                 f"layer '{record.layer}' shares a parameter with another layer (tied weights: {sorted(tied)}); "
                 "K-FAC fits one block per layer: leave one of them out with layers="
             )
-        if record.kind not in ("outer", "dense"):
+        if record.kind not in ("outer", "embedding", "dense"):
             raise ValueError(
                 f"layer '{record.layer}' is kept as {record.kind!r} records, which K-FAC does not fit yet; "
                 "leave it out with layers="
@@ -191,6 +203,9 @@ class CurvatureSums:
             sums = self.layers.setdefault(layer, LayerSums(dict(first.params)))
             if sums.params != first.params:
                 raise ValueError(f"layer '{layer}' has records of two parameter sets; fit records of one model")
+            if all(r.kind == "embedding" for r in group):
+                _add_embedding(sums, group, layer)
+                continue
             if all(r.kind == "outer" for r in group):
                 prefixes = torch.cat([augmented_prefix(r) for r in group]).transpose(0, 1)  # (G, R, d_in')
                 suffixes = torch.cat([r.tensors["suffix"].to(_F64) for r in group]).transpose(0, 1)  # (G, R, d_out)
@@ -219,11 +234,30 @@ class CurvatureSums:
                     values, q = torch.linalg.eigh(first)  # (P,), (P, P)
                     out[layer] = LayerCurvature("dense", sums.params, q, None, values.clamp_min(0), sums.dense_samples)
                 continue
+            if sums.is_embedding:
+                out[layer] = _fit_embedding(sums, first, second)
+                continue
             l_in, q_in = torch.linalg.eigh(first)  # (G, d_in'), (G, d_in', d_in')
             l_out, q_out = torch.linalg.eigh(second)  # (G, d_out), (G, d_out, d_out)
             values = l_out.clamp_min(0)[:, :, None] * l_in.clamp_min(0)[:, None, :]  # (G, d_out, d_in')
             out[layer] = LayerCurvature("outer", sums.params, q_in, q_out, values, sums.factored_samples, sums.layout)
         return out
+
+
+def _add_embedding(sums: LayerSums, group: Sequence[LayerRecord], layer: str) -> None:
+    """Add one batch's embedding records: token counts, ``sum_r d_r d_r^T``, rows and samples."""
+    counts, outputs, rows = embedding.kronecker_sums(group)  # (V,), (d, d)
+    sums.inputs = _added(sums.inputs, counts, layer)
+    sums.outputs = _added(sums.outputs, outputs, layer)
+    sums.rows += rows
+    sums.factored_samples += group[0].batch_size
+
+
+def _fit_embedding(sums: LayerSums, frequencies: Tensor, second: Tensor) -> LayerCurvature:
+    """An embedding layer's K-FAC: ``Q_A = I``, ``Q_D`` of ``G``, ``Lambda = (n / R) l_D^T`` ``(V, d)``."""
+    l_out, q_out = torch.linalg.eigh(second)  # (d,), (d, d)
+    values = embedding.kfac_eigenvalues(frequencies, l_out)  # (V, d)
+    return LayerCurvature("embedding", sums.params, None, q_out, values, sums.factored_samples)
 
 
 def _added(total: Tensor | None, part: Tensor, layer: str) -> Tensor:
@@ -239,9 +273,13 @@ def rotated(group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi
 
     Kronecker layer: ``(n, G, d_out, d_in')`` ``Q_D^T [W_i | b_i] Q_A``, from the rotated factors
     ``(D Q_D)^T (A' Q_A)`` of factored records (rotating the gradient of dense ones); dense layer:
-    ``(n, P)`` ``Q^T g_i`` (``g_i`` itself under a diagonal Fisher).
+    ``(n, P)`` ``Q^T g_i`` (``g_i`` itself under a diagonal Fisher); embedding layer: ``(n, V, d)`` ``W_i Q_D``,
+    dense (the queries here use the sparse rows of :mod:`.curvature_embedding` instead).
     """
     n = hi - lo
+    if curvature.kind == "embedding":
+        assert curvature.q_out is not None
+        return embedding.dense_rotated(group, curvature.q_out, lo, hi)  # (n, V, d)
     if curvature.kind == "dense":
         flat = sum((flat_gradients(r, lo, hi) for r in group[1:]), flat_gradients(group[0], lo, hi))  # (n, P)
         return flat if curvature.q_in is None else flat @ curvature.q_in
@@ -270,7 +308,7 @@ class EigenvalueCorrection:
 
     def __init__(self, curvature: dict[str, LayerCurvature]) -> None:
         self.curvature = curvature
-        self.sums = {layer: torch.zeros_like(c.eigenvalues) for layer, c in curvature.items() if c.kind == "outer"}
+        self.sums = {layer: torch.zeros_like(c.eigenvalues) for layer, c in curvature.items() if c.kind != "dense"}
         self.samples = dict.fromkeys(self.sums, 0)
 
     def add(self, records: Sequence[LayerRecord], max_bytes: int = DEFAULT_MAX_BYTES) -> None:
@@ -279,6 +317,11 @@ class EigenvalueCorrection:
             if layer not in self.sums:
                 continue
             curvature = self.curvature[layer]
+            if curvature.kind == "embedding":
+                assert curvature.q_out is not None
+                self.sums[layer] += embedding.squared_rotated(group, curvature.q_out)  # (V, d)
+                self.samples[layer] += group[0].batch_size
+                continue
             for lo, hi in chunks(group[0].batch_size, _sample_chunk(curvature, max_bytes)):
                 self.sums[layer] += rotated(group, curvature, lo, hi).square().sum(0)  # (G, d_out, d_in')
             self.samples[layer] += group[0].batch_size
@@ -323,11 +366,13 @@ def precondition(
     relative_damping: float = DEFAULT_RELATIVE_DAMPING,
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> list[LayerRecord]:
-    """``(F_l + delta_l I)^-1 g_i`` for every layer ``l`` of one batch: one ``"dense"`` record per layer.
+    """``(F_l + delta_l I)^-1 g_i`` for every layer ``l`` of one batch: one ``"dense"`` record per layer (an
+    embedding layer: one ``"embedding"`` record, a row per distinct token of each sample).
 
     ``<g_j, (F + delta I)^-1 g_i>`` is then :func:`~metastore_plugins.core.ops.total_dots` of other
     records against these (factored x dense, nothing rebuilt on that side). The result holds the
-    batch's dense gradients (``B P`` numbers per layer), in the records' dtype.
+    batch's dense gradients (``B P`` numbers per layer; ``U d`` for an embedding's ``U`` distinct
+    (sample, token) rows), in the records' dtype.
 
     Raises:
         ValueError: if a layer has no fitted curvature (name it in the fit, or leave it out with ``layers=``).
@@ -337,7 +382,12 @@ def precondition(
         c = curvature.get(layer)
         if c is None:
             raise ValueError(f"layer '{layer}' has no fitted curvature; fit on records holding it, or leave it out")
-        denominator = c.eigenvalues + c.damping(damping, relative_damping)  # (G, d_out, d_in') or (P,)
+        delta = c.damping(damping, relative_damping)
+        if c.kind == "embedding":
+            assert c.q_out is not None
+            out.append(embedding.preconditioned_rows(group, c.q_out, c.eigenvalues, delta))
+            continue
+        denominator = c.eigenvalues + delta  # (G, d_out, d_in') or (P,)
         parts = []
         for lo, hi in chunks(group[0].batch_size, _sample_chunk(c, max_bytes)):
             scaled = rotated(group, c, lo, hi) / denominator  # (n, G, d_out, d_in') or (n, P)

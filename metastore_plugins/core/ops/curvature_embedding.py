@@ -1,0 +1,135 @@
+"""K-FAC and EK-FAC of ``"embedding"`` records, kept sparse: the maths :mod:`.curvature` calls for them.
+
+An embedding record holds, per kept row ``r`` (a token of sample ``i``), the token id ``v_r`` and the
+output gradient ``d_r`` ``(d,)``; the sample's gradient is ``W_i = sum_{r in i} e_{v_r} d_r^T`` ``(V, d)``.
+The layer's input is one-hot, so the Linear estimators of :mod:`.curvature` become:
+
+- ``C = (1/R) sum_r e_{v_r} e_{v_r}^T = diag(n / R)``, ``n_v`` the count of token ``v`` over the ``R`` kept
+  rows: diagonal, its eigenbasis the identity (``Q_A = I``), its eigenvalues the token frequencies;
+- ``G = (1/N) sum_r d_r d_r^T = Q_D diag(l_D) Q_D^T`` over the ``N`` samples, as for a Linear layer;
+- K-FAC's eigenvalues ``Lambda[v, k] = (n_v / R) l_D[k]`` ``(V, d)``; EK-FAC's (the exact diagonal of ``F``
+  in that basis) ``Lambda[v, :] = (1/N) sum_i ((W_i Q_D)[v, :])^2``, where
+  ``(W_i Q_D)[v] = (sum_{r in i, v_r = v} d_r) Q_D`` is nonzero only for the tokens sample ``i`` holds.
+
+Preconditioning keeps that sparsity: ``((F + delta I)^-1 W_j)[v] = ((W_j Q_D)[v] / (Lambda[v] + delta)) Q_D^T``
+is nonzero only in the rows of sample ``j``'s tokens, so the result is again an embedding record, one row
+per distinct ``(sample, token)``, whose dot products with training embedding records stay the factored ones
+of :mod:`.dots`. No ``(V, d)`` gradient is built per sample; the layer's ``Lambda`` is one ``(V, d)`` tensor.
+
+Damping: the layer rule of :mod:`.curvature` (``relative`` times the mean of ``Lambda``) averages over all
+``V d`` entries, tokens the fit never saw included (their ``Lambda`` is 0). That mean is ``trace(F) / (V d)``,
+the mean eigenvalue of the block as a dense ``F`` has it (for K-FAC ``trace(G) / (V d)``, as
+``trace(C) = 1``). With a large vocabulary mostly unseen it is smaller than a mean over the seen tokens
+would be; an absolute ``damping`` overrides it. Rows a capture dropped (padding, ``padding_idx``, exactly
+zero gradients) count in neither ``R`` nor ``G``. All maths is float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from metastore_plugins.core.ops._common import segment_sum
+from metastore_plugins.core.ops.dots import _grouped_embedding_rows as grouped_rows
+from metastore_plugins.core.records import LayerRecord
+
+_F64 = torch.float64
+
+
+def is_embedding_layer(group: Sequence[LayerRecord]) -> bool:
+    """Whether one batch's records of a layer include ``"embedding"`` records (K-FAC fits its rows sparsely)."""
+    return any(record.kind == "embedding" for record in group)
+
+
+def joined_rows(group: Sequence[LayerRecord]) -> LayerRecord:
+    """One ``"embedding"`` record (float64 suffix) of all rows of one batch's records of a layer.
+
+    A module called twice gives a layer two records: their rows together are the gradient's. A ``"dense"``
+    record ``(B, V, d)`` gives its nonzero rows ``W_i[v]`` (the same gradient, one row per sample and token).
+    """
+    first = group[0]
+    samples, ids, suffixes = [], [], []
+    for record in group:
+        if record.kind == "embedding":
+            samples.append(record.tensors["sample"].long())  # (R,)
+            ids.append(record.tensors["ids"].long())  # (R,)
+            suffixes.append(record.tensors["suffix"].to(_F64))  # (R, d)
+            continue
+        dense = record.dense_grad("weight").to(_F64)  # (B, V, d)
+        sample, token = dense.ne(0).any(2).nonzero(as_tuple=True)  # (U,), (U,)
+        samples.append(sample)
+        ids.append(token)
+        suffixes.append(dense[sample, token])  # (U, d)
+    return _rows_record(first, torch.cat(samples), torch.cat(ids), torch.cat(suffixes))
+
+
+def _rows_record(like: LayerRecord, sample: Tensor, ids: Tensor, suffix: Tensor) -> LayerRecord:
+    """An ``"embedding"`` record of ``like``'s layer from rows ``sample (R,)``, ``ids (R,)``, ``suffix (R, d)``
+    (``position`` 0: a row may stand for several of its sample's positions)."""
+    tensors = {"ids": ids, "suffix": suffix, "sample": sample.int(), "position": torch.zeros_like(sample).int()}
+    return LayerRecord(like.layer, "embedding", like.batch_size, dict(like.params), dict(like.param_shapes), tensors)
+
+
+def kronecker_sums(group: Sequence[LayerRecord]) -> tuple[Tensor, Tensor, int]:
+    """``(n (V,), sum_r d_r d_r^T (d, d), R)`` over the kept rows of one batch's embedding records of a layer.
+
+    ``C = diag(n) / R`` and ``G = (sum_r d_r d_r^T) / N`` once every batch is added.
+    """
+    vocab = group[0].param_shapes["weight"][0]
+    ids = torch.cat([record.tensors["ids"].long() for record in group])  # (R,)
+    suffix = torch.cat([record.tensors["suffix"].to(_F64) for record in group])  # (R, d)
+    counts = torch.bincount(ids, minlength=vocab).to(_F64)  # (V,)
+    return counts, suffix.T @ suffix, int(ids.numel())  # (V,), (d, d)
+
+
+def kfac_eigenvalues(frequencies: Tensor, output_values: Tensor) -> Tensor:
+    """``(V, d)`` K-FAC's ``Lambda[v, k] = (n_v / R) l_D[k]``, from ``C``'s diagonal ``n / R`` and ``G``'s ``l_D``."""
+    return frequencies[:, None] * output_values.clamp_min(0)[None, :]  # (V, d)
+
+
+def rotated_rows(group: Sequence[LayerRecord], q_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(sample (U,), ids (U,), (W_i Q_D)[v] (U, d))``: each sample's gradient rows in the eigenbasis, one per
+    distinct ``(sample, token)`` (rows of the same pair summed first)."""
+    sample, ids, rows = grouped_rows(joined_rows(group))  # (U,), (U,), (U, d)
+    return sample, ids, rows @ q_out  # (U, d)
+
+
+def squared_rotated(group: Sequence[LayerRecord], q_out: Tensor) -> Tensor:
+    """``(V, d)`` ``sum_i ((W_i Q_D)[v, :])^2`` over one batch: EK-FAC's sums (divided by ``N`` once all are added)."""
+    vocab = group[0].param_shapes["weight"][0]
+    _, ids, rotated = rotated_rows(group, q_out)  # (U,), (U, d)
+    return rotated.new_zeros(vocab, rotated.shape[1]).index_add_(0, ids, rotated.square())  # (V, d)
+
+
+def preconditioned_rows(group: Sequence[LayerRecord], q_out: Tensor, eigenvalues: Tensor, delta: float) -> LayerRecord:
+    """``(F + delta I)^-1 W_j`` of every sample of one batch as an ``"embedding"`` record, in the records' dtype.
+
+    Row ``v`` of sample ``j``: ``((W_j Q_D)[v] / (Lambda[v] + delta)) Q_D^T``, one row per distinct ``(j, v)``.
+    """
+    first = group[0]
+    sample, ids, rotated = rotated_rows(group, q_out)  # (U,), (U,), (U, d)
+    scaled = rotated / (eigenvalues[ids] + delta) @ q_out.T  # (U, d)
+    dtype = first.tensors["suffix"].dtype if first.kind == "embedding" else first.dense_grad("weight").dtype
+    return _rows_record(first, sample, ids, scaled.to(dtype).contiguous())
+
+
+def preconditioned_self_products(
+    group: Sequence[LayerRecord], q_out: Tensor, eigenvalues: Tensor, delta: float
+) -> Tensor:
+    """``(B,)`` ``W_i^T (F + delta I)^-1 W_i = sum_v sum_k (W_i Q_D)[v, k]^2 / (Lambda[v, k] + delta)``."""
+    sample, ids, rotated = rotated_rows(group, q_out)  # (U,), (U,), (U, d)
+    per_row = (rotated.square() / (eigenvalues[ids] + delta)).sum(1)  # (U,)
+    return segment_sum(per_row, sample, group[0].batch_size)  # (B,)
+
+
+def dense_rotated(group: Sequence[LayerRecord], q_out: Tensor, lo: int, hi: int) -> Tensor:
+    """``(n, V, d)`` ``W_i Q_D`` of samples ``lo..hi-1``, dense: only for callers that need the whole rotated
+    gradient (the sparse functions above never build it)."""
+    vocab = group[0].param_shapes["weight"][0]
+    sample, ids, rotated = rotated_rows(group, q_out)  # (U,), (U,), (U, d)
+    kept = ((sample >= lo) & (sample < hi)).nonzero().squeeze(1)  # (U_chunk,)
+    out = rotated.new_zeros((hi - lo) * vocab, rotated.shape[1])  # (n V, d)
+    out.index_add_(0, (sample[kept] - lo) * vocab + ids[kept], rotated[kept])
+    return out.view(hi - lo, vocab, -1)  # (n, V, d)

@@ -1,0 +1,185 @@
+"""K-FAC / EK-FAC of embedding records against covariances and dense inverses built by hand.
+
+The model is an ``nn.Embedding(11, 4, padding_idx=0)`` over padded token sequences with repeated tokens,
+then a Linear head. References know nothing of records: each row's output gradient ``d_it`` (of sample
+``i``'s own loss) comes from ``torch.func`` (``vmap(grad(...))`` of the network after the embedding), the
+per-sample weight gradients ``W_i`` ``(11, 4)`` from ``reference_per_sample_gradients``. The Fisher block
+is an explicit ``(44, 44)`` matrix in the weight's row-major order: K-FAC ``C ⊗ G`` with
+``C = diag(token counts) / R``, EK-FAC ``Q diag(s) Q^T`` with ``Q = I ⊗ Q_G`` (the one-hot input's
+eigenbasis is the identity) and ``s`` the exact second moments of ``W_i`` in it; solved with torch.
+Training ids use tokens 1..8 only: tokens 9 and 10 are never seen (their eigenvalues are zero, and the
+damping's mean eigenvalue counts them), the test batch holds token 9.
+
+Tolerances: records hold fp32 rows (relative rounding 6e-8) of a float64 model. Covariances: ``1e-6``
+relative; preconditioned scores: ``1e-7 kappa`` relative to the largest score, ``kappa`` the damped
+block's condition number (checked below 2,000).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from opscases import get_case, rel_err
+from torch import Tensor, nn
+from torch.func import grad, vmap
+
+from metastore_plugins.core.capture import CaptureSession, LayerRecord
+from metastore_plugins.core.ops import curvature as kfac
+from metastore_plugins.core.ops import total_dots
+from metastore_plugins.core.records import to_dense
+from metastore_plugins.testing import reference_per_sample_gradients
+
+VOCAB, WIDTH, LENGTH = 11, 4, 6
+
+
+class Bag(nn.Module):
+    """Token embeddings (padding id 0), tanh, masked mean, Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH, padding_idx=0)
+        self.head = nn.Linear(WIDTH, 3)
+
+    def pooled(self, e: Tensor, mask: Tensor) -> Tensor:
+        """``(..., T, d)`` embedded rows -> ``(..., 3)`` logits."""
+        h = torch.tanh(e) * mask.unsqueeze(-1)  # (..., T, d)
+        return self.head(h.sum(-2) / mask.sum(-1, keepdim=True))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.pooled(self.embed(ids), ids.ne(0).double())
+
+
+def loss_fn(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    return F.cross_entropy(model(batch["ids"]), batch["y"])
+
+
+def make_batch(size: int, seed: int, top: int) -> dict[str, Tensor]:
+    """Ids in ``1..top`` padded with 0 after a random length; sample 0 repeats one token over its whole length."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, LENGTH + 1, (size,), generator=g)
+    lengths[0] = LENGTH
+    ids = torch.randint(1, top + 1, (size, LENGTH), generator=g)
+    ids[0] = 3
+    ids[torch.arange(LENGTH) >= lengths[:, None]] = 0
+    return {"ids": ids, "y": torch.randint(0, 3, (size,), generator=g)}
+
+
+def build() -> Bag:
+    torch.manual_seed(5)
+    return Bag().double()
+
+
+def capture(model: nn.Module, batch: dict[str, Tensor]) -> list[LayerRecord]:
+    with CaptureSession(model) as session:
+        loss_fn(model, batch).backward()
+    model.zero_grad()
+    return [r for r in session.factors() if r.layer == "embed"]
+
+
+def hand_covariances(model: Bag, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """``C = diag(counts) / R`` ``(V, V)`` over the non-padding rows and ``G = (1/N) sum_{i,t} d_it d_it^T``."""
+    ids, y = batch["ids"], batch["y"]
+    mask = ids.ne(0).double()  # (N, T)
+
+    def own_loss(e: Tensor, m: Tensor, label: Tensor) -> Tensor:  # one sample's rows (T, d)
+        return F.cross_entropy(model.pooled(e, m)[None], label[None])
+
+    with torch.no_grad():
+        rows = model.embed(ids)  # (N, T, d)
+    d = vmap(grad(own_loss))(rows, mask, y).detach()  # (N, T, d)
+    kept = ids.ne(0)  # (N, T)
+    counts = torch.bincount(ids[kept], minlength=VOCAB).double()  # (V,)
+    d_kept = d[kept]  # (R, d)
+    return torch.diag(counts) / len(d_kept), d_kept.T @ d_kept / len(ids)
+
+
+def reference_scores(method: str) -> tuple[Tensor, float]:
+    """``(24, 7)`` ``g_train^T (F + delta I)^-1 g_test`` with the explicit ``(44, 44)`` ``F``, and its ``kappa``."""
+    model, train, test = build(), make_batch(24, 1, 8), make_batch(7, 2, 9)
+    c, gg = hand_covariances(model, train)
+    g = reference_per_sample_gradients(model, loss_fn, train)["embed.weight"].reshape(24, -1)  # (N, V d)
+    g_test = reference_per_sample_gradients(model, loss_fn, test)["embed.weight"].reshape(7, -1)  # (M, V d)
+    fisher = torch.kron(c, gg)  # (V d, V d): row-major (v, k)
+    if method == "ekfac":
+        q = torch.kron(torch.eye(VOCAB, dtype=torch.float64), torch.linalg.eigh(gg)[1].contiguous())  # (V d, V d)
+        fisher = q @ torch.diag(((g @ q) ** 2).mean(0)) @ q.T
+    damping = 0.1 * torch.trace(fisher) / len(fisher)  # 0.1 x the mean eigenvalue, unseen tokens included
+    damped = fisher + damping * torch.eye(len(fisher), dtype=torch.float64)
+    return g @ torch.linalg.solve(damped, g_test.T), float(torch.linalg.cond(damped))
+
+
+def fitted(method: str, halves: list[list[LayerRecord]]) -> dict[str, kfac.LayerCurvature]:
+    sums = kfac.CurvatureSums()
+    for records in halves:
+        sums.add(records)
+    curvature = sums.fit()
+    if method == "ekfac":
+        correction = kfac.EigenvalueCorrection(curvature)
+        for records in halves:
+            correction.add(records)
+        curvature = correction.fit()
+    return curvature
+
+
+def train_halves(model: nn.Module) -> list[list[LayerRecord]]:
+    train = make_batch(24, 1, 8)
+    return [capture(model, {key: value[lo : lo + 12] for key, value in train.items()}) for lo in (0, 12)]
+
+
+def test_token_counts_and_output_covariance_are_the_hand_ones() -> None:
+    model = build()
+    c, g = hand_covariances(model, make_batch(24, 1, 8))
+    sums = kfac.CurvatureSums()
+    for records in train_halves(model):
+        sums.add(records)
+    layer = sums.layers["embed"]
+    frequencies, got_g = layer.covariances()
+    assert got_g is not None and frequencies.shape == (VOCAB,) and got_g.shape == (WIDTH, WIDTH)
+    assert rel_err(torch.diag(frequencies), c) <= 1e-6 and rel_err(got_g, g) <= 1e-6
+    ids = make_batch(24, 1, 8)["ids"]
+    assert layer.rows == int(ids.ne(0).sum()) < ids.numel()  # padding rows count in neither mean
+    curvature = sums.fit()["embed"]
+    assert curvature.kind == "embedding" and curvature.eigenvalues.shape == (VOCAB, WIDTH)
+    unseen = [0, 9, 10]
+    assert float(curvature.eigenvalues[unseen].abs().max()) < 1e-300 < float(curvature.eigenvalues[1:9].min())
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_preconditioned_influence_is_the_dense_inverse(method: str) -> None:
+    model = build()
+    halves = train_halves(model)
+    curvature = fitted(method, halves)
+    test_records = capture(model, make_batch(7, 2, 9))
+    preconditioned = kfac.precondition(test_records, curvature)
+    got = torch.cat([total_dots(records, preconditioned) for records in halves]).double()  # (N, M)
+    expected, kappa = reference_scores(method)
+    assert kappa < 2000
+    assert rel_err(got, expected) <= 1e-7 * kappa
+
+
+def test_a_preconditioned_embedding_stays_one_row_per_distinct_token() -> None:
+    model = build()
+    curvature = fitted("ekfac", train_halves(model))
+    test = make_batch(7, 2, 9)
+    (record,) = kfac.precondition(capture(model, test), curvature)
+    pairs = {(i, int(v)) for i in range(7) for v in test["ids"][i] if v != 0}
+    assert record.kind == "embedding" and len(record.tensors["ids"]) == len(pairs)
+    assert {(int(s), int(v)) for s, v in zip(record.tensors["sample"], record.tensors["ids"])} == pairs
+
+
+def test_dense_records_of_an_embedding_layer_precondition_alike() -> None:
+    """A test record held dense ``(B, V, d)`` gives the same preconditioned gradients as its rows."""
+    model = build()
+    halves = train_halves(model)
+    curvature = fitted("ekfac", halves)
+    test_records = capture(model, make_batch(7, 2, 9))
+    rows = total_dots(halves[0], kfac.precondition(test_records, curvature)).double()
+    dense = total_dots(halves[0], kfac.precondition([to_dense(r) for r in test_records], curvature)).double()
+    assert rel_err(dense, rows) <= 1e-6
+
+
+def test_an_embedding_tied_to_the_output_layer_is_still_refused_by_name() -> None:
+    records = get_case("tied-lm").train_records  # an embedding tied to the output layer
+    with pytest.raises(ValueError, match=r"layer '(embed|out)' shares a parameter.*layers="):
+        kfac.CurvatureSums().add(records)
