@@ -26,6 +26,7 @@ from torch.func import grad, vmap
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.ops import curvature as kfac
+from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops import total_dots
 from metastore_plugins.core.records import to_dense
 from metastore_plugins.testing import reference_per_sample_gradients
@@ -96,6 +97,12 @@ def hand_covariances(model: Bag, batch: dict[str, Tensor]) -> tuple[Tensor, Tens
 
 def reference_scores(method: str) -> tuple[Tensor, float]:
     """``(24, 7)`` ``g_train^T (F + delta I)^-1 g_test`` with the explicit ``(44, 44)`` ``F``, and its ``kappa``."""
+    g, g_test, damped = reference_inverse(method)
+    return g @ torch.linalg.solve(damped, g_test.T), float(torch.linalg.cond(damped))
+
+
+def reference_inverse(method: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``(g_train (24, V d), g_test (7, V d), F + delta I (V d, V d))``, ``F`` explicit."""
     model, train, test = build(), make_batch(24, 1, 8), make_batch(7, 2, 9)
     c, gg = hand_covariances(model, train)
     g = reference_per_sample_gradients(model, loss_fn, train)["embed.weight"].reshape(24, -1)  # (N, V d)
@@ -105,8 +112,7 @@ def reference_scores(method: str) -> tuple[Tensor, float]:
         q = torch.kron(torch.eye(VOCAB, dtype=torch.float64), torch.linalg.eigh(gg)[1].contiguous())  # (V d, V d)
         fisher = q @ torch.diag(((g @ q) ** 2).mean(0)) @ q.T
     damping = 0.1 * torch.trace(fisher) / len(fisher)  # 0.1 x the mean eigenvalue, unseen tokens included
-    damped = fisher + damping * torch.eye(len(fisher), dtype=torch.float64)
-    return g @ torch.linalg.solve(damped, g_test.T), float(torch.linalg.cond(damped))
+    return g, g_test, fisher + damping * torch.eye(len(fisher), dtype=torch.float64)
 
 
 def fitted(method: str, halves: list[list[LayerRecord]]) -> dict[str, kfac.LayerCurvature]:
@@ -156,6 +162,22 @@ def test_preconditioned_influence_is_the_dense_inverse(method: str) -> None:
     expected, kappa = reference_scores(method)
     assert kappa < 2000
     assert rel_err(got, expected) <= 1e-7 * kappa
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_self_products_sparse_and_dense_rotated(method: str) -> None:
+    """``g_i^T (F + delta I)^-1 g_i`` from the sparse rows, and from the dense ``W_i Q_D`` of :func:`rotated`."""
+    model = build()
+    halves = train_halves(model)
+    c = fitted(method, halves)["embed"]
+    g, _, damped = reference_inverse(method)
+    expected = (g * torch.linalg.solve(damped, g.T).T).sum(1)  # (24,)
+    assert c.q_out is not None
+    delta = c.damping()
+    sparse = torch.cat([embedding.preconditioned_self_products(h, c.q_out, c.eigenvalues, delta) for h in halves])
+    dense = torch.cat([(kfac.rotated(h, c, 0, 12).square() / (c.eigenvalues + delta)).sum((1, 2)) for h in halves])
+    assert rel_err(sparse, expected) <= 1e-7 * float(torch.linalg.cond(damped))
+    assert rel_err(dense, sparse) <= 1e-12
 
 
 def test_a_preconditioned_embedding_stays_one_row_per_distinct_token() -> None:
