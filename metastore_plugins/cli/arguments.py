@@ -37,6 +37,17 @@ def positive(text: str) -> int:
     return whole(text, 1)
 
 
+def positive_float(text: str) -> float:
+    """A finite number ``> 0`` (``--damping``, ``--relative-damping``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def non_negative(text: str) -> int:
     """A whole number ``>= 0`` (``--before``)."""
     return whole(text, 0)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from metastore_plugins.cli.arguments import int64, non_negative, positive, sample_ids, step_range
+from metastore_plugins.cli.arguments import int64, non_negative, positive, positive_float, sample_ids, step_range
 from metastore_plugins.cli.dynamics import cmd_query
 from metastore_plugins.cli.inspection import cmd_compact, cmd_inspect, cmd_verify
 from metastore_plugins.cli.queries import cmd_influence, cmd_outliers, cmd_restore, cmd_similar
 from metastore_plugins.cli.report import cmd_report
+from metastore_plugins.core.analysis.methods import AUTO, METHOD_CHOICES
 from metastore_plugins.core.distributed.launch import DEFAULT_TIMEOUT_S
 from metastore_plugins.core.reports.tables import OUTLIER_RANKINGS
 
@@ -50,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for the report files (default: STORE/reports, as the callbacks)")
     p.add_argument("-k", type=positive, default=20, help="rows of the outlier table")
     p.add_argument("--logdir", help="also write the reports as TensorBoard events into this directory")
+    p.add_argument(
+        "--method",
+        choices=METHOD_CHOICES,
+        default=AUTO,
+        help="what scores the influence table: auto (default: ekfac where the passes can be preconditioned, else "
+        "tracin), tracin, kfac, ekfac, trak",
+    )
     p = add("outliers", cmd_outliers, "the training samples most likely mislabelled (lowest AUM, or self-influence)")
     p.add_argument("-k", type=positive, default=20, help="rows (default 20)")
     p.add_argument("--capture-point", action="append", help="capture point(s) to sum (default: epoch-*/train)")
@@ -60,12 +68,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranking: auto (default: AUM where the training steps hold margins, else self-influence), aum, loss, "
         "self_influence",
     )
-    p = add("influence", cmd_influence, "training samples that drove each test sample (TracIn)")
+    p = add("influence", cmd_influence, "training samples that drove each test sample (EK-FAC, TracIn, ...)")
     p.add_argument("--test", type=sample_ids, help="comma-separated test sample ids (default: all)")
     p.add_argument("--capture-point", help="one test capture point, paired with the last train pass")
     p.add_argument("--train", action="append", help="train capture point(s) (default: epoch-*/train)")
     p.add_argument("--test-split", default="val", help="test split of the checkpoint passes (default: val)")
     p.add_argument("-k", type=positive, default=10, help="rows (default 10)")
+    p.add_argument(
+        "--method",
+        choices=METHOD_CHOICES,
+        default=AUTO,
+        help="what scores: auto (default: ekfac where every layer of the passes can be preconditioned, else "
+        "tracin), tracin, kfac, ekfac, trak (docs/queries.md#choosing-a-method)",
+    )
+    p.add_argument(
+        "--damping",
+        type=positive_float,
+        help="kfac/ekfac: one absolute damping for every layer (default: --relative-damping x each layer's mean "
+        "eigenvalue)",
+    )
+    p.add_argument(
+        "--relative-damping",
+        type=positive_float,
+        help="kfac/ekfac/trak: the damping as a fraction of the mean eigenvalue (default 0.1 for kfac/ekfac, "
+        "1.0 for trak)",
+    )
     p = add("similar", cmd_similar, "samples whose gradients are most similar to one sample's")
     p.add_argument("--sample", type=int, required=True)
     p.add_argument("--capture-point", help="where the sample is stored (default: the last train pass)")
@@ -77,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
             choices=["auto", "build", "off"],
             default="auto",
             help="the nearest-gradient index (docs/queries.md#top-k-at-any-scale): auto (default) scores only its "
-            "candidates where one is kept, build builds it first, off scores every row",
+            "candidates where one is kept, build builds it first, off scores every row"
+            + ("; TracIn only" if name == "influence" else ""),
         )
     for name in PARTITIONED:
         p = sub.choices[name]

@@ -10,6 +10,7 @@ import numpy as np
 from metastore_plugins.cli.hints import not_stored, store_damage, train_points
 from metastore_plugins.cli.output import emit
 from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis.methods import check_damping, resolve_method
 from metastore_plugins.core.analysis.queries import nearest_occurrences
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
@@ -38,7 +39,8 @@ def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
 
 
 def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
-    """TracIn over paired passes; a test sample stored several times in its capture point has its occurrences summed."""
+    """Influence by ``--method`` over paired passes (``auto``: EK-FAC where the passes can be preconditioned, else
+    TracIn); a test sample stored several times in its capture point has its occurrences summed."""
     train = train_points(store, args.train)
     test = [cp.split("/")[0] + "/" + args.test_split for cp in train]
     if args.capture_point:
@@ -63,11 +65,36 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
         missing = sorted(set(args.test) - stored)
         if missing:
             raise not_stored(store, missing, test, f"test sample(s) {missing} are")
-    rows = influence_rows(store, train, test, args.k, index=_index_option(args))
+    method = _checked_method(args, store, [*train, *test])
+    rows = influence_rows(
+        store,
+        train,
+        test,
+        args.k,
+        index=_index_option(args) if method == "tracin" else False,
+        method=args.method,
+        damping=args.damping,
+        relative_damping=args.relative_damping,
+    )
     if args.test is not None:
         rows = [row for row in rows if row["test_id"] in set(args.test)]
     notes = _occurrence_notes(store, test, [row["test_id"] for row in rows])
     emit(args, rows, "".join(f"{line}\n" for line in notes) + influence_markdown(rows))
+
+
+def _checked_method(args: argparse.Namespace, store: GradientStore, points: Sequence[str]) -> str:
+    """The method ``--method`` runs on these passes; a flag it does not take raises naming the flag."""
+    chosen = resolve_method(store, args.method, points)
+    why = f"--method auto chose tracin ({chosen.fallback}): " if chosen.fallback else ""
+    try:
+        check_damping(chosen.method, args.damping, args.relative_damping, ("--damping", "--relative-damping"))
+    except ValueError as exc:
+        raise ValueError(f"{why}{exc}") from None
+    if chosen.method != "tracin" and args.index != "auto":
+        raise ValueError(
+            f"--index {args.index} is TracIn's nearest-gradient index; --method {chosen.method} scores every row"
+        )
+    return chosen.method
 
 
 def _occurrence_notes(store: GradientStore, test: Sequence[str], test_ids: Sequence[int]) -> list[str]:

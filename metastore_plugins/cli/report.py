@@ -21,7 +21,7 @@ def cmd_report(args: argparse.Namespace, store: GradientStore) -> None:
     out = Path(args.out) if args.out else store.path / "reports"
     writers = [summary_writer(args.logdir)] if args.logdir is not None and writes(store) else []
     try:
-        result = report_run(store, out, writers, k=args.k)
+        result = report_run(store, out, writers, k=args.k, influence_method=args.method)
     finally:
         for writer in writers:
             writer.close()

@@ -100,7 +100,9 @@ def test_outliers_by_final_loss(run_dir: Path) -> None:
 
 def test_influence_of_chosen_test_samples(run_dir: Path) -> None:
     rows = json_of("influence", str(run_dir), "--test", "3,5", "-k", "4")
-    scores = open_store(run_dir).influence(["epoch-0/train", "epoch-1/train"], ["epoch-0/val", "epoch-1/val"])
+    method = rows[0]["method"]  # --method auto: EK-FAC where the passes can be preconditioned, else TracIn
+    points = (["epoch-0/train", "epoch-1/train"], ["epoch-0/val", "epoch-1/val"])
+    scores = open_store(run_dir).influence(*points, method=method)
     assert [row["test_id"] for row in rows] == [3, 5]
     for row in rows:
         column = scores.scores[:, list(scores.col_ids).index(row["test_id"])]

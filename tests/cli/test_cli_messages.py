@@ -134,7 +134,7 @@ def test_influence_names_where_the_test_sample_is_and_sums_its_occurrences(
     and the scores are ``lr_pass <g_i(w_last pass), sum_t g_20(w_t)>``."""
     status, _, err = metastore(capsys, "influence", str(run.path), "--test", "20")
     assert status == 2 and "pass --capture-point train" in err
-    args = ("influence", str(run.path), "--test", "20", "--capture-point", "train", "-k", "3")
+    args = ("influence", str(run.path), "--test", "20", "--capture-point", "train", "-k", "3", "--method", "tracin")
     status, out, err = metastore(capsys, *args)
     assert status == 0 and f"occur up to {EPOCHS} times in 'train'" in out, err
     status, out, _ = metastore(capsys, *args, "--json")

@@ -70,7 +70,9 @@ def _report(rank: int, world: int, out: Path) -> str:
     store = open_distributed_store(out.parent / "store")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = report_run(store, out / f"reports-{rank}", [writer], k=5, recompute=recompute)
+        result = report_run(
+            store, out / f"reports-{rank}", [writer], k=5, recompute=recompute, influence_method="tracin"
+        )
     (out / f"got{rank}.pkl").write_bytes(pickle.dumps({"result": result, "writer": writer.calls, "calls": calls}))
     return "done"
 
@@ -98,7 +100,9 @@ def alone(store_dir: Path, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result = report_run(store_dir, store_dir.parent / "alone", [writer], k=5, recompute=_raise)
+            result = report_run(
+                store_dir, store_dir.parent / "alone", [writer], k=5, recompute=_raise, influence_method="tracin"
+            )  # TracIn: the method the refinement recomputes
     finally:
         tables.passes_exact = saved
     assert result is not None

@@ -46,7 +46,8 @@ def test_influence_and_outliers_under_torchrun_print_the_single_process_answer(
     done = _torchrun("influence", str(store_dir), "--json", "-k", "3")
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)  # printed once: by rank 0
-    full = open_store(store_dir).influence(["epoch-0/train", "epoch-1/train"], ["epoch-0/val", "epoch-1/val"])
+    points = (["epoch-0/train", "epoch-1/train"], ["epoch-0/val", "epoch-1/val"])
+    full = open_store(store_dir).influence(*points, method=alone[0]["method"])  # --method auto: EK-FAC or TracIn
     tol = 1e-6 * float(np.abs(full.scores).max())
     assert [r["test_id"] for r in rows] == [r["test_id"] for r in alone] == full.col_ids.tolist()
     for j, row in enumerate(rows):

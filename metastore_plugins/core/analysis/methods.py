@@ -72,16 +72,22 @@ def resolve_method(
     return ResolvedMethod(AUTO_METHOD) if refusal is None else ResolvedMethod("tracin", refusal)
 
 
-def check_damping(method: str, damping: float | None, relative_damping: float | None) -> None:
-    """Raise naming the argument when ``method`` takes no such damping or the value is not positive."""
-    curvature.positive_number("damping", damping)
-    curvature.positive_number("relative_damping", relative_damping)
+def check_damping(
+    method: str,
+    damping: float | None,
+    relative_damping: float | None,
+    names: tuple[str, str] = ("damping", "relative_damping"),
+) -> None:
+    """Raise naming the argument (``names``: how the caller spells the two) when ``method`` takes no such damping
+    or a value is not positive."""
+    curvature.positive_number(names[0], damping)
+    curvature.positive_number(names[1], relative_damping)
     if method == "tracin" and (damping is not None or relative_damping is not None):
-        raise ValueError("method='tracin' has no damping (it inverts nothing); drop damping= and relative_damping=")
+        raise ValueError(f"method 'tracin' has no damping (it inverts nothing): drop {names[0]} and {names[1]}")
     if method == "trak" and damping is not None:
         raise ValueError(
-            "method='trak' takes relative_damping= (its kernel's ridge as a fraction of the mean eigenvalue), "
-            "not an absolute damping="
+            f"method 'trak' takes {names[1]} (its kernel's ridge as a fraction of the mean eigenvalue), "
+            f"not the absolute {names[0]}"
         )
 
 

@@ -9,6 +9,7 @@ from typing import Any, TypedDict
 from typing_extensions import Unpack
 
 from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis.methods import AUTO
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_note
@@ -53,6 +54,7 @@ class ReportOptions(TypedDict, total=False):
     outliers_from: str
     recompute: RecomputeFn | None
     rank_outliers_by: str
+    influence_method: str
 
 
 def write_reports(store: GradientStore, directory: str | Path, **options: Unpack[ReportOptions]) -> dict[str, Any]:
@@ -77,6 +79,7 @@ def report_tables(
     outliers_from: str = "checkpoints",
     recompute: RecomputeFn | None = None,
     rank_outliers_by: str = "auto",
+    influence_method: str = AUTO,
 ) -> dict[str, Any]:
     """The outlier and influence rows of the checkpoint passes, as :func:`write_tables` writes them.
 
@@ -91,7 +94,10 @@ def report_tables(
     (:func:`~.tables.outlier_points`). ``rank_outliers_by``: ``"auto"`` (AUM where the training
     steps hold margins, else self-influence), ``"aum"``, ``"loss"`` or ``"self_influence"``
     (:func:`~.tables.outlier_scores`).
-    ``recompute``: refines estimated influence scores exactly (:func:`~.tables.influence_rows`).
+    ``recompute``: refines estimated TracIn scores exactly (:func:`~.tables.influence_rows`).
+    ``influence_method``: what scores the influence table, one of
+    :data:`~metastore_plugins.core.analysis.methods.METHOD_CHOICES`; ``"auto"`` (default) is EK-FAC where
+    every layer of the passes can be preconditioned (the best LDS measured, docs/quality.md), else TracIn.
 
     Its store queries are those a partitioned report pass makes on every rank, in this order:
     ``self_influence`` (unless ``scores`` is given), then one ``influence``.
@@ -118,7 +124,13 @@ def report_tables(
     pairs = [(a, b) for a, b in pairs if len(with_gradients(store, (a, b), inner=True)) == 2]
     if pairs:
         influence = influence_rows(
-            store, [a for a, _ in pairs], [b for _, b in pairs], k=5, samples=influence_samples, recompute=recompute
+            store,
+            [a for a, _ in pairs],
+            [b for _, b in pairs],
+            k=5,
+            samples=influence_samples,
+            recompute=recompute,
+            method=influence_method,
         )
     elif test or notes:
         caption.append("No influence report: no checkpoint pass holds train and test gradients with inner products.")

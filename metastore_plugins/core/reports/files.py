@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from metastore_plugins.core.reports.influence_method import influence_caption
 from metastore_plugins.core.store.files import StoreDir, open_under
 
 
@@ -69,7 +70,8 @@ def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
     whether its scores are exact, then each proponent and opponent with its label, score and text); without,
     one line per test sample (ids and labels of its proponents and opponents).
 
-    A closing line says whether the scores are exact or estimates (projected gradients)."""
+    Closing lines say which method and damping produced the scores and whether they are exact or estimates
+    (:func:`~metastore_plugins.core.reports.influence_method.influence_caption`)."""
     texts = any(
         row.get("test_text") or any(e.get("text") for e in row["proponents"] + row["opponents"]) for row in rows
     )
@@ -88,13 +90,8 @@ def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
         pro = ", ".join(f"{p['sample_id']}:{p['label']}" for p in row["proponents"])
         opp = ", ".join(f"{p['sample_id']}:{p['label']}" for p in row["opponents"])
         lines.append(f"| {row['test_id']} | {row['test_label']} | {row['test_prediction']} | {pro} | {opp} |")
-    if any(not row.get("exact", True) for row in rows):
-        lines.append(
-            "\nScores are estimates from projected gradients (the capture policy); rows recomputed exactly say so "
-            "in influence.json (`exact`)."
-        )
-    elif rows:
-        lines.append("\nScores are exact TracIn scores.")
+    if rows:
+        lines.append("\n" + "  \n".join(influence_caption(rows)))
     return "\n".join(lines) + "\n"
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from metastore_plugins.core.analysis import GradientStore, open_store
+from metastore_plugins.core.analysis.methods import AUTO
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import DistributedQueryError
@@ -116,6 +117,7 @@ def report_run(
     recompute: RecomputeFn | None = None,
     rank_outliers_by: str = "auto",
     per_layer_scalars: bool = False,
+    influence_method: str = AUTO,
 ) -> ReportResult | None:
     """Files via :func:`~metastore_plugins.core.reports.write_reports` into ``reports_dir``, and the same reports
     to each writer.
@@ -132,7 +134,9 @@ def report_run(
     ``render(split, sample id)`` adds each sample's text to the tables (see ``write_reports``).
     ``outliers_from="training"`` takes self-influence in-run over the training steps instead of at
     the checkpoint passes (:func:`~metastore_plugins.core.reports.tables.outlier_points`);
-    ``rank_outliers_by`` chooses the ranking (:func:`~metastore_plugins.core.reports.tables.outlier_scores`).
+    ``rank_outliers_by`` chooses the ranking (:func:`~metastore_plugins.core.reports.tables.outlier_scores`),
+    ``influence_method`` what scores the influence table (``"auto"``: EK-FAC where the passes can be
+    preconditioned, else TracIn; :func:`~metastore_plugins.core.reports.tables.influence_rows`).
     The loss-vs-self-influence scatter is saved as ``loss_vs_self_influence.png`` and logged as
     ``metastore/loss_vs_self_influence``; the data map (``data_map.png``, ``metastore/data_map``)
     and the heatmap of the training steps' gradient norms (``gradient_norms.png``,
@@ -178,6 +182,7 @@ def report_run(
         outliers_from=outliers_from,
         recompute=recompute if writing else None,  # the model runs on rank 0 only, without collectives
         rank_outliers_by=rank_outliers_by,
+        influence_method=influence_method,
     )  # its influence query is the last collective: what follows on rank 0 keeps no other rank waiting
     partition = share_of(store, since)
     if not writing:
@@ -253,6 +258,7 @@ def build_reports(
                 k=options.report_k,
                 outliers_from=options.outliers_from,
                 rank_outliers_by=options.rank_outliers_by,
+                influence_method=options.influence_method,
                 per_layer_scalars=options.per_layer_scalars,
                 **(sources if rank == 0 else {}),
             )

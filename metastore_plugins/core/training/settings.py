@@ -16,6 +16,7 @@ from typing import Any, TypedDict
 import numpy as np
 from torch import nn
 
+from metastore_plugins.core.analysis.methods import METHOD_CHOICES, MethodChoice
 from metastore_plugins.core.capture.session import (
     UNSUPPORTED_POLICIES,
     CaptureSession,
@@ -55,6 +56,7 @@ class CaptureSettings(TypedDict, total=False):
     report_k: int
     outliers_from: OutlierSource
     rank_outliers_by: OutlierRanking
+    influence_method: MethodChoice
     sample_renderer: SampleRenderer | None
     per_layer_scalars: bool
     overwrite: bool
@@ -82,6 +84,7 @@ class CallbackOptions:
     report_k: int = 20
     outliers_from: OutlierSource = "checkpoints"
     rank_outliers_by: OutlierRanking = "auto"
+    influence_method: MethodChoice = "auto"
     sample_renderer: SampleRenderer | None = None
     per_layer_scalars: bool = False
     overwrite: bool = False
@@ -108,6 +111,7 @@ class CallbackOptions:
             ("encoding", self.encoding, ENCODINGS),
             ("unsupported", self.unsupported, UNSUPPORTED_POLICIES),
             ("rank_outliers_by", self.rank_outliers_by, OUTLIER_RANKINGS),
+            ("influence_method", self.influence_method, METHOD_CHOICES),
         ):
             if value not in choices:
                 raise ValueError(f"{self.owner}({setting}=...) must be one of {', '.join(choices)}; got {value!r}")

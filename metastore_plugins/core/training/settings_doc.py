@@ -42,6 +42,11 @@ rank_outliers_by: ``"auto"`` (default): every trained sample by its area under t
     first) where the training steps hold margins (class logits), else by self-influence;
     ``"aum"``, ``"loss"`` (the loss at the last pass: best on short fine-tunes of pretrained
     models) or ``"self_influence"`` to choose. docs/quality.md measures why.
+influence_method: what scores the influence table: ``"auto"`` (default): EK-FAC (curvature-
+    preconditioned, the best agreement with retraining measured in docs/quality.md) where every
+    layer of the checkpoint passes can be preconditioned (exact factors), else TracIn (projected
+    records: the table then says why); or ``"tracin"``, ``"kfac"``, ``"ekfac"``, ``"trak"``.
+    The table's caption and ``influence.json`` say which method and damping produced it.
 sample_renderer: ``(split, sample id) -> text or image`` (``split`` ``"train"`` or ``"val"``): what the
     reports show of a sample; a string goes into the outlier and influence tables, an image
     (array, tensor or PIL image) into the figures. Default: decoded ``input_ids`` (HF, with a
