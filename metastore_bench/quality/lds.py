@@ -48,24 +48,25 @@ import torch
 from torch import Tensor
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.ops.curvature import CurvatureMethod
 
 from ..publish import RESULTS
 from ..timing import machine, versions
 from .digits import Capture, train_model
 from .lds_peers import dattri_attributors, kronfluence_attributors, pick, timed
-from .lds_setup import Setup, Tuning, bootstrap_interval, lds_per_sample, margins, subset_masks, subset_outputs
-from .lds_tasks import EMBEDDINGS, KINDS, TITLES, build_model, load_arrays
+from .lds_projected import capture_projected, projected_scores
+from .lds_setup import (
+    Setup,
+    Tuning,
+    bootstrap_interval,
+    lds_per_sample,
+    margins,
+    ordered,
+    subset_masks,
+    subset_outputs,
+)
+from .lds_tasks import KINDS, TITLES, build_model, load_arrays
 from .lds_tasks import Kind as Kind  # lds.Kind: the task names
-
-
-def ordered(scores: Scores, n: int, m: int) -> np.ndarray:
-    """``(n, m)`` scores with rows = train ids ``0..n-1`` and columns = test ids ``0..m-1`` (zero when absent)."""
-    out = np.zeros((n, m))
-    cols = np.flatnonzero(scores.col_ids < m)
-    out[np.ix_(scores.row_ids, scores.col_ids[cols])] = scores.scores[:, cols]
-    return out
 
 
 def store_attributors(store_dir: Path, setup: Setup, n: int) -> dict[str, tuple[np.ndarray, float]]:
@@ -96,14 +97,11 @@ def kernel_scores(store_dir: Path, setup: Setup, n: int, regularization: float) 
 
 
 def kfac_scores(store_dir: Path, setup: Setup, n: int, method: CurvatureMethod, relative_damping: float) -> np.ndarray:
-    """``(N, M + T)`` :meth:`kfac_influence` (``"ekfac"`` or ``"kfac"``) over the epoch passes.
-
-    The task's embedding layers are left out (``layers=``): ``kfac_influence`` does not fit them."""
+    """``(N, M + T)`` :meth:`kfac_influence` (``"ekfac"`` or ``"kfac"``) over the epoch passes, every layer."""
     store, columns = open_store(store_dir), setup.test_samples + setup.tune_samples
     trains = [f"epoch-{e}/train" for e in range(setup.epochs)]
     tests = [f"epoch-{e}/test" for e in range(setup.epochs)]
-    layers = [name for name in store.layers() if name not in EMBEDDINGS[setup.kind]]
-    scores = store.kfac_influence(trains, tests, method=method, relative_damping=relative_damping, layers=layers)
+    scores = store.kfac_influence(trains, tests, method=method, relative_damping=relative_damping)
     return ordered(scores, n, columns)
 
 
@@ -154,8 +152,17 @@ def run(setup: Setup) -> dict[str, Any]:
         for method, label in methods:
             fitted = pick(setup.kfac_dampings, partial(kfac_scores, store_dir, setup, n, method), m, tuning)
             fitted.update(seconds=overhead + fitted["seconds"], query_seconds=fitted["seconds"], trainings=1)
-            layers = " (non-embedding layers)" if EMBEDDINGS[setup.kind] else ""
-            attributions[f"{label} (checkpoint passes){layers}"] = fitted
+            attributions[f"{label} (checkpoint passes)"] = fitted
+        data = (x, y, x_test[: m + t], y_test[: m + t])
+        for dim in setup.projected_dims:  # the passes as a budgeted policy keeps them: projected on the eigenbasis
+            path, layers = Path(tmp) / f"projected-{dim}", open_store(store_dir).layers()
+            _, projected_seconds = timed(partial(capture_projected, setup, data, layers, dim, path))
+            cost = projected_seconds - plain_seconds
+            for method, label in ((None, "TracIn"), ("ekfac", "EK-FAC")):
+                grid = (0.0,) if method is None else setup.kfac_dampings
+                row = pick(grid, partial(projected_scores, path, setup, n, method), m, tuning)
+                row.update(seconds=cost + row["seconds"], query_seconds=row["seconds"], trainings=1)
+                attributions[f"{label} (passes projected {dim}x{dim} on the eigenbasis)"] = row
     peer_data = (x, y, x_test[: m + t], y_test[: m + t])
     attributions.update(dattri_attributors(setup, peer_data, checkpoints, tuning))
     if setup.kronfluence:

@@ -16,6 +16,8 @@ import torch
 from scipy.stats import rankdata
 from torch import Tensor, nn
 
+from metastore_plugins.core.analysis.results import Scores
+
 from .digits import train_model
 from .lds_tasks import Kind, build_model
 
@@ -39,6 +41,7 @@ class Setup:
     kernel_dim: int = 32
     kernel_regularizations: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
     kfac_dampings: tuple[float, ...] = (0.01, 0.1, 1.0)  # relative_damping of kfac_influence
+    projected_dims: tuple[int, ...] = (16, 8)  # passes projected k x k on the curvature eigenbasis
     ensemble: int = 5
     trak_regularizations: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0, 10.0)
     dampings: tuple[float, ...] = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -86,6 +89,14 @@ class Tuning:
 
     def lds(self, scores: np.ndarray) -> float:
         return float(np.nanmean(lds_per_sample(scores, self.masks, self.outputs)))
+
+
+def ordered(scores: Scores, n: int, m: int) -> np.ndarray:
+    """``(n, m)`` scores with rows = train ids ``0..n-1`` and columns = test ids ``0..m-1`` (zero when absent)."""
+    out = np.zeros((n, m))
+    cols = np.flatnonzero(scores.col_ids < m)
+    out[np.ix_(scores.row_ids, scores.col_ids[cols])] = scores.scores[:, cols]
+    return out
 
 
 def margins(model: nn.Module, x: Tensor, y: Tensor) -> np.ndarray:

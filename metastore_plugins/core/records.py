@@ -31,7 +31,10 @@ Two cheaper representations a capture policy may keep instead (built from the ab
     ``projected`` ``(B, k_out, k_in)``: the seeded Kronecker projection ``P_out G_i P_in^T`` of
     each per-sample gradient (:func:`metastore_plugins.core.ops.sketch`, seed
     :data:`PROJECTION_SEED`): inner products between samples are estimates. ``sq_norm`` ``(B,)``:
-    each sample's exact squared gradient norm over the record's parameters.
+    each sample's exact squared gradient norm over the record's parameters. A checkpoint pass
+    may instead project onto the top of the layer's K-FAC eigenbasis
+    (:mod:`metastore_plugins.core.ops.eigenbasis`): ``projected`` then holds ``Q_D^T G_i Q_A``, and
+    the record carries :data:`EIGENBASIS_TENSORS` (which basis, and its eigenvalues).
 
 ``"norms"``
     ``sq_norm`` ``(B,)`` only: exact squared norms, enough for self-influence and outliers.
@@ -80,6 +83,10 @@ KIND_TENSORS: dict[str, tuple[str, ...]] = {
     "projected": ("projected", "sq_norm"),
     "norms": ("sq_norm",),
 }
+#: The extra tensors of a ``"projected"`` record made on a curvature eigenbasis: ``basis`` ``(1,)`` the
+#: step of the checkpoint whose basis it is, ``eigenvalues`` ``(k_out, k_in)`` K-FAC's eigenvalues of the
+#: kept block, ``mean_eigenvalue`` ``(1,)`` the mean K-FAC eigenvalue of the whole layer (the damping's scale).
+EIGENBASIS_TENSORS = ("basis", "eigenvalues", "mean_eigenvalue")
 #: Tensor keys holding integers (ids, and the sample and position of each row); every other is float.
 INTEGER_TENSORS = ("sample", "position", "ids")
 #: Tensor keys that are linear in the loss (and therefore scaled); all others are inputs or ids.
@@ -199,6 +206,12 @@ class LayerRecord:
     def dense_grad(self, role: str) -> Tensor:
         """``(B, *param_shape)`` per-sample gradient of parameter role ``role`` of a dense record."""
         return self.tensors[dense_key(role)]
+
+    @property
+    def basis(self) -> int | None:
+        """The checkpoint step of the curvature eigenbasis a ``"projected"`` record was made on (None: seeded)."""
+        stored = self.tensors.get("basis") if self.kind == "projected" else None
+        return None if stored is None else int(stored.reshape(-1)[0])
 
     @property
     def nbytes(self) -> int:

@@ -62,7 +62,10 @@ def fit_curvature(
 def _added_sums(sums: CurvatureSums, scan: Scan, what: str) -> CurvatureSums:
     """Every process's K-FAC sums added (a layer some process saw no batch of counts as zero there)."""
     heads = scan.every(
-        {layer: (s.params, s.layout, s.rows, s.factored_samples, s.dense_samples) for layer, s in sums.layers.items()},
+        {
+            layer: (s.params, s.layout, s.rows, s.factored_samples, s.dense_samples, s.block)
+            for layer, s in sums.layers.items()
+        },
         f"{what} (layers)",
     )
     kept = {
@@ -71,10 +74,10 @@ def _added_sums(sums: CurvatureSums, scan: Scan, what: str) -> CurvatureSums:
     tensors = scan.sum({f"{layer}\n{name}": t for (layer, name), t in kept.items() if t is not None}, what)
     out = CurvatureSums()
     for head in heads:
-        for layer, (params, layout, rows, factored, dense) in head.items():
+        for layer, (params, layout, rows, factored, dense, block) in head.items():
             added = out.layers.setdefault(layer, LayerSums(dict(params), layout=layout))
             added.rows, added.factored_samples = added.rows + rows, added.factored_samples + factored
-            added.dense_samples += dense
+            added.dense_samples, added.block = added.dense_samples + dense, block or added.block  # one basis on all
     for key, tensor in tensors.items():
         layer, name = key.split("\n")
         setattr(out.layers[layer], name, tensor)

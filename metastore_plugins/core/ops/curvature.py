@@ -46,6 +46,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.ops import curvature_eigen as eigen
 from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
@@ -95,6 +96,7 @@ class LayerSums:
     dense: Tensor | None = None
     dense_samples: int = 0
     layout: WeightLayout = "out_in"
+    block: tuple[Tensor, float, int] | None = None  # eigenbasis records: (eigenvalues, mean eigenvalue, basis)
 
     @property
     def is_embedding(self) -> bool:
@@ -124,19 +126,22 @@ class LayerCurvature:
         layout: the weight's layout (``"in_out"``: transformers' ``Conv1D``).
     """
 
-    kind: Literal["outer", "embedding", "dense"]
+    kind: Literal["outer", "embedding", "dense", "eigen"]
     params: dict[str, str]
     q_in: Tensor | None
     q_out: Tensor | None
     eigenvalues: Tensor
     samples: int
     layout: WeightLayout = "out_in"
+    mean_eigenvalue: float | None = None  # "eigen": the whole layer's, which its block does not show
+    basis: int | None = None  # "eigen": the checkpoint step of the records' eigenbasis
 
     def damping(self, damping: float | None = None, relative: float = DEFAULT_RELATIVE_DAMPING) -> float:
         """``damping`` if given, else ``relative`` times the mean eigenvalue (1 for a layer without curvature)."""
         if damping is not None:
             return float(damping)
         mean = float(self.eigenvalues.mean()) if self.eigenvalues.numel() else 0.0
+        mean = mean if self.mean_eigenvalue is None else self.mean_eigenvalue
         return relative * mean if mean > 0 else 1.0
 
 
@@ -149,6 +154,8 @@ def layer_groups(records: Sequence[LayerRecord]) -> dict[str, list[LayerRecord]]
     """
     tied = shared_layers(records)
     for record in records:
+        if record.basis is not None:
+            continue  # projected on a curvature eigenbasis: K-FAC is diagonal there (.curvature_eigen)
         need_gradients(record, "K-FAC curvature")
         if record.layer in tied:
             raise ValueError(
@@ -206,6 +213,9 @@ class CurvatureSums:
             if all(r.kind == "embedding" for r in group):
                 _add_embedding(sums, group, layer)
                 continue
+            if first.basis is not None:
+                sums.block, sums.factored_samples = eigen.head(group), sums.factored_samples + first.batch_size
+                continue
             if all(r.kind == "outer" for r in group):
                 prefixes = torch.cat([augmented_prefix(r) for r in group]).transpose(0, 1)  # (G, R, d_in')
                 suffixes = torch.cat([r.tensors["suffix"].to(_F64) for r in group]).transpose(0, 1)  # (G, R, d_out)
@@ -226,6 +236,11 @@ class CurvatureSums:
         """Each layer's eigenbasis and K-FAC eigenvalues."""
         out = {}
         for layer, sums in self.layers.items():
+            if sums.block is not None:
+                values, mean, basis = sums.block
+                out[layer] = LayerCurvature("eigen", sums.params, None, None, values, sums.factored_samples,
+                                            mean_eigenvalue=mean, basis=basis)  # fmt: skip
+                continue
             first, second = sums.covariances()
             if second is None:
                 if first.dim() == 1:
@@ -277,6 +292,9 @@ def rotated(group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi
     dense (the queries here use the sparse rows of :mod:`.curvature_embedding` instead).
     """
     n = hi - lo
+    if curvature.kind == "eigen":
+        eigen.check_basis(group, curvature.basis)
+        return eigen.rotated_block(group, lo, hi)  # (n, k_out, k_in)
     if curvature.kind == "embedding":
         assert curvature.q_out is not None
         return embedding.dense_rotated(group, curvature.q_out, lo, hi)  # (n, V, d)
@@ -397,5 +415,6 @@ def precondition(
             elif c.q_in is not None:
                 scaled = scaled @ c.q_in.T  # (n, P)
             parts.append(scaled)
-        out.append(_dense_record(group[0], c, torch.cat(parts)))
+        kept = eigen.preconditioned(group, torch.cat(parts)) if c.kind == "eigen" else None
+        out.append(kept or _dense_record(group[0], c, torch.cat(parts)))
     return out

@@ -44,7 +44,8 @@ def shared_layers(records: Sequence[LayerRecord]) -> set[str]:
     return {layer for layers in owners.values() if len(layers) > 1 for layer in layers}
 
 
-def _summary(group: Sequence[LayerRecord], kind: Literal["projected", "norms"], tensors: dict) -> LayerRecord:
+def summary_record(group: Sequence[LayerRecord], kind: Literal["projected", "norms"], tensors: dict) -> LayerRecord:
+    """A summary record of one layer's records of one batch: their parameter table, ``tensors``."""
     first = group[0]
     params, shapes = {}, {}
     for record in group:
@@ -55,7 +56,7 @@ def _summary(group: Sequence[LayerRecord], kind: Literal["projected", "norms"], 
 
 def norms_record(group: Sequence[LayerRecord]) -> LayerRecord:
     """The ``"norms"`` record of one layer's exact records of one batch: ``sq_norm (B,)``, exact."""
-    return _summary(group, "norms", {"sq_norm": total_sq_norms(list(group)).float()})
+    return summary_record(group, "norms", {"sq_norm": total_sq_norms(list(group)).float()})
 
 
 def projected_record(
@@ -71,7 +72,7 @@ def projected_record(
     for record in group:
         projected += sketch(record, k_in, k_out, PROJECTION_SEED, projections=projections)  # (B, k)
     tensors = {"projected": projected.view(batch, k_out, k_in), "sq_norm": total_sq_norms(list(group)).float()}
-    return _summary(group, "projected", tensors)
+    return summary_record(group, "projected", tensors)
 
 
 def represent(

@@ -146,6 +146,11 @@ def _kept_sketch(record: LayerRecord, params: Collection[str] | None, dim_in: in
     if record.kind == "norms":
         raise unsupported(record, "sketches")
     whole_record(record, params, "sketches")
+    if record.basis is not None:
+        raise RepresentationError(
+            f"layer '{record.layer}' is kept projected on the curvature eigenbasis of step {record.basis}, not a "
+            "seeded projection, so it has no sketch; use influence(..., method='ekfac') or method='tracin'"
+        )
     stored = record.tensors["projected"]  # (B, k_out, k_in)
     if tuple(stored.shape[1:]) != (dim_out, dim_in) or seed != PROJECTION_SEED:
         raise RepresentationError(

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADATA_BYTES, TENSOR_OVERHEAD_BYTES
+from metastore_plugins.core.ops.eigenbasis import EigenBasis, represent_on_bases
 from metastore_plugins.core.ops.represent import represent
 from metastore_plugins.core.ops.sketch import Projections
 from metastore_plugins.core.policy.budget import POLICIES, Budget, Policy, RunShape, usable_bytes
@@ -68,6 +69,7 @@ class CapturePolicy:
         self.on_change = on_change
         self._rungs: dict[str, int] = {}  # part -> index in LADDER it was lowered to
         self._projections = Projections()
+        self.bases: dict[str, EigenBasis] = {}  # the curvature eigenbasis the passes project on (set_bases)
         self._passes_seen = 0
         self._said: set[str] = set()
 
@@ -117,7 +119,7 @@ class CapturePolicy:
         limit = self.limit - self._reserved(part)
         keep = self.keep_for(step, capture_point)
         if keep in REPRESENTATIONS:
-            kept, size = self._kept(records, {layer: keep for layer in planned}, self.plan.k)
+            kept, size = self._kept(records, {layer: keep for layer in planned}, self.plan.k, part)
             if self.spent + size <= limit:
                 self.spent += size
                 return kept
@@ -133,7 +135,7 @@ class CapturePolicy:
                 floor, k = LADDER[rung]
                 chosen = {layer: _no_richer(rep, floor) for layer, rep in planned.items()}
                 k = k or self.plan.k
-            kept, size = self._kept(records, chosen, k)
+            kept, size = self._kept(records, chosen, k, part)
             if self.spent + size <= limit:
                 self.spent += size
                 return kept
@@ -142,6 +144,22 @@ class CapturePolicy:
                 return None
             self._degrade(part, step)
 
+    def projects_passes(self) -> bool:
+        """Whether the checkpoint passes keep some layer projected (as planned, or lowered to it): they then
+        project on a curvature eigenbasis once :meth:`set_bases` gave one."""
+        if self.plan is None:
+            return False
+        rung = self._rungs.get("passes", self._rungs.get("last"))
+        lowered = rung is not None and LADDER[rung][0] == "projected"
+        return lowered or "projected" in self.plan.passes.values()
+
+    def set_bases(self, bases: dict[str, EigenBasis], step: int) -> None:
+        """Project the checkpoint passes from now on onto ``bases`` (fitted at ``step``); recorded in the plan."""
+        self.bases = bases
+        if self.plan is not None and bases and step not in self.plan.bases:
+            self.plan.bases.append(step)
+            self._changed()
+
     def summarized(self, capture_point: str) -> frozenset[str]:
         """Layers the plan keeps projected or as norms at ``capture_point`` (none before the plan is made)."""
         if self.plan is None:
@@ -149,9 +167,12 @@ class CapturePolicy:
         return frozenset(layer for layer, rep in self.plan.part(capture_point).items() if rep in ("projected", "norms"))
 
     def _kept(
-        self, records: Sequence[LayerRecord], chosen: dict[str, Representation], k: int
+        self, records: Sequence[LayerRecord], chosen: dict[str, Representation], k: int, part: str
     ) -> tuple[list[LayerRecord], int]:
-        kept = represent(records, chosen, k, k, self._projections)
+        if part != "train" and self.bases:
+            kept = represent_on_bases(records, chosen, k, self._projections, self.bases)
+        else:
+            kept = represent(records, chosen, k, k, self._projections)
         return kept, self._nbytes(kept, records[0].batch_size if records else 0)
 
     def _say_once(self, message: str) -> None:

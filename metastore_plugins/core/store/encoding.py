@@ -29,7 +29,7 @@ DEFAULT_ENCODING: Encoding = "fp16"
 
 _SCALE_SUFFIX = ".scale"
 #: Record tensors stored as float32 under every encoding.
-EXACT_KEYS = frozenset({"sq_norm"})
+EXACT_KEYS = frozenset({"sq_norm", "eigenvalues", "mean_eigenvalue"})
 _ROW_SCALED = {"fp16": (torch.float16, 1.0), "int8": (torch.int8, 127.0)}
 _PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

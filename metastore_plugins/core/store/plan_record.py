@@ -36,6 +36,7 @@ class CapturePlan:
         planned: bytes planned per part (metadata, snapshots, train, passes, total).
         exact_layers: layers kept exact whatever the rung (tied parameters, or exact no larger).
         degraded: what was lowered during the run (step, part, from, to), in order.
+        bases: checkpoint steps whose passes' projected layers went on a curvature eigenbasis fitted there.
     """
 
     policy: str
@@ -50,6 +51,7 @@ class CapturePlan:
     planned: dict[str, int]
     exact_layers: list[str] = field(default_factory=list)
     degraded: list[dict[str, Any]] = field(default_factory=list)
+    bases: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +71,12 @@ class CapturePlan:
         out.append(f"  training steps: {summarize(self.train, self.k)}")
         passes = summarize(self.passes, self.k) if self.planned_passes else "none planned"
         out.append(f"  checkpoint passes: {passes}")
+        if self.planned_passes and "projected" in self.passes.values():
+            where = f"fitted at steps {', '.join(map(str, self.bases))}" if self.bases else "none fitted yet"
+            out.append(
+                "  passes' projections: the top of each layer's K-FAC eigenbasis, fitted at each checkpoint on its "
+                f"first training samples (seeded where none is fitted yet; {where})"
+            )
         if not self.planned_passes and self.snapshots >= 0:
             where = "none (no checkpoint passes planned)"
         elif self.snapshots < 0:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.records import EXACT_KINDS, INTEGER_TENSORS, KIND_TENSORS, dense_key
+from metastore_plugins.core.records import EIGENBASIS_TENSORS, EXACT_KINDS, INTEGER_TENSORS, KIND_TENSORS, dense_key
 from metastore_plugins.core.store.encoding import is_scale_key
 from metastore_plugins.core.store.manifest import StoreError
 
@@ -123,4 +123,27 @@ def _check_kept(need: Any, tensors: dict[str, Tensor], kind: str, size: int) -> 
             projected.is_floating_point() and projected.dim() == 3 and projected.shape[0] == size,
             "projected",
             f"must be float ({size}, k_out, k_in); got {projected.dtype} {tuple(projected.shape)}",
+        )
+        _check_eigenbasis(need, tensors, tuple(projected.shape[1:]))
+
+
+def _check_eigenbasis(need: Any, tensors: dict[str, Tensor], block: tuple[int, ...]) -> None:
+    """A projected record's curvature eigenbasis tensors: all or none, ``basis (1,)`` integer,
+    ``eigenvalues (k_out, k_in)`` and ``mean_eigenvalue (1,)`` finite float, not negative."""
+    present = [key for key in EIGENBASIS_TENSORS if key in tensors]
+    if not present:
+        return
+    need(len(present) == len(EIGENBASIS_TENSORS), "basis", f"needs all of {EIGENBASIS_TENSORS}; has {present}")
+    if len(present) != len(EIGENBASIS_TENSORS):
+        return
+    basis, values, mean = (tensors[key] for key in EIGENBASIS_TENSORS)
+    need(not basis.is_floating_point() and tuple(basis.shape) == (1,), "basis", "must be an integer (1,) tensor")
+    for key, value, shape in (("eigenvalues", values, block), ("mean_eigenvalue", mean, (1,))):
+        need(
+            value.is_floating_point()
+            and tuple(value.shape) == shape
+            and bool(torch.isfinite(value).all())
+            and bool((value >= 0).all()),
+            key,
+            f"must be finite, non-negative float {shape}; got {value.dtype} {tuple(value.shape)}",
         )

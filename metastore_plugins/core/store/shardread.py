@@ -28,6 +28,7 @@ import xxhash
 from torch import Tensor
 
 from metastore_plugins.core.records import (
+    EIGENBASIS_TENSORS,
     INTEGER_TENSORS,
     SAMPLE_COLUMNS,
     batch_prefix,
@@ -134,6 +135,8 @@ def expected_keys(batches: Sequence[BatchKeys], encoding: str) -> tuple[frozense
         for k, (kind, roles) in enumerate(records):
             names = kind_tensors(kind, roles)
             required.update(record_key(j, k, name) for name in names)
+            if kind == "projected":  # made on a curvature eigenbasis (exact float32 or integer: no row scales)
+                optional.update(record_key(j, k, name) for name in EIGENBASIS_TENSORS)
             if scaled:  # every float tensor but the exact ones (encoding.EXACT_KEYS) has row scales
                 floats = [name for name in names if name not in INTEGER_TENSORS and name not in EXACT_KEYS]
                 required.update(record_key(j, k, name) + ".scale" for name in floats)

@@ -53,6 +53,7 @@ from metastore_plugins.core.store.snapshots import SnapshotInfo, SnapshotWriter
 from metastore_plugins.core.store.tags import TagBook, tag_attributes
 from metastore_plugins.core.store.writer import StoreWriter
 from metastore_plugins.core.training.loss_scale import LossScaleError, check_loss_reduction, gradients_finite
+from metastore_plugins.core.training.basis_fit import fit_pass_bases, training_source
 from metastore_plugins.core.training.pass_rates import PassRates
 
 __all__ = ["RunCapture"]
@@ -158,6 +159,12 @@ class RunCapture:
         *,
         step: int,
         capture_point: str = "train",
+    def factors_read(self) -> list[LayerRecord]:
+        """The records of the backward just done, scaled to per-sample losses, kept nowhere (a basis fit)."""
+        self.end_backward()
+        records, self._records = self._records or [], None
+        return [self._scaling(record) for record in records]
+
         epoch: int = 0,
         micro_batch: int = 0,
         lr: float | None = None,
@@ -300,6 +307,10 @@ class RunCapture:
                 ((ids, to_device(batch)) for ids, batch in batches),
                 loss_of,
                 capture_point=f"{name}/{source.split}",
+        fitted_on = training_source(sources) if self.policy.projects_passes() else None
+        if fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
+            fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
+                           step=step, context=context)  # fmt: skip
                 step=step,
                 epoch=epoch,
                 lr=weight,

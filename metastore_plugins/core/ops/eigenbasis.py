@@ -1,0 +1,145 @@
+"""Projections onto the curvature eigenbasis: what a projected checkpoint pass keeps so that K-FAC still applies.
+
+A seeded random projection ``P_out G_i P_in^T`` keeps inner products (TracIn) but not what a
+curvature needs: preconditioning *after* a random projection loses most of its gain. Here the
+projection is the top of the layer's K-FAC eigenbasis, fitted at the checkpoint's weights
+(:func:`fit_bases`). With ``C = Q_A diag(l_A) Q_A^T`` and ``G = Q_D diag(l_D) Q_D^T``
+(:mod:`~metastore_plugins.core.ops.curvature`, eigenvalues largest first), a sample's record is
+
+    ``R_i = Q_D[:, :k_out]^T [W_i | b_i] Q_A[:, :k_in]``    ``(k_out, k_in)``
+
+the gradient's coordinates in the top block of the Kronecker eigenbasis, formed from the rotated
+factors ``(D Q_D)^T (A' Q_A)`` (no gradient is built). A layer whose curvature is a full Fisher
+``F = Q diag(l) Q^T`` (dense records) keeps ``Q[:, :k^2]^T g_i`` as ``(k, k)``. In that basis the
+curvature is diagonal, so the preconditioned inner product is a division,
+
+    ``<g_i, (F + delta I)^-1 g_j>  ~  sum_ab R_i[a, b] R_j[a, b] / (Lambda[a, b] + delta)``,
+
+with K-FAC's ``Lambda = l_D l_A^T`` (kept in the record) or EK-FAC's ``(1/N) sum_i R_i^2`` over the
+training pass (exact in the block: the records are the rotated gradients), and ``delta`` a fraction
+of the mean K-FAC eigenvalue of the *whole* layer (kept in the record). The directions left out
+have small eigenvalues: each weighs ``l / (l + delta)`` in the preconditioned product, little
+against the ``~1`` of a kept one.
+
+Layers this does not fit keep the seeded projection: weights split into groups (grouped
+convolutions), embeddings, tied layers, and dense layers whose Fisher is kept diagonal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from metastore_plugins.core.ops.curvature import CurvatureSums, LayerCurvature, rotated
+from metastore_plugins.core.ops.influence import total_sq_norms
+from metastore_plugins.core.ops.represent import by_layer, represent, shared_layers, summary_record
+from metastore_plugins.core.ops.sketch import Projections
+from metastore_plugins.core.records import LayerRecord, Representation
+
+
+@dataclass(frozen=True)
+class EigenBasis:
+    """One layer's kept eigenbasis: ``curvature`` truncated to its top block, fitted at checkpoint ``step``.
+
+    ``curvature.q_in`` ``(1, d_in', k_in)`` and ``q_out`` ``(1, d_out, k_out)`` (Kronecker), or
+    ``q_in`` ``(P, k_out k_in)`` (full Fisher); ``curvature.eigenvalues`` the block's K-FAC
+    eigenvalues; ``mean_eigenvalue`` the mean over the whole layer.
+    """
+
+    curvature: LayerCurvature
+    mean_eigenvalue: float
+    step: int
+    block: tuple[int, int]  # (k_out, k_in)
+
+
+def _top(values: Tensor, vectors: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest eigenpairs of an ascending ``eigh``: ``(k,)`` values and ``(d, k)`` vectors, largest first."""
+    return values[-k:].flip(0).clamp_min(0), vectors[:, -k:].flip(1)
+
+
+def fit_bases(sums: CurvatureSums, k: int, step: int) -> dict[str, EigenBasis]:
+    """Each layer's top ``k x k`` eigenbasis from K-FAC sums (layers it cannot serve are left out).
+
+    Kronecker layers (one weight group): ``k_in = min(k, d_in')``, ``k_out = min(k, d_out)``; full-Fisher
+    layers with at least ``k^2`` parameters: the top ``k^2`` eigenvectors, as a ``(k, k)`` block.
+    """
+    out: dict[str, EigenBasis] = {}
+    for layer, layer_sums in sums.layers.items():
+        first, second = layer_sums.covariances()
+        if second is not None:
+            if first.shape[0] != 1:
+                continue  # grouped weights keep the seeded projection
+            l_in, q_in = torch.linalg.eigh(first[0])  # (d_in',), (d_in', d_in')
+            l_out, q_out = torch.linalg.eigh(second[0])  # (d_out,), (d_out, d_out)
+            mean = float(l_in.clamp_min(0).mean() * l_out.clamp_min(0).mean())
+            k_in, k_out = min(k, len(l_in)), min(k, len(l_out))
+            (top_in, vec_in), (top_out, vec_out) = _top(l_in, q_in, k_in), _top(l_out, q_out, k_out)
+            values = top_out[:, None] * top_in[None, :]  # (k_out, k_in)
+            kept = LayerCurvature("outer", layer_sums.params, vec_in[None], vec_out[None], values[None],
+                                  layer_sums.factored_samples, layer_sums.layout)  # fmt: skip
+            out[layer] = EigenBasis(kept, mean, step, (k_out, k_in))
+        elif first.dim() == 2 and first.shape[0] >= k * k:
+            values, vectors = torch.linalg.eigh(first)  # (P,), (P, P)
+            top, kept_vectors = _top(values, vectors, k * k)
+            kept = LayerCurvature("dense", layer_sums.params, kept_vectors, None, top, layer_sums.dense_samples)
+            out[layer] = EigenBasis(kept, float(values.clamp_min(0).mean()), step, (k, k))
+    return out
+
+
+def eigenbasis_record(group: Sequence[LayerRecord], basis: EigenBasis) -> LayerRecord:
+    """The ``"projected"`` record of one layer's exact records of one batch on its eigenbasis.
+
+    ``projected (B, k_out, k_in)`` = ``R_i``; ``sq_norm (B,)`` exact; ``basis``, ``eigenvalues`` and
+    ``mean_eigenvalue`` as :data:`~metastore_plugins.core.records.EIGENBASIS_TENSORS` says.
+    """
+    batch = group[0].batch_size
+    values = rotated(group, basis.curvature, 0, batch)  # (B, 1, k_out, k_in) or (B, k_out k_in)
+    tensors = {
+        "projected": values.reshape(batch, *basis.block).float(),  # (B, k_out, k_in)
+        "sq_norm": total_sq_norms(list(group)).float(),  # (B,)
+        "basis": torch.tensor([basis.step], dtype=torch.int64),
+        "eigenvalues": basis.curvature.eigenvalues.reshape(basis.block).float(),  # (k_out, k_in)
+        "mean_eigenvalue": torch.tensor([basis.mean_eigenvalue], dtype=torch.float32),
+    }
+    return summary_record(group, "projected", tensors)
+
+
+def represent_on_bases(
+    records: Sequence[LayerRecord],
+    choose: dict[str, Representation],
+    k: int,
+    projections: Projections | None,
+    bases: Mapping[str, EigenBasis],
+) -> list[LayerRecord]:
+    """:func:`~metastore_plugins.core.ops.represent.represent`, with projected layers that have a basis on it.
+
+    A layer goes on its basis when it is to be projected, has one of the same ``k`` (or smaller, for
+    narrow layers), is not tied to another layer, and holds only outer or dense records.
+    """
+    tied = shared_layers(records)
+    out: list[LayerRecord] = []
+    for layer, group in by_layer(records).items():
+        basis = bases.get(layer)
+        usable = (
+            basis is not None
+            and choose.get(layer, "exact") == "projected"
+            and layer not in tied
+            and max(basis.block) <= k
+            and all(r.kind in ("outer", "dense") for r in group)
+        )
+        if usable:
+            assert basis is not None
+            out.append(eigenbasis_record(group, basis))
+        else:  # tied layers stay exact, as represent() keeps them when it sees the whole batch
+            wanted: Representation = "exact" if layer in tied else choose.get(layer, "exact")
+            out.extend(represent(group, {layer: wanted}, k, k, projections))
+    return out
+
+
+def fittable(records: Sequence[LayerRecord]) -> list[LayerRecord]:
+    """The records a basis can be fitted on (:class:`CurvatureSums`): outer and dense ones of untied layers."""
+    tied = shared_layers(records)
+    return [r for r in records if r.kind in ("outer", "dense") and r.layer not in tied]

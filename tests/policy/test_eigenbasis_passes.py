@@ -1,0 +1,156 @@
+"""Projected checkpoint passes on the curvature eigenbasis: what is kept, and the K-FAC / EK-FAC scores on it.
+
+The reference is built by hand from ``torch.func`` per-sample gradients at the pass's weights: the
+K-FAC factors ``C = mean [a, 1][a, 1]^T`` and ``G = mean d d^T`` (``d``: each sample's own bias
+gradient), their top eigenvectors, each sample's ``Q_D^T [W_i | b_i] Q_A``, and the scores
+``sum R_i R_j / (Lambda + delta)``. Eigenvectors have a sign of their own choosing, so records are
+compared through sign-free quantities (inner products, squares).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+from torch.utils.data import TensorDataset
+
+from metastore_plugins import open_store
+from metastore_plugins.core.errors import RepresentationError
+from metastore_plugins.core.model.pass_sources import PassSource
+from metastore_plugins.core.policy.budget import Budget
+from metastore_plugins.core.store.plan_record import CapturePlan
+from metastore_plugins.core.training.run import RunCapture
+
+K = 3
+F64 = torch.float64
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5))
+
+
+def _data(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 5, (n,), generator=g))
+
+
+def _capture(path: Path, model: nn.Module, steps: tuple[int, ...] = (5,)) -> None:
+    """Passes ``epoch-e/train`` (24 samples) and ``epoch-e/test`` (10) at each step, every layer projected k=3."""
+    run = RunCapture(path, encoding="fp32", budget=Budget("auto", None))
+    run.policy.plan = CapturePlan(
+        "auto", None, "test", "fp32", K, {"0": "exact", "2": "exact"}, {"0": "projected", "2": "projected"}, 0, 2, {}
+    )
+    train, test = _data(24, 1), _data(10, 2)
+    sources = [PassSource("train", train, list(range(24)), 8), PassSource("test", test, list(range(10)), 4)]
+
+    def loss_of(batch: Any, k: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    try:
+        for epoch, step in enumerate(steps):
+            run.checkpoint_passes(model, sources, loss_of, name=f"epoch-{epoch}", rank=0, world_size=1,
+                                  to_device=lambda b: b, step=step, epoch=epoch, lr=0.1)  # fmt: skip
+            with torch.no_grad():
+                model[0].weight.add_(0.05)  # the next checkpoint's weights differ
+    finally:
+        run.close()
+
+
+def _per_sample(model: nn.Module, data: TensorDataset) -> dict[str, Tensor]:
+    """Per-sample gradients of each sample's own loss (torch.func), float64."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(functional_call(model, p, (x[None],)), y[None])
+
+    x, y = data.tensors
+    return {k: v.to(F64) for k, v in vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y).items()}
+
+
+def _layer_input(model: nn.Module, layer: int, x: Tensor) -> Tensor:
+    return x if layer == 0 else torch.tanh(model[0](x)).detach()
+
+
+def _reference(model: nn.Module, layer: int) -> dict[str, Tensor]:
+    """Hand-built K-FAC of ``layer`` on the training pass, its top k x k basis, and each sample's block."""
+    train, test = _data(24, 1), _data(10, 2)
+    out: dict[str, Tensor] = {}
+    basis: dict[str, Tensor] = {}
+    for name, data in (("train", train), ("test", test)):
+        g = _per_sample(model, data)
+        w, b = g[f"{layer}.weight"], g[f"{layer}.bias"]  # (N, d_out, d_in), (N, d_out)
+        if name == "train":
+            a = torch.cat([_layer_input(model, layer, data.tensors[0]).to(F64), torch.ones(len(b), 1, dtype=F64)], 1)
+            c, gg = a.T @ a / len(a), b.T @ b / len(b)  # (d_in', d_in'), (d_out, d_out)
+            l_a, q_a = torch.linalg.eigh(c)
+            l_d, q_d = torch.linalg.eigh(gg)
+            basis = {"q_a": q_a[:, -K:].flip(1), "q_d": q_d[:, -K:].flip(1)}
+            out["kfac"] = l_d[-K:].flip(0)[:, None] * l_a[-K:].flip(0)[None, :]  # (K, K)
+            out["mean"] = l_a.clamp_min(0).mean() * l_d.clamp_min(0).mean()
+        full = torch.cat([w, b[:, :, None]], 2)  # (N, d_out, d_in')
+        out[name] = basis["q_d"].T @ full @ basis["q_a"]  # (N, K, K)
+    return out
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module]:
+    path = tmp_path_factory.mktemp("eigenbasis") / "store"
+    model = _model().eval()
+    reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _capture(path, model)
+    model.load_state_dict(reference)  # the weights the first checkpoint's passes ran at
+    return path, model
+
+
+def test_pass_records_are_the_top_block_of_the_hand_built_kfac_basis(captured: tuple[Path, nn.Module]) -> None:
+    path, model = captured
+    store = open_store(path)
+    assert store.verify() == []
+    for layer in (0, 2):
+        ref = _reference(model, layer)
+        for split in ("train", "test"):
+            records = [r for b in store.select(f"epoch-0/{split}", layers=[str(layer)]).batches() for r in b.records]
+            assert all(r.kind == "projected" and r.basis == 5 for r in records)
+            kept = torch.cat([r.tensors["projected"] for r in records]).to(F64)  # (N, K, K)
+            got, want = kept.flatten(1), ref[split].flatten(1)
+            torch.testing.assert_close(got @ got.T, want @ want.T, rtol=1e-4, atol=1e-7)  # sign-free
+            torch.testing.assert_close(got.square(), want.square(), rtol=1e-4, atol=1e-7)
+            first = records[0].tensors
+            torch.testing.assert_close(first["eigenvalues"].to(F64), ref["kfac"], rtol=1e-4, atol=1e-9)
+            torch.testing.assert_close(float(first["mean_eigenvalue"]), float(ref["mean"]), rtol=1e-4, atol=1e-9)
+    assert store.config["capture_plan"]["bases"] == [5]
+
+
+@pytest.mark.parametrize("method", ["ekfac", "kfac"])
+def test_kfac_influence_on_eigenbasis_records_is_the_scaled_block_product(
+    captured: tuple[Path, nn.Module], method: str
+) -> None:
+    path, model = captured
+    store = open_store(path)
+    scores = store.kfac_influence("epoch-0/train", "epoch-0/test", method=method)
+    lr = store.learning_rate("epoch-0/train")
+    want = torch.zeros(24, 10, dtype=F64)
+    for layer in (0, 2):
+        ref = _reference(model, layer)
+        train, test = ref["train"].flatten(1), ref["test"].flatten(1)  # (N, K*K), (M, K*K)
+        values = train.square().mean(0) if method == "ekfac" else ref["kfac"].flatten()
+        want += (train / (values + 0.1 * ref["mean"])) @ test.T
+    got = torch.as_tensor(scores.scores)[scores.row_ids.argsort()][:, scores.col_ids.argsort()]
+    torch.testing.assert_close(got.to(F64), lr * want, rtol=2e-4, atol=1e-6)
+
+
+def test_passes_of_two_checkpoints_never_meet(tmp_path: Path) -> None:
+    _capture(tmp_path / "store", _model().eval(), steps=(5, 9))
+    store = open_store(tmp_path / "store")
+    with pytest.raises(RepresentationError, match="eigenbasis of step"):
+        store.kfac_influence("epoch-0/train", "epoch-1/test")
+    with pytest.raises(RepresentationError, match="eigenbasis of step"):
+        store.influence("epoch-0/train", "epoch-1/test")
+    assert store.kfac_influence("epoch-1/train", "epoch-1/test").scores.shape == (24, 10)
