@@ -11,7 +11,9 @@ from collections.abc import Callable
 import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis.curvature_self import kernel_self_influence, preconditioned_self_influence
 from metastore_plugins.core.analysis.signals import suspicion, training_signals
+from metastore_plugins.core.records import RepresentationError
 from metastore_plugins.core.reports.tables import TRAINING_STEPS, checkpoint_points, self_influence_of
 
 #: detectors read from the store, in table order; ``"checkpoint"`` ones need passes, the others training steps
@@ -19,6 +21,9 @@ STORE_DETECTORS = (
     "final loss",
     "self-influence (checkpoints)",
     "self-influence (checkpoints, projected 8x8)",
+    "self-influence EK-FAC (checkpoints)",
+    "self-influence K-FAC (checkpoints)",
+    "self-influence TRAK kernel (checkpoints)",
     "self-influence (training steps)",
     "mean training loss",
     "AUM",
@@ -46,6 +51,31 @@ def _projected_self_influence(store: GradientStore, points: list[str], dim: int)
     return unique, total
 
 
+def _exact_layers(store: GradientStore, point: str) -> list[str]:
+    """The layers a pass keeps as exact factors or dense gradients (what K-FAC fits; embeddings left out)."""
+    batch = next(store.select(point).batches(), None)
+    return sorted({r.layer for r in batch.records if r.kind in ("outer", "dense")}) if batch is not None else []
+
+
+def _curvature_self_influence(store: GradientStore, passes: list[str], n: int) -> dict[str, np.ndarray]:
+    """Self-influence through the curvature of each pass (``sum_c lr_c g_i^T (F_c + delta I)^-1 g_i``, EK-FAC and
+    K-FAC, Kronfluence's damping) and through TRAK's kernel on 32x32 sketches, over the passes' exact layers."""
+    layers = _exact_layers(store, passes[0])
+    if not layers:
+        return {}
+    ids, out = store.self_influence_ids(passes), {}
+    for label, method in (("EK-FAC", "ekfac"), ("K-FAC", "kfac")):
+        try:
+            found = preconditioned_self_influence(store, passes, method=method, layers=layers)
+        except RepresentationError:  # a layer kept exact in the first batch and projected in a later one
+            return {}
+        out[f"self-influence {label} (checkpoints)"] = _aligned(ids, found, n)
+    out["self-influence TRAK kernel (checkpoints)"] = _aligned(
+        ids, kernel_self_influence(store, passes, layers=layers), n
+    )
+    return out
+
+
 def store_scores(store: GradientStore, n: int, split: str = "train") -> dict[str, np.ndarray]:
     """Every store detector's ``(n,)`` suspicion scores (those whose capture points the store lacks are left out)."""
     out: dict[str, np.ndarray] = {}
@@ -55,6 +85,7 @@ def store_scores(store: GradientStore, n: int, split: str = "train") -> dict[str
         out["final loss"] = _aligned(last["sample_id"], last["loss"], n)
         out["self-influence (checkpoints)"] = _aligned(*self_influence_of(store, passes), n)
         out["self-influence (checkpoints, projected 8x8)"] = _aligned(*_projected_self_influence(store, passes, 8), n)
+        out.update(_curvature_self_influence(store, passes, n))
     if TRAINING_STEPS in store.capture_points():
         out["self-influence (training steps)"] = _aligned(*self_influence_of(store, [TRAINING_STEPS]), n)
         signals = training_signals(store)
