@@ -337,7 +337,7 @@ class EigenvalueCorrection:
             curvature = self.curvature[layer]
             if curvature.kind == "embedding":
                 assert curvature.q_out is not None
-                self.sums[layer] += embedding.squared_rotated(group, curvature.q_out)  # (V, d)
+                embedding.add_squared_rotated(self.sums[layer], group, curvature.q_out)  # (V, d)
                 self.samples[layer] += group[0].batch_size
                 continue
             for lo, hi in chunks(group[0].batch_size, _sample_chunk(curvature, max_bytes)):

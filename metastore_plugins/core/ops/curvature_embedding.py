@@ -96,11 +96,11 @@ def rotated_rows(group: Sequence[LayerRecord], q_out: Tensor) -> tuple[Tensor, T
     return sample, ids, rows @ q_out  # (U, d)
 
 
-def squared_rotated(group: Sequence[LayerRecord], q_out: Tensor) -> Tensor:
-    """``(V, d)`` ``sum_i ((W_i Q_D)[v, :])^2`` over one batch: EK-FAC's sums (divided by ``N`` once all are added)."""
-    vocab = group[0].param_shapes["weight"][0]
+def add_squared_rotated(total: Tensor, group: Sequence[LayerRecord], q_out: Tensor) -> Tensor:
+    """``total (V, d) += sum_i ((W_i Q_D)[v, :])^2`` over one batch, in place (only the batch's tokens' rows are
+    touched): EK-FAC's sums, divided by ``N`` once every batch is added. Returns ``total``."""
     _, ids, rotated = rotated_rows(group, q_out)  # (U,), (U, d)
-    return rotated.new_zeros(vocab, rotated.shape[1]).index_add_(0, ids, rotated.square())  # (V, d)
+    return total.index_add_(0, ids, rotated.square())  # (V, d)
 
 
 def preconditioned_rows(group: Sequence[LayerRecord], q_out: Tensor, eigenvalues: Tensor, delta: float) -> LayerRecord:
