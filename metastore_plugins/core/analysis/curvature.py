@@ -128,7 +128,7 @@ def kfac_influence(
             Kronecker eigenbasis; two reads of each train pass) or ``"kfac"`` (one read).
         damping: one absolute ``delta`` for every layer; by default each layer's is ``relative_damping``
             times the mean eigenvalue of its curvature (Kronfluence's rule, 0.1).
-        layers: restrict to these layers (all by default; embedding records are not fitted yet).
+        layers: restrict to these layers (all by default: factored, embedding and dense layers).
         train_ids, test_ids: restrict the scored samples.
 
     Raises:
