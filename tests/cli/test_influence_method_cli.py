@@ -106,3 +106,12 @@ def test_bad_values_are_argparse_errors(
     with pytest.raises(SystemExit) as exited:
         main(["influence", str(exact), *args])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_report_takes_the_method(exact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for method, expected in (("auto", "ekfac"), ("trak", "trak")):
+        out = tmp_path / method
+        assert main(["report", str(exact), "--out", str(out), "--method", method]) == 0
+        capsys.readouterr()
+        rows = json.loads((out / "influence.json").read_text())
+        assert rows and {row["method"] for row in rows} == {expected}

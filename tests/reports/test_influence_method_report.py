@@ -19,6 +19,7 @@ from reportcases import assert_top_ranking
 from metastore_plugins import open_store
 from metastore_plugins.core.analysis import GradientStore, Scores
 from metastore_plugins.core.reports import write_reports
+from metastore_plugins.core.training.report_pass import build_reports
 from metastore_plugins.core.training.settings import CallbackOptions
 
 
@@ -100,3 +101,12 @@ def test_the_setting_is_checked_against_the_one_tuple() -> None:
     with pytest.raises(ValueError, match=r"MetaStoreCallback\(influence_method=...\) must be one of auto, tracin"):
         CallbackOptions.of("MetaStoreCallback", {"influence_method": "best"})  # type: ignore[typeddict-item]
     assert CallbackOptions.of("MetaStoreCallback", {}).influence_method == "auto"
+
+
+def test_the_callbacks_setting_reaches_the_report_pass(tmp_path: Path) -> None:
+    store_dir = write_passes(tmp_path / "store")
+    options = CallbackOptions.of("MetaStoreCallback", {"influence_method": "kfac"})
+    result = build_reports(options, store_dir, [], step=0)
+    assert result is not None and {row["method"] for row in result.influence or []} == {"kfac"}
+    rows = json.loads((store_dir / "reports" / "influence.json").read_text())
+    assert rows and {(row["method"], row["relative_damping"]) for row in rows} == {("kfac", 0.1)}
