@@ -9,20 +9,19 @@ formats are :mod:`metastore_plugins.core.store.vector_files`'.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load as load_bytes
-from safetensors.torch import save as save_bytes
 
 from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import check_seed, compute_sketches, sketch_layers
 from metastore_plugins.core.analysis.vector_search import Plan, VectorIndex, build_ivf, choose_plan, load_faiss
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
-from metastore_plugins.core.store import StoreError, StoreReader
+from metastore_plugins.core.store import Selection, StoreError, StoreReader
 from metastore_plugins.core.store import vector_files as vf
 
 #: The sketch size of a capture point whose records are factors (a projected one uses its own ``k``).
@@ -54,9 +53,7 @@ def open_index(
     False and none was ever built. ``plan`` overrides :func:`choose_plan` (tests, benchmarks)."""
     order, seed = sketch_layers(store, layers), check_seed(seed)
     dim = default_dim(store, capture_point, order) if dim is None else int(dim)
-    key = vf.key_hash(capture_point, dim, seed, order)
-    head = {"format": vf.FORMAT, "version": vf.VERSION, "capture_point": capture_point, "dim": dim, "seed": seed}
-    head["layers"] = list(order)
+    key, head = index_head(capture_point, dim, seed, order)
     try:
         manifest = vf.read_manifest(store.path, key)
     except StoreError as exc:
@@ -89,17 +86,10 @@ def open_index(
         entry: dict[str, Any] | None = known.get(shard)
         piece = _load_part(store, entry, head, shard, sha) if entry is not None else None
         if piece is None:
-            ids, sketch = compute_sketches(sub, order, dim, seed, "concat", max_bytes)  # (n,), (n, L dim^2)
-            lr = np.concatenate([np.full(ref.size, ref.lr_weight) for ref in sub.refs])  # (n,)
-            piece = (ids, lr, sketch.numpy().astype(np.float32))
-            name = f"part-{key}-{shard.removesuffix('.safetensors')}.safetensors"
-            data = save_bytes(
-                {"vector": torch.from_numpy(piece[2]), "sample_id": torch.from_numpy(ids), "lr": torch.from_numpy(lr)},
-                metadata={**{k: str(v) for k, v in head.items()}, "shard": shard, "shard_sha256": sha},
-            )
-            entry = {"file": name, "shard": shard, "shard_sha256": sha, "rows": len(ids), "sha256": vf.sha256(data)}
-            writable = writable and _write(store, name, data)
-            rebuilt.append(name)
+            piece = build_piece(sub, head, max_bytes)
+            entry, data = encode_part(piece, head, key, shard, sha)
+            writable = writable and _write(store, entry["file"], data)
+            rebuilt.append(entry["file"])
         pieces.append(piece)
         parts.append(entry or {})
     ids = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros(0, np.int64)
@@ -128,6 +118,37 @@ def open_index(
     return index
 
 
+Piece = tuple[np.ndarray, np.ndarray, np.ndarray]  # a part's sample ids (n,), learning rates (n,), vectors (n, D)
+
+
+def index_head(capture_point: str, dim: int, seed: int, order: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """``(key, head)`` of an index: the hash naming its files, and what its manifest and parts record."""
+    head = {"format": vf.FORMAT, "version": vf.VERSION, "capture_point": capture_point, "dim": dim, "seed": seed}
+    head["layers"] = list(order)
+    return vf.key_hash(capture_point, dim, seed, list(order)), head
+
+
+def build_piece(selection: Selection, head: dict[str, Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Piece:
+    """A part's rows from its shard's batches (``selection``): ``vector_i`` = the row's per-layer Kronecker
+    sketches side by side (``compute_sketches(..., "concat")``), with its sample id and its batch's learning rate."""
+    order, dim, seed = list(head["layers"]), int(head["dim"]), int(head["seed"])
+    ids, sketch = compute_sketches(selection, order, dim, seed, "concat", max_bytes)  # (n,), (n, L dim^2)
+    lr = np.concatenate([np.full(ref.size, ref.lr_weight) for ref in selection.refs])  # (n,)
+    return ids, lr, sketch.numpy().astype(np.float32)
+
+
+def encode_part(piece: Piece, head: dict[str, Any], key: str, shard: str, sha: str) -> tuple[dict[str, Any], bytes]:
+    """``(manifest entry, file bytes)`` of a part: safetensors ``vector`` (n, D) float32, ``sample_id`` (n,)
+    int64, ``lr`` (n,) float64, its metadata the index's head and the shard's name and sha256 (its binding)."""
+    ids, lr, vectors = piece
+    data = vf.part_bytes(
+        {"vector": torch.from_numpy(vectors), "sample_id": torch.from_numpy(ids), "lr": torch.from_numpy(lr)},
+        {**{k: str(v) for k, v in head.items()}, "shard": shard, "shard_sha256": sha},
+    )
+    name = vf.part_name(key, shard)
+    return {"file": name, "shard": shard, "shard_sha256": sha, "rows": len(ids), "sha256": vf.sha256(data)}, data
+
+
 #: Indexes opened in this process, reused while their manifest, shards and files are unchanged.
 _OPENED: dict[tuple[str, str], tuple[Any, VectorIndex]] = {}
 MAX_OPENED = 4
@@ -141,13 +162,25 @@ def _signature(store: StoreReader, manifest: dict[str, Any], shards: tuple[tuple
     return None if files is None else (vf.encode_manifest(manifest), shards, files)
 
 
-def _load_part(
-    store: StoreReader, entry: dict[str, Any], head: dict[str, Any], shard: str, sha: str
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def _load_part(store: StoreReader, entry: dict[str, Any], head: dict[str, Any], shard: str, sha: str) -> Piece | None:
     """A part's ``(ids, lr, vectors)`` when it is current and sound, else None (said once when damaged)."""
+    rows = sum(ref.size for ref in store.batch_refs(head["capture_point"]) if ref.file.name == shard)
+    return load_part(store, entry, head, sha, rows)
+
+
+def load_part(
+    store: StoreReader,
+    entry: dict[str, Any],
+    head: dict[str, Any],
+    sha: str,
+    rows: int,
+    say: Callable[[str], None] | None = None,
+) -> Piece | None:
+    """The ``(ids, lr, vectors)`` of a listed part of ``rows`` rows when its shard's sha256 is ``sha`` and its bytes
+    are sound and bound to that shard; else None (a damaged file said in one line: a warning, or to ``say``)."""
+    shard = str(entry.get("shard"))
     if entry.get("shard_sha256") != sha or not isinstance(entry.get("file"), str):
         return None  # stale: its shard changed
-    rows = sum(ref.size for ref in store.batch_refs(head["capture_point"]) if ref.file.name == shard)
     width = len(head["layers"]) * head["dim"] ** 2
     try:
         data = vf.read_checked(
@@ -158,7 +191,7 @@ def _load_part(
             raise StoreError(f"{store.path / vf.FOLDER / entry['file']}: {problem}")
         tensors = load_bytes(data)
     except (StoreError, ValueError, RuntimeError) as exc:
-        _warn(f"{exc}; rebuilt from {shard}")
+        (say or _warn)(f"{exc}; rebuilt from {shard}")
         return None
     vector, ids, lr = tensors.get("vector"), tensors.get("sample_id"), tensors.get("lr")
     if vector is None or ids is None or lr is None or tuple(vector.shape) != (rows, width) or ids.shape != (rows,):

@@ -54,6 +54,8 @@ class CompactionReport:
     merged: list[str] = field(default_factory=list)  # the small shards that were merged and removed
     written: list[str] = field(default_factory=list)  # the shards that replace them
     skipped: list[str] = field(default_factory=list)  # why a rank or shard was left as it was
+    #: each written shard with the ``(file, sha256)`` of the shards it holds, in order (their batches, concatenated)
+    groups: list[tuple[str, list[tuple[str, str]]]] = field(default_factory=list)
 
 
 def _ranks(directory: Path) -> list[tuple[int, Path]]:
@@ -152,6 +154,7 @@ def _compact_rank(directory: Path, index: RankIndex, target_bytes: int, report: 
         report.skipped.append(one_line(f"rank {rank}: not compacted: {exc}"))
         return
     replaced: dict[int, ShardEntry] = {}  # first member's position in entries -> merged entry
+    groups: list[tuple[str, list[tuple[str, str]]]] = []
     dropped: set[int] = set()
     written: list[str] = []
     with StoreDir(directory) as files:
@@ -178,6 +181,7 @@ def _compact_rank(directory: Path, index: RankIndex, target_bytes: int, report: 
                     replaced[start] = merged
                     dropped.update(range(start + 1, start + len(part)))
                     written.append(merged.file)
+                    groups.append((merged.file, [(e.file, e.sha256) for e in part]))
                 start += len(part)
         if not replaced:
             return
@@ -199,6 +203,7 @@ def _compact_rank(directory: Path, index: RankIndex, target_bytes: int, report: 
         files.fsync()
     report.merged += [entries[i].file for i in sorted([*replaced, *dropped])]
     report.written += written
+    report.groups += groups
     report.shards_after -= len(dropped)
 
 

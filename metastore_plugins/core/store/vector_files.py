@@ -9,9 +9,14 @@ One index per (capture point, sketch ``dim``, seed, layers in order), named by a
   ``{"file", "kind", "nlist", "nprobe", "rows", "sha256", "parts"}`` (``parts``: the sha256 of the
   parts list it was built over).
 - ``part-{key}-{shard stem}.safetensors``: the part's vectors (see
-  :mod:`metastore_plugins.core.analysis.vector_index`).
+  :mod:`metastore_plugins.core.analysis.vector_index`), written by :func:`part_bytes`: the same
+  rows give the same bytes, whoever writes them (a query, or the write side as the run goes).
 - ``ann-{key}.faiss``: the serialized FAISS index (``faiss.serialize_index``), read as bytes
   and deserialized from them, never opened by path.
+- ``manifests.lock``: an empty file, locked (POSIX ``lockf``) by the write side while it adds a
+  part to a manifest (:func:`add_parts`): the part builders of several ranks never lose each
+  other's entries. A query-time build does not take it (a part it leaves out is rebuilt, see
+  docs/store.md).
 
 A part is *current* when its shard is still listed with the sha256 it records, and *sound*
 when its bytes hash to the sha256 the manifest records. Everything goes through
@@ -24,14 +29,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import stat
+import threading
 import zlib
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from metastore_plugins.core.store.file_kinds import temporary_target
 from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.store.shardfile import header_bytes, tensor_layout
 
 FOLDER = "vector_index"
 FORMAT, VERSION = "metastore-vector-index", 1
@@ -47,6 +60,22 @@ def key_hash(capture_point: str, dim: int, seed: int, layers: list[str]) -> str:
 
 def manifest_name(key: str) -> str:
     return f"manifest-{key}.json"
+
+
+def part_name(key: str, shard: str) -> str:
+    """The file of the part of index ``key`` over ``shard`` (a shard file name)."""
+    return f"part-{key}-{shard.removesuffix('.safetensors')}.safetensors"
+
+
+def part_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A part file: safetensors laid out as shards are (:func:`~.shardfile.tensor_layout`), its metadata keys
+    sorted; unlike ``safetensors.torch.save`` (whose metadata order varies from call to call), deterministic."""
+    specs = {key: (t.dtype, tuple(t.shape)) for key, t in tensors.items()}
+    ranges, size = tensor_layout(specs)
+    section = bytearray(size)
+    for key, (begin, end) in ranges.items():
+        section[begin:end] = np.ascontiguousarray(tensors[key].numpy()).view(np.uint8).reshape(-1).data
+    return header_bytes(ranges, specs, dict(sorted(metadata.items()))) + bytes(section)
 
 
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
@@ -140,6 +169,71 @@ def read_manifest(store_dir: Path, key: str) -> dict[str, Any] | None:
         return decode_manifest(data)
     except StoreError as exc:
         raise StoreError(f"{store_dir / FOLDER / manifest_name(key)}: {exc}") from None
+
+
+LOCK_NAME = "manifests.lock"
+_LOCAL = threading.Lock()  # a POSIX record lock does not exclude the threads of one process
+
+
+@contextmanager
+def manifest_lock(store_dir: Path) -> Iterator[None]:
+    """Hold ``vector_index/manifests.lock`` (waiting for it): what the write side changes a manifest under."""
+    with _LOCAL, StoreDir(store_dir) as store, store.subdir(FOLDER, create=True) as folder:
+        fd = folder.open_lock(LOCK_NAME)
+        try:
+            try:
+                import fcntl
+            except ImportError:  # pragma: no cover - Windows: the in-process lock only
+                fcntl = None  # type: ignore[assignment]
+            if fcntl is not None:
+                fcntl.lockf(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the POSIX lock
+
+
+def add_parts(
+    store_dir: Path, key: str, head: dict[str, Any], entries: list[dict[str, Any]], drop: Iterable[str] = ()
+) -> list[str]:
+    """List ``entries`` (written part files) in the manifest of ``key``, under :func:`manifest_lock`.
+
+    A listed part of the same shard is replaced, the parts of the shards in ``drop`` are delisted, and the
+    search structure (built over other parts) is delisted: the next query builds it. A missing, damaged or
+    foreign manifest is started anew from ``head``. Returns the files delisted (for the caller to remove).
+    """
+    gone = set(drop) | {str(e["shard"]) for e in entries}
+    with manifest_lock(store_dir):
+        try:
+            manifest = read_manifest(store_dir, key)
+        except StoreError:
+            manifest = None
+        if manifest is None or {k: manifest.get(k) for k in head} != head:
+            manifest = {**head, "parts": [], "ann": None}
+        kept = [p for p in manifest["parts"] if str(p.get("shard")) not in gone]
+        delisted = [str(p.get("file")) for p in manifest["parts"] if str(p.get("shard")) in gone]
+        ann = manifest.get("ann")
+        delisted += [str(ann.get("file"))] if isinstance(ann, dict) else []
+        write(store_dir, manifest_name(key), encode_manifest({**manifest, "parts": kept + entries, "ann": None}))
+    listed = {str(e["file"]) for e in entries}
+    return [name for name in delisted if name not in listed]
+
+
+def manifest_keys(store_dir: Path) -> list[str]:
+    """The keys of the manifests in ``vector_index/`` (none when it is missing or not a directory)."""
+    try:
+        with StoreDir(store_dir) as store, store.subdir(FOLDER) as folder:
+            names = folder.listdir()
+    except (OSError, StoreError):
+        return []
+    return sorted(n[len("manifest-") : -len(".json")] for n in names if MANIFEST_NAME.fullmatch(n))
+
+
+def remove(store_dir: Path, names: Iterable[str]) -> None:
+    """Remove these ``vector_index/`` files where they are (never through a link)."""
+    with StoreDir(store_dir) as store, store.subdir(FOLDER) as folder:
+        for name in names:
+            if OWN_NAME.fullmatch(name) and folder.kind(name) in ("file", "link"):
+                folder.remove(name, missing_ok=True)
 
 
 def check(store_dir: Path, shard_sha256: dict[str, str], files: bool = True) -> tuple[list[str], list[str]]:

@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -81,6 +81,9 @@ class StoreWriter:
             and what the store kept; training goes on. ``"raise"``: the next
             ``write``/``flush``/``close`` raises ``RuntimeError``. Either way the shards already
             listed and the last manifest stay valid, and the partial file is removed.
+        on_shard: called on the writer thread with each shard's file name once it is listed (the write
+            side of the nearest-gradient index queues its part there). It must return at once; what it
+            raises is kept in :attr:`on_shard_error` (the first) and never stops capture.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class StoreWriter:
         flush_seconds: float | None = 10.0,
         config: dict[str, Any] | None = None,
         on_error: Literal["warn", "raise"] = "warn",
+        on_shard: Callable[[str], object] | None = None,
     ) -> None:
         if queue_bytes <= 0 or shard_bytes <= 0:
             raise ValueError("queue_bytes and shard_bytes must be positive byte counts")
@@ -106,6 +110,8 @@ class StoreWriter:
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise'; got {on_error!r}")
         self.on_error = on_error
+        self.on_shard = on_shard
+        self.on_shard_error: Exception | None = None
         self.stopped: OSError | None = None  # the disk error that stopped capture (on_error="warn")
         self._warned = False
         self.dropped_samples = 0
@@ -375,6 +381,11 @@ class StoreWriter:
         self.stats.batches += len(batches)
         self.stats.bytes_written += entry.bytes
         self.stats.files.append(name)
+        if self.on_shard is not None:
+            try:
+                self.on_shard(name)
+            except Exception as exc:  # the shard is listed: a failing listener never stops capture
+                self.on_shard_error = self.on_shard_error or exc
 
 
 def shard_keys(pending: list[_Batch]) -> list[tuple[str, int]]:

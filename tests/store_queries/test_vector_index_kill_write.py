@@ -1,0 +1,205 @@
+"""SIGKILL in the middle of an index file write, at the two moments test_vector_index_kill.py does not reach.
+
+1. **The write side**: a process capturing with ``StoreWriter(on_shard=PartBuilder.shard_written)`` is
+   killed while its part builder writes a part or a manifest (the ``n``-th index file write gets half its
+   bytes into its temporary, fsynced, then the process SIGKILLs itself, writer thread and all). Every shard
+   the writer listed stays listed and readable, ``verify`` names no listed shard, a new writer continues the
+   store, and the next query answers as the exhaustive scan does.
+2. **The FAISS IVF search file** (``ann-*.faiss``): a build killed while writing it, on a fresh index and on a
+   kept IVF index being brought up to date (also just after it, while the manifest is written). The index is
+   then rebuilt or not used (said in one line), never a silently wrong answer.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_vector_index import TEST, TRAIN, assert_same_top, base, make_model, store, write_pass
+from test_vector_index_kill import query, temporaries
+
+from metastore_plugins import open_store
+from metastore_plugins.cli import main
+from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis import vector_index as vi
+from metastore_plugins.core.analysis.index_parts import PartBuilder
+from metastore_plugins.core.store import vector_files
+from metastore_plugins.core.store.file_kinds import temporary_target
+
+__all__ = ["base", "store"]  # the fixtures: a copy of a module-scoped store per test
+
+pytestmark = [pytest.mark.slow, pytest.mark.kill]  # a subprocess per case, killed with SIGKILL
+
+FOLDER = vector_files.FOLDER
+TESTS = Path(__file__).parent
+
+TORN_WRITE = """
+import os, signal, sys
+from pathlib import Path
+from metastore_plugins.core.store import vector_files
+from metastore_plugins.core.store.file_kinds import temporary_target
+from metastore_plugins.core.store.files import StoreDir
+
+store_dir, kill_at, calls = Path(sys.argv[1]), int(sys.argv[2]), []
+original = vector_files.write
+
+
+def write(path, name, data):
+    calls.append(name)
+    if len(calls) < kill_at:
+        return original(path, name, data)
+
+    def torn(handle):
+        handle.write(data[: len(data) // 2])
+        handle.flush()
+        os.fsync(handle.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with StoreDir(path) as store, store.subdir(vector_files.FOLDER, create=True) as folder:
+        folder.atomic_write(name, torn)
+
+
+vector_files.write = write
+"""
+
+CAPTURE = f"""
+sys.path.insert(0, {str(TESTS)!r})
+import torch
+from test_vector_index import TEST, TRAIN, write_pass, make_model
+from metastore_plugins.core.analysis.index_parts import PartBuilder
+import test_vector_index_kill_write as here
+
+builder = PartBuilder(store_dir)
+model, x, y = make_model()
+here.capture(store_dir, builder, model, x, y, TEST, torch.arange(360, 400))  # its part, then its manifest: writes 1, 2
+here.capture(store_dir, builder, model, x, y, TRAIN, torch.arange(360))  # then each shard's part and manifest
+builder.close()
+sys.exit(3)  # fewer index files were written than kill_at
+"""
+
+ANN = """
+from metastore_plugins import open_store
+from metastore_plugins.core.analysis import vector_index as vi
+
+vi.open_index(open_store(store_dir), sys.argv[3], plan=vi.Plan("ivf", 8, 8))
+sys.exit(3)
+"""
+
+
+def capture(
+    path: Path,
+    builder: PartBuilder,
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    point: str,
+    ids: torch.Tensor,
+) -> None:
+    """:func:`write_pass` with the write side's builder (used by the worker)."""
+    import torch.nn.functional as F
+
+    from metastore_plugins import CaptureSession, StoreWriter
+
+    with StoreWriter(path, encoding="fp32", shard_bytes=20_000, on_shard=builder.shard_written) as writer:
+        for part in ids.split(40):
+            with CaptureSession(model) as session:
+                F.cross_entropy(model(x[part]), y[part]).backward()
+            writer.write(session.factors(), sample_ids=part, step=int(part[0]), capture_point=point, lr=0.1)
+            model.zero_grad()
+
+
+def run_and_kill(script: str, store_dir: Path, kill_at: int, tmp_path: Path, *args: str) -> None:
+    worker = tmp_path / "worker.py"
+    worker.write_text(TORN_WRITE + script)
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(store_dir), str(kill_at), *args], capture_output=True, timeout=300
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
+
+
+@pytest.mark.parametrize("when", [1, 2, 3, 4, 9, 10], ids=lambda n: f"write{n}")
+@pytest.mark.parametrize("then", ["query", "repair"])
+def test_capture_killed_while_its_part_builder_writes(tmp_path: Path, when: int, then: str) -> None:
+    """Odd writes are parts, even ones manifests (write 1 and 2: the test point's; then the training shards')."""
+    path = tmp_path / "store"
+    run_and_kill(CAPTURE, path, when, tmp_path)
+    assert len(temporaries(path)) == 1  # killed in the middle of writing an index file
+    killed = open_store(path)
+    problems = killed.verify()  # the index's files, or the shard the writer was writing: never a listed shard
+    writer_left = "a temporary file left by a stopped writer"
+    assert all((p.startswith(f"{FOLDER}/") or writer_left in p) and "\n" not in p for p in problems), problems
+    ids = killed.sample_ids(TRAIN).tolist() if TRAIN in killed.capture_points() else []
+    assert ids == list(range(len(ids)))  # the shards listed before the kill, in order
+    if then == "repair":
+        assert main(["verify", str(path), "--repair"]) == 0
+        assert open_store(path).verify() == []
+    model, x, y = make_model()  # a new writer (and builder) continue the store: the kill left no lock
+    builder = PartBuilder(path)
+    rest = torch.tensor([i for i in range(360) if i not in set(ids)], dtype=torch.long)
+    if len(rest):
+        capture(path, builder, model, x, y, TRAIN, rest)
+    if TEST not in killed.capture_points():
+        capture(path, builder, model, x, y, TEST, torch.arange(360, 400))
+    builder.close()
+    grown = open_store(path)
+    assert sorted(grown.sample_ids(TRAIN).tolist()) == list(range(360))
+    exhaustive = grown.influence(TRAIN, TEST)
+    assert_same_top(query(grown, None), exhaustive)  # the kept index, what the kill left of it rebuilt
+    assert_same_top(query(open_store(path), True), exhaustive)
+    assert temporaries(path) == [] and open_store(path).verify() == []
+    opened = vi.open_index(open_store(path), TRAIN, build=False)
+    assert opened is not None and opened.rebuilt == [] and len(opened.sample_ids) == 360
+
+
+@pytest.mark.parametrize("then", ["query", "repair"])
+def test_a_fresh_ivf_build_killed_while_writing_its_search_file(
+    store: GradientStore, tmp_path: Path, then: str
+) -> None:
+    pytest.importorskip("faiss")
+    n = len({ref.file.name for ref in store.batch_refs(TRAIN)})
+    run_and_kill(ANN, store.path, n + 1, tmp_path, TRAIN)  # the parts, then the search file
+    torn = [temporary_target(name) or "" for name in temporaries(store.path)]
+    assert len(torn) == 1 and torn[0].startswith("ann-")  # killed in the middle of writing the search file
+    exhaustive = store.influence(TRAIN, TEST)
+    problems = open_store(store.path).verify()
+    assert problems and all(p.startswith(f"{FOLDER}/") and "\n" not in p for p in problems)
+    if then == "repair":
+        assert main(["verify", str(store.path), "--repair"]) == 0
+    assert vi.open_index(open_store(store.path), TRAIN, build=False) is None  # no manifest: `auto` scans
+    assert_same_top(query(open_store(store.path), None), exhaustive)
+    opened = vi.open_index(open_store(store.path), TRAIN, plan=vi.Plan("ivf", 8, 8))
+    assert opened.ann is not None and any(name.startswith("ann-") for name in opened.rebuilt)
+    assert_same_top(query(open_store(store.path), None), exhaustive)  # through the IVF index now
+    assert temporaries(store.path) == [] and open_store(store.path).verify() == []
+
+
+@pytest.mark.parametrize("when", ["search file", "manifest"])
+@pytest.mark.parametrize("then", ["query", "repair"])
+def test_an_ivf_update_killed_while_writing_its_search_file(
+    store: GradientStore, tmp_path: Path, when: str, then: str
+) -> None:
+    """A kept IVF index, the store grown by a shard: the update writes the new part, the search file, the
+    manifest. Killed in the search file, the kept one is whole and the kept manifest lists it (over the old
+    parts only); killed in the manifest, the new search file does not match the sha256 the kept manifest
+    records. Either way it is not used for the grown store: rebuilt."""
+    pytest.importorskip("faiss")
+    vi.open_index(store, TRAIN, plan=vi.Plan("ivf", 8, 8))
+    model, x, y = make_model()
+    write_pass(store.path, model, x, y, TRAIN, torch.arange(400, 440))
+    grown = open_store(store.path)
+    exhaustive = grown.influence(TRAIN, TEST)
+    run_and_kill(ANN, store.path, {"search file": 2, "manifest": 3}[when], tmp_path, TRAIN)
+    assert len(temporaries(store.path)) == 1
+    problems = open_store(store.path).verify()
+    assert all(p.startswith(f"{FOLDER}/") and "\n" not in p for p in problems)
+    if then == "repair":
+        assert main(["verify", str(store.path), "--repair"]) == 0
+        assert open_store(store.path).verify() == []
+    assert_same_top(query(open_store(store.path), None), exhaustive)
+    assert temporaries(store.path) == [] and open_store(store.path).verify() == []
+    opened = vi.open_index(open_store(store.path), TRAIN, build=False)
+    assert opened is not None and len(opened.sample_ids) == 400 and opened.rebuilt == []
