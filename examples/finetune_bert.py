@@ -180,6 +180,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--policy", choices=("auto", "exact"), default="auto", help="capture policy (docs/policies.md; default auto)"
     )
+    parser.add_argument(
+        "--basis-samples",
+        type=int,
+        default=256,
+        help="training samples each checkpoint's K-FAC eigenbasis is fitted on, where passes are projected (0: seeded)",
+    )
     parser.add_argument("--budget", default=None, help="the store's byte budget, e.g. 250MB (default: the policy's)")
     parser.add_argument("--encoding", choices=("fp16", "fp32", "bf16", "int8"), default="fp16", help="store encoding")
     args = parser.parse_args(argv)
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         outliers_from=args.outliers_from,
         policy=args.policy,
         budget=args.budget,
+        basis_samples=args.basis_samples,
         encoding=args.encoding,
     )
     trainer = Trainer(

@@ -25,8 +25,10 @@ training steps' gradients against the last pass's test gradients), ``sketched_in
 ridge-regularised kernel inverse, TRAK's estimator; the ridge picked on the tuning split as the
 peers' are), and ``kfac_influence`` (EK-FAC and K-FAC curvature fitted on each checkpoint pass's
 stored factors, ``g_train^T (F_c + delta I)^-1 g_test`` summed with the passes' rates; the damping's
-fraction of the mean eigenvalue picked on the tuning split, 0.1 by default; over the non-embedding
-layers on the token task: K-FAC does not fit embeddings); dattri's ``TRAKAttributor`` (final model,
+fraction of the mean eigenvalue picked on the tuning split, and at the default 0.1 the reports use;
+every layer, the embedding included), the same on a second capture whose passes are projected ``k x k``
+on the curvature eigenbasis as a budgeted policy keeps them (:mod:`.lds_projected`); dattri's
+``TRAKAttributor`` (final model,
 the epoch checkpoints, an ensemble of independently trained models) and ``IFAttributorExplicit``
 (exact damped Hessian); Kronfluence's EK-FAC (final model, the epoch checkpoints). A peer that
 fails is reported, not fatal; one not installed is reported as skipped.
@@ -48,7 +50,7 @@ import torch
 from torch import Tensor
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.ops.curvature import CurvatureMethod
+from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, CurvatureMethod
 
 from ..publish import RESULTS
 from ..timing import machine, versions
@@ -153,6 +155,9 @@ def run(setup: Setup) -> dict[str, Any]:
             fitted = pick(setup.kfac_dampings, partial(kfac_scores, store_dir, setup, n, method), m, tuning)
             fitted.update(seconds=overhead + fitted["seconds"], query_seconds=fitted["seconds"], trainings=1)
             attributions[f"{label} (checkpoint passes)"] = fitted
+        default = pick((DEFAULT_RELATIVE_DAMPING,), partial(kfac_scores, store_dir, setup, n, "ekfac"), m, None)
+        default.update(seconds=overhead + default["seconds"], query_seconds=default["seconds"], trainings=1)
+        attributions["EK-FAC (checkpoint passes), default damping: what the reports use"] = default
         data = (x, y, x_test[: m + t], y_test[: m + t])
         for dim in setup.projected_dims:  # the passes as a budgeted policy keeps them: projected on the eigenbasis
             path, layers = Path(tmp) / f"projected-{dim}", open_store(store_dir).layers()

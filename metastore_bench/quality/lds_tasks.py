@@ -16,7 +16,7 @@ from .tokens import load_token_arrays, make_token_model
 Kind = Literal["mlp", "cnn", "tokens"]
 KINDS: tuple[Kind, ...] = ("mlp", "cnn", "tokens")
 TITLES: dict[Kind, str] = {"mlp": "digits MLP", "cnn": "digits CNN", "tokens": "token transformer"}
-# Layers that K-FAC (the store's kfac_influence, Kronfluence) leaves out: embedding records are not fitted.
+# Embedding layers: Kronfluence leaves them out (it tracks Linear and Conv2d); a projected capture keeps them exact.
 EMBEDDINGS: dict[Kind, tuple[str, ...]] = {"mlp": (), "cnn": (), "tokens": ("embed",)}
 
 

@@ -109,17 +109,19 @@ def test_a_tiny_run_reports_every_attributor(kind: lds.Kind) -> None:
     setup = lds.Setup(
         kind=kind, train_size=100, test_samples=8, tune_samples=6, subsets=50, tune_subsets=50, epochs=2,
         sketch_dims=(4,), ensemble=2, trak_regularizations=(0.1, 1.0), influence_functions=False, kronfluence=False,
-        bootstrap=100,
+        bootstrap=100, projected_dims=(8,),
     )  # fmt: skip
     result = lds.run(setup)
     rows = {row["attributor"]: row for row in result["attributors"]}
-    layers = " (non-embedding layers)" if kind == "tokens" else ""  # K-FAC does not fit the embedding
     for name in (
         "TracIn exact (checkpoint passes)",
         "TracIn in-run (training steps)",
         "TracIn projected 4x4 (checkpoint passes)",
-        f"EK-FAC (checkpoint passes){layers}",
-        f"K-FAC (checkpoint passes){layers}",
+        "EK-FAC (checkpoint passes)",
+        "K-FAC (checkpoint passes)",
+        "EK-FAC (checkpoint passes), default damping: what the reports use",
+        "EK-FAC (passes projected 8x8 on the eigenbasis)",
+        "TracIn (passes projected 8x8 on the eigenbasis)",
     ):
         row = rows[name]
         assert -1 <= row["ci95"][0] <= row["lds"] <= row["ci95"][1] <= 1 and row["trainings"] == 1

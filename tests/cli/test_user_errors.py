@@ -163,7 +163,14 @@ def test_cli_arguments_out_of_range_are_refused(
 @pytest.mark.parametrize("callback", [MetaStoreCallback, MetaStoreTrainerCallback])
 @pytest.mark.parametrize(
     "setting, value",
-    [("report_k", -1), ("report_k", 0), ("checkpoint_train_samples", 0), ("checkpoint_val_samples", -2), ("seed", 1.5)],
+    [
+        ("report_k", -1),
+        ("report_k", 0),
+        ("checkpoint_train_samples", 0),
+        ("checkpoint_val_samples", -2),
+        ("seed", 1.5),
+        ("basis_samples", -1),
+    ],
 )
 def test_callback_settings_out_of_range_are_refused(callback: type, setting: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"{callback.__name__}\({setting}=\.\.\.\) must be an integer"):

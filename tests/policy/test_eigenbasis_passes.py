@@ -154,3 +154,17 @@ def test_passes_of_two_checkpoints_never_meet(tmp_path: Path) -> None:
     with pytest.raises(RepresentationError, match="eigenbasis of step"):
         store.influence("epoch-0/train", "epoch-1/test")
     assert store.kfac_influence("epoch-1/train", "epoch-1/test").scores.shape == (24, 10)
+
+
+def test_preconditioned_self_influence_on_eigenbasis_records(captured: tuple[Path, nn.Module]) -> None:
+    path, model = captured
+    store = open_store(path)
+    got = store.self_influence("epoch-0/train", method="ekfac")
+    want = torch.zeros(24, dtype=F64)
+    for layer in (0, 2):
+        ref = _reference(model, layer)
+        train = ref["train"].flatten(1)  # (N, K*K)
+        want += (train.square() / (train.square().mean(0) + 0.1 * ref["mean"])).sum(1)
+    order = store.sample_ids("epoch-0/train").argsort()
+    torch.testing.assert_close(torch.as_tensor(got)[order].to(F64), store.learning_rate("epoch-0/train") * want,
+                               rtol=2e-4, atol=1e-7)  # fmt: skip

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, chunks
 from metastore_plugins.core.ops.curvature import (
     DEFAULT_RELATIVE_DAMPING,
@@ -51,7 +52,13 @@ def preconditioned_sq_norms(
         c = curvature.get(layer)
         if c is None:
             raise ValueError(f"layer '{layer}' has no fitted curvature; fit on records holding it, or leave it out")
-        denominator = c.eigenvalues + c.damping(damping, relative_damping)  # (G, d_out, d_in') or (P,)
+        delta = c.damping(damping, relative_damping)
+        if c.kind == "embedding":  # sparse: one row per distinct (sample, token), no (V, d) gradient
+            assert c.q_out is not None
+            part = embedding.preconditioned_self_products(group, c.q_out, c.eigenvalues, delta).to(torch.float64)
+            total = part if total is None else total + part
+            continue
+        denominator = c.eigenvalues + delta  # (G, d_out, d_in'), (k_out, k_in) or (P,)
         parts = [torch.zeros(0, dtype=torch.float64)]
         for lo, hi in chunks(group[0].batch_size, _sample_chunk(c, max_bytes)):
             scaled = rotated(group, c, lo, hi).square() / denominator  # (n, G, d_out, d_in') or (n, P)

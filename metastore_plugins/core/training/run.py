@@ -53,6 +53,7 @@ from metastore_plugins.core.store.plan_record import CapturePlan
 from metastore_plugins.core.store.snapshots import SnapshotInfo, SnapshotWriter
 from metastore_plugins.core.store.tags import TagBook, tag_attributes
 from metastore_plugins.core.store.writer import StoreWriter
+from metastore_plugins.core.training.basis_fit import BASIS_SAMPLES, fit_pass_bases, training_source
 from metastore_plugins.core.training.loss_scale import LossScaleError, check_loss_reduction, gradients_finite
 from metastore_plugins.core.training.basis_fit import fit_pass_bases, training_source
 from metastore_plugins.core.training.pass_rates import PassRates
@@ -129,6 +130,8 @@ class RunCapture:
         self.rates = PassRates()  # the optimizer steps' rates since the last pass
         #: wall seconds spent in checkpoint passes (``"passes"``) and in exact recomputation for the reports
         #: (``"refinement"``, through :meth:`recomputer`), for the end-of-training line and the benchmarks
+        #: training samples the curvature eigenbasis of projected passes is fitted on (0: seeded projections)
+        self.basis_samples = BASIS_SAMPLES
         self.seconds: dict[str, float] = {"passes": 0.0, "refinement": 0.0}
 
     # -- one training step ---------------------------------------------------------------
@@ -307,6 +310,10 @@ class RunCapture:
         attributes = {"epoch": epoch, "lr": trained_at, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
         if self.policy.should_snapshot(step):
             self.snapshot(model, name=name, step=step, attributes=attributes)
+        fitted_on = training_source(sources) if self.basis_samples and self.policy.projects_passes() else None
+        if fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
+            fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
+                           step=step, context=context, samples=self.basis_samples)  # fmt: skip
         self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
         for source in sources:
             batches = source.batches(rank, world_size)

@@ -34,6 +34,7 @@ from metastore_plugins.core.reports.tables import (
     check_outlier_source,
 )
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
+from metastore_plugins.core.training.basis_fit import BASIS_SAMPLES
 from metastore_plugins.core.training.run import RunCapture
 
 
@@ -79,6 +80,7 @@ class CallbackOptions:
     capture_train_steps: bool = True
     checkpoint_train_samples: int = 256
     checkpoint_val_samples: int = 256
+    basis_samples: int = BASIS_SAMPLES
     seed: int = 0
     reports: bool = True
     report_k: int = 20
@@ -124,6 +126,7 @@ class CallbackOptions:
         for setting, least in (("report_k", 1), ("checkpoint_train_samples", 1), ("checkpoint_val_samples", 1)):
             self.whole_number(setting, getattr(self, setting), least)
         self.whole_number("seed", self.seed, None)
+        self.whole_number("basis_samples", self.basis_samples, 0)
         if self.sample_renderer is not None and not callable(self.sample_renderer):
             raise ValueError(
                 f"{self.owner}(sample_renderer=...) must be a function (split, sample id) -> text or image; "
@@ -213,6 +216,7 @@ class CallbackOptions:
             budget=Budget(self.policy, None if self.budget is None else int(self.budget)).per_rank(world_size),
             announce=announce,
         )
+        run.basis_samples = self.basis_samples
         try:
             while early_tags:
                 name, options = early_tags.pop(0)

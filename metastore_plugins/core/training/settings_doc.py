@@ -29,6 +29,9 @@ capture_train_steps: capture every training step (capture point ``"train"``; def
 checkpoint_train_samples: the most training samples in each checkpoint pass (a seeded,
     fixed subset; default 256).
 checkpoint_val_samples: the most validation samples in each checkpoint pass (default 256).
+basis_samples: where the budget keeps checkpoint passes projected, they are projected on each
+    layer's K-FAC eigenbasis, fitted at each checkpoint on this many of its training samples
+    (default 256; ``0``: seeded random projections, which K-FAC / EK-FAC cannot use).
 seed: the seed of the training subset (default 0).
 reports: build reports at the end of training: files, and TensorBoard where the trainer
     logs to it (default True).
