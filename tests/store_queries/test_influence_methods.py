@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.func import grad, vmap
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
-from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis import GradientStore, curvature_self
 from metastore_plugins.core.analysis.curvature import curvature_refusal, preconditionable
 from metastore_plugins.core.analysis.methods import INFLUENCE_METHODS, METHOD_CHOICES, resolve_method
 from metastore_plugins.core.ops.curvature import CURVATURE_METHODS
@@ -247,7 +247,6 @@ def test_auto_is_ekfac_on_exact_factors_and_tracin_on_projected_records(store: G
 
 
 def test_preconditioned_self_influence_dispatch(store: GradientStore) -> None:
-    curvature_self = pytest.importorskip("metastore_plugins.core.analysis.curvature_self")
     for method in CURVATURE_METHODS:
         given = store.self_influence(TRAIN, method=method)
         direct = curvature_self.preconditioned_self_influence(store, TRAIN, method=method, relative_damping=0.1)
