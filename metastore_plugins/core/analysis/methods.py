@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from metastore_plugins.core.analysis import curvature, queries, sketches, vector_index
+from metastore_plugins.core.analysis import curvature, curvature_self, queries, sketches, vector_index
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import Scan
@@ -208,8 +208,6 @@ def self_influence(
         raise ValueError(f"scan= is TracIn's; method={method!r} reads through the store's own scan")
     if capture_point is None:
         raise ValueError(f"method={method!r} fits its curvature per pass: name the capture_point (or points)")
-    from metastore_plugins.core.analysis import curvature_self  # the module of these two queries
-
     if method in CURVATURE_METHODS:
         relative = DEFAULT_RELATIVE_DAMPING if relative_damping is None else relative_damping
         return curvature_self.preconditioned_self_influence(
