@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.ops import curvature as kfac
 from metastore_plugins.core.ops import represent, total_dots
+from metastore_plugins.core.ops.precondition import precondition
 from metastore_plugins.core.records import RepresentationError, to_dense
 from metastore_plugins.testing import reference_per_sample_gradients
 
@@ -167,7 +168,7 @@ def store_scores(kind: str, method: str) -> Tensor:
         for records in train_records:
             correction.add(records)
         curvature = correction.fit()
-    preconditioned = kfac.precondition(capture(model, test), curvature)
+    preconditioned = precondition(capture(model, test), curvature)
     return torch.cat([total_dots(records, preconditioned) for records in train_records]).double()  # (N, M)
 
 
@@ -211,8 +212,8 @@ def test_ekfac_and_kfac_differ_and_absolute_damping_is_used() -> None:
     corrected = correction.fit()
     assert rel_err(corrected["inp"].eigenvalues, fitted["inp"].eigenvalues) > 0.01
     assert fitted["inp"].damping(0.5) == 0.5
-    a = total_dots(records, kfac.precondition(records, fitted, damping=1e6))
-    b = total_dots(records, kfac.precondition(records, fitted, damping=2e6))
+    a = total_dots(records, precondition(records, fitted, damping=1e6))
+    b = total_dots(records, precondition(records, fitted, damping=2e6))
     assert rel_err(2 * b.double(), a.double()) < 1e-3  # (F + lambda I)^-1 ~ I / lambda for a huge lambda
 
 
@@ -259,6 +260,6 @@ def test_dense_batches_of_a_factored_layer() -> None:
     values = [correction.fit()["inp"].eigenvalues for correction in corrections]
     assert rel_err(values[1], values[0]) <= 1e-6  # the same gradients, held dense or factored
     test_records = capture(model, test)
-    factored = total_dots(halves[0], kfac.precondition(test_records, fitted)).double()
-    dense = total_dots(halves[0], kfac.precondition([to_dense(r) for r in test_records], fitted)).double()
+    factored = total_dots(halves[0], precondition(test_records, fitted)).double()
+    dense = total_dots(halves[0], precondition([to_dense(r) for r in test_records], fitted)).double()
     assert rel_err(dense, factored) <= 1e-6

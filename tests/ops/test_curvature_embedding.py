@@ -28,6 +28,7 @@ from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.ops import curvature as kfac
 from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops import total_dots
+from metastore_plugins.core.ops.precondition import precondition
 from metastore_plugins.core.records import to_dense
 from metastore_plugins.testing import reference_per_sample_gradients
 
@@ -157,7 +158,7 @@ def test_preconditioned_influence_is_the_dense_inverse(method: str) -> None:
     halves = train_halves(model)
     curvature = fitted(method, halves)
     test_records = capture(model, make_batch(7, 2, 9))
-    preconditioned = kfac.precondition(test_records, curvature)
+    preconditioned = precondition(test_records, curvature)
     got = torch.cat([total_dots(records, preconditioned) for records in halves]).double()  # (N, M)
     expected, kappa = reference_scores(method)
     assert kappa < 2000
@@ -184,7 +185,7 @@ def test_a_preconditioned_embedding_stays_one_row_per_distinct_token() -> None:
     model = build()
     curvature = fitted("ekfac", train_halves(model))
     test = make_batch(7, 2, 9)
-    (record,) = kfac.precondition(capture(model, test), curvature)
+    (record,) = precondition(capture(model, test), curvature)
     pairs = {(i, int(v)) for i in range(7) for v in test["ids"][i] if v != 0}
     assert record.kind == "embedding" and len(record.tensors["ids"]) == len(pairs)
     assert {(int(s), int(v)) for s, v in zip(record.tensors["sample"], record.tensors["ids"])} == pairs
@@ -196,8 +197,8 @@ def test_dense_records_of_an_embedding_layer_precondition_alike() -> None:
     halves = train_halves(model)
     curvature = fitted("ekfac", halves)
     test_records = capture(model, make_batch(7, 2, 9))
-    rows = total_dots(halves[0], kfac.precondition(test_records, curvature)).double()
-    dense = total_dots(halves[0], kfac.precondition([to_dense(r) for r in test_records], curvature)).double()
+    rows = total_dots(halves[0], precondition(test_records, curvature)).double()
+    dense = total_dots(halves[0], precondition([to_dense(r) for r in test_records], curvature)).double()
     assert rel_err(dense, rows) <= 1e-6
 
 

@@ -26,8 +26,8 @@ from metastore_plugins.core.ops.curvature import (
     LayerCurvature,
     LayerSums,
     layer_groups,
-    precondition,
 )
+from metastore_plugins.core.ops.precondition import precondition
 from metastore_plugins.core.store import Selection, StoreReader
 
 

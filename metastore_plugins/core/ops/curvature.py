@@ -38,7 +38,6 @@ The damping ``delta`` of a layer is given, or :data:`DEFAULT_RELATIVE_DAMPING` t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -57,7 +56,7 @@ from metastore_plugins.core.ops._common import (
     weight_groups,
 )
 from metastore_plugins.core.ops.represent import by_layer, shared_layers
-from metastore_plugins.core.records import LayerRecord, WeightLayout, dense_key
+from metastore_plugins.core.records import LayerRecord, WeightLayout
 
 CurvatureMethod = Literal["kfac", "ekfac"]
 CURVATURE_METHODS: tuple[CurvatureMethod, ...] = ("kfac", "ekfac")
@@ -316,7 +315,7 @@ def rotated(group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi
     return total
 
 
-def _sample_chunk(curvature: LayerCurvature, max_bytes: int) -> int:
+def sample_chunk(curvature: LayerCurvature, max_bytes: int) -> int:
     """Samples per chunk so that a few float64 copies of their rotated gradients stay within ``max_bytes``."""
     return max(1, max_bytes // (32 * max(1, curvature.eigenvalues.numel())))
 
@@ -340,7 +339,7 @@ class EigenvalueCorrection:
                 embedding.add_squared_rotated(self.sums[layer], group, curvature.q_out)  # (V, d)
                 self.samples[layer] += group[0].batch_size
                 continue
-            for lo, hi in chunks(group[0].batch_size, _sample_chunk(curvature, max_bytes)):
+            for lo, hi in chunks(group[0].batch_size, sample_chunk(curvature, max_bytes)):
                 self.sums[layer] += rotated(group, curvature, lo, hi).square().sum(0)  # (G, d_out, d_in')
             self.samples[layer] += group[0].batch_size
 
@@ -352,69 +351,3 @@ class EigenvalueCorrection:
                 c = self.curvature[layer]
                 out[layer] = replace(c, eigenvalues=sums / self.samples[layer])
         return out
-
-
-def _dense_record(record: LayerRecord, curvature: LayerCurvature, values: Tensor) -> LayerRecord:
-    """A ``"dense"`` record of ``record``'s parameters from ``(B, G, d_out, d_in')`` or ``(B, P)`` values."""
-    batch, tensors = values.shape[0], {}
-    dtype = record.tensors["suffix" if record.kind == "outer" else dense_key(next(iter(record.params)))].dtype
-    if curvature.kind == "dense":
-        start = 0
-        for role in record.params:
-            size = math.prod(record.param_shapes[role])
-            tensors[dense_key(role)] = values[:, start : start + size].reshape(batch, *record.param_shapes[role])
-            start += size
-    else:
-        groups, d_out, d_in = values.shape[1], values.shape[2], values.shape[3] - ("bias" in record.params)
-        if "weight" in record.params:
-            weight = values[..., :d_in].reshape(batch, groups * d_out, d_in)
-            if curvature.layout == "in_out":
-                weight = weight.transpose(1, 2)  # (B, d_in, d_out)
-            tensors[dense_key("weight")] = weight.reshape(batch, *record.param_shapes["weight"])
-        if "bias" in record.params:
-            tensors[dense_key("bias")] = values[..., -1].reshape(batch, *record.param_shapes["bias"])
-    tensors = {key: value.to(dtype).contiguous() for key, value in tensors.items()}
-    return LayerRecord(record.layer, "dense", batch, dict(record.params), dict(record.param_shapes), tensors)
-
-
-def precondition(
-    records: Sequence[LayerRecord],
-    curvature: dict[str, LayerCurvature],
-    damping: float | None = None,
-    relative_damping: float = DEFAULT_RELATIVE_DAMPING,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-) -> list[LayerRecord]:
-    """``(F_l + delta_l I)^-1 g_i`` for every layer ``l`` of one batch: one ``"dense"`` record per layer (an
-    embedding layer: one ``"embedding"`` record, a row per distinct token of each sample).
-
-    ``<g_j, (F + delta I)^-1 g_i>`` is then :func:`~metastore_plugins.core.ops.total_dots` of other
-    records against these (factored x dense, nothing rebuilt on that side). The result holds the
-    batch's dense gradients (``B P`` numbers per layer; ``U d`` for an embedding's ``U`` distinct
-    (sample, token) rows), in the records' dtype.
-
-    Raises:
-        ValueError: if a layer has no fitted curvature (name it in the fit, or leave it out with ``layers=``).
-    """
-    out = []
-    for layer, group in layer_groups(records).items():
-        c = curvature.get(layer)
-        if c is None:
-            raise ValueError(f"layer '{layer}' has no fitted curvature; fit on records holding it, or leave it out")
-        delta = c.damping(damping, relative_damping)
-        if c.kind == "embedding":
-            assert c.q_out is not None
-            out.append(embedding.preconditioned_rows(group, c.q_out, c.eigenvalues, delta))
-            continue
-        denominator = c.eigenvalues + delta  # (G, d_out, d_in') or (P,)
-        parts = []
-        for lo, hi in chunks(group[0].batch_size, _sample_chunk(c, max_bytes)):
-            scaled = rotated(group, c, lo, hi) / denominator  # (n, G, d_out, d_in') or (n, P)
-            if c.kind == "outer":
-                assert c.q_in is not None and c.q_out is not None
-                scaled = c.q_out @ scaled @ c.q_in.transpose(1, 2)  # (n, G, d_out, d_in')
-            elif c.q_in is not None:
-                scaled = scaled @ c.q_in.T  # (n, P)
-            parts.append(scaled)
-        kept = eigen.preconditioned(group, torch.cat(parts)) if c.kind == "eigen" else None
-        out.append(kept or _dense_record(group[0], c, torch.cat(parts)))
-    return out

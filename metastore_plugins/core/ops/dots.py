@@ -98,10 +98,11 @@ def _projected_dots(a: LayerRecord, b: LayerRecord, names: list[str]) -> Tensor:
         whole_record(record, names, "inner products")
     bases = {record.basis if record.kind == "projected" else None for record in (a, b)}
     if len(bases) > 1:
+        steps = sorted(str(step) for step in bases if step is not None)
         raise RepresentationError(
-            f"layer '{a.layer}' is projected on the curvature eigenbasis of step {max(b for b in bases if b is not None)} "
-            "on one side only (the other is exact, seeded or of another checkpoint): inner products need one "
-            "projection; pair the passes of one checkpoint"
+            f"layer '{a.layer}' is projected on the curvature eigenbasis of step {' and '.join(steps)} on one side "
+            "only (the other is exact, seeded or of another checkpoint): inner products need one projection; pair "
+            "the passes of one checkpoint"
         )
     k_out, k_in = (a if a.kind == "projected" else b).tensors["projected"].shape[1:]
     sides = [_projection_of(record, k_in, k_out) for record in (a, b)]  # (B, k) each

@@ -22,9 +22,9 @@ from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, chunks
 from metastore_plugins.core.ops.curvature import (
     DEFAULT_RELATIVE_DAMPING,
     LayerCurvature,
-    _sample_chunk,
     layer_groups,
     rotated,
+    sample_chunk,
 )
 from metastore_plugins.core.records import LayerRecord
 
@@ -42,7 +42,7 @@ def preconditioned_sq_norms(
     """``(B,)`` float64 ``sum_l g_il^T (F_l + delta_l I)^-1 g_il = sum_l sum (Q_l^T g_il)^2 / (Lambda_l + delta_l)``.
 
     One batch's records (every layer of the sum); ``delta_l`` is :meth:`LayerCurvature.damping` of
-    ``damping`` / ``relative_damping``, as :func:`~.curvature.precondition` takes it.
+    ``damping`` / ``relative_damping``, as :func:`~.precondition.precondition` takes it.
 
     Raises:
         ValueError: for no records, or a layer without fitted curvature (named).
@@ -60,7 +60,7 @@ def preconditioned_sq_norms(
             continue
         denominator = c.eigenvalues + delta  # (G, d_out, d_in'), (k_out, k_in) or (P,)
         parts = [torch.zeros(0, dtype=torch.float64)]
-        for lo, hi in chunks(group[0].batch_size, _sample_chunk(c, max_bytes)):
+        for lo, hi in chunks(group[0].batch_size, sample_chunk(c, max_bytes)):
             scaled = rotated(group, c, lo, hi).square() / denominator  # (n, G, d_out, d_in') or (n, P)
             parts.append(scaled.flatten(1).sum(1))  # (n,)
         part = torch.cat(parts)  # (B,)
