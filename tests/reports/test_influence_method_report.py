@@ -70,6 +70,23 @@ def test_auto_falls_back_to_tracin_on_projected_records_and_says_why(projected: 
     assert "Scores are estimates from projected gradients" in text
 
 
+def test_auto_is_ekfac_on_passes_projected_on_the_eigenbasis_and_says_they_are_estimates(tmp_path: Path) -> None:
+    store = open_store(write_passes(tmp_path / "store", projected=True, eigenbasis=True))
+    kinds = {r["kind"] for cp in TRAIN + VAL for ref in store.batch_refs(cp) for r in ref.info["records"]}
+    assert kinds == {"projected"}  # as written: every record projected, none exact
+    write_reports(store, tmp_path / "reports", recompute=refuse)
+    rows = json.loads((tmp_path / "reports" / "influence.json").read_text())
+    assert {(r["method"], r["relative_damping"], r["exact"]) for r in rows} == {("ekfac", 0.1, False)}
+    assert_rows_rank(rows, store.kfac_influence(TRAIN, VAL, method="ekfac"))
+    text = (tmp_path / "reports" / "influence.md").read_text()
+    assert "Method: EK-FAC" in text and "Scores are estimates from projected gradients" in text
+    assert "the exact refinement (recompute) recomputes TracIn and is not applied to them" in text
+
+
+def refuse(split: str, ids: object, checkpoint: str) -> list:
+    raise AssertionError("the refinement recomputes TracIn: EK-FAC rows are never refined")
+
+
 @pytest.mark.parametrize(
     ("method", "fields", "words"),
     [
