@@ -47,8 +47,9 @@ rank_outliers_by: ``"auto"`` (default): every trained sample by its area under t
     models) or ``"self_influence"`` to choose. docs/quality.md measures why.
 influence_method: what scores the influence table: ``"auto"`` (default): EK-FAC (curvature-
     preconditioned, the best agreement with retraining measured in docs/quality.md) where every
-    layer of the checkpoint passes can be preconditioned (exact factors), else TracIn (projected
-    records: the table then says why); or ``"tracin"``, ``"kfac"``, ``"ekfac"``, ``"trak"``.
+    layer of the checkpoint passes can be preconditioned (exact factors, or passes projected on
+    the curvature eigenbasis: ``basis_samples``), else TracIn (seeded projections: the table then
+    says why); or ``"tracin"``, ``"kfac"``, ``"ekfac"``, ``"trak"``.
     The table's caption and ``influence.json`` say which method and damping produced it.
 sample_renderer: ``(split, sample id) -> text or image`` (``split`` ``"train"`` or ``"val"``): what the
     reports show of a sample; a string goes into the outlier and influence tables, an image
