@@ -6,8 +6,8 @@ policy with a byte budget keeps its checkpoint passes *projected* ``k x k`` per 
 checkpoint on the first training samples of the pass
 (:mod:`metastore_plugins.core.training.basis_fit`), so that K-FAC / EK-FAC still apply to what is kept.
 This module trains the task once more (same seed, same data order: the same run) with ``RunCapture``
-writing the epoch-end passes under a plan that projects every layer (the embedding, whose records
-are cheap token rows, stays exact), and scores ``kfac_influence`` and ``influence`` on that store.
+writing the epoch-end passes under a plan that projects every layer with more than ``k^2`` parameters
+(the embedding included), and scores ``kfac_influence`` and ``influence`` on that store.
 """
 
 from __future__ import annotations
@@ -30,17 +30,20 @@ from metastore_plugins.core.training.run import RunCapture
 
 from .digits import train_model
 from .lds_setup import Setup, ordered
-from .lds_tasks import EMBEDDINGS, build_model
+from .lds_tasks import build_model
 
 
 def capture_projected(
     setup: Setup, data: tuple[Tensor, Tensor, Tensor, Tensor], layers: list[str], k: int, path: Path
 ) -> None:
     """Train as :func:`.lds.run` does and write the epoch-end passes ``epoch-e/train``, ``epoch-e/test``
-    projected ``k x k`` (every layer but the embedding) into a store at ``path``."""
+    projected ``k x k`` into a store at ``path``: every layer with more than ``k^2`` parameters (a smaller one
+    is kept exact, as a plan keeps a layer whose exact record is no larger)."""
     x, y, x_test, y_test = data
     run = RunCapture(path, encoding="fp32", budget=Budget("auto", None))
-    plan = {layer: "exact" if layer in EMBEDDINGS[setup.kind] else "projected" for layer in layers}
+    modules = dict(build_model(setup.kind, setup.seed).named_modules())
+    size = {layer: sum(p.numel() for p in modules[layer].parameters(recurse=False)) for layer in layers}
+    plan = {layer: "exact" if size[layer] <= k * k else "projected" for layer in layers}  # as the plan keeps them
     run.policy.plan = CapturePlan("auto", None, "benchmark", "fp32", k, dict(plan), dict(plan), 0, setup.epochs, {})
     sources = [
         PassSource("train", TensorDataset(x, y), list(range(len(y))), 256),

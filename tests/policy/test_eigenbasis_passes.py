@@ -22,6 +22,7 @@ from torch.utils.data import TensorDataset
 from metastore_plugins import open_store
 from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.model.pass_sources import PassSource
+from metastore_plugins.core.ops.sketch import projection
 from metastore_plugins.core.policy.budget import Budget
 from metastore_plugins.core.store.plan_record import CapturePlan
 from metastore_plugins.core.training.run import RunCapture
@@ -168,3 +169,80 @@ def test_preconditioned_self_influence_on_eigenbasis_records(captured: tuple[Pat
     order = store.sample_ids("epoch-0/train").argsort()
     torch.testing.assert_close(torch.as_tensor(got)[order].to(F64), store.learning_rate("epoch-0/train") * want,
                                rtol=2e-4, atol=1e-7)  # fmt: skip
+
+
+class _Bag(nn.Module):
+    """Token ids -> embedding, mean over positions, linear head: an embedding layer and a Linear one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb, self.head = nn.Embedding(11, 5), nn.Linear(5, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.emb(ids).mean(1))
+
+
+def _tokens(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randint(0, 11, (n, 4), generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def test_an_embedding_layer_keeps_the_seeded_vocabulary_side_and_the_output_eigenbasis(tmp_path: Path) -> None:
+    model = _Bag().eval()
+    train, test = _tokens(20, 1), _tokens(6, 2)
+    run = RunCapture(tmp_path / "store", encoding="fp32", budget=Budget("auto", None))
+    both = {"emb": "projected", "head": "projected"}
+    run.policy.plan = CapturePlan("auto", None, "test", "fp32", K, dict(both), dict(both), 0, 1, {})
+    sources = [PassSource("train", train, list(range(20)), 8), PassSource("test", test, list(range(6)), 4)]
+    try:
+        run.checkpoint_passes(model, sources, lambda b, k: F.cross_entropy(model(b[0]), b[1]), name="epoch-0",
+                              rank=0, world_size=1, to_device=lambda b: b, step=4, epoch=0, lr=0.5)  # fmt: skip
+    finally:
+        run.close()
+    store = open_store(tmp_path / "store")
+
+    def rows(data: TensorDataset) -> Tensor:
+        """(N, 4, 5) each sample's own loss gradient w.r.t. its embedded tokens (torch.func)."""
+        ids, y = data.tensors
+        embedded = model.emb(ids).detach()
+        head = {k: v.detach() for k, v in model.head.named_parameters()}
+
+        def loss(e: Tensor, label: Tensor) -> Tensor:
+            return F.cross_entropy(functional_call(model.head, head, (e.mean(0)[None],)), label[None])
+
+        return vmap(grad(loss))(embedded, y).to(F64)
+
+    d_train, d_test = rows(train), rows(test)
+    ids_train, ids_test = train.tensors[0], test.tensors[0]
+    counts = torch.bincount(ids_train.reshape(-1), minlength=11).to(F64)
+    frequencies = counts / ids_train.numel()  # C = diag(f): one row per token
+    gg = torch.einsum("ntd,nte->de", d_train, d_train) / 20  # summed over a sample's rows, mean over samples
+    l_d, q_d = torch.linalg.eigh(gg)
+    q = q_d[:, -K:].flip(1)  # (5, K)
+    p = projection("out", "emb", 0, (K, 11), K, torch.device("cpu")).to(F64)  # (K, 11)
+
+    def blocks(ids: Tensor, d: Tensor) -> Tensor:  # (N, K, K) P W_i Q_D, W_i = sum_t e_{v_t} d_t^T
+        w = torch.zeros(len(ids), 11, 5, dtype=F64).index_put_(
+            (torch.arange(len(ids))[:, None].expand_as(ids), ids), d, accumulate=True
+        )
+        return p @ w @ q
+
+    want = {"train": blocks(ids_train, d_train), "test": blocks(ids_test, d_test)}
+    for split in ("train", "test"):
+        records = [r for b in store.select(f"epoch-0/{split}", layers=["emb"]).batches() for r in b.records]
+        record = records[0]
+        kept = torch.cat([r.tensors["projected"] for r in records]).to(F64).flatten(1)  # (N, K*K)
+        ref = want[split].flatten(1)
+        assert record.basis == 4
+        torch.testing.assert_close(kept @ kept.T, ref @ ref.T, rtol=1e-4, atol=1e-8)
+        torch.testing.assert_close(kept.square(), ref.square(), rtol=1e-4, atol=1e-8)
+    values = (p.square() @ frequencies)[:, None] * l_d[-K:].flip(0)[None, :]
+    torch.testing.assert_close(record.tensors["eigenvalues"].to(F64), values, rtol=1e-4, atol=1e-10)
+    torch.testing.assert_close(float(record.tensors["mean_eigenvalue"]), float(frequencies.mean() * l_d.mean()),
+                               rtol=1e-4, atol=1e-10)  # fmt: skip
+    scores = store.kfac_influence("epoch-0/train", "epoch-0/test", layers=["emb"])
+    train_blocks, test_blocks = want["train"].flatten(1), want["test"].flatten(1)
+    expected = (train_blocks / (train_blocks.square().mean(0) + 0.1 * frequencies.mean() * l_d.mean())) @ test_blocks.T
+    got = torch.as_tensor(scores.scores)[scores.row_ids.argsort()][:, scores.col_ids.argsort()].to(F64)
+    torch.testing.assert_close(got, store.learning_rate("epoch-0/train") * expected, rtol=2e-4, atol=1e-7)

@@ -21,8 +21,14 @@ of the mean K-FAC eigenvalue of the *whole* layer (kept in the record). The dire
 have small eigenvalues: each weighs ``l / (l + delta)`` in the preconditioned product, little
 against the ``~1`` of a kept one.
 
-Layers this does not fit keep the seeded projection: weights split into groups (grouped
-convolutions), embeddings, tied layers, and dense layers whose Fisher is kept diagonal.
+An embedding layer (``W_i`` ``(V, d)``, one-hot inputs, so ``C`` is the diagonal of token
+frequencies) keeps ``R_i = P W_i Q_D``: the seeded Gaussian ``P`` ``(k, V)`` of its seeded sketch on
+the vocabulary side (the top of a diagonal ``C`` would keep only the most frequent tokens, and a
+sample's gradient lives on its own tokens) and the eigenbasis on the other; its ``Lambda`` is
+``diag(P C P^T) l_D^T`` for K-FAC and ``(1/N) sum_i R_i^2`` for EK-FAC, an estimate of the curvature's
+diagonal in that basis. A dense layer whose Fisher is kept diagonal (above 2,048 parameters) keeps its
+``k^2`` coordinates of largest variance. Layers this does not fit keep the seeded projection: weights
+split into groups (grouped convolutions) and tied layers.
 """
 
 from __future__ import annotations
@@ -33,11 +39,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.ops.curvature import CurvatureSums, LayerCurvature, rotated
+from metastore_plugins.core.ops._common import rebuild_outer
+from metastore_plugins.core.ops.curvature import CurvatureSums, LayerCurvature, LayerSums, rotated
 from metastore_plugins.core.ops.influence import total_sq_norms
 from metastore_plugins.core.ops.represent import by_layer, represent, shared_layers, summary_record
-from metastore_plugins.core.ops.sketch import Projections
-from metastore_plugins.core.records import LayerRecord, Representation
+from metastore_plugins.core.ops.sketch import Projections, projection
+from metastore_plugins.core.records import PROJECTION_SEED, LayerRecord, Representation
+
+_F64 = torch.float64
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,9 @@ def fit_bases(sums: CurvatureSums, k: int, step: int) -> dict[str, EigenBasis]:
     out: dict[str, EigenBasis] = {}
     for layer, layer_sums in sums.layers.items():
         first, second = layer_sums.covariances()
-        if second is not None:
+        if layer_sums.is_embedding and second is not None:
+            out[layer] = _embedding_basis(layer, layer_sums, first, second, k, step)
+        elif second is not None:
             if first.shape[0] != 1:
                 continue  # grouped weights keep the seeded projection
             l_in, q_in = torch.linalg.eigh(first[0])  # (d_in',), (d_in', d_in')
@@ -86,7 +97,37 @@ def fit_bases(sums: CurvatureSums, k: int, step: int) -> dict[str, EigenBasis]:
             top, kept_vectors = _top(values, vectors, k * k)
             kept = LayerCurvature("dense", layer_sums.params, kept_vectors, None, top, layer_sums.dense_samples)
             out[layer] = EigenBasis(kept, float(values.clamp_min(0).mean()), step, (k, k))
+        elif first.dim() == 1 and first.shape[0] >= k * k:  # a diagonal Fisher: its largest coordinates
+            top, index = first.topk(k * k)  # (k^2,), (k^2,)
+            selection = torch.zeros(first.shape[0], k * k, dtype=first.dtype)  # (P, k^2)
+            selection[index, torch.arange(k * k)] = 1.0
+            kept = LayerCurvature("dense", layer_sums.params, selection, None, top, layer_sums.dense_samples)
+            out[layer] = EigenBasis(kept, float(first.mean()), step, (k, k))
     return out
+
+
+def _embedding_basis(layer: str, sums: LayerSums, frequencies: Tensor, second: Tensor, k: int, step: int) -> EigenBasis:
+    """An embedding's basis: the seeded ``P`` ``(k_v, V)`` on the vocabulary, ``Q_D``'s top ``k_d`` on the output."""
+    l_out, q_out = torch.linalg.eigh(second)  # (d,), (d, d)
+    k_d, vocab = min(k, len(l_out)), frequencies.shape[0]
+    k_v = min(k, vocab)
+    top_out, vec_out = _top(l_out, q_out, k_d)
+    p = projection("out", layer, PROJECTION_SEED, (k_v, vocab), k_v, torch.device("cpu")).to(_F64)  # (k_v, V)
+    values = (p.square() @ frequencies)[:, None] * top_out[None, :]  # (k_v, k_d): diag(P C P^T) l_D^T
+    mean = float(frequencies.mean() * l_out.clamp_min(0).mean())  # over every V x d entry
+    kept = LayerCurvature("embedding", sums.params, p.T, vec_out, values, sums.factored_samples)
+    return EigenBasis(kept, mean, step, (k_v, k_d))
+
+
+def _embedding_block(group: Sequence[LayerRecord], curvature: LayerCurvature, batch: int) -> Tensor:
+    """``(B, 1, k_v, k_d)`` ``P W_i Q_D`` from the rows: ``sum_t P[:, v_t] (Q_D^T d_t)^T`` per sample."""
+    assert curvature.q_in is not None and curvature.q_out is not None
+    total = torch.zeros(batch, 1, curvature.q_in.shape[1], curvature.q_out.shape[1], dtype=_F64)
+    for record in group:
+        vocab_side = curvature.q_in[record.tensors["ids"].long()]  # (R, k_v)
+        out_side = record.tensors["suffix"].to(_F64) @ curvature.q_out  # (R, k_d)
+        total += rebuild_outer(out_side[:, None, :], vocab_side[:, None, :], record.tensors["sample"].long(), batch)
+    return total
 
 
 def eigenbasis_record(group: Sequence[LayerRecord], basis: EigenBasis) -> LayerRecord:
@@ -96,7 +137,10 @@ def eigenbasis_record(group: Sequence[LayerRecord], basis: EigenBasis) -> LayerR
     ``mean_eigenvalue`` as :data:`~metastore_plugins.core.records.EIGENBASIS_TENSORS` says.
     """
     batch = group[0].batch_size
-    values = rotated(group, basis.curvature, 0, batch)  # (B, 1, k_out, k_in) or (B, k_out k_in)
+    if basis.curvature.kind == "embedding":
+        values = _embedding_block(group, basis.curvature, batch)  # (B, 1, k_v, k_d)
+    else:
+        values = rotated(group, basis.curvature, 0, batch)  # (B, 1, k_out, k_in) or (B, k_out k_in)
     tensors = {
         "projected": values.reshape(batch, *basis.block).float(),  # (B, k_out, k_in)
         "sq_norm": total_sq_norms(list(group)).float(),  # (B,)
@@ -128,7 +172,9 @@ def represent_on_bases(
             and choose.get(layer, "exact") == "projected"
             and layer not in tied
             and max(basis.block) <= k
-            and all(r.kind in ("outer", "dense") for r in group)
+            and all(
+                r.kind in (("embedding",) if basis.curvature.kind == "embedding" else ("outer", "dense")) for r in group
+            )
         )
         if usable:
             assert basis is not None
@@ -140,6 +186,6 @@ def represent_on_bases(
 
 
 def fittable(records: Sequence[LayerRecord]) -> list[LayerRecord]:
-    """The records a basis can be fitted on (:class:`CurvatureSums`): outer and dense ones of untied layers."""
+    """The records a basis can be fitted on (:class:`CurvatureSums`): exact ones of untied layers."""
     tied = shared_layers(records)
-    return [r for r in records if r.kind in ("outer", "dense") and r.layer not in tied]
+    return [r for r in records if r.kind in ("outer", "embedding", "dense") and r.layer not in tied]
