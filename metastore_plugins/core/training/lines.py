@@ -45,10 +45,12 @@ def end_line(
 
 def phase_seconds(seconds: Mapping[str, float], result: Mapping[str, Any] | None) -> dict[str, float]:
     """Where a callback's time went after its training steps: ``pass_seconds`` (checkpoint passes),
-    ``report_seconds`` (the reports, recomputation included) and ``refine_seconds`` (the reports' exact
-    recomputation); ``seconds`` is the callback's ``seconds``, ``result`` its ``report_result``."""
+    ``report_seconds`` (the reports, recomputation included), ``refine_seconds`` (the reports' exact
+    recomputation) and ``basis_seconds`` (fitting the projected passes' eigenbasis, part of the passes);
+    ``seconds`` is the callback's ``seconds``, ``result`` its ``report_result``."""
     return {
         "pass_seconds": round(seconds.get("passes", 0.0), 2),
         "report_seconds": round((result or {}).get("seconds", 0.0), 2),
         "refine_seconds": round(seconds.get("refinement", 0.0), 2),
+        "basis_seconds": round(seconds.get("basis", 0.0), 2),  # fitting the passes' eigenbasis (in pass_seconds)
     }
