@@ -55,7 +55,6 @@ from metastore_plugins.core.store.tags import TagBook, tag_attributes
 from metastore_plugins.core.store.writer import StoreWriter
 from metastore_plugins.core.training.basis_fit import BASIS_SAMPLES, fit_pass_bases, training_source
 from metastore_plugins.core.training.loss_scale import LossScaleError, check_loss_reduction, gradients_finite
-from metastore_plugins.core.training.basis_fit import fit_pass_bases, training_source
 from metastore_plugins.core.training.pass_rates import PassRates
 
 __all__ = ["RunCapture"]
@@ -130,6 +129,7 @@ class RunCapture:
         self.rates = PassRates()  # the optimizer steps' rates since the last pass
         #: wall seconds spent in checkpoint passes (``"passes"``) and in exact recomputation for the reports
         #: (``"refinement"``, through :meth:`recomputer`), for the end-of-training line and the benchmarks
+        self.seconds: dict[str, float] = {"passes": 0.0, "refinement": 0.0, "basis": 0.0}
         #: training samples the curvature eigenbasis of projected passes is fitted on (0: seeded projections)
         self.basis_samples = BASIS_SAMPLES
         self.seconds: dict[str, float] = {"passes": 0.0, "refinement": 0.0}
@@ -162,6 +162,12 @@ class RunCapture:
             self.skipped_steps += overflowed  # the GradScaler skips this step too: nothing is stored
             self._records, self._scaling = None if overflowed else records, self._session.scaling()
             self._pause()
+    def factors_read(self) -> list[LayerRecord]:
+        """The records of the backward just done, scaled to per-sample losses, kept nowhere (a basis fit)."""
+        self.end_backward()
+        records, self._records = self._records or [], None
+        return [self._scaling(record) for record in records]
+
 
     def finish_step(
         self,
@@ -170,12 +176,6 @@ class RunCapture:
         *,
         step: int,
         capture_point: str = "train",
-    def factors_read(self) -> list[LayerRecord]:
-        """The records of the backward just done, scaled to per-sample losses, kept nowhere (a basis fit)."""
-        self.end_backward()
-        records, self._records = self._records or [], None
-        return [self._scaling(record) for record in records]
-
         epoch: int = 0,
         micro_batch: int = 0,
         lr: float | None = None,
@@ -314,7 +314,7 @@ class RunCapture:
         if fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
             fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
                            step=step, context=context, samples=self.basis_samples)  # fmt: skip
-        self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
+            self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
         for source in sources:
             batches = source.batches(rank, world_size)
             self.checkpoint_pass(
@@ -322,10 +322,6 @@ class RunCapture:
                 ((ids, to_device(batch)) for ids, batch in batches),
                 loss_of,
                 capture_point=f"{name}/{source.split}",
-        fitted_on = training_source(sources) if self.policy.projects_passes() else None
-        if fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
-            fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
-                           step=step, context=context)  # fmt: skip
                 step=step,
                 epoch=epoch,
                 lr=weight,
