@@ -132,7 +132,6 @@ class RunCapture:
         self.seconds: dict[str, float] = {"passes": 0.0, "refinement": 0.0, "basis": 0.0}
         #: training samples the curvature eigenbasis of projected passes is fitted on (0: seeded projections)
         self.basis_samples = BASIS_SAMPLES
-        self.seconds: dict[str, float] = {"passes": 0.0, "refinement": 0.0}
 
     # -- one training step ---------------------------------------------------------------
 
@@ -162,12 +161,12 @@ class RunCapture:
             self.skipped_steps += overflowed  # the GradScaler skips this step too: nothing is stored
             self._records, self._scaling = None if overflowed else records, self._session.scaling()
             self._pause()
+
     def factors_read(self) -> list[LayerRecord]:
         """The records of the backward just done, scaled to per-sample losses, kept nowhere (a basis fit)."""
         self.end_backward()
         records, self._records = self._records or [], None
         return [self._scaling(record) for record in records]
-
 
     def finish_step(
         self,
@@ -310,8 +309,10 @@ class RunCapture:
         attributes = {"epoch": epoch, "lr": trained_at, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
         if self.policy.should_snapshot(step):
             self.snapshot(model, name=name, step=step, attributes=attributes)
+        self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
         fitted_on = training_source(sources) if self.basis_samples and self.policy.projects_passes() else None
         if fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
+            fitting = time.perf_counter()
             fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
                            step=step, context=context, samples=self.basis_samples)  # fmt: skip
             self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
