@@ -1,10 +1,10 @@
 """SIGKILL in the middle of an index file write, at the two moments test_vector_index_kill.py does not reach.
 
-1. **The write side**: a process capturing with ``StoreWriter(on_shard=PartBuilder.shard_written)`` is
-   killed while its part builder writes a part or a manifest (the ``n``-th index file write gets half its
-   bytes into its temporary, fsynced, then the process SIGKILLs itself, writer thread and all). Every shard
-   the writer listed stays listed and readable, ``verify`` names no listed shard, a new writer continues the
-   store, and the next query answers as the exhaustive scan does.
+1. **The write side**: the part builder's process killed while it writes a part or a manifest (its ``n``-th
+   index file write gets half its bytes into its temporary, fsynced, then it SIGKILLs itself): the capture
+   goes on and lists every shard. And the capturing process killed while its builder works: every shard it
+   listed stays listed and readable and a new writer continues the store. Either way ``verify`` names no
+   listed shard and the next query answers as the exhaustive scan does.
 2. **The FAISS IVF search file** (``ann-*.faiss``): a build killed while writing it, on a fresh index and on a
    kept IVF index being brought up to date (also just after it, while the manifest is written). The index is
    then rebuilt or not used (said in one line), never a silently wrong answer.
@@ -15,14 +15,17 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_vector_index import TEST, TRAIN, assert_same_top, base, make_model, store, write_pass
 from test_vector_index_kill import query, temporaries
 
-from metastore_plugins import open_store
+from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
@@ -36,6 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.kill]  # a subprocess per case, kill
 
 FOLDER = vector_files.FOLDER
 TESTS = Path(__file__).parent
+TEST_IDS, ALL = torch.arange(360, 400), torch.arange(360)
 
 TORN_WRITE = """
 import os, signal, sys
@@ -66,23 +70,42 @@ def write(path, name, data):
 vector_files.write = write
 """
 
-CAPTURE = f"""
+BUILDER = """
+from metastore_plugins.core.analysis.index_parts import main
+
+main(sys.argv[1:])
+"""
+
+WRITER = f"""
+import os, signal, sys
+from pathlib import Path
+store_dir, kill_at = Path(sys.argv[1]), int(sys.argv[2])
 sys.path.insert(0, {str(TESTS)!r})
 import torch
-from test_vector_index import TEST, TRAIN, write_pass, make_model
+from test_vector_index import TEST, TRAIN, make_model
 from metastore_plugins.core.analysis.index_parts import PartBuilder
 import test_vector_index_kill_write as here
 
 builder = PartBuilder(store_dir)
 model, x, y = make_model()
-here.capture(store_dir, builder, model, x, y, TEST, torch.arange(360, 400))  # its part, then its manifest: writes 1, 2
-here.capture(store_dir, builder, model, x, y, TRAIN, torch.arange(360))  # then each shard's part and manifest
-builder.close()
-sys.exit(3)  # fewer index files were written than kill_at
+listed = []
+
+
+def kill_after(name):  # the writer's process killed once it listed kill_at shards, its builder at work
+    builder.shard_written(name)
+    listed.append(name)
+    if len(listed) == kill_at:
+        print(builder.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+here.capture(store_dir, kill_after, model, x, y, TEST, torch.arange(360, 400))
+here.capture(store_dir, kill_after, model, x, y, TRAIN, torch.arange(360))
+sys.exit(3)  # fewer shards were listed than kill_at
 """
 
 ANN = """
-from metastore_plugins import open_store
+from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.analysis import vector_index as vi
 
 vi.open_index(open_store(store_dir), sys.argv[3], plan=vi.Plan("ivf", 8, 8))
@@ -92,24 +115,40 @@ sys.exit(3)
 
 def capture(
     path: Path,
-    builder: PartBuilder,
+    on_shard: Callable[[str], object],
     model: torch.nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
     point: str,
     ids: torch.Tensor,
-) -> None:
-    """:func:`write_pass` with the write side's builder (used by the worker)."""
-    import torch.nn.functional as F
-
-    from metastore_plugins import CaptureSession, StoreWriter
-
-    with StoreWriter(path, encoding="fp32", shard_bytes=20_000, on_shard=builder.shard_written) as writer:
+) -> StoreWriter:
+    """:func:`write_pass` with the write side's hook (used by the workers too)."""
+    with StoreWriter(path, encoding="fp32", shard_bytes=20_000, on_shard=on_shard) as writer:
         for part in ids.split(40):
             with CaptureSession(model) as session:
                 F.cross_entropy(model(x[part]), y[part]).backward()
             writer.write(session.factors(), sample_ids=part, step=int(part[0]), capture_point=point, lr=0.1)
             model.zero_grad()
+    return writer
+
+
+def builder_killed_at(kill_at: int, tmp_path: Path) -> PartBuilder:
+    """A builder whose child SIGKILLs itself in its ``kill_at``-th index file write."""
+    child = tmp_path / "builder.py"
+    child.write_text(TORN_WRITE.replace("int(sys.argv[2])", str(kill_at)) + BUILDER)
+    return PartBuilder(tmp_path / "store", command=[sys.executable, str(child)])
+
+
+def check_answers(path: Path) -> None:
+    """Every sample stored; the next queries answer as the exhaustive scan; nothing left for verify."""
+    store = open_store(path)
+    assert sorted(store.sample_ids(TRAIN).tolist()) == list(range(360))
+    exhaustive = store.influence(TRAIN, TEST)
+    assert_same_top(query(store, None), exhaustive)  # the kept index, what the kill left of it rebuilt
+    assert_same_top(query(open_store(path), True), exhaustive)
+    assert temporaries(path) == [] and open_store(path).verify() == []
+    opened = vi.open_index(open_store(path), TRAIN, build=False)
+    assert opened is not None and opened.rebuilt == [] and len(opened.sample_ids) == 360
 
 
 def run_and_kill(script: str, store_dir: Path, kill_at: int, tmp_path: Path, *args: str) -> None:
@@ -123,36 +162,55 @@ def run_and_kill(script: str, store_dir: Path, kill_at: int, tmp_path: Path, *ar
 
 @pytest.mark.parametrize("when", [1, 2, 3, 4, 9, 10], ids=lambda n: f"write{n}")
 @pytest.mark.parametrize("then", ["query", "repair"])
-def test_capture_killed_while_its_part_builder_writes(tmp_path: Path, when: int, then: str) -> None:
-    """Odd writes are parts, even ones manifests (write 1 and 2: the test point's; then the training shards')."""
+def test_the_part_builder_killed_mid_write(tmp_path: Path, when: int, then: str) -> None:
+    """Odd writes are parts, even ones manifests (writes 1 and 2: the test point's; then the training shards').
+    The capture goes on: every shard is listed, the builder says in one line that it ended."""
     path = tmp_path / "store"
-    run_and_kill(CAPTURE, path, when, tmp_path)
+    builder = builder_killed_at(when, tmp_path)
+    model, x, y = make_model()
+    writers = [capture(path, builder.shard_written, model, x, y, p, i) for p, i in ((TEST, TEST_IDS), (TRAIN, ALL))]
+    builder.close()
+    assert all(w.stats.shards and w.on_shard_error is None for w in writers)
+    assert len(builder.problems) == 1 and "ended (exit code -9)" in builder.problems[0]
     assert len(temporaries(path)) == 1  # killed in the middle of writing an index file
+    problems = open_store(path).verify()
+    assert problems and all(p.startswith(f"{FOLDER}/") and "\n" not in p for p in problems)  # never a shard
+    if then == "repair":
+        assert main(["verify", str(path), "--repair"]) == 0
+        assert open_store(path).verify() == []
+    check_answers(path)
+
+
+@pytest.mark.parametrize("when", [1, 3, 6])
+def test_the_writer_killed_while_its_builder_works(tmp_path: Path, when: int) -> None:
+    """The capturing process SIGKILLed once it listed ``when`` shards: its builder finishes the part at hand
+    and ends (its input closed); a new writer continues the store, and the next query answers right."""
+    path = tmp_path / "store"
+    worker = tmp_path / "worker.py"
+    worker.write_text(WRITER)
+    proc = subprocess.run([sys.executable, str(worker), str(path), str(when)], capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
+    child = Path(f"/proc/{int(proc.stdout.split()[-1])}")
+    for _ in range(600):  # the builder ends once it sees its input closed
+        if not child.exists():
+            break
+        time.sleep(0.1)
     killed = open_store(path)
     problems = killed.verify()  # the index's files, or the shard the writer was writing: never a listed shard
     writer_left = "a temporary file left by a stopped writer"
     assert all((p.startswith(f"{FOLDER}/") or writer_left in p) and "\n" not in p for p in problems), problems
     ids = killed.sample_ids(TRAIN).tolist() if TRAIN in killed.capture_points() else []
     assert ids == list(range(len(ids)))  # the shards listed before the kill, in order
-    if then == "repair":
-        assert main(["verify", str(path), "--repair"]) == 0
-        assert open_store(path).verify() == []
-    model, x, y = make_model()  # a new writer (and builder) continue the store: the kill left no lock
-    builder = PartBuilder(path)
+    builder = PartBuilder(path)  # a new writer (and builder) continue the store: the kill left no lock
+    model, x, y = make_model()
     rest = torch.tensor([i for i in range(360) if i not in set(ids)], dtype=torch.long)
     if len(rest):
-        capture(path, builder, model, x, y, TRAIN, rest)
+        capture(path, builder.shard_written, model, x, y, TRAIN, rest)
     if TEST not in killed.capture_points():
-        capture(path, builder, model, x, y, TEST, torch.arange(360, 400))
+        capture(path, builder.shard_written, model, x, y, TEST, TEST_IDS)
     builder.close()
-    grown = open_store(path)
-    assert sorted(grown.sample_ids(TRAIN).tolist()) == list(range(360))
-    exhaustive = grown.influence(TRAIN, TEST)
-    assert_same_top(query(grown, None), exhaustive)  # the kept index, what the kill left of it rebuilt
-    assert_same_top(query(open_store(path), True), exhaustive)
-    assert temporaries(path) == [] and open_store(path).verify() == []
-    opened = vi.open_index(open_store(path), TRAIN, build=False)
-    assert opened is not None and opened.rebuilt == [] and len(opened.sample_ids) == 360
+    assert builder.problems == []
+    check_answers(path)
 
 
 @pytest.mark.parametrize("then", ["query", "repair"])
