@@ -174,3 +174,30 @@ def test_run_capture_writes_no_part_by_default(tmp_path: Path) -> None:
     run.finish_step((x[:40], y[:40]), torch.arange(40), step=0)
     run.close()
     assert run.index_parts is None and not (tmp_path / "store" / FOLDER).exists()
+
+
+ADDER = """
+import sys
+from pathlib import Path
+from metastore_plugins.core.store import vector_files as vf
+
+path, rank = Path(sys.argv[1]), sys.argv[2]
+head = {"format": vf.FORMAT, "version": vf.VERSION, "capture_point": "cp", "dim": 2, "seed": 0, "layers": ["a"]}
+for i in range(40):
+    shard = f"rank{rank}-{i:06d}.safetensors"
+    entry = {"file": vf.part_name("0" * 16, shard), "shard": shard, "shard_sha256": "0" * 64, "rows": 1, "sha256": ""}
+    vf.add_parts(path, "0" * 16, head, [entry])
+"""
+
+
+def test_the_builders_of_two_ranks_never_drop_each_others_entries(tmp_path: Path) -> None:
+    """Two processes add 40 parts each to one manifest at once: under its lock, all 80 are listed."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "adder.py"
+    script.write_text(ADDER)
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path), str(rank)]) for rank in (0, 1)]
+    assert [proc.wait(timeout=120) for proc in procs] == [0, 0]
+    manifest = vector_files.read_manifest(tmp_path, "0" * 16)
+    assert manifest is not None and len(manifest["parts"]) == 80
