@@ -10,8 +10,10 @@ hits both alike. A shard is written every ``--flush-seconds`` (2 s by default, a
 parts per step than a real run, an upper bound of the cost). A step's time is the timed steps' wall time over
 their count (a part's cost comes in bursts: a median step would hide it); the median over rounds is kept.
 The builder's wall seconds on the parts it finished while the timed steps ran are the share of their time
-it was busy (beside training, at the lowest priority). ``close`` (the last shard, the parts the builder still
-owes, compaction and the merged shards' parts) is timed apart. The load average is recorded before and after.
+it was busy (beside training, at the lowest priority). CPU seconds per step, less sensitive to other jobs'
+load: of this process (training and writer threads) and of the builder's process (Linux ``/proc``).
+``close`` (the last shard, the parts the builder still owes, compaction and the merged shards' parts) is
+timed apart. The load average is recorded before and after.
 """
 
 from __future__ import annotations
@@ -64,16 +66,20 @@ def one_run(workload: Workload, steps: int, index: bool, flush_seconds: float) -
             step(k)
         parts = run.index_parts
         busy, built = (0.0, 0) if parts is None else (parts.seconds, len(parts.written))
-        start = time.perf_counter()
+        child = 0.0 if parts is None else cpu_seconds(parts.pid)
+        start, cpu = time.perf_counter(), time.process_time()
         for k in range(2, steps + 2):
             step(k)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        child = 0.0 if parts is None else cpu_seconds(parts.pid) - child
         busy, built = (0.0, 0) if parts is None else (parts.seconds - busy, len(parts.written) - built)
         start = time.perf_counter()
         run.close()
         close = time.perf_counter() - start
         return {
             "step_s": seconds / steps,
+            "cpu_s_per_step": cpu / steps,  # this process, all its threads (training, writer)
+            "builder_cpu_s_per_step": child / steps,  # the part builder's process, while the steps ran
             "close_s": close,
             "shards": run.writer.stats.shards,
             "parts_in_steps": built,  # parts finished while the timed steps ran
@@ -82,6 +88,15 @@ def one_run(workload: Workload, steps: int, index: bool, flush_seconds: float) -
             "part_build_s": 0.0 if parts is None else parts.seconds,
             "problems": [] if parts is None else parts.problems,
         }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(name: str, rounds: int, steps: int, flush_seconds: float) -> dict[str, Any]:
@@ -110,6 +125,9 @@ def measure(name: str, rounds: int, steps: int, flush_seconds: float) -> dict[st
         "part_build_s_per_part": built,
         "part_build_percent_of_steps": 100.0 * statistics.median(busy),
         "parts_in_steps": [x["parts_in_steps"] for x in runs["with"]],
+        "cpu_s_per_step_without": statistics.median(x["cpu_s_per_step"] for x in runs["without"]),
+        "cpu_s_per_step_with": statistics.median(x["cpu_s_per_step"] for x in runs["with"]),
+        "builder_cpu_s_per_step": statistics.median(x["builder_cpu_s_per_step"] for x in runs["with"]),
         "close_s_without": statistics.median(x["close_s"] for x in runs["without"]),
         "close_s_with": statistics.median(x["close_s"] for x in runs["with"]),
         "runs": runs,
@@ -135,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             f"builder busy {row['part_build_percent_of_steps']:.1f}% of the steps' wall time "
             f"(parts built meanwhile {row['parts_in_steps']}), "
             f"{1e3 * row['part_build_s_per_part']:.0f} ms a part; close {row['close_s_without']:.2f} s vs "
-            f"{row['close_s_with']:.2f} s"
+            f"{row['close_s_with']:.2f} s; CPU per step: training process {1e3 * row['cpu_s_per_step_without']:.1f} "
+            f"ms without, {1e3 * row['cpu_s_per_step_with']:.1f} with, builder process "
+            f"{1e3 * row['builder_cpu_s_per_step']:.1f} ms"
         )
     print(f"load average before {result['load_before']}, after {result['load_after']}")
     if args.out is not None:
