@@ -20,6 +20,7 @@ from typing import Any
 
 from ..publish import RESULTS
 from ..timing import machine, versions
+from .digits import ModelKind
 from .digits_task import DigitsTask
 from .label_errors import Setting, evaluate
 from .tables import metric_table
@@ -34,8 +35,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=str(RESULTS / "quality_label_errors_curvature.json"))
     args = parser.parse_args(argv)
     start, rows = time.perf_counter(), []
-    for name in ("digits-mlp", "digits-cnn"):
-        task = DigitsTask(name.split("-")[1], train_size=1497, epochs=4)
+    kinds: tuple[ModelKind, ...] = ("mlp", "cnn")
+    for kind in kinds:
+        name, task = f"digits-{kind}", DigitsTask(kind, train_size=1497, epochs=4)
         for seed in range(args.seeds):
             clean = None
             for noise in NOISES:

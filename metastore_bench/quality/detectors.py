@@ -13,6 +13,7 @@ import numpy as np
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.curvature_self import kernel_self_influence, preconditioned_self_influence
 from metastore_plugins.core.analysis.signals import suspicion, training_signals
+from metastore_plugins.core.ops.curvature import CurvatureMethod
 from metastore_plugins.core.records import RepresentationError
 from metastore_plugins.core.reports.tables import TRAINING_STEPS, checkpoint_points, self_influence_of
 
@@ -31,6 +32,10 @@ STORE_DETECTORS = (
     "data-map confidence",
     "AUM + self-influence (rank mean)",
 )
+
+
+#: the preconditioned self-influence detectors: ``self-influence {label} (checkpoints)`` and the method they fit
+CURVATURE_DETECTORS: tuple[tuple[str, CurvatureMethod], ...] = (("EK-FAC", "ekfac"), ("K-FAC", "kfac"))
 
 
 def _aligned(ids: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
@@ -64,7 +69,7 @@ def _curvature_self_influence(store: GradientStore, passes: list[str], n: int) -
     if not layers:
         return {}
     ids, out = store.self_influence_ids(passes), {}
-    for label, method in (("EK-FAC", "ekfac"), ("K-FAC", "kfac")):
+    for label, method in CURVATURE_DETECTORS:
         try:
             found = preconditioned_self_influence(store, passes, method=method, layers=layers)
         except RepresentationError:  # a layer kept exact in the first batch and projected in a later one
