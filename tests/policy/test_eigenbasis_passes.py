@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,7 +155,15 @@ def test_passes_of_two_checkpoints_never_meet(tmp_path: Path) -> None:
         store.kfac_influence("epoch-0/train", "epoch-1/test")
     with pytest.raises(RepresentationError, match="eigenbasis of step"):
         store.influence("epoch-0/train", "epoch-1/test")
+    with pytest.raises(RepresentationError, match="do not compare"):
+        store.kernel_influence("epoch-0/train", "epoch-1/test", dim=K)
     assert store.kfac_influence("epoch-1/train", "epoch-1/test").scores.shape == (24, 10)
+    kept = torch.cat([r.tensors["projected"] for b in store.select("epoch-1/test").batches() for r in b.records
+                      if r.layer == "0"]).flatten(1)  # fmt: skip
+    sketches = torch.as_tensor(store.sketches("epoch-1/test", dim=K, layers=["0"], cache=False))
+    torch.testing.assert_close(sketches.float(), kept.float())  # the records are their own sketch
+    same = store.kernel_influence("epoch-1/train", "epoch-1/test", dim=K)  # one basis: paired
+    assert same.scores.shape == (24, 10) and np.isfinite(same.scores).all()
 
 
 def test_preconditioned_self_influence_on_eigenbasis_records(captured: tuple[Path, nn.Module]) -> None:

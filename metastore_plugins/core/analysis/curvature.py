@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from metastore_plugins.core.analysis.per_batch import positive_number
 from metastore_plugins.core.analysis.queries import scored_pairs, selected_pairs, whole
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import LOCAL, ColumnBatch, Scan, scan_of
@@ -152,13 +153,6 @@ def kfac_influence(
         return _preconditioned_chunks(cols, curvatures[train_cp], damping, relative_damping, max_bytes // 2)
 
     return whole(scored_pairs(store, pairs, columns=preconditioned, max_bytes=max_bytes))
-
-
-def positive_number(name: str, value: float | None) -> float | None:
-    """``value`` unchanged when it is ``None`` or a positive number; else a ``ValueError`` naming ``name``."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return value
 
 
 def curvature_refusal(

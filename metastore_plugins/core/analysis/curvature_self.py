@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from metastore_plugins.core.analysis.curvature import fit_curvature
-from metastore_plugins.core.analysis.per_batch import positive_int
+from metastore_plugins.core.analysis.per_batch import positive_int, positive_number
 from metastore_plugins.core.analysis.queries import summed_by_id
 from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import check_seed, sketches
@@ -36,13 +36,6 @@ from metastore_plugins.core.ops.curvature import (
 )
 from metastore_plugins.core.ops.leverage import leverages, preconditioned_sq_norms
 from metastore_plugins.core.store import Selection, StoreReader
-
-
-def positive_number(name: str, value: float) -> float:
-    """``value`` as a float, or a ``ValueError`` naming the argument if it is not a positive number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
 
 
 def _points(capture_point: str | Sequence[str]) -> list[str]:

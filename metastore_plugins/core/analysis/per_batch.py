@@ -20,6 +20,15 @@ def positive_int(name: str, value: int) -> int:
     return int(value)
 
 
+def positive_number(name: str, value: float | None) -> float | None:
+    """``value`` as a float (``None`` unchanged), or a ``ValueError`` naming ``name`` if it is no positive number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def add_to(total: dict[str, Tensor], name: str, value: Tensor) -> None:
     """``total[name] += value``, starting from ``value``."""
     total[name] = total[name] + value if name in total else value

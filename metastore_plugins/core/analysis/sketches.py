@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,11 +19,13 @@ import torch
 from torch import Tensor
 
 from metastore_plugins.core import ops
-from metastore_plugins.core.analysis.per_batch import positive_int
+from metastore_plugins.core.analysis.per_batch import positive_int, positive_number
 from metastore_plugins.core.analysis.queries import influence, on_device, paired_points, summed_scores
 from metastore_plugins.core.analysis.results import Clusters, Scores
 from metastore_plugins.core.analysis.scan import Scan, scan_of
+from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
+from metastore_plugins.core.ops.leverage import kernel_solve
 from metastore_plugins.core.store import Selection, StoreReader, sketch_cache
 
 Combine = Literal["sum", "concat"]
@@ -217,6 +220,7 @@ def _sketch_scores(
     sketches ``S_c`` ``(N, k)`` of the train pass and ``T_c`` ``(M, k)`` of the test pass (float64)."""
     row_parts, col_parts, scan = [], [], scan_of(store)
     for train_cp, test_cp in paired_points(train, test):
+        same_projection(store, train_cp, test_cp, layers)
         row_ids, rows = _summed_sketches(store, train_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES, scan)  # (N, k)
         col_ids, cols = _summed_sketches(store, test_cp, dim, seed, layers, cache, DEFAULT_MAX_BYTES, scan)  # (M, k)
         s = rows.double()  # (N, k)
@@ -225,6 +229,25 @@ def _sketch_scores(
         row_parts.append((row_ids, matrix))
         col_parts.append((col_ids, matrix))
     return summed_scores(row_parts, col_parts)
+
+
+def kept_bases(store: StoreReader, capture_point: str, layers: Sequence[str] | None) -> dict[str, int | None]:
+    """Layer -> the curvature eigenbasis its first stored batch of ``capture_point`` is projected on (None: none)."""
+    batch = next(iter(store.select(capture_point, layers=layers).batches()), None)
+    return {} if batch is None else {r.layer: r.basis for r in batch.records}
+
+
+def same_projection(store: StoreReader, train: str, test: str, layers: Sequence[str] | None) -> None:
+    """Raise unless both capture points keep each layer on the same projection: a pass projected on a curvature
+    eigenbasis is its own sketch, which only the passes of its checkpoint share."""
+    a, b = kept_bases(store, train, layers), kept_bases(store, test, layers)
+    for layer in sorted(set(a) & set(b)):
+        if a[layer] != b[layer]:
+            raise RepresentationError(
+                f"layer '{layer}' is kept on the curvature eigenbasis of step {a[layer]} in {train!r} and of step "
+                f"{b[layer]} in {test!r} (None: seeded or exact): their sketches do not compare; pair passes of "
+                "one checkpoint"
+            )
 
 
 def sketch_compresses(store: StoreReader, layers: Sequence[str], dim: int) -> bool:
@@ -254,16 +277,8 @@ def kernel_influence(
     ``metastore_bench.quality.lds`` harness). Costs one ``(k, k)`` solve per pass.
     """
     dim, seed = positive_int("dim", dim), check_seed(seed)
-    if isinstance(regularization, bool) or not isinstance(regularization, (int, float)) or not regularization > 0:
-        raise ValueError(f"regularization must be a positive number, got {regularization!r}")
-
-    def solved(s: Tensor, t: Tensor) -> Tensor:
-        gram = s.T @ s  # (k, k)
-        ridge = regularization * float(torch.trace(gram)) / gram.shape[0]
-        eye = torch.eye(gram.shape[0], dtype=gram.dtype)
-        return torch.linalg.solve(gram + max(ridge, 1e-300) * eye, t.T)  # (k, M)
-
-    return _sketch_scores(store, train, test, dim, seed, layers, cache, solved)
+    ridge = positive_number("regularization", regularization)
+    return _sketch_scores(store, train, test, dim, seed, layers, cache, partial(kernel_solve, regularization=ridge))
 
 
 def _learning_rates(store: StoreReader, capture_point: str) -> np.ndarray:

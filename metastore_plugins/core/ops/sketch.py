@@ -142,15 +142,14 @@ def sketch(
 
 
 def _kept_sketch(record: LayerRecord, params: Collection[str] | None, dim_in: int, dim_out: int, seed: int) -> Tensor:
-    """The sketch a ``"projected"`` record already is, when asked with its own size and seed."""
+    """The sketch a ``"projected"`` record already is, when asked with its own size and seed.
+
+    A record on a curvature eigenbasis is its own sketch too (its coordinates in the top block), comparable
+    only with the records of its checkpoint's passes: the queries that pair two capture points check
+    that (:func:`~metastore_plugins.core.analysis.sketches.same_projection`)."""
     if record.kind == "norms":
         raise unsupported(record, "sketches")
     whole_record(record, params, "sketches")
-    if record.basis is not None:
-        raise RepresentationError(
-            f"layer '{record.layer}' is kept projected on the curvature eigenbasis of step {record.basis}, not a "
-            "seeded projection, so it has no sketch; use influence(..., method='ekfac') or method='tracin'"
-        )
     stored = record.tensors["projected"]  # (B, k_out, k_in)
     if tuple(stored.shape[1:]) != (dim_out, dim_in) or seed != PROJECTION_SEED:
         raise RepresentationError(
