@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import TensorDataset
+from torch.utils.tensorboard import SummaryWriter
 
 from metastore_plugins import open_store
 from metastore_plugins.core.errors import RepresentationError
@@ -26,6 +27,7 @@ from metastore_plugins.core.model.pass_sources import PassSource
 from metastore_plugins.core.ops.sketch import projection
 from metastore_plugins.core.policy.budget import Budget
 from metastore_plugins.core.store.plan_record import CapturePlan
+from metastore_plugins.core.training.report_pass import report_run
 from metastore_plugins.core.training.run import RunCapture
 
 K = 3
@@ -255,3 +257,14 @@ def test_an_embedding_layer_keeps_the_seeded_vocabulary_side_and_the_output_eige
     expected = (train_blocks / (train_blocks.square().mean(0) + 0.1 * frequencies.mean() * l_d.mean())) @ test_blocks.T
     got = torch.as_tensor(scores.scores)[scores.row_ids.argsort()][:, scores.col_ids.argsort()].to(F64)
     torch.testing.assert_close(got, store.learning_rate("epoch-0/train") * expected, rtol=2e-4, atol=1e-7)
+
+
+def test_the_reports_of_an_eigenbasis_store_use_ekfac_and_draw_the_projector(
+    captured: tuple[Path, nn.Module], tmp_path: Path
+) -> None:
+    path, _ = captured
+    with SummaryWriter(str(tmp_path / "tb")) as writer:
+        result = report_run(path, tmp_path / "reports", [writer], k=3, test_split="test", recompute=None)
+    assert result is not None
+    assert {row["method"] for row in result["influence"]} == {"ekfac"}
+    assert (tmp_path / "tb" / "projector_config.pbtxt").is_file()  # the sketches of the last pass: its records
