@@ -114,6 +114,20 @@ def test_a_damaged_or_stale_write_side_part_is_never_trusted(tmp_path: Path) -> 
     assert grown.verify() == []
 
 
+def test_write_side_parts_of_compacted_shards_are_stale_and_rebuilt(tmp_path: Path) -> None:
+    """Compaction without the builder's merge: every part names a shard that is gone, none is used."""
+    path = tmp_path / "store"
+    builder = written_store(path)
+    builder.close()
+    assert compact(path, target_bytes=60_000).groups
+    store = open_store(path)
+    opened = vi.open_index(store, TRAIN)
+    shards = {ref.file.name for ref in store.batch_refs(TRAIN)}
+    assert opened is not None and len([n for n in opened.rebuilt if n.startswith("part-")]) == len(shards)
+    assert_same_top(store.influence(TRAIN, TEST, k=K), store.influence(TRAIN, TEST))
+    assert store.verify() == []
+
+
 def test_a_failing_part_never_stops_nor_loses_a_shard(tmp_path: Path) -> None:
     path = tmp_path / "store"
     path.mkdir()
