@@ -14,24 +14,16 @@ to the largest score.
 
 from __future__ import annotations
 
+import kfaccases
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from kfaccases import LRS, blocks, damped, fisher, per_sample_ce, rel_err
 from torch import Tensor, nn
-from torch.func import grad, vmap
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.training.passes import capture_step
-from metastore_plugins.testing import reference_per_sample_gradients
-
-LRS = (0.7, 0.2)  # per pass
-
-
-def make_model() -> nn.Sequential:
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3)).double()
 
 
 def data(n: int, seed: int) -> tuple[Tensor, Tensor]:
@@ -39,22 +31,8 @@ def data(n: int, seed: int) -> tuple[Tensor, Tensor]:
     return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
 
 
-def per_sample_ce(outputs: Tensor, labels: Tensor) -> Tensor:
-    return F.cross_entropy(outputs, labels, reduction="none")
-
-
-def loss_fn(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    return F.cross_entropy(model(batch["x"]), batch["y"])
-
-
 def checkpoints() -> list[nn.Sequential]:
-    """The model at two passes: the second a seeded perturbation of the first."""
-    first, second = make_model(), make_model()
-    g = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for p in second.parameters():
-            p += 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype)
-    return [first, second]
+    return kfaccases.checkpoints(model_seed=3, noise_seed=9)
 
 
 @pytest.fixture(scope="module")
@@ -76,26 +54,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> GradientStore:
     return open_store(path)
 
 
-def blocks(model: nn.Sequential, x: Tensor, y: Tensor) -> dict[str, tuple[Tensor, Tensor | None, Tensor | None]]:
-    """Per layer ``(g (N, P), a' (N, d_in + 1), d (N, d_out))``; ``a', d`` only for the Linear layers."""
-    ref = reference_per_sample_gradients(model, loss_fn, {"x": x, "y": y})
-    lin0, norm, lin3 = model[0], model[2], model[3]
-    z0 = lin0(x).detach()  # (N, 8)
-    d0 = vmap(grad(lambda z, t: F.cross_entropy(lin3(norm(torch.tanh(z)))[None], t[None])))(z0, y)  # (N, 8)
-    h = norm(torch.tanh(z0)).detach()  # (N, 8): the head's input
-    d3 = vmap(grad(lambda z, t: F.cross_entropy(z[None], t[None])))(lin3(h).detach(), y)  # (N, 3)
-    ones = torch.ones(len(x), 1, dtype=x.dtype)
-
-    def linear(name: str) -> Tensor:
-        return torch.cat([ref[f"{name}.weight"], ref[f"{name}.bias"][:, :, None]], 2).flatten(1)  # [W | b] row-major
-
-    return {
-        "0": (linear("0"), torch.cat([x, ones], 1), d0),
-        "2": (torch.cat([ref["2.weight"], ref["2.bias"]], 1), None, None),
-        "3": (linear("3"), torch.cat([h, ones], 1), d3),
-    }
-
-
 def reference(method: str) -> tuple[np.ndarray, float]:
     """``(24, 8)`` ``sum_c lr_c g_train^T (F_c + delta_c I)^-1 g_test``, and the largest condition number."""
     (x, y), (xt, yt) = data(24, 1), data(8, 2)
@@ -104,21 +62,10 @@ def reference(method: str) -> tuple[np.ndarray, float]:
         with torch.no_grad():
             train, test = blocks(model, x, y), blocks(model, xt, yt)
         for layer, (g, a, d) in train.items():
-            fisher = g.T @ g / len(g)  # a dense layer: its full empirical Fisher
-            if a is not None and d is not None:
-                c, gg = a.T @ a / len(a), d.T @ d / len(d)
-                fisher = torch.kron(gg, c)
-                if method == "ekfac":
-                    q = torch.kron(torch.linalg.eigh(gg)[1], torch.linalg.eigh(c)[1])
-                    fisher = q @ torch.diag(((g @ q) ** 2).mean(0)) @ q.T
-            damped = fisher + 0.1 * torch.trace(fisher) / len(fisher) * torch.eye(len(fisher), dtype=torch.float64)
-            total += lr * g @ torch.linalg.solve(damped, test[layer][0].T)
-            kappa = max(kappa, float(torch.linalg.cond(damped)))
+            inverted = damped(fisher(g, a, d, method))  # (P, P)
+            total += lr * g @ torch.linalg.solve(inverted, test[layer][0].T)
+            kappa = max(kappa, float(torch.linalg.cond(inverted)))
     return total.numpy(), kappa
-
-
-def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.abs(actual - expected).max() / np.abs(expected).max())
 
 
 @pytest.mark.parametrize("method", ["kfac", "ekfac"])
