@@ -76,8 +76,8 @@ class RunCapture:
         budget: the policy and byte budget of this rank (:class:`~metastore_plugins.core.policy.budget.Budget`;
             :class:`CapturePolicy` keeps to it); default every layer exact, no budget.
         announce: called with each line of the capture plan when it is made (a logger's ``info``).
-        index: build each shard's part of the nearest-gradient index as the run goes, on a background
-            thread (:class:`~metastore_plugins.core.analysis.index_parts.PartBuilder`; its cost in
+        index: build each shard's part of the nearest-gradient index as the run goes, in a background
+            process (:class:`~metastore_plugins.core.analysis.index_parts.PartBuilder`; its cost in
             docs/benchmarks.md, its bytes outside the budget); a later ``k=`` query then only adds what
             is missing. Off by default: a query builds the parts it needs.
     """
