@@ -268,3 +268,12 @@ def test_the_reports_of_an_eigenbasis_store_use_ekfac_and_draw_the_projector(
     assert result is not None
     assert {row["method"] for row in result["influence"]} == {"ekfac"}
     assert (tmp_path / "tb" / "projector_config.pbtxt").is_file()  # the sketches of the last pass: its records
+
+
+def test_a_narrow_layer_block_is_zero_padded_to_the_sketch_size_asked(captured: tuple[Path, nn.Module]) -> None:
+    store = open_store(captured[0])
+    records = [r for b in store.select("epoch-0/test", layers=["2"]).batches() for r in b.records]
+    block = torch.cat([r.tensors["projected"] for r in records])  # (N, 3, 3): the head's block
+    padded = torch.as_tensor(store.sketches("epoch-0/test", dim=5, layers=["2"], cache=False)).reshape(-1, 5, 5)
+    torch.testing.assert_close(padded[:, :3, :3].float(), block.float())
+    assert float(padded[:, 3:, :].abs().sum() + padded[:, :, 3:].abs().sum()) == 0.0  # the padding only

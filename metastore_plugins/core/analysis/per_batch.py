@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import overload
 
 import numpy as np
 import torch
@@ -18,6 +19,14 @@ def positive_int(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+@overload
+def positive_number(name: str, value: float) -> float: ...
+
+
+@overload
+def positive_number(name: str, value: None) -> None: ...
 
 
 def positive_number(name: str, value: float | None) -> float | None:

@@ -144,13 +144,18 @@ def sketch(
 def _kept_sketch(record: LayerRecord, params: Collection[str] | None, dim_in: int, dim_out: int, seed: int) -> Tensor:
     """The sketch a ``"projected"`` record already is, when asked with its own size and seed.
 
-    A record on a curvature eigenbasis is its own sketch too (its coordinates in the top block), comparable
-    only with the records of its checkpoint's passes: the queries that pair two capture points check
-    that (:func:`~metastore_plugins.core.analysis.sketches.same_projection`)."""
+    A record on a curvature eigenbasis is its own sketch too (its coordinates in the top block, zero-padded
+    to the size asked where a narrow layer's block is smaller: the padding is zero in every record of the
+    layer, so inner products are kept), comparable only with the records of its checkpoint's passes: the
+    queries that pair two capture points check that
+    (:func:`~metastore_plugins.core.analysis.sketches.same_projection`)."""
     if record.kind == "norms":
         raise unsupported(record, "sketches")
     whole_record(record, params, "sketches")
     stored = record.tensors["projected"]  # (B, k_out, k_in)
+    rows, cols = stored.shape[1:]
+    if record.basis is not None and rows <= dim_out and cols <= dim_in and seed == PROJECTION_SEED:
+        stored = torch.nn.functional.pad(stored, (0, dim_in - cols, 0, dim_out - rows))  # (B, dim_out, dim_in)
     if tuple(stored.shape[1:]) != (dim_out, dim_in) or seed != PROJECTION_SEED:
         raise RepresentationError(
             f"layer '{record.layer}' is kept projected to {tuple(stored.shape[1:])} (k_out, k_in) with seed "
