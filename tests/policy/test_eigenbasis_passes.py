@@ -277,3 +277,23 @@ def test_a_narrow_layer_block_is_zero_padded_to_the_sketch_size_asked(captured: 
     padded = torch.as_tensor(store.sketches("epoch-0/test", dim=5, layers=["2"], cache=False)).reshape(-1, 5, 5)
     torch.testing.assert_close(padded[:, :3, :3].float(), block.float())
     assert float(padded[:, 3:, :].abs().sum() + padded[:, :, 3:].abs().sum()) == 0.0  # the padding only
+
+
+@pytest.mark.parametrize("method", ["ekfac", "kfac"])
+def test_some_samples_and_joined_batches_keep_the_basis_tensors_whole(
+    captured: tuple[Path, nn.Module], method: str
+) -> None:
+    path, model = captured
+    store = open_store(path)
+    whole = store.kfac_influence("epoch-0/train", "epoch-0/test", method=method)
+    some = store.kfac_influence("epoch-0/train", "epoch-0/test", method=method, train_ids=[1, 9, 17], test_ids=[0, 7])
+    rows, cols = (
+        [list(whole.row_ids).index(i) for i in some.row_ids],
+        [list(whole.col_ids).index(j) for j in some.col_ids],
+    )
+    np.testing.assert_allclose(some.scores, whole.scores[np.ix_(rows, cols)], rtol=1e-5, atol=1e-7)
+    ids = store.sample_ids("epoch-0/train")
+    one_by_one = store.self_influence("epoch-0/train", method=method, max_bytes=1)  # batch by batch
+    joined = store.self_influence("epoch-0/train", method=method)  # batches joined within max_bytes
+    np.testing.assert_allclose(joined, one_by_one, rtol=1e-5, atol=1e-7)
+    assert len(joined) == len(ids)

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.progress import progress
-from metastore_plugins.core.records import FLOAT_SAMPLE_COLUMNS, SAMPLE_COLUMNS, LayerRecord
+from metastore_plugins.core.records import EIGENBASIS_TENSORS, FLOAT_SAMPLE_COLUMNS, SAMPLE_COLUMNS, LayerRecord
 from metastore_plugins.core.store.batches import BatchRef, ShardFiles, tensor_column
 from metastore_plugins.core.store.readcache import SHARDS
 from metastore_plugins.core.store.shardread import ShardData
@@ -38,8 +39,8 @@ def subset_record(record: LayerRecord, keep: Tensor) -> LayerRecord:
     """The record restricted to the samples ``keep`` (``(n,)`` batch-local indices, ascending)."""
     if keep.numel() == record.batch_size:
         return record
-    if "sample" not in record.tensors:  # one row per sample: dense, projected, norms
-        tensors = {key: value[keep] for key, value in record.tensors.items()}
+    if "sample" not in record.tensors:  # one row per sample: dense, projected, norms (a basis's tensors are not)
+        tensors = {key: value if key in EIGENBASIS_TENSORS else value[keep] for key, value in record.tensors.items()}
     else:
         new_index = torch.full((record.batch_size,), -1, dtype=torch.long)
         new_index[keep] = torch.arange(keep.numel())
@@ -70,7 +71,15 @@ def join_records(batches: list[list[LayerRecord]]) -> list[LayerRecord]:
                 tensors["sample"] = tensors["sample"].long() + offset  # (R,)
             parts.append(tensors)
             offset += record.batch_size
-        tensors = {key: torch.cat([part[key] for part in parts]) for key in first.tensors}
+        if len({record.basis for record in records}) > 1:
+            raise RepresentationError(
+                f"layer '{first.layer}' is kept on two curvature eigenbases in one selection; select one checkpoint's"
+                " passes"
+            )
+        tensors = {
+            key: first.tensors[key] if key in EIGENBASIS_TENSORS else torch.cat([part[key] for part in parts])
+            for key in first.tensors
+        }  # one basis: its tensors once
         joined.append(replace(first, batch_size=offset, tensors=tensors))
     return joined
 
