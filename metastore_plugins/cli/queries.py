@@ -72,7 +72,7 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
         test,
         args.k,
         index=_index_option(args) if method == "tracin" else False,
-        method=args.method,
+        method=method if args.index == "build" else args.method,  # auto's own choice keeps its note
         damping=args.damping,
         relative_damping=args.relative_damping,
     )
@@ -84,7 +84,10 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
 
 def _checked_method(args: argparse.Namespace, store: GradientStore, points: Sequence[str]) -> str:
     """The method ``--method`` runs on these passes; a flag it does not take raises naming the flag."""
-    chosen = resolve_method(store, args.method, points)
+    if args.method == "auto" and args.index == "build":  # asking to build TracIn's index asks for TracIn
+        chosen = resolve_method(store, "tracin", points)
+    else:
+        chosen = resolve_method(store, args.method, points)
     why = f"--method auto chose tracin ({chosen.fallback}): " if chosen.fallback else ""
     try:
         check_damping(chosen.method, args.damping, args.relative_damping, ("--damping", "--relative-damping"))

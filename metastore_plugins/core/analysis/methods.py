@@ -24,6 +24,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from metastore_plugins.core.analysis import curvature, curvature_self, queries, sketches, vector_index
+from metastore_plugins.core.analysis.per_batch import positive_number
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import Scan
@@ -80,8 +81,8 @@ def check_damping(
 ) -> None:
     """Raise naming the argument (``names``: how the caller spells the two) when ``method`` takes no such damping
     or a value is not positive."""
-    curvature.positive_number(names[0], damping)
-    curvature.positive_number(names[1], relative_damping)
+    positive_number(names[0], damping)
+    positive_number(names[1], relative_damping)
     if method == "tracin" and (damping is not None or relative_damping is not None):
         raise ValueError(f"method 'tracin' has no damping (it inverts nothing): drop {names[0]} and {names[1]}")
     if method == "trak" and damping is not None:

@@ -69,7 +69,8 @@ def part_name(key: str, shard: str) -> str:
 
 def part_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """A part file: safetensors laid out as shards are (:func:`~.shardfile.tensor_layout`), its metadata keys
-    sorted; unlike ``safetensors.torch.save`` (whose metadata order varies from call to call), deterministic."""
+    sorted; unlike the safetensors library's own writer (whose metadata order varies from call to call),
+    deterministic."""
     specs = {key: (t.dtype, tuple(t.shape)) for key, t in tensors.items()}
     ranges, size = tensor_layout(specs)
     section = bytearray(size)

@@ -52,6 +52,7 @@ class CaptureSettings(TypedDict, total=False):
     capture_train_steps: bool
     checkpoint_train_samples: int
     checkpoint_val_samples: int
+    basis_samples: int
     seed: int
     reports: bool
     report_k: int
