@@ -10,7 +10,13 @@ from torch import nn
 from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.core.ops import curvature as kfac
 from metastore_plugins.core.ops.curvature import CurvatureSums
-from metastore_plugins.core.ops.eigenbasis import eigenbasis_record, fit_bases, fittable
+from metastore_plugins.core.ops.eigenbasis import (
+    FULL_EIGH_MAX_DIM,
+    eigenbasis_record,
+    fit_bases,
+    fittable,
+    top_eigenpairs,
+)
 from metastore_plugins.testing import reference_per_sample_gradients
 
 
@@ -67,3 +73,15 @@ class _Tied(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.emb(ids))
+
+
+def test_subspace_iteration_finds_the_top_eigenpairs_of_a_large_covariance() -> None:
+    d, k = FULL_EIGH_MAX_DIM + 100, 8
+    g = torch.Generator().manual_seed(2)
+    q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64)).Q
+    spectrum = 1.0 / torch.arange(1, d + 1, dtype=torch.float64)  # a covariance's decaying eigenvalues
+    matrix = (q * spectrum) @ q.T
+    values, vectors = top_eigenpairs(matrix, k)
+    torch.testing.assert_close(values, spectrum[:k], rtol=1e-6, atol=0)
+    overlap = torch.linalg.svdvals(q[:, :k].T @ vectors)  # cosines of the principal angles
+    assert float(overlap.min()) > 1 - 1e-6

@@ -169,9 +169,9 @@ def layer_groups(records: Sequence[LayerRecord]) -> dict[str, list[LayerRecord]]
     return by_layer(records)
 
 
-def augmented_prefix(record: LayerRecord) -> Tensor:
-    """``(R, G, d_in')`` float64: the prefix where the record holds a weight, then ones where it holds a bias."""
-    prefix = record.tensors["prefix"].to(_F64)  # (R, G, d_in)
+def augmented_prefix(record: LayerRecord, dtype: torch.dtype = _F64) -> Tensor:
+    """``(R, G, d_in')`` (float64 by default): the prefix where the record holds a weight, then ones for a bias."""
+    prefix = record.tensors["prefix"].to(dtype)  # (R, G, d_in)
     parts = [prefix] if "weight" in record.params else []
     if "bias" in record.params:
         parts.append(prefix.new_ones(*prefix.shape[:2], 1))  # (R, G, 1)
@@ -197,10 +197,15 @@ def _block_gradients(record: LayerRecord, lo: int, hi: int, layout: WeightLayout
 
 
 class CurvatureSums:
-    """K-FAC sums over training batches, per layer: :meth:`add` each batch's records, then :meth:`fit`."""
+    """K-FAC sums over training batches, per layer: :meth:`add` each batch's records, then :meth:`fit`.
 
-    def __init__(self) -> None:
+    ``dtype``: of the Kronecker sums (float64; a capture-time basis, which needs only the top eigenvectors,
+    takes float32 at half the cost).
+    """
+
+    def __init__(self, dtype: torch.dtype = _F64) -> None:
         self.layers: dict[str, LayerSums] = {}
+        self.dtype = dtype
 
     def add(self, records: Sequence[LayerRecord]) -> None:
         """Add one batch (all of a layer's records of the batch together)."""
@@ -216,8 +221,10 @@ class CurvatureSums:
                 sums.block, sums.factored_samples = eigen.head(group), sums.factored_samples + first.batch_size
                 continue
             if all(r.kind == "outer" for r in group):
-                prefixes = torch.cat([augmented_prefix(r) for r in group]).transpose(0, 1)  # (G, R, d_in')
-                suffixes = torch.cat([r.tensors["suffix"].to(_F64) for r in group]).transpose(0, 1)  # (G, R, d_out)
+                prefixes = torch.cat([augmented_prefix(r, self.dtype) for r in group]).transpose(0, 1)  # (G, R, d_in')
+                suffixes = torch.cat([r.tensors["suffix"].to(self.dtype) for r in group]).transpose(
+                    0, 1
+                )  # (G, R, d_out)
                 sums.inputs = _added(sums.inputs, prefixes.transpose(1, 2) @ prefixes, layer)  # (G, d_in', d_in')
                 sums.outputs = _added(sums.outputs, suffixes.transpose(1, 2) @ suffixes, layer)  # (G, d_out, d_out)
                 sums.rows += prefixes.shape[1]

@@ -64,9 +64,35 @@ class EigenBasis:
     block: tuple[int, int]  # (k_out, k_in)
 
 
+#: Above this size a basis's top eigenpairs come from subspace iteration, not a full ``eigh`` (``d^3``).
+FULL_EIGH_MAX_DIM = 512
+#: Extra directions and power iterations of the subspace iteration.
+_OVERSAMPLE, _POWER_ITERATIONS = 16, 6
+
+
 def _top(values: Tensor, vectors: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` largest eigenpairs of an ascending ``eigh``: ``(k,)`` values and ``(d, k)`` vectors, largest first."""
     return values[-k:].flip(0).clamp_min(0), vectors[:, -k:].flip(1)
+
+
+def top_eigenpairs(matrix: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``(k,)`` largest eigenvalues (largest first) and ``(d, k)`` eigenvectors of a symmetric PSD ``(d, d)`` matrix.
+
+    ``eigh`` up to :data:`FULL_EIGH_MAX_DIM`; above it, seeded subspace iteration (Halko et al. 2011): ``Y = M^q
+    Omega`` for a Gaussian ``(d, k + p)`` ``Omega``, orthonormalised at each step, then the ``eigh`` of the
+    small ``Q^T M Q``: ``O(q d^2 (k + p))`` instead of ``O(d^3)``. Float64 throughout.
+    """
+    matrix = matrix.to(_F64)
+    d = matrix.shape[0]
+    if d <= FULL_EIGH_MAX_DIM or k + _OVERSAMPLE >= d:
+        values, vectors = torch.linalg.eigh(matrix)  # (d,), (d, d)
+        return _top(values, vectors, min(k, d))
+    omega = torch.randn(d, k + _OVERSAMPLE, generator=torch.Generator().manual_seed(0), dtype=_F64)  # (d, k + p)
+    q = torch.linalg.qr(matrix @ omega).Q  # (d, k + p)
+    for _ in range(_POWER_ITERATIONS):
+        q = torch.linalg.qr(matrix @ q).Q
+    values, small = torch.linalg.eigh(q.T @ matrix @ q)  # (k + p,), (k + p, k + p)
+    return _top(values, q @ small, k)
 
 
 def fit_bases(sums: CurvatureSums, k: int, step: int) -> dict[str, EigenBasis]:
@@ -83,20 +109,17 @@ def fit_bases(sums: CurvatureSums, k: int, step: int) -> dict[str, EigenBasis]:
         elif second is not None:
             if first.shape[0] != 1:
                 continue  # grouped weights keep the seeded projection
-            l_in, q_in = torch.linalg.eigh(first[0])  # (d_in',), (d_in', d_in')
-            l_out, q_out = torch.linalg.eigh(second[0])  # (d_out,), (d_out, d_out)
-            mean = float(l_in.clamp_min(0).mean() * l_out.clamp_min(0).mean())
-            k_in, k_out = min(k, len(l_in)), min(k, len(l_out))
-            (top_in, vec_in), (top_out, vec_out) = _top(l_in, q_in, k_in), _top(l_out, q_out, k_out)
+            inputs, outputs = first[0].to(_F64), second[0].to(_F64)  # (d_in', d_in'), (d_out, d_out)
+            mean = float(inputs.diagonal().mean() * outputs.diagonal().mean())  # traces: the mean eigenvalue
+            (top_in, vec_in), (top_out, vec_out) = top_eigenpairs(inputs, k), top_eigenpairs(outputs, k)
             values = top_out[:, None] * top_in[None, :]  # (k_out, k_in)
             kept = LayerCurvature("outer", layer_sums.params, vec_in[None], vec_out[None], values[None],
                                   layer_sums.factored_samples, layer_sums.layout)  # fmt: skip
-            out[layer] = EigenBasis(kept, mean, step, (k_out, k_in))
+            out[layer] = EigenBasis(kept, mean, step, (len(top_out), len(top_in)))
         elif first.dim() == 2 and first.shape[0] >= k * k:
-            values, vectors = torch.linalg.eigh(first)  # (P,), (P, P)
-            top, kept_vectors = _top(values, vectors, k * k)
+            top, kept_vectors = top_eigenpairs(first, k * k)  # (k^2,), (P, k^2)
             kept = LayerCurvature("dense", layer_sums.params, kept_vectors, None, top, layer_sums.dense_samples)
-            out[layer] = EigenBasis(kept, float(values.clamp_min(0).mean()), step, (k, k))
+            out[layer] = EigenBasis(kept, float(first.diagonal().mean()), step, (k, k))
         elif first.dim() == 1 and first.shape[0] >= k * k:  # a diagonal Fisher: its largest coordinates
             top, index = first.topk(k * k)  # (k^2,), (k^2,)
             selection = torch.zeros(first.shape[0], k * k, dtype=first.dtype)  # (P, k^2)
@@ -108,13 +131,12 @@ def fit_bases(sums: CurvatureSums, k: int, step: int) -> dict[str, EigenBasis]:
 
 def _embedding_basis(layer: str, sums: LayerSums, frequencies: Tensor, second: Tensor, k: int, step: int) -> EigenBasis:
     """An embedding's basis: the seeded ``P`` ``(k_v, V)`` on the vocabulary, ``Q_D``'s top ``k_d`` on the output."""
-    l_out, q_out = torch.linalg.eigh(second)  # (d,), (d, d)
-    k_d, vocab = min(k, len(l_out)), frequencies.shape[0]
+    top_out, vec_out = top_eigenpairs(second, k)  # (k_d,), (d, k_d)
+    k_d, vocab = len(top_out), frequencies.shape[0]
     k_v = min(k, vocab)
-    top_out, vec_out = _top(l_out, q_out, k_d)
     p = projection("out", layer, PROJECTION_SEED, (k_v, vocab), k_v, torch.device("cpu")).to(_F64)  # (k_v, V)
     values = (p.square() @ frequencies)[:, None] * top_out[None, :]  # (k_v, k_d): diag(P C P^T) l_D^T
-    mean = float(frequencies.mean() * l_out.clamp_min(0).mean())  # over every V x d entry
+    mean = float(frequencies.mean() * second.diagonal().mean())  # over every V x d entry
     kept = LayerCurvature("embedding", sums.params, p.T, vec_out, values, sums.factored_samples)
     return EigenBasis(kept, mean, step, (k_v, k_d))
 

@@ -66,7 +66,7 @@ def fit_pass_bases(
     samples: int = BASIS_SAMPLES,
 ) -> None:
     """Fit the eigenbasis of the passes at ``step`` on ``source``'s first ``samples`` and give it to the policy."""
-    sums, seen, share = CurvatureSums(), 0, -(-samples // max(1, world))
+    sums, seen, share = CurvatureSums(torch.float32), 0, -(-samples // max(1, world))  # top eigenvectors only
     with weights_untouched(model), preserved_rng():
         try:
             for k, (ids, batch) in enumerate(source.batches(rank, world)):
@@ -110,7 +110,7 @@ def _add_over_ranks(sums: CurvatureSums) -> None:
             if name not in shapes:
                 continue
             tensor = getattr(layer_sums, name)
-            tensor = torch.zeros(shapes[name], dtype=torch.float64) if tensor is None else tensor
+            tensor = torch.zeros(shapes[name], dtype=sums.dtype) if tensor is None else tensor
             moved = tensor.to(device) if device is not None else tensor
             dist.all_reduce(moved)
             setattr(layer_sums, name, moved.to(tensor.device))
