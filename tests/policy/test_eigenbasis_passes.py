@@ -26,6 +26,7 @@ from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.model.pass_sources import PassSource
 from metastore_plugins.core.ops.sketch import projection
 from metastore_plugins.core.policy.budget import Budget
+from metastore_plugins.core.policy.plan import LADDER
 from metastore_plugins.core.store.plan_record import CapturePlan
 from metastore_plugins.core.training.report_pass import report_run
 from metastore_plugins.core.training.run import RunCapture
@@ -297,3 +298,25 @@ def test_some_samples_and_joined_batches_keep_the_basis_tensors_whole(
     joined = store.self_influence("epoch-0/train", method=method)  # batches joined within max_bytes
     np.testing.assert_allclose(joined, one_by_one, rtol=1e-5, atol=1e-7)
     assert len(joined) == len(ids)
+
+
+def test_passes_lowered_to_a_smaller_projection_are_fitted_at_that_size(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(20, 12), nn.Tanh(), nn.Linear(12, 3)).eval()
+    run = RunCapture(tmp_path / "store", encoding="fp32", budget=Budget("auto", None))
+    both = {"0": "projected", "2": "exact"}
+    run.policy.plan = CapturePlan("auto", None, "test", "fp32", 16, dict(both), dict(both), 0, 1, {})
+    run.policy._rungs["passes"] = LADDER.index(("projected", 8))  # the run outgrew its plan before this pass
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 20, generator=g), torch.randint(0, 3, (16,), generator=g))
+    try:
+        run.checkpoint_passes(model, [PassSource("train", data, list(range(16)), 8)],
+                              lambda b, k: F.cross_entropy(model(b[0]), b[1]), name="epoch-0", rank=0, world_size=1,
+                              to_device=lambda b: b, step=2, epoch=0, lr=0.1)  # fmt: skip
+    finally:
+        run.close()
+    records = [
+        r for b in open_store(tmp_path / "store").select("epoch-0/train", layers=["0"]).batches() for r in b.records
+    ]
+    assert {tuple(r.tensors["projected"].shape[1:]) for r in records} == {(8, 8)}  # not the plan's 16: (12, 16)
+    assert {r.basis for r in records} == {2}

@@ -153,6 +153,13 @@ class CapturePolicy:
         lowered = rung is not None and LADDER[rung][0] == "projected"
         return lowered or "projected" in self.plan.passes.values()
 
+    def pass_k(self) -> int:
+        """The projection size the checkpoint passes keep now: the plan's, or that of the rung they were lowered to."""
+        assert self.plan is not None
+        rung = self._rungs.get("passes", self._rungs.get("last"))
+        lowered = LADDER[rung][1] if rung is not None else 0
+        return lowered or self.plan.k
+
     def set_bases(self, bases: dict[str, EigenBasis], step: int) -> None:
         """Project the checkpoint passes from now on onto ``bases`` (fitted at ``step``); recorded in the plan."""
         self.bases = bases

@@ -83,9 +83,8 @@ def fit_pass_bases(
         finally:
             run.abort_step()
     _add_over_ranks(sums)
-    plan = run.policy.plan
-    if plan is not None and sums.layers:
-        run.policy.set_bases(fit_bases(sums, plan.k, step), step)
+    if run.policy.plan is not None and sums.layers:  # at the size the passes keep now (a lowered rung's)
+        run.policy.set_bases(fit_bases(sums, run.policy.pass_k(), step), step)
 
 
 def _add_over_ranks(sums: CurvatureSums) -> None:
