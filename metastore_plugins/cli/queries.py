@@ -72,7 +72,7 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
         test,
         args.k,
         index=_index_option(args) if method == "tracin" else False,
-        method=method if args.index == "build" else args.method,  # auto's own choice keeps its note
+        method=method if args.index != "auto" else args.method,  # auto's own choice keeps its note
         damping=args.damping,
         relative_damping=args.relative_damping,
     )
@@ -84,7 +84,7 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
 
 def _checked_method(args: argparse.Namespace, store: GradientStore, points: Sequence[str]) -> str:
     """The method ``--method`` runs on these passes; a flag it does not take raises naming the flag."""
-    if args.method == "auto" and args.index == "build":  # asking to build TracIn's index asks for TracIn
+    if args.method == "auto" and args.index != "auto":  # an --index choice is TracIn's: it asks for TracIn
         chosen = resolve_method(store, "tracin", points)
     else:
         chosen = resolve_method(store, args.method, points)
