@@ -26,7 +26,7 @@ from metastore_plugins.core.analysis.curvature import fit_curvature
 from metastore_plugins.core.analysis.per_batch import positive_int, positive_number
 from metastore_plugins.core.analysis.queries import summed_by_id
 from metastore_plugins.core.analysis.scan import scan_of
-from metastore_plugins.core.analysis.sketches import check_seed, sketches
+from metastore_plugins.core.analysis.sketches import DEFAULT_REGULARIZATION, check_seed, sketches
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import (
     CURVATURE_METHODS,
@@ -73,7 +73,7 @@ def preconditioned_self_influence(
             reads of each pass to fit) or ``"kfac"`` (one read).
         damping: one absolute ``delta`` for every layer; by default each layer's is ``relative_damping``
             times the mean eigenvalue of its curvature (Kronfluence's rule, as :meth:`kfac_influence`).
-        layers: restrict to these layers (all by default; embedding and projected records cannot be fitted).
+        layers: restrict to these layers (all by default; seeded projections and norms cannot be fitted).
         where: :meth:`select`'s filters (``sample_ids=``, ``steps=``, ``epochs=``) of the scored samples;
             ``F_c`` is fitted on every sample of pass ``c`` whatever they are.
 
@@ -83,7 +83,7 @@ def preconditioned_self_influence(
 
     Raises:
         ValueError: for an unknown method, a non-positive damping, or a layer K-FAC cannot fit (named).
-        RepresentationError: for a projected or norms-only layer (leave it out with ``layers=``).
+        RepresentationError: for a seeded-projection or norms-only layer (leave it out with ``layers=``).
     """
     if method not in CURVATURE_METHODS:
         raise ValueError(f"method must be one of {CURVATURE_METHODS}, got {method!r}")
@@ -127,7 +127,7 @@ def kernel_self_influence(
     *,
     dim: int = 32,
     seed: int = 0,
-    regularization: float = 1.0,
+    regularization: float = DEFAULT_REGULARIZATION,
     layers: Sequence[str] | None = None,
     cache: bool = True,
     **where: Any,
