@@ -1,19 +1,22 @@
-"""The write side of the nearest-gradient index: training step time with and without each shard's part built.
+"""The write side of the nearest-gradient index: training step time with ``index`` on and off, and its build at close.
 
-``python -m metastore_bench.index_write_bench [--rounds 5] [--steps 40] [--workloads cnn,minilm] [--out JSON]``
+``python -m metastore_bench.index_write_bench [--rounds 5] [--steps 40] [--workloads cnn,bert6] [--out JSON]``
+``python -m metastore_bench.index_write_bench --store RUN/store [--repeats 3]`` (the build on a copy of a store)
 
 Per workload, :class:`RunCapture` as the callbacks use it (capture_bench's ``capture+store``: the model hooked
 once, fp16 records and per-sample losses to the :class:`StoreWriter`) runs ``--steps`` timed steps (after two
-untimed ones) with ``index=False`` and with ``index=True`` (the :class:`PartBuilder` thread builds each shard's
-part as the writer lists it), alternating whole runs (ABBA order across rounds) so that load from other jobs
-hits both alike. A shard is written every ``--flush-seconds`` (2 s by default, against the writer's 10 s: more
-parts per step than a real run, an upper bound of the cost). A step's time is the timed steps' wall time over
-their count (a part's cost comes in bursts: a median step would hide it); the median over rounds is kept.
-The builder's wall seconds on the parts it finished while the timed steps ran are the share of their time
-it was busy (beside training, at the lowest priority). CPU seconds per step, less sensitive to other jobs'
-load: of this process (training and writer threads) and of the builder's process (Linux ``/proc``).
-``close`` (the last shard, the parts the builder still owes, compaction and the merged shards' parts) is
-timed apart. The load average is recorded before and after.
+untimed ones) with ``index=False`` and with ``index=True``, alternating whole runs (ABBA order across rounds) so
+that load from other jobs hits both alike. A shard is written every ``--flush-seconds`` (2 s by default, against
+the writer's 10 s: more shards than a real run). A step's time is the timed steps' wall time over their count;
+the median over rounds is kept. ``index=True`` builds nothing while the steps run (the parts are built in
+``close()``, after compaction), so the step times differ by noise only; CPU seconds per step of this process
+(training and writer threads) are recorded beside. ``close`` (the last shard, compaction, and with ``index``
+the parts' build, :func:`~metastore_plugins.core.analysis.index_parts.build_rank_parts`) is timed apart, and
+the build's own seconds are reported as a share of the run (timed steps plus close).
+
+``--store``: the close-time build on a copy of an existing store (its ``vector_index/`` removed), rank 0,
+the median of ``--repeats`` builds: the cost at the end of that run (e.g. ``examples/finetune_bert.py``'s store).
+The load average is recorded before and after.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -31,6 +35,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from metastore_plugins.core.analysis.index_parts import build_rank_parts
+from metastore_plugins.core.store import StoreReader
+from metastore_plugins.core.store import vector_files as vf
 from metastore_plugins.core.training.run import RunCapture
 
 from .models import Workload, bert_workload, cnn_workload, minilm_reviews_workload
@@ -46,7 +53,7 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
 
 
 def one_run(workload: Workload, steps: int, index: bool, flush_seconds: float) -> dict[str, Any]:
-    """Seconds per training step over ``steps`` timed steps, and what the write side did."""
+    """Seconds per training step over ``steps`` timed steps, and what ``close()`` took."""
     model, batch = workload.build(), workload.batch(workload.batch_size, seed=0)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     size = batch["labels"].shape[0]
@@ -64,39 +71,43 @@ def one_run(workload: Workload, steps: int, index: bool, flush_seconds: float) -
 
         for k in range(2):
             step(k)
-        parts = run.index_parts
-        busy, built = (0.0, 0) if parts is None else (parts.seconds, len(parts.written))
-        child = 0.0 if parts is None else cpu_seconds(parts.pid)
         start, cpu = time.perf_counter(), time.process_time()
         for k in range(2, steps + 2):
             step(k)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-        child = 0.0 if parts is None else cpu_seconds(parts.pid) - child
-        busy, built = (0.0, 0) if parts is None else (parts.seconds - busy, len(parts.written) - built)
+        index_files_in_steps = len(list((Path(tmp) / "store" / vf.FOLDER).glob("*")))  # none: built at close
         start = time.perf_counter()
         run.close()
         close = time.perf_counter() - start
+        built = run.index_parts
         return {
             "step_s": seconds / steps,
             "cpu_s_per_step": cpu / steps,  # this process, all its threads (training, writer)
-            "builder_cpu_s_per_step": child / steps,  # the part builder's process, while the steps ran
             "close_s": close,
             "shards": run.writer.stats.shards,
-            "parts_in_steps": built,  # parts finished while the timed steps ran
-            "part_build_s_in_steps": busy,  # the builder's wall seconds on them
-            "parts": 0 if parts is None else len(parts.written),
-            "part_build_s": 0.0 if parts is None else parts.seconds,
-            "problems": [] if parts is None else parts.problems,
+            "index_files_in_steps": index_files_in_steps,
+            "parts": 0 if built is None else len(built.written),
+            "build_s": 0.0 if built is None else built.seconds,
+            "problems": [] if built is None else built.problems,
         }
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process (Linux ``/proc``; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def store_build(store: Path, repeats: int) -> dict[str, Any]:
+    """The close-time build of rank 0's parts on copies of ``store`` (its index removed): median seconds."""
+    reader = StoreReader(store)
+    rows = {cp: len(reader.sample_ids(cp)) for cp in reader.capture_points()}
+    seconds, parts, nbytes = [], 0, 0
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory(prefix="msbench-index-store-") as tmp:
+            copy = Path(tmp) / "store"
+            shutil.copytree(store, copy, ignore=shutil.ignore_patterns(vf.FOLDER))
+            built = build_rank_parts(copy, 0)
+            if built.problems:
+                raise RuntimeError(built.problems[0])
+            seconds.append(built.seconds)
+            parts = len(built.written)
+            nbytes = sum(f.stat().st_size for f in (copy / vf.FOLDER).iterdir())
+    return {"store": str(store), "rows": rows, "parts": parts, "index_bytes": nbytes, "build_s": seconds}
 
 
 def measure(name: str, rounds: int, steps: int, flush_seconds: float) -> dict[str, Any]:
@@ -108,8 +119,8 @@ def measure(name: str, rounds: int, steps: int, flush_seconds: float) -> dict[st
             runs[variant].append(one_run(workload, steps, variant == "with", flush_seconds))
     without = statistics.median(x["step_s"] for x in runs["without"])
     with_ = statistics.median(x["step_s"] for x in runs["with"])
-    built = sum(x["part_build_s"] for x in runs["with"]) / max(1, sum(x["parts"] for x in runs["with"]))
-    busy = [x["part_build_s_in_steps"] / (x["step_s"] * steps) for x in runs["with"]]
+    build = statistics.median(x["build_s"] for x in runs["with"])
+    run_s = statistics.median(x["step_s"] * steps + x["close_s"] for x in runs["with"])
     return {
         "workload": workload.name,
         "batch_size": workload.batch_size,
@@ -122,14 +133,14 @@ def measure(name: str, rounds: int, steps: int, flush_seconds: float) -> dict[st
         "paired_percent": [
             100.0 * (b["step_s"] - a["step_s"]) / a["step_s"] for a, b in zip(runs["without"], runs["with"])
         ],
-        "part_build_s_per_part": built,
-        "part_build_percent_of_steps": 100.0 * statistics.median(busy),
-        "parts_in_steps": [x["parts_in_steps"] for x in runs["with"]],
+        "index_files_in_steps": max(x["index_files_in_steps"] for x in runs["with"]),
         "cpu_s_per_step_without": statistics.median(x["cpu_s_per_step"] for x in runs["without"]),
         "cpu_s_per_step_with": statistics.median(x["cpu_s_per_step"] for x in runs["with"]),
-        "builder_cpu_s_per_step": statistics.median(x["builder_cpu_s_per_step"] for x in runs["with"]),
         "close_s_without": statistics.median(x["close_s"] for x in runs["without"]),
         "close_s_with": statistics.median(x["close_s"] for x in runs["with"]),
+        "build_s": build,
+        "parts": statistics.median(x["parts"] for x in runs["with"]),
+        "build_percent_of_run": 100.0 * build / run_s,
         "runs": runs,
     }
 
@@ -140,22 +151,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--flush-seconds", type=float, default=2.0)
     parser.add_argument("--workloads", default="cnn,bert6")
+    parser.add_argument("--store", type=Path, default=None, help="time the close-time build on a copy of this store")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     result: dict[str, Any] = {"machine": machine(), "cores": os.cpu_count(), "load_before": os.getloadavg()}
     result["threads"] = torch.get_num_threads()
-    result["workloads"] = [measure(n, args.rounds, args.steps, args.flush_seconds) for n in args.workloads.split(",")]
+    if args.store is not None:
+        result["store_build"] = found = store_build(args.store, args.repeats)
+        print(
+            f"{found['store']}: {found['parts']} parts ({found['index_bytes'] / 2**20:.1f} MiB) over rows "
+            f"{found['rows']}, built in {[round(s, 2) for s in found['build_s']]} s"
+        )
+    else:
+        result["workloads"] = [
+            measure(n, args.rounds, args.steps, args.flush_seconds) for n in args.workloads.split(",")
+        ]
     result["load_after"] = os.getloadavg()
-    for row in result["workloads"]:
+    for row in result.get("workloads", []):
         print(
             f"{row['workload']}: {1e3 * row['step_s_without']:.1f} ms/step without, {1e3 * row['step_s_with']:.1f} "
             f"with ({row['cost_percent_of_step']:+.2f}%; paired {[round(p, 1) for p in row['paired_percent']]}); "
-            f"builder busy {row['part_build_percent_of_steps']:.1f}% of the steps' wall time "
-            f"(parts built meanwhile {row['parts_in_steps']}), "
-            f"{1e3 * row['part_build_s_per_part']:.0f} ms a part; close {row['close_s_without']:.2f} s vs "
-            f"{row['close_s_with']:.2f} s; CPU per step: training process {1e3 * row['cpu_s_per_step_without']:.1f} "
-            f"ms without, {1e3 * row['cpu_s_per_step_with']:.1f} with, builder process "
-            f"{1e3 * row['builder_cpu_s_per_step']:.1f} ms"
+            f"index files written during the steps: {row['index_files_in_steps']}; CPU per step "
+            f"{1e3 * row['cpu_s_per_step_without']:.1f} ms without, {1e3 * row['cpu_s_per_step_with']:.1f} with; "
+            f"close {row['close_s_without']:.2f} s without, {row['close_s_with']:.2f} s with, of which the build "
+            f"{row['build_s']:.2f} s ({row['parts']:.0f} parts, {row['build_percent_of_run']:.1f}% of the run)"
         )
     print(f"load average before {result['load_before']}, after {result['load_after']}")
     if args.out is not None:

@@ -1,10 +1,11 @@
 """SIGKILL in the middle of an index file write, at the two moments test_vector_index_kill.py does not reach.
 
-1. **The write side**: the part builder's process killed while it writes a part or a manifest (its ``n``-th
-   index file write gets half its bytes into its temporary, fsynced, then it SIGKILLs itself): the capture
-   goes on and lists every shard. And the capturing process killed while its builder works: every shard it
-   listed stays listed and readable and a new writer continues the store. Either way ``verify`` names no
-   listed shard and the next query answers as the exhaustive scan does.
+1. **The write side**: a run with ``RunCapture(index=True)`` builds its parts in ``close()``, after its last
+   training step and compaction. Killed in the middle of that build (its ``n``-th index file write gets half
+   its bytes into its temporary, fsynced, then it SIGKILLs itself), every shard stays listed and readable. Killed
+   during its training steps, it has written no index file at all (nothing is built then) and a resumed run
+   builds every part at its close. Either way ``verify`` names no listed shard and the next query answers as
+   the exhaustive scan does.
 2. **The FAISS IVF search file** (``ann-*.faiss``): a build killed while writing it, on a fresh index and on a
    kept IVF index being brought up to date (also just after it, while the manifest is written). The index is
    then rebuilt or not used (said in one line), never a silently wrong answer.
@@ -15,8 +16,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,13 @@ import torch.nn.functional as F
 from test_vector_index import TEST, TRAIN, assert_same_top, base, make_model, store, write_pass
 from test_vector_index_kill import query, temporaries
 
-from metastore_plugins import CaptureSession, StoreWriter, open_store
+from metastore_plugins import open_store
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
-from metastore_plugins.core.analysis.index_parts import PartBuilder
 from metastore_plugins.core.store import vector_files
 from metastore_plugins.core.store.file_kinds import temporary_target
+from metastore_plugins.core.training.run import RunCapture
 
 __all__ = ["base", "store"]  # the fixtures: a copy of a module-scoped store per test
 
@@ -54,7 +53,7 @@ original = vector_files.write
 
 def write(path, name, data):
     calls.append(name)
-    if len(calls) < kill_at:
+    if kill_at < 0 or len(calls) < kill_at:  # kill_at < 0: no torn write
         return original(path, name, data)
 
     def torn(handle):
@@ -70,38 +69,27 @@ def write(path, name, data):
 vector_files.write = write
 """
 
-BUILDER = """
-from metastore_plugins.core.analysis.index_parts import main
-
-main(sys.argv[1:])
-"""
-
-WRITER = f"""
-import os, signal, sys
-from pathlib import Path
-store_dir, kill_at = Path(sys.argv[1]), int(sys.argv[2])
+RUN = f"""
 sys.path.insert(0, {str(TESTS)!r})
 import torch
-from test_vector_index import TEST, TRAIN, make_model
-from metastore_plugins.core.analysis.index_parts import PartBuilder
 import test_vector_index_kill_write as here
+from metastore_plugins.core.training.run import RunCapture
 
-builder = PartBuilder(store_dir)
-model, x, y = make_model()
+run = here.index_run(store_dir)
 listed = []
 
 
-def kill_after(name):  # the writer's process killed once it listed kill_at shards, its builder at work
-    builder.shard_written(name)
+def kill_after(name):  # kill_at < 0: killed once -kill_at shards are listed, during the training steps
     listed.append(name)
-    if len(listed) == kill_at:
-        print(builder.pid, flush=True)
+    if len(listed) == -kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-here.capture(store_dir, kill_after, model, x, y, TEST, torch.arange(360, 400))
-here.capture(store_dir, kill_after, model, x, y, TRAIN, torch.arange(360))
-sys.exit(3)  # fewer shards were listed than kill_at
+run.writer.on_shard = kill_after
+here.steps(run, here.TEST, here.TEST_IDS)
+here.steps(run, here.TRAIN, here.ALL)
+run.close()  # kill_at > 0: killed in the kill_at-th index file write of the close-time build
+sys.exit(3)  # it wrote fewer index files (or listed fewer shards) than kill_at
 """
 
 ANN = """
@@ -113,30 +101,22 @@ sys.exit(3)
 """
 
 
-def capture(
-    path: Path,
-    on_shard: Callable[[str], object],
-    model: torch.nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    point: str,
-    ids: torch.Tensor,
-) -> StoreWriter:
-    """:func:`write_pass` with the write side's hook (used by the workers too)."""
-    with StoreWriter(path, encoding="fp32", shard_bytes=20_000, on_shard=on_shard) as writer:
-        for part in ids.split(40):
-            with CaptureSession(model) as session:
-                F.cross_entropy(model(x[part]), y[part]).backward()
-            writer.write(session.factors(), sample_ids=part, step=int(part[0]), capture_point=point, lr=0.1)
-            model.zero_grad()
-    return writer
+def index_run(path: Path) -> RunCapture:
+    """A run that builds its index parts at close, about two steps a shard (used by the worker too)."""
+    run = RunCapture(path, encoding="fp32", flush_seconds=None, index=True)
+    run.writer.shard_bytes = 20_000
+    return run
 
 
-def builder_killed_at(kill_at: int, tmp_path: Path) -> PartBuilder:
-    """A builder whose child SIGKILLs itself in its ``kill_at``-th index file write."""
-    child = tmp_path / "builder.py"
-    child.write_text(TORN_WRITE.replace("int(sys.argv[2])", str(kill_at)) + BUILDER)
-    return PartBuilder(tmp_path / "store", command=[sys.executable, str(child)])
+def steps(run: RunCapture, point: str, ids: torch.Tensor) -> None:
+    """Steps of the test model at capture point ``point`` over ``ids``, 40 samples a step."""
+    model, x, y = make_model()
+    for part in ids.split(40):
+        run.begin_step(model, capture_point=point)
+        F.cross_entropy(model(x[part]), y[part]).backward()
+        run.end_backward()
+        run.finish_step((x[part], y[part]), part, step=int(part[0]), capture_point=point, lr=0.1)
+        model.zero_grad()
 
 
 def check_answers(path: Path) -> None:
@@ -162,16 +142,11 @@ def run_and_kill(script: str, store_dir: Path, kill_at: int, tmp_path: Path, *ar
 
 @pytest.mark.parametrize("when", [1, 2, 3, 4, 9, 10], ids=lambda n: f"write{n}")
 @pytest.mark.parametrize("then", ["query", "repair"])
-def test_the_part_builder_killed_mid_write(tmp_path: Path, when: int, then: str) -> None:
-    """Odd writes are parts, even ones manifests (writes 1 and 2: the test point's; then the training shards').
-    The capture goes on: every shard is listed, the builder says in one line that it ended."""
+def test_the_close_time_build_killed_mid_write(tmp_path: Path, when: int, then: str) -> None:
+    """Odd writes are parts, even ones manifests. Every shard the run wrote stays listed and readable."""
     path = tmp_path / "store"
-    builder = builder_killed_at(when, tmp_path)
-    model, x, y = make_model()
-    writers = [capture(path, builder.shard_written, model, x, y, p, i) for p, i in ((TEST, TEST_IDS), (TRAIN, ALL))]
-    builder.close()
-    assert all(w.stats.shards and w.on_shard_error is None for w in writers)
-    assert len(builder.problems) == 1 and "ended (exit code -9)" in builder.problems[0]
+    run_and_kill(RUN, path, when, tmp_path)
+    assert sorted(open_store(path).sample_ids(TRAIN).tolist()) == list(range(360))
     assert len(temporaries(path)) == 1  # killed in the middle of writing an index file
     problems = open_store(path).verify()
     assert problems and all(p.startswith(f"{FOLDER}/") and "\n" not in p for p in problems)  # never a shard
@@ -181,35 +156,28 @@ def test_the_part_builder_killed_mid_write(tmp_path: Path, when: int, then: str)
     check_answers(path)
 
 
-@pytest.mark.parametrize("when", [1, 3, 6])
-def test_the_writer_killed_while_its_builder_works(tmp_path: Path, when: int) -> None:
-    """The capturing process SIGKILLed once it listed ``when`` shards: its builder finishes the part at hand
-    and ends (its input closed); a new writer continues the store, and the next query answers right."""
+@pytest.mark.parametrize("when", [1, 3, 4])
+def test_a_run_killed_during_its_steps_has_no_index_file_and_a_resumed_run_builds_them(
+    tmp_path: Path, when: int
+) -> None:
+    """SIGKILLed once it listed ``when`` shards: no index file exists (none is built during the steps); a
+    resumed run continues the store and its close builds the parts of every shard of the rank."""
     path = tmp_path / "store"
-    worker = tmp_path / "worker.py"
-    worker.write_text(WRITER)
-    proc = subprocess.run([sys.executable, str(worker), str(path), str(when)], capture_output=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
-    child = Path(f"/proc/{int(proc.stdout.split()[-1])}")
-    for _ in range(600):  # the builder ends once it sees its input closed
-        if not child.exists():
-            break
-        time.sleep(0.1)
+    run_and_kill(RUN, path, -when, tmp_path)
+    assert not (path / FOLDER).exists()
     killed = open_store(path)
-    problems = killed.verify()  # the index's files, or the shard the writer was writing: never a listed shard
-    writer_left = "a temporary file left by a stopped writer"
-    assert all((p.startswith(f"{FOLDER}/") or writer_left in p) and "\n" not in p for p in problems), problems
+    problems = killed.verify()  # the shard the writer was writing, at most: never a listed shard
+    assert all("a temporary file left by a stopped writer" in p and "\n" not in p for p in problems), problems
     ids = killed.sample_ids(TRAIN).tolist() if TRAIN in killed.capture_points() else []
     assert ids == list(range(len(ids)))  # the shards listed before the kill, in order
-    builder = PartBuilder(path)  # a new writer (and builder) continue the store: the kill left no lock
-    model, x, y = make_model()
-    rest = torch.tensor([i for i in range(360) if i not in set(ids)], dtype=torch.long)
-    if len(rest):
-        capture(path, builder.shard_written, model, x, y, TRAIN, rest)
+    run = index_run(path)  # a resumed run continues the store: the kill left no lock
     if TEST not in killed.capture_points():
-        capture(path, builder.shard_written, model, x, y, TEST, TEST_IDS)
-    builder.close()
-    assert builder.problems == []
+        steps(run, TEST, TEST_IDS)
+    steps(run, TRAIN, torch.tensor([i for i in range(360) if i not in set(ids)], dtype=torch.long))
+    run.close()
+    assert run.index_parts is not None and run.index_parts.problems == []
+    built = {name.split("-", 2)[2] for name in run.index_parts.written}  # part-<key>-<shard>
+    assert built == {ref.file.name for ref in open_store(path).batch_refs()}  # the killed run's shards too
     check_answers(path)
 
 

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from metastore_plugins.core.analysis.index_parts import PartBuilder
+from metastore_plugins.core.analysis.index_parts import PartsBuilt, build_rank_parts
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_config, batch_mixed_lines
@@ -76,10 +77,11 @@ class RunCapture:
         budget: the policy and byte budget of this rank (:class:`~metastore_plugins.core.policy.budget.Budget`;
             :class:`CapturePolicy` keeps to it); default every layer exact, no budget.
         announce: called with each line of the capture plan when it is made (a logger's ``info``).
-        index: build each shard's part of the nearest-gradient index as the run goes, in a background
-            process (:class:`~metastore_plugins.core.analysis.index_parts.PartBuilder`; its cost in
-            docs/benchmarks.md, its bytes outside the budget); a later ``k=`` query then only adds what
-            is missing. Off by default: a query builds the parts it needs.
+        index: build this rank's parts of the nearest-gradient index in :meth:`close`, after the last
+            training step and compaction (:func:`~metastore_plugins.core.analysis.index_parts.build_rank_parts`:
+            nothing during the steps; its time in ``seconds["index"]`` and docs/benchmarks.md, its bytes
+            outside the budget); later ``k=`` queries and the reports then use it. A close while an
+            exception is handled builds none. Off by default: a query builds the parts it needs.
     """
 
     def __init__(
@@ -105,8 +107,8 @@ class RunCapture:
         self.labels = labels or default_labels
         self.session_options = dict(session_options or {})
         self.writer = StoreWriter(self.path, rank=rank, encoding=encoding, flush_seconds=flush_seconds, config=config)
-        self.index_parts = PartBuilder(self.path) if index else None  # the write side of the index
-        self.writer.on_shard = None if self.index_parts is None else self.index_parts.shard_written
+        self.index = index
+        self.index_parts: PartsBuilt | None = None  # what close() built of the index
         self.rank = rank
         self.tags = TagBook(self.path, rank)
         self.snapshots = SnapshotWriter(self.path, rank)
@@ -392,17 +394,10 @@ class RunCapture:
             self.abort_step()
             self._close_session()
         finally:
-            parts = self.index_parts
-            try:
-                if parts is not None and not self.writer.closed:
-                    self.writer.flush()  # the last shard listed and its part built before compaction merges it
-                    parts.drain()
-            finally:
-                try:
-                    self.compaction = close_and_compact(self.writer) or self.compaction
-                finally:
-                    if parts is not None:  # the merged shards' parts from their members'
-                        parts.close(self.compaction.groups if self.compaction is not None else ())
+            self.compaction = close_and_compact(self.writer) or self.compaction
+        if self.index and self.index_parts is None and sys.exc_info()[1] is None:  # after compaction: its shards
+            self.index_parts = build_rank_parts(self.path, self.rank)
+            self.seconds["index"] = self.index_parts.seconds
 
     def _keep_output(self, module: nn.Module, args: Any, output: Any) -> None:
         # the first call that completes: Lightning's DDP runs the whole training_step through an outer
