@@ -328,7 +328,7 @@ def influence_rows(
     k: int = 5,
     samples: int | None = None,
     recompute: RecomputeFn | None = None,
-    index: bool | None = False,
+    index: bool | None = None,
     method: str = "tracin",
     damping: float | None = None,
     relative_damping: float | None = None,
@@ -343,8 +343,11 @@ def influence_rows(
     ``samples``: only the test samples with the ``samples`` smallest ids (all when ``None``);
     the cost grows with train x test pairs, and a report shows a handful.
 
-    TracIn: ``index`` ``False`` scores every training row; ``None`` scores only the candidates of the
-    store's nearest-gradient index where one is kept, ``True`` builds it first (``store.influence(k=...)``).
+    TracIn: ``index`` ``None`` (default; the reports) scores only the candidates of the store's nearest-gradient
+    index where one is kept (``RunCapture(index=True)`` builds it at the run's close), every row otherwise;
+    ``True`` builds it first, ``False`` scores every training row (the reference). The candidates are rescored
+    as ``store.influence(k=...)`` does (from the shards; from the projections where they are the records):
+    the top lists are the exhaustive scan's where the candidates hold them (docs/queries.md measures it).
     Where the passes are kept projected its scores are estimates, unless ``recompute`` is given: then each
     test sample's candidates are recomputed exactly
     (:func:`~metastore_plugins.core.analysis.refine.refine_influence`). K-FAC / EK-FAC / TRAK score every

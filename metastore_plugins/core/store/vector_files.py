@@ -10,12 +10,12 @@ One index per (capture point, sketch ``dim``, seed, layers in order), named by a
   parts list it was built over).
 - ``part-{key}-{shard stem}.safetensors``: the part's vectors (see
   :mod:`metastore_plugins.core.analysis.vector_index`), written by :func:`part_bytes`: the same
-  rows give the same bytes, whoever writes them (a query, or the write side as the run goes).
+  rows give the same bytes, whoever writes them (a query, or a run's close: the write side).
 - ``ann-{key}.faiss``: the serialized FAISS index (``faiss.serialize_index``), read as bytes
   and deserialized from them, never opened by path.
 - ``manifests.lock``: an empty file, locked (POSIX ``lockf``) by the write side while it adds a
-  part to a manifest (:func:`add_parts`): the part builders of several ranks never lose each
-  other's entries. A query-time build does not take it (a part it leaves out is rebuilt, see
+  part to a manifest (:func:`add_parts`): ranks closing at once never lose each other's
+  entries. A query-time build does not take it (a part it leaves out is rebuilt, see
   docs/store.md).
 
 A part is *current* when its shard is still listed with the sha256 it records, and *sound*
@@ -193,16 +193,14 @@ def manifest_lock(store_dir: Path) -> Iterator[None]:
             os.close(fd)  # releases the POSIX lock
 
 
-def add_parts(
-    store_dir: Path, key: str, head: dict[str, Any], entries: list[dict[str, Any]], drop: Iterable[str] = ()
-) -> list[str]:
+def add_parts(store_dir: Path, key: str, head: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
     """List ``entries`` (written part files) in the manifest of ``key``, under :func:`manifest_lock`.
 
-    A listed part of the same shard is replaced, the parts of the shards in ``drop`` are delisted, and the
-    search structure (built over other parts) is delisted: the next query builds it. A missing, damaged or
+    A listed part of the same shard is replaced, and the search structure (built over other parts) is
+    delisted: the next query builds it. A missing, damaged or
     foreign manifest is started anew from ``head``. Returns the files delisted (for the caller to remove).
     """
-    gone = set(drop) | {str(e["shard"]) for e in entries}
+    gone = {str(e["shard"]) for e in entries}
     with manifest_lock(store_dir):
         try:
             manifest = read_manifest(store_dir, key)
