@@ -61,6 +61,7 @@ class CaptureSettings(TypedDict, total=False):
     influence_method: MethodChoice
     sample_renderer: SampleRenderer | None
     per_layer_scalars: bool
+    index: bool
     overwrite: bool
 
 
@@ -90,6 +91,7 @@ class CallbackOptions:
     influence_method: MethodChoice = "auto"
     sample_renderer: SampleRenderer | None = None
     per_layer_scalars: bool = False
+    index: bool = False
     overwrite: bool = False
 
     @classmethod
@@ -137,6 +139,8 @@ class CallbackOptions:
             raise ValueError(
                 f"{self.owner}(per_layer_scalars=...) must be True or False; got {self.per_layer_scalars!r}"
             )
+        if not isinstance(self.index, bool):
+            raise ValueError(f"{self.owner}(index=...) must be True or False; got {self.index!r}")
         if not isinstance(self.overwrite, bool):
             raise ValueError(f"{self.owner}(overwrite=...) must be True or False; got {self.overwrite!r}")
         seconds = self.flush_seconds
@@ -216,6 +220,7 @@ class CallbackOptions:
             owner=self.owner,
             budget=Budget(self.policy, None if self.budget is None else int(self.budget)).per_rank(world_size),
             announce=announce,
+            index=self.index,
         )
         run.basis_samples = self.basis_samples
         try:

@@ -57,6 +57,10 @@ sample_renderer: ``(split, sample id) -> text or image`` (``split`` ``"train"`` 
     tokenizer), the dataset's small images (Lightning). See docs/reports.md.
 per_layer_scalars: a TensorBoard scalar chart of the gradient norm of every layer, besides the
     heatmap and the three summary charts (default False).
+index: build the nearest-gradient index of the store when training ends (after the last
+    training step and compaction, before the reports: no cost during the steps), so that
+    ``k=`` queries and the reports' TracIn proponents/opponents score only its candidates
+    (default False: the first ``k=`` query builds it; docs/queries.md).
 overwrite: a fresh run (not resumed from a checkpoint) into a directory that already holds a
     store moves that store aside (``<dirpath>.replaced-<UTC time>``, never deleted) and starts a
     new one; default False: such a run stops at its start with an error naming both ways out.
