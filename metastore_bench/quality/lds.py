@@ -107,6 +107,18 @@ def kfac_scores(store_dir: Path, setup: Setup, n: int, method: CurvatureMethod, 
     return ordered(scores, n, columns)
 
 
+def in_run_scores(
+    store_dir: Path, setup: Setup, n: int, method: CurvatureMethod | None, relative_damping: float
+) -> np.ndarray:
+    """``(N, M + T)`` :meth:`in_run_influence` of the training steps, each epoch's steps with that epoch's test
+    pass: TracIn (``method=None``) or the curvature fitted on each epoch's steps."""
+    store, columns = open_store(store_dir), setup.test_samples + setup.tune_samples
+    tests = [f"epoch-{e}/test" for e in range(setup.epochs)]
+    if method is None:
+        return ordered(store.in_run_influence(tests), n, columns)
+    return ordered(store.in_run_influence(tests, method=method, relative_damping=relative_damping), n, columns)
+
+
 def run(setup: Setup) -> dict[str, Any]:
     """Train, capture, retrain on the subsets, attribute, and score: the result for one model kind."""
     x, y, x_test, y_test = load_arrays(setup.kind, setup.seed, setup.train_size)
@@ -158,6 +170,11 @@ def run(setup: Setup) -> dict[str, Any]:
         default = pick((DEFAULT_RELATIVE_DAMPING,), partial(kfac_scores, store_dir, setup, n, "ekfac"), m, None)
         default.update(seconds=overhead + default["seconds"], query_seconds=default["seconds"], trainings=1)
         attributions["EK-FAC (checkpoint passes), default damping: what the reports use"] = default
+        for method, label in ((None, "TracIn"), ("ekfac", "EK-FAC")):  # no training-set pass: the steps' own records
+            grid = (0.0,) if method is None else (DEFAULT_RELATIVE_DAMPING,)
+            row = pick(grid, partial(in_run_scores, store_dir, setup, n, method), m, None)
+            row.update(seconds=overhead + row["seconds"], query_seconds=row["seconds"], trainings=1)
+            attributions[f"{label} in-run (each epoch's steps with its test pass)"] = row
         data = (x, y, x_test[: m + t], y_test[: m + t])
         for dim in setup.projected_dims:  # the passes as a budgeted policy keeps them: projected on the eigenbasis
             path, layers = Path(tmp) / f"projected-{dim}", open_store(store_dir).layers()

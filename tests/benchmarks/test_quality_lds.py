@@ -116,6 +116,7 @@ def test_a_tiny_run_reports_every_attributor(kind: lds.Kind) -> None:
     for name in (
         "TracIn exact (checkpoint passes)",
         "TracIn in-run (training steps)",
+        "EK-FAC in-run (each epoch's steps with its test pass)",
         "TracIn projected 4x4 (checkpoint passes)",
         "EK-FAC (checkpoint passes)",
         "K-FAC (checkpoint passes)",

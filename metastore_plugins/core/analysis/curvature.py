@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from metastore_plugins.core.analysis.per_batch import positive_number
-from metastore_plugins.core.analysis.queries import scored_pairs, selected_pairs, whole
+from metastore_plugins.core.analysis.queries import Pair, scored_pairs, selected_pairs, whole
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import LOCAL, ColumnBatch, Scan, scan_of
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
@@ -140,17 +140,32 @@ def kfac_influence(
     positive_number("damping", damping)
     positive_number("relative_damping", relative_damping)
 
-    scan, pairs = (
-        scan_of(store),
-        selected_pairs(store, train, test, layers=layers, train_ids=train_ids, test_ids=test_ids),
-    )
-    curvatures = {
-        cp: fit_curvature(store.select(cp, layers=layers), method, max_bytes, scan, f"curvature of {cp!r}")
-        for cp in dict.fromkeys(cp for cp, _, _, _ in pairs)
-    }  # per train pass: every process fits the same
+    pairs = selected_pairs(store, train, test, layers=layers, train_ids=train_ids, test_ids=test_ids)
+    fitted_on = {cp: store.select(cp, layers=layers) for cp, _, _, _ in pairs}  # all of each train pass
+    return preconditioned_scores(store, pairs, fitted_on, method, damping, relative_damping, max_bytes)
 
-    def preconditioned(train_cp: str, cols: Selection) -> Iterator[list[ColumnBatch]]:
-        return _preconditioned_chunks(cols, curvatures[train_cp], damping, relative_damping, max_bytes // 2)
+
+def preconditioned_scores(
+    store: StoreReader,
+    pairs: Sequence[Pair],
+    fitted_on: dict[str, Selection],
+    method: CurvatureMethod,
+    damping: float | None,
+    relative_damping: float,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Scores:
+    """``sum_p lr g_i^T (F_p + delta I)^-1 g_j`` over ``pairs``, ``F_p`` fitted on ``fitted_on[train label of p]``.
+
+    A train label shared by several pairs is fitted once; every process fits the same curvature.
+    """
+    scan = scan_of(store)
+    curvatures = {
+        label: fit_curvature(selection, method, max_bytes, scan, f"curvature of {label!r}")
+        for label, selection in fitted_on.items()
+    }
+
+    def preconditioned(train_label: str, cols: Selection) -> Iterator[list[ColumnBatch]]:
+        return _preconditioned_chunks(cols, curvatures[train_label], damping, relative_damping, max_bytes // 2)
 
     return whole(scored_pairs(store, pairs, columns=preconditioned, max_bytes=max_bytes))
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from metastore_plugins.core.analysis import curvature, dynamics, methods, queries, vector_index
+from metastore_plugins.core.analysis import curvature, dynamics, in_run, methods, queries, vector_index
 from metastore_plugins.core.analysis import sketches as sketch_queries
 from metastore_plugins.core.analysis.scan import LOCAL, Scan
 from metastore_plugins.core.model import recompute as recompute_module
@@ -43,7 +43,7 @@ class GradientStore(StoreReader):
     # norms; influence and self-influence by method= (TracIn with k=: top-k candidates from the
     # nearest-gradient index); similarity
     norms, self_influence, self_influence_ids = queries.norms, methods.self_influence, queries.self_influence_ids
-    influence, similar, in_run_influence = methods.influence, methods.similar, queries.in_run_influence
+    influence, similar, in_run_influence = methods.influence, methods.similar, in_run.in_run_influence
     # training dynamics
     batch_gradient, changed_most = dynamics.batch_gradient, dynamics.changed_most
     top_contributors, exceed_fractions = dynamics.top_contributors, dynamics.exceed_fractions

@@ -244,29 +244,6 @@ def influence(
     return whole(scored_pairs(store, pairs, max_bytes=max_bytes))
 
 
-def in_run_influence(
-    store: StoreReader,
-    test: str,
-    *,
-    train: str = "train",
-    steps: int | tuple[int, int] | None = None,
-    layers: Sequence[str] | None = None,
-    train_ids: Sequence[int] | None = None,
-    test_ids: Sequence[int] | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-) -> Scores:
-    """In-run TracIn: ``sum_t lr_t <g_i(w_t), g_test_j>`` over the gradients recorded *while training*.
-
-    An approximation, named as such: the train gradients ``g_i(w_t)`` were taken at the
-    weights of each step, the test gradients at the weights of the ``test`` pass. Rows
-    are the train sample ids (occurrences at several steps are summed). ``train_ids``,
-    ``test_ids``: restrict to these samples, as :func:`influence` does.
-    """
-    rows = store.select(train, steps=steps, sample_ids=train_ids, layers=layers)
-    cols = store.select(test, sample_ids=test_ids, layers=layers)
-    return whole(scored_pairs(store, [(train, rows, test, cols)], max_bytes=max_bytes))
-
-
 #: ``(train capture point, test selection) -> column chunks``: what the train rows are scored against.
 ColumnsOf = Callable[[str, Selection], Iterable[Sequence[ColumnBatch]]]
 #: One paired pass: ``(train capture point, rows, test capture point, columns)``.

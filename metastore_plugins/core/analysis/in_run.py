@@ -1,0 +1,123 @@
+"""In-run influence: the training side from the gradients recorded *while training*, by ``method``.
+
+Each training step ``t`` is paired with one test pass ``c`` (:func:`step_windows`): with the first pass
+taken after it (``t < s_c``, the pass's step ``s_c`` counting the steps done before it), steps after the
+last pass with the last pass. The score of training sample ``i`` for test sample ``j``:
+
+- ``"tracin"``: ``sum_t lr_t <g_i(w_t), g_j(w_c(t))>`` (Pruthi et al.'s in-run TracIn; the train
+  gradients were taken at the weights of each step, the test ones at the weights of its pass);
+- ``"kfac"``, ``"ekfac"``: ``sum_t lr_t g_i(w_t)^T (F_c + delta I)^-1 g_j(w_c)`` with ``F_c`` the K-FAC /
+  EK-FAC curvature fitted on the training steps paired with pass ``c`` (their stored factors: no
+  checkpoint pass over the training set is needed).
+
+Occurrences of a sample at several steps are summed (rows are sample ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from metastore_plugins.core.analysis.curvature import preconditioned_scores
+from metastore_plugins.core.analysis.methods import InfluenceMethod, check_damping, check_method
+from metastore_plugins.core.analysis.queries import Pair, scored_pairs, whole
+from metastore_plugins.core.analysis.results import Scores
+from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
+from metastore_plugins.core.ops.curvature import CURVATURE_METHODS, DEFAULT_RELATIVE_DAMPING
+from metastore_plugins.core.store import StoreReader
+
+#: the methods in-run influence takes (TRAK's kernel is fitted on checkpoint passes only)
+IN_RUN_METHODS: tuple[InfluenceMethod, ...] = ("tracin", *CURVATURE_METHODS)
+
+
+def step_windows(
+    store: StoreReader, train: str, tests: Sequence[str], steps: tuple[int, int] | None = None
+) -> list[tuple[str, tuple[int, int]]]:
+    """Each test pass with the inclusive range of training steps paired with it (passes without a step left out).
+
+    Pass ``c`` taken at step ``s_c`` stands for the steps ``s_{c-1} <= t < s_c`` (the first pass: every step
+    before it; the last: also every step after it), within ``steps`` when given.
+
+    Raises:
+        ValueError: a test capture point holding gradients of several steps, or passes not in step order.
+    """
+    taken: list[int] = []
+    for point in tests:
+        at = store.steps(point)
+        if len(at) != 1:
+            raise ValueError(
+                f"in-run influence pairs the training steps with checkpoint passes, each taken at one step; {point!r} "
+                f"holds gradients of {len(at)} steps"
+            )
+        if taken and at[0] <= taken[-1]:
+            raise ValueError(
+                f"the test passes must be given in step order; {point!r} (step {at[0]}) comes after step {taken[-1]}"
+            )
+        taken.append(at[0])
+    trained = store.steps(train)
+    lo_all, hi_all = steps if steps is not None else (trained[0], trained[-1]) if trained else (0, -1)
+    windows = []
+    for c, (point, step) in enumerate(zip(tests, taken)):
+        lo = lo_all if c == 0 else max(lo_all, taken[c - 1])
+        hi = hi_all if c == len(tests) - 1 else min(hi_all, step - 1)
+        if lo <= hi:
+            windows.append((point, (lo, hi)))
+    return windows
+
+
+def in_run_influence(
+    store: StoreReader,
+    test: str | Sequence[str],
+    *,
+    train: str = "train",
+    method: InfluenceMethod = "tracin",
+    damping: float | None = None,
+    relative_damping: float | None = None,
+    steps: int | tuple[int, int] | None = None,
+    layers: Sequence[str] | None = None,
+    train_ids: Sequence[int] | None = None,
+    test_ids: Sequence[int] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Scores:
+    """In-run influence of the training steps on the test passes, by ``method`` (module docstring).
+
+    Args:
+        test: one test capture point (every training step is scored against it, whatever its step), or
+            several checkpoint passes in step order (each step against the pass it is paired with).
+        train: the capture point of the training steps.
+        method: ``"tracin"`` (default), ``"kfac"`` or ``"ekfac"``; ``damping``, ``relative_damping`` as
+            :func:`~metastore_plugins.core.analysis.methods.influence` takes them.
+        steps: only the training steps in this inclusive range (or this one step).
+        layers, train_ids, test_ids: restrict to these layers and samples (the curvature is still fitted on
+            every sample of each step window).
+
+    Raises:
+        ValueError: naming an unknown method or a damping it does not take, a test point of several steps.
+    """
+    check_method(method, IN_RUN_METHODS)
+    check_damping(method, damping, relative_damping)
+    window = (steps, steps) if isinstance(steps, int) else steps
+    if isinstance(test, str):
+        trained = store.steps(train)
+        windows = [(test, window or ((trained[0], trained[-1]) if trained else (0, -1)))]
+    else:
+        windows = step_windows(store, train, test, window)
+    if not windows:
+        raise ValueError(f"no training step of {train!r} is paired with the test passes {test!r} (steps {steps})")
+    single = isinstance(test, str)
+    pairs: list[Pair] = [
+        (
+            train if single else f"{train} steps {lo}-{hi}",
+            store.select(train, steps=(lo, hi), sample_ids=train_ids, layers=layers),
+            point,
+            store.select(point, sample_ids=test_ids, layers=layers),
+        )
+        for point, (lo, hi) in windows
+    ]
+    if method == "tracin":
+        return whole(scored_pairs(store, pairs, max_bytes=max_bytes))
+    fitted_on = {
+        label: store.select(train, steps=(lo, hi), layers=layers)
+        for (label, _, _, _), (_, (lo, hi)) in zip(pairs, windows)
+    }
+    relative = DEFAULT_RELATIVE_DAMPING if relative_damping is None else relative_damping
+    return preconditioned_scores(store, pairs, fitted_on, method, damping, relative, max_bytes)  # type: ignore[arg-type]
