@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -292,9 +293,11 @@ def read_case(
             "matmul_gflops_per_s": matmul_rate,
             "query_cold_vs_matmul": flops / m["cold"] / 1e9 / matmul_rate,
             "dot_products_cold_vs_matmul": flops / (m["cold"] - m["cold_read"]) / 1e9 / matmul_rate,
+            "dot_products_warm_vs_matmul": flops / (m["warm"] - m["warm_read"]) / 1e9 / matmul_rate,
         },
         "agreement_vs_torch.func": rel_error(scores, func_runs[-1]["scores"]),
         "times_s": times,
+        "load_average": list(os.getloadavg()),  # other jobs on the machine: 1, 5 and 15 minutes
     }
 
 

@@ -91,17 +91,21 @@ class Work:
 
 
 UNAVAILABLE = Work(float("inf"))
+#: Which record of a pair holds the factors the factored form runs on (the first in this order).
+_ORDER = {"outer": 0, "embedding": 0, "dense": 1}
 
 
-def _rebuild(record: LayerRecord, names: Collection[str]) -> Work:
-    """Rebuilding a record's per-sample gradients of ``names``."""
-    numel = param_numel(record, names)
+def _rebuild(record: LayerRecord, names: Collection[str], numel: int | None = None, exact: bool = True) -> Work:
+    """Rebuilding a record's per-sample gradients of ``names`` (``numel`` entries; ``exact=False``: a lower
+    bound, with the mean rows per sample for the largest count)."""
+    numel = param_numel(record, names) if numel is None else numel
     if record.kind == "dense":
         return Work(0.0)
     written = record.batch_size * numel
     if record.kind == "embedding":
         return Work(0.0, rebuilt=written)
-    return Work(2.0 * numel * record.batch_size * max_rows_per_sample(record), rebuilt=written)
+    rows = max_rows_per_sample(record) if exact else -(-num_rows(record) // max(1, record.batch_size))
+    return Work(2.0 * numel * record.batch_size * rows, rebuilt=written)
 
 
 def _factored(a: LayerRecord, b: LayerRecord, names: Collection[str]) -> Work:
@@ -120,9 +124,13 @@ def _factored(a: LayerRecord, b: LayerRecord, names: Collection[str]) -> Work:
     return UNAVAILABLE
 
 
-def _decide(factored: Work, dense: Work, method: Method) -> Plan:
+def _check_method(method: str) -> None:
     if method not in ("auto", "factored", "dense"):
         raise ValueError(f"method must be 'auto', 'factored' or 'dense', got {method!r}")
+
+
+def _decide(factored: Work, dense: Work, method: Method) -> Plan:
+    _check_method(method)
     if factored.cost == float("inf"):  # dense records, or kinds without a factored form: only one way
         method = "dense"
     elif method == "auto":
@@ -141,11 +149,33 @@ def plan_dots(a: LayerRecord, b: LayerRecord, params: Collection[str] | None = N
             (``"factored"`` still rebuilds when no factored form exists, e.g. dense x dense).
     """
     names = common_params(a, b, params)
-    order = {"outer": 0, "embedding": 0, "dense": 1}
-    first, second = (a, b) if order[a.kind] <= order[b.kind] else (b, a)
+    first, second = (a, b) if _ORDER[a.kind] <= _ORDER[b.kind] else (b, a)
     factored = UNAVAILABLE if first.kind == "dense" else _factored(first, second, names)
     dense = _rebuild(a, names) + _rebuild(b, names) + Work(2.0 * a.batch_size * b.batch_size * param_numel(a, names))
     return _decide(factored, dense, method)
+
+
+def dots_method(
+    a: LayerRecord, b: LayerRecord, names: list[str], method: Method = "auto"
+) -> Literal["factored", "dense"]:
+    """``plan_dots(a, b, names, method).method``, for ``names`` already checked by ``common_params``.
+
+    The per-call form :func:`~metastore_plugins.core.ops.dots` uses: rebuilding costs at least what it costs
+    with ``T = ceil(R / B)`` rows per sample (the largest count is at least the mean), so rows are counted
+    per sample only when the factored cost exceeds that bound. Same decision as :func:`plan_dots`.
+    """
+    _check_method(method)
+    first, second = (a, b) if _ORDER[a.kind] <= _ORDER[b.kind] else (b, a)
+    factored = UNAVAILABLE if first.kind == "dense" else _factored(first, second, names)
+    if method == "dense" or factored.cost == float("inf"):
+        return "dense"
+    if method == "factored":
+        return "factored"
+    numel = param_numel(a, names)
+    bound = _rebuild(a, names, numel, exact=False) + _rebuild(b, names, numel, exact=False)
+    if factored.cost <= (bound + Work(2.0 * a.batch_size * b.batch_size * numel)).cost:
+        return "factored"
+    return plan_dots(a, b, names, method).method
 
 
 def plan_total_dots(

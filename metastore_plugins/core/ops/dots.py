@@ -39,7 +39,7 @@ from metastore_plugins.core.ops._common import (
     weight_groups,
     whole_record,
 )
-from metastore_plugins.core.ops.cost import Method, plan_dots
+from metastore_plugins.core.ops.cost import Method, dots_method
 from metastore_plugins.core.ops.sketch import sketch
 from metastore_plugins.core.records import PROJECTION_SEED, LayerRecord
 
@@ -74,8 +74,7 @@ def dots(
         return _projected_dots(a, b, names)
     if _FACTORED_FIRST[a.kind] > _FACTORED_FIRST[b.kind]:
         return dots(b, a, names, method, max_bytes).T
-    plan = plan_dots(a, b, names, method)
-    if plan.method == "factored":
+    if dots_method(a, b, names, method) == "factored":
         if a.kind == "outer" and b.kind == "outer" and _same_structure(a, b):
             return _outer_outer(a, b, roles_of(a, names), max_bytes)
         if a.kind == "outer" and b.kind == "dense":
@@ -149,6 +148,9 @@ def _outer_outer(a: LayerRecord, b: LayerRecord, roles: set[str], max_bytes: int
     """``sum_g (A_a A_b^T + 1[bias]) * (D_a D_b^T)`` summed per sample pair."""
     groups = outer_dims(a)[0]
     with_weight, with_bias = "weight" in roles, "bias" in roles
+    rows_a, rows_b = a.tensors["sample"].shape[0], b.tensors["sample"].shape[0]
+    if groups == 1 and rows_a * rows_b <= min(max_bytes // 12, BLOCK_ELEMENTS):
+        return _outer_outer_block(a, b, with_weight, with_bias)
     pa = a.tensors["prefix"].transpose(0, 1).contiguous()  # (G, R_a, d_in)
     pb = b.tensors["prefix"].transpose(0, 1).contiguous()  # (G, R_b, d_in)
     da = a.tensors["suffix"].transpose(0, 1).contiguous()  # (G, R_a, d_out)
@@ -173,6 +175,20 @@ def _outer_outer(a: LayerRecord, b: LayerRecord, roles: set[str], max_bytes: int
             summed = pairs[0] if groups == 1 else pairs.sum(0)  # (r_a, r_b)
             _pair_sum(out, summed, sa[a_lo:a_hi], sb[b_lo:b_hi], scratch)
     return out
+
+
+def _outer_outer_block(a: LayerRecord, b: LayerRecord, with_weight: bool, with_bias: bool) -> Tensor:
+    """:func:`_outer_outer` of one group in one block: the fewest operations per call (a model's many small
+    record pairs spend as much time dispatching operations as multiplying)."""
+    da, db = a.tensors["suffix"][:, 0], b.tensors["suffix"][:, 0]  # (R_a, d_out), (R_b, d_out)
+    pairs = torch.mm(da, db.T)  # (R_a, R_b)
+    if with_weight:
+        grams = torch.mm(a.tensors["prefix"][:, 0], b.tensors["prefix"][:, 0].T)  # (R_a, R_b)
+        if with_bias:
+            grams.add_(1.0)
+        pairs.mul_(grams)
+    by_a = pairs.new_zeros(a.batch_size, pairs.shape[1]).index_add_(0, a.tensors["sample"].long(), pairs)  # (B_a, R_b)
+    return pairs.new_zeros(a.batch_size, b.batch_size).index_add_(1, b.tensors["sample"].long(), by_a)  # (B_a, B_b)
 
 
 def _outer_dense(a: LayerRecord, b: LayerRecord, names: list[str], max_bytes: int) -> Tensor:
