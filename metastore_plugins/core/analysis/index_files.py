@@ -29,12 +29,12 @@ DEFAULT_DIM = 16
 
 
 def default_dim(store: StoreReader, capture_point: str, layers: Sequence[str]) -> int:
-    """The ``k`` of the capture point's projected records (their own sketch), else :data:`DEFAULT_DIM`."""
+    """The largest ``k`` of the capture point's projected records (their own sketch: a layer's narrower block on
+    the curvature eigenbasis, a 2-class head's 2 x 8, is zero-padded to it by ``ops.sketch``), else
+    :data:`DEFAULT_DIM`."""
     for batch in store.select(capture_point, layers=list(layers)).batches():
-        for record in batch.records:
-            if record.kind == "projected":
-                return int(record.tensors["projected"].shape[1])
-        return DEFAULT_DIM
+        kept = [max(r.tensors["projected"].shape[1:]) for r in batch.records if r.kind == "projected"]
+        return int(max(kept)) if kept else DEFAULT_DIM
     return DEFAULT_DIM
 
 
