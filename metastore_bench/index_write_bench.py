@@ -3,16 +3,17 @@
 ``python -m metastore_bench.index_write_bench [--rounds 5] [--steps 40] [--workloads cnn,bert6] [--out JSON]``
 ``python -m metastore_bench.index_write_bench --store RUN/store [--repeats 3]`` (the build on a copy of a store)
 
-Per workload, :class:`RunCapture` as the callbacks use it (capture_bench's ``capture+store``: the model hooked
-once, fp16 records and per-sample losses to the :class:`StoreWriter`) runs ``--steps`` timed steps (after two
-untimed ones) with ``index=False`` and with ``index=True``, alternating whole runs (ABBA order across rounds) so
-that load from other jobs hits both alike. A shard is written every ``--flush-seconds`` (2 s by default, against
-the writer's 10 s: more shards than a real run). A step's time is the timed steps' wall time over their count;
-the median over rounds is kept. ``index=True`` builds nothing while the steps run (the parts are built in
-``close()``, after compaction), so the step times differ by noise only; CPU seconds per step of this process
-(training and writer threads) are recorded beside. ``close`` (the last shard, compaction, and with ``index``
-the parts' build, :func:`~metastore_plugins.core.analysis.index_parts.build_rank_parts`) is timed apart, and
-the build's own seconds are reported as a share of the run (timed steps plus close).
+Per workload and round, two runs of :class:`RunCapture` as the callbacks use it (capture_bench's
+``capture+store``: the model hooked once, fp16 records and per-sample losses to the :class:`StoreWriter`), one
+with ``index=False`` and one with ``index=True``, in this process, their ``--steps`` timed steps (after two
+untimed ones) alternated step by step (ABBA), so that load from other jobs hits both alike (whole runs
+alternated were not enough on the shared machine: its load swings within a minute). A shard is written every
+``--flush-seconds`` (2 s by default, against the writer's 10 s: more shards than a real run). A run's step
+time is the mean of its timed steps (a cost in bursts would show there), beside their median; the median over
+rounds is kept. ``index=True`` builds nothing while the steps run (the parts are built in ``close()``, after
+compaction), so the step times differ by noise only. ``close`` (the last shard, compaction, and with
+``index`` the parts' build, :func:`~metastore_plugins.core.analysis.index_parts.build_rank_parts`) is timed
+apart, and the build's own seconds are reported as a share of the run (timed steps plus close).
 
 ``--store``: the close-time build on a copy of an existing store (its ``vector_index/`` removed), rank 0,
 the median of ``--repeats`` builds: the cost at the end of that run (e.g. ``examples/finetune_bert.py``'s store).
@@ -52,44 +53,58 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
 }
 
 
-def one_run(workload: Workload, steps: int, index: bool, flush_seconds: float) -> dict[str, Any]:
-    """Seconds per training step over ``steps`` timed steps, and what ``close()`` took."""
-    model, batch = workload.build(), workload.batch(workload.batch_size, seed=0)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    size = batch["labels"].shape[0]
-    with tempfile.TemporaryDirectory(prefix="msbench-index-") as tmp:
-        run = RunCapture(Path(tmp) / "store", encoding="fp16", flush_seconds=flush_seconds, index=index)
+class _Run:
+    """One training run of ``workload`` through :class:`RunCapture` (``index`` on or off), stepped from outside."""
 
-        def step(k: int) -> None:
-            opt.zero_grad(set_to_none=True)
-            run.begin_step(model)
-            logits = workload.forward(model, batch)
-            F.cross_entropy(logits, batch["labels"]).backward()
-            run.end_backward()
-            run.finish_step(batch, torch.arange(size) + k * size, step=k, lr=LR, output=logits)
-            opt.step()
+    def __init__(self, workload: Workload, root: Path, index: bool, flush_seconds: float) -> None:
+        self.workload, self.model = workload, workload.build()
+        self.batch = workload.batch(workload.batch_size, seed=0)
+        self.opt = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=LR)
+        self.path = root / ("with" if index else "without")
+        self.run = RunCapture(self.path, encoding="fp16", flush_seconds=flush_seconds, index=index)
+        self.times: list[float] = []
 
-        for k in range(2):
-            step(k)
-        start, cpu = time.perf_counter(), time.process_time()
-        for k in range(2, steps + 2):
-            step(k)
-        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-        index_files_in_steps = len(list((Path(tmp) / "store" / vf.FOLDER).glob("*")))  # none: built at close
+    def step(self, k: int, timed: bool = True) -> None:
+        size, start = self.batch["labels"].shape[0], time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        self.run.begin_step(self.model)
+        logits = self.workload.forward(self.model, self.batch)
+        F.cross_entropy(logits, self.batch["labels"]).backward()
+        self.run.end_backward()
+        self.run.finish_step(self.batch, torch.arange(size) + k * size, step=k, lr=LR, output=logits)
+        self.opt.step()
+        if timed:
+            self.times.append(time.perf_counter() - start)
+
+    def close(self) -> dict[str, Any]:
+        index_files_in_steps = len(list((self.path / vf.FOLDER).glob("*")))  # none: built at close
         start = time.perf_counter()
-        run.close()
-        close = time.perf_counter() - start
-        built = run.index_parts
+        self.run.close()
+        close, built = time.perf_counter() - start, self.run.index_parts
         return {
-            "step_s": seconds / steps,
-            "cpu_s_per_step": cpu / steps,  # this process, all its threads (training, writer)
+            "step_s": statistics.mean(self.times),  # a part's or a shard's cost would come in bursts
+            "step_s_median": statistics.median(self.times),
             "close_s": close,
-            "shards": run.writer.stats.shards,
+            "shards": self.run.writer.stats.shards,
             "index_files_in_steps": index_files_in_steps,
             "parts": 0 if built is None else len(built.written),
             "build_s": 0.0 if built is None else built.seconds,
             "problems": [] if built is None else built.problems,
         }
+
+
+def paired_runs(workload: Workload, steps: int, flush_seconds: float) -> dict[str, dict[str, Any]]:
+    """A run with ``index`` off and one with it on in this process, their steps alternated (ABBA) so that load
+    from other jobs hits both alike; then each closed (timed apart)."""
+    with tempfile.TemporaryDirectory(prefix="msbench-index-") as tmp:
+        runs = {
+            "without": _Run(workload, Path(tmp), False, flush_seconds),
+            "with": _Run(workload, Path(tmp), True, flush_seconds),
+        }
+        for k in range(steps + 2):
+            for name in ("without", "with") if k % 2 == 0 else ("with", "without"):
+                runs[name].step(k, timed=k >= 2)  # two untimed steps first
+        return {name: run.close() for name, run in runs.items()}
 
 
 def store_build(store: Path, repeats: int) -> dict[str, Any]:
@@ -113,10 +128,9 @@ def store_build(store: Path, repeats: int) -> dict[str, Any]:
 def measure(name: str, rounds: int, steps: int, flush_seconds: float) -> dict[str, Any]:
     workload = WORKLOADS[name]()
     runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
-    for r in range(rounds):
-        order = ["without", "with"] if r % 2 == 0 else ["with", "without"]
-        for variant in order:
-            runs[variant].append(one_run(workload, steps, variant == "with", flush_seconds))
+    for _ in range(rounds):
+        for variant, result in paired_runs(workload, steps, flush_seconds).items():
+            runs[variant].append(result)
     without = statistics.median(x["step_s"] for x in runs["without"])
     with_ = statistics.median(x["step_s"] for x in runs["with"])
     build = statistics.median(x["build_s"] for x in runs["with"])
@@ -134,8 +148,8 @@ def measure(name: str, rounds: int, steps: int, flush_seconds: float) -> dict[st
             100.0 * (b["step_s"] - a["step_s"]) / a["step_s"] for a, b in zip(runs["without"], runs["with"])
         ],
         "index_files_in_steps": max(x["index_files_in_steps"] for x in runs["with"]),
-        "cpu_s_per_step_without": statistics.median(x["cpu_s_per_step"] for x in runs["without"]),
-        "cpu_s_per_step_with": statistics.median(x["cpu_s_per_step"] for x in runs["with"]),
+        "median_step_s_without": statistics.median(x["step_s_median"] for x in runs["without"]),
+        "median_step_s_with": statistics.median(x["step_s_median"] for x in runs["with"]),
         "close_s_without": statistics.median(x["close_s"] for x in runs["without"]),
         "close_s_with": statistics.median(x["close_s"] for x in runs["with"]),
         "build_s": build,
@@ -172,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{row['workload']}: {1e3 * row['step_s_without']:.1f} ms/step without, {1e3 * row['step_s_with']:.1f} "
             f"with ({row['cost_percent_of_step']:+.2f}%; paired {[round(p, 1) for p in row['paired_percent']]}); "
-            f"index files written during the steps: {row['index_files_in_steps']}; CPU per step "
-            f"{1e3 * row['cpu_s_per_step_without']:.1f} ms without, {1e3 * row['cpu_s_per_step_with']:.1f} with; "
+            f"index files written during the steps: {row['index_files_in_steps']}; median step "
+            f"{1e3 * row['median_step_s_without']:.1f} ms without, {1e3 * row['median_step_s_with']:.1f} with; "
             f"close {row['close_s_without']:.2f} s without, {row['close_s_with']:.2f} s with, of which the build "
             f"{row['build_s']:.2f} s ({row['parts']:.0f} parts, {row['build_percent_of_run']:.1f}% of the run)"
         )
