@@ -27,6 +27,8 @@ class SessionLink:
         defer: run a callback with the model's output tensors once its whole forward graph exists.
         track: remove a hook handle when the session closes.
         report: ``(where, message, parameter names)``: those parameters are not captured, by the session's policy.
+        wants_grad: a tensor whose gradient a hook reads, or an autograd node a hook waits for (what a
+            capture-only backward must reach: :meth:`~metastore_plugins.core.capture.session.CaptureSession.backward`).
     """
 
     collect: Callable[[RecordsFn, Tensor, Mapping[str, str]], None]
@@ -34,6 +36,7 @@ class SessionLink:
     defer: Callable[[Callable[[list[Tensor]], None]], None]
     track: Callable[[RemovableHandle], None]
     report: Callable[[str, str, list[str]], None]
+    wants_grad: Callable[[Any], None]
 
 
 class ModuleContext:
@@ -59,9 +62,11 @@ class ModuleContext:
         if isinstance(output, Tensor) and output.requires_grad:
             batch_dim, collect = self.batch_dim, self._link.collect
             output.register_hook(lambda grad: collect(records, move_batch_first(grad, batch_dim), self._params))
+            self._link.wants_grad(output)
 
     def on_node_grad(self, node: Any, records: RecordsFn) -> None:
         node.register_prehook(lambda grads: self._link.collect(records, grads[0], self._params))
+        self._link.wants_grad(node)
 
     def after_model_forward(self, callback: Callable[[list[Tensor]], None]) -> None:
         self._link.defer(callback)

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, get_args
 
+import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -106,12 +107,17 @@ class CaptureSession:
         self._after_forward: list[Callable[[list[Tensor]], None]] = []
         #: layers whose records will only be summarized (projected, norms): their factors keep zero rows
         self.summarized_layers: frozenset[str] = frozenset()
+        #: the coming backward is for capture alone (:meth:`backward`): the hooked tensors are kept for it
+        self.capture_only = False
+        self._grad_targets: dict[int, Tensor] = {}  # id -> hooked output, this step (capture_only)
+        self._hooked_nodes: list[Any] = []  # autograd nodes hooked this step (capture_only)
         self._link = SessionLink(
             self._collect,
             lambda layer: layer not in self.summarized_layers,
             lambda callback: self._after_forward.append(callback),
             self._handles.append,
             self._report_unsupported,
+            self._wants_grad,
         )
 
     # -- lifecycle -------------------------------------------------------------------
@@ -161,6 +167,7 @@ class CaptureSession:
     def reset(self) -> None:
         """Forget the records collected so far (call between optimizer steps)."""
         self._records.clear()
+        self._grad_targets, self._hooked_nodes = {}, []
         self._mixed_now.clear()
         self._norms_now.clear()
 
@@ -191,6 +198,28 @@ class CaptureSession:
                 f"grad_scaler must have a get_scale() method (a torch.amp.GradScaler), got {grad_scaler!r}"
             )
         self.loss_scale, self.grad_scaler = scale, grad_scaler
+
+    def backward(self, loss: Tensor) -> None:
+        """The backward of a forward run for capture alone (``capture_only``): the gradients the hooks read, no more.
+
+        ``torch.autograd.grad(loss, hooked outputs)`` instead of ``loss.backward()``: the weight-gradient
+        products of every layer (a third of a Linear layer's forward and backward) and the parameters'
+        ``.grad`` are never computed. Hooks on autograd nodes (attention, recurrent, broadcast embedding
+        rules) fire only on nodes such a backward runs: those from which a hooked output is reached
+        (:func:`nodes_reaching`); if some hooked node is not one of them, or outside ``capture_only``,
+        it is ``loss.backward()``.
+        """
+        tensors, nodes = self._grad_targets, self._hooked_nodes
+        self._grad_targets, self._hooked_nodes = {}, []
+        if not self.capture_only or not tensors or loss.grad_fn is None:
+            loss.backward()
+            return
+        if nodes:
+            reached = nodes_reaching(loss.grad_fn, {t.grad_fn for t in tensors.values() if t.grad_fn is not None})
+            if not all(node in reached for node in nodes):
+                loss.backward()
+                return
+        torch.autograd.grad(loss, list(tensors.values()), allow_unused=True)
 
     # -- results ---------------------------------------------------------------------
 
@@ -295,6 +324,15 @@ class CaptureSession:
             for callback in callbacks:
                 callback(outputs)
 
+    def _wants_grad(self, target: Any) -> None:
+        """Keep a hooked output tensor or autograd node for :meth:`backward` (``capture_only`` steps only)."""
+        if not self.capture_only or self._paused:
+            return
+        if isinstance(target, Tensor):
+            self._grad_targets[id(target)] = target
+        else:
+            self._hooked_nodes.append(target)
+
     def _report_unsupported(self, where: str, message: str, params: list[str]) -> None:
         for name in params:
             self._uncaptured[name] = None
@@ -388,3 +426,23 @@ class CaptureSession:
         if names:
             full, message = missed_parameters(path, module, names, has_rule)
             self._report_unsupported(path, message, full)
+
+
+def nodes_reaching(root: Any, targets: set[Any]) -> set[Any]:
+    """Autograd nodes at or below ``root`` from which a node of ``targets`` is reached through at least one edge.
+
+    Those are the nodes ``torch.autograd.grad`` runs to capture the gradients of tensors whose ``grad_fn``
+    is in ``targets`` (a target's own node runs only if it leads to another). One depth-first walk.
+    """
+    reaches: dict[Any, bool] = {}
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        parents = [parent for parent, _ in node.next_functions if parent is not None]
+        if expanded:
+            reaches[node] = any(parent in targets or reaches[parent] for parent in parents)
+        elif node not in reaches:
+            reaches[node] = False  # visited; set when its parents are done (a DAG: they finish first)
+            stack.append((node, True))
+            stack.extend((parent, False) for parent in parents if parent not in reaches)
+    return {node for node, reached in reaches.items() if reached}

@@ -149,9 +149,10 @@ def recompute_batches(
     ):
         for batch in batches:
             with CaptureSession(model, loss_reduction=loss_reduction, **dict(session_options or {})) as session:
+                session.capture_only = True  # no weight gradients: only what the records need
                 with torch.enable_grad(), context():
                     loss = loss_of(model, batch)
-                loss.backward()
+                session.backward(loss)
             parts.append(session.factors())
             model.zero_grad(set_to_none=True)
     if not parts:

@@ -40,7 +40,9 @@ class Capturing(Protocol):
 
     policy: CapturePolicy
 
-    def begin_step(self, model: nn.Module, *, capture_point: str) -> None: ...
+    def begin_step(self, model: nn.Module, *, capture_point: str, capture_only: bool = False) -> None: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
 
     def factors_read(self) -> list[LayerRecord]: ...
 
@@ -72,10 +74,10 @@ def fit_pass_bases(
             for k, (ids, batch) in enumerate(source.batches(rank, world)):
                 if seen >= share:
                     break
-                run.begin_step(model, capture_point=f"basis/{source.split}")  # a pass's plan
+                run.begin_step(model, capture_point=f"basis/{source.split}", capture_only=True)  # a pass's plan
                 with torch.enable_grad(), context():
                     loss = loss_of(to_device(batch), k)
-                loss.backward()
+                run.backward(loss)
                 records = run.factors_read()
                 if records:
                     sums.add(fittable(records))

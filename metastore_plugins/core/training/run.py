@@ -138,11 +138,18 @@ class RunCapture:
     # -- one training step ---------------------------------------------------------------
 
     def begin_step(
-        self, model: nn.Module, *, loss_scale: float = 1.0, grad_scaler: Any = None, capture_point: str = "train"
+        self,
+        model: nn.Module,
+        *,
+        loss_scale: float = 1.0,
+        grad_scaler: Any = None,
+        capture_point: str = "train",
+        capture_only: bool = False,
     ) -> None:
         """Collect the coming forward and backward of ``model`` at ``capture_point`` (dropping any step left open).
 
         The model is hooked once and stays hooked (paused between steps) until :meth:`close`.
+        ``capture_only``: the backward will be :meth:`backward` (a checkpoint pass, a basis fit).
         """
         self.abort_step()
         if self._session is None or self._session.model is not model:
@@ -152,8 +159,17 @@ class RunCapture:
             self._output_hook = model.register_forward_hook(self._keep_output)
         self._session.rescale(loss_scale, grad_scaler)
         self._session.summarized_layers = self.policy.summarized(capture_point)
+        self._session.capture_only = capture_only
         self._session.resume()
         self._collecting = True
+
+    def backward(self, loss: Tensor) -> None:
+        """The backward of a ``capture_only`` step: the gradients capture reads, no parameter's ``.grad``
+        (:meth:`~metastore_plugins.core.capture.session.CaptureSession.backward`)."""
+        if self._session is None:
+            loss.backward()
+        else:
+            self._session.backward(loss)
 
     def end_backward(self) -> None:
         """Read the factors of the backward just done (before a GradScaler updates its scale)."""
@@ -267,10 +283,10 @@ class RunCapture:
         with weights_untouched(model), preserved_rng():
             try:
                 for k, (ids, batch) in enumerate(batches):
-                    self.begin_step(model, capture_point=capture_point)
+                    self.begin_step(model, capture_point=capture_point, capture_only=True)
                     with torch.enable_grad(), context():
                         loss = loss_of(batch, k)
-                    loss.backward()
+                    self.backward(loss)
                     self.end_backward()
                     self.finish_step(
                         batch, ids, step=step, capture_point=capture_point, epoch=epoch, micro_batch=k, lr=lr
