@@ -78,9 +78,7 @@ def fit_pass_bases(
                 with torch.enable_grad(), context():
                     loss = loss_of(to_device(batch), k)
                 run.backward(loss)
-                records = run.factors_read()
-                if records:
-                    sums.add(fittable(records))
+                sums.add(fittable(run.factors_read()))  # the batch's factors are let go before the next forward
                 seen += len(ids)
         finally:
             run.abort_step()
