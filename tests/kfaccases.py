@@ -26,6 +26,12 @@ def make_model(seed: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3)).double()
 
 
+def data(n: int, seed: int) -> tuple[Tensor, Tensor]:
+    """``n`` seeded float64 inputs of the model and labels of its 3 classes."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
 def checkpoints(model_seed: int, noise_seed: int) -> list[nn.Sequential]:
     """The model at two passes: the second a seeded perturbation of the first."""
     first, second = make_model(model_seed), make_model(model_seed)

@@ -13,8 +13,8 @@ import kfaccases
 import numpy as np
 import pytest
 import torch
-from kfaccases import blocks, damped, fisher, per_sample_ce, rel_err
-from torch import Tensor, nn
+from kfaccases import blocks, damped, data, fisher, per_sample_ce, rel_err
+from torch import nn
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis import GradientStore
@@ -24,11 +24,6 @@ from metastore_plugins.core.training.passes import capture_step
 #: the rate of each training step (two per window)
 STEP_LRS = (0.7, 0.5, 0.2, 0.1)
 HALVES = (torch.arange(12), torch.arange(12, 24))
-
-
-def data(n: int, seed: int) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
 
 
 def checkpoints() -> list[nn.Sequential]:

@@ -18,17 +18,12 @@ import kfaccases
 import numpy as np
 import pytest
 import torch
-from kfaccases import LRS, blocks, damped, fisher, per_sample_ce, rel_err
-from torch import Tensor, nn
+from kfaccases import LRS, blocks, damped, data, fisher, per_sample_ce, rel_err
+from torch import nn
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.training.passes import capture_step
-
-
-def data(n: int, seed: int) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
 
 
 def checkpoints() -> list[nn.Sequential]:
