@@ -52,7 +52,7 @@ EXAMPLES: dict[str, tuple[str, dict[str, list[str]]]] = {
 
 
 #: what each run's ``result.json`` says besides ``seconds``: where the time after the training steps went, and memory
-PHASES = ("pass_seconds", "refine_seconds", "report_seconds", "peak_rss_mib")
+PHASES = ("pass_seconds", "basis_seconds", "refine_seconds", "report_seconds", "peak_rss_mib")
 
 
 def run_once(script: str, extra: list[str]) -> dict[str, float]:
@@ -96,20 +96,26 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     lines += [f"- `{entry['script']}`: {entry.get('measured', '?')}" for entry in results.values()]
     lines += [
         "",
-        "Medians over the rounds. *Passes*: the checkpoint passes; *reports*: building the reports at the end of "
-        "training, of which *refinement* is the exact recomputation of influence candidates; all three are inside "
-        "the training time. *Peak RSS*: the process's peak resident memory.",
+        "Medians over the rounds. *Passes*: the checkpoint passes, of which *basis fit* fits the curvature "
+        "eigenbasis their projections are kept on; *reports*: building the reports at the end of training, of which "
+        "*refinement* is the exact recomputation of influence candidates; all are inside the training time. "
+        "*Peak RSS*: the process's peak resident memory.",
         "",
-        "| example | variant | median training time | ratio to no callback | passes | reports | refinement "
-        "| peak RSS | all runs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| example | variant | median training time | ratio to no callback | passes | basis fit | reports "
+        "| refinement | peak RSS | all runs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in results.values():
         for variant, row in entry["variants"].items():
             runs = ", ".join(f"{t:.2f}" for t in row["times_s"])
             phases = " | ".join(
                 _cell(row, key, unit)
-                for key, unit in (("pass_seconds", " s"), ("report_seconds", " s"), ("refine_seconds", " s"))
+                for key, unit in (
+                    ("pass_seconds", " s"),
+                    ("basis_seconds", " s"),
+                    ("report_seconds", " s"),
+                    ("refine_seconds", " s"),
+                )
             )
             rss = f"{row['peak_rss_mib']:,.0f} MiB" if "peak_rss_mib" in row else ""
             lines.append(

@@ -66,5 +66,5 @@ def test_lightning_variants_run_and_the_doc_section_is_rewritten(tmp_path: Path)
     assert "| `examples/lightning_digits.py` | + reports (the example) |" in text
     assert json.loads(out.read_text())["results"]["hf"] == earlier  # kept, with when it was measured
     # an earlier run's row: no pass/report/refinement seconds or peak memory were measured then (blank cells)
-    assert "| `examples/finetune_bert.py` | no callback | 20.00 s | 1.00x |  |  |  |  | 20.00 |" in text
+    assert "| `examples/finetune_bert.py` | no callback | 20.00 s | 1.00x |  |  |  |  |  | 20.00 |" in text
     assert "- `examples/finetune_bert.py`: 2026-01-01 00:00 UTC, 2 round(s)" in text
