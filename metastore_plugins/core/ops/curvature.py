@@ -290,7 +290,8 @@ def _added(total: Tensor | None, part: Tensor, layer: str) -> Tensor:
 
 
 def rotated(group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi: int) -> Tensor:
-    """Per-sample gradients of samples ``lo..hi-1`` of one layer in its eigenbasis, summed over its records.
+    """Per-sample gradients of samples ``lo..hi-1`` of one layer in its eigenbasis, summed over its records (a new
+    tensor: never a view of a record's).
 
     Kronecker layer: ``(n, G, d_out, d_in')`` ``Q_D^T [W_i | b_i] Q_A``, from the rotated factors
     ``(D Q_D)^T (A' Q_A)`` of factored records (rotating the gradient of dense ones); dense layer:
@@ -309,16 +310,18 @@ def rotated(group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi
         return flat if curvature.q_in is None else flat @ curvature.q_in
     q_in, q_out = curvature.q_in, curvature.q_out
     assert q_in is not None and q_out is not None
-    total = torch.zeros(n, *curvature.eigenvalues.shape, dtype=_F64)  # (n, G, d_out, d_in')
+    total: Tensor | None = None  # (n, G, d_out, d_in'), from the first record's part (no zeros to add to)
     for record in group:
         if record.kind == "dense":
-            total += q_out.transpose(1, 2) @ _block_gradients(record, lo, hi, curvature.layout, *q_out.shape[:2]) @ q_in
-            continue
-        sample = record.tensors["sample"].long()  # (R,)
-        rows = ((sample >= lo) & (sample < hi)).nonzero().squeeze(1)  # (R_chunk,)
-        prefix = torch.einsum("rgi,gij->rgj", augmented_prefix(record)[rows], q_in)  # (R_chunk, G, d_in')
-        suffix = torch.einsum("rgo,gop->rgp", record.tensors["suffix"][rows].to(_F64), q_out)  # (R_chunk, G, d_out)
-        total += rebuild_outer(prefix, suffix, sample[rows] - lo, n)  # (n, G, d_out, d_in')
+            part = q_out.transpose(1, 2) @ _block_gradients(record, lo, hi, curvature.layout, *q_out.shape[:2]) @ q_in
+        else:
+            sample = record.tensors["sample"].long()  # (R,)
+            rows = ((sample >= lo) & (sample < hi)).nonzero().squeeze(1)  # (R_chunk,)
+            prefix = torch.einsum("rgi,gij->rgj", augmented_prefix(record)[rows], q_in)  # (R_chunk, G, d_in')
+            suffix = torch.einsum("rgo,gop->rgp", record.tensors["suffix"][rows].to(_F64), q_out)  # (R_chunk, G, d_out)
+            part = rebuild_outer(prefix, suffix, sample[rows] - lo, n)  # (n, G, d_out, d_in')
+        total = part if total is None else total.add_(part)
+    assert total is not None  # a layer group holds at least one record
     return total
 
 
@@ -347,7 +350,7 @@ class EigenvalueCorrection:
                 self.samples[layer] += group[0].batch_size
                 continue
             for lo, hi in chunks(group[0].batch_size, sample_chunk(curvature, max_bytes)):
-                self.sums[layer] += rotated(group, curvature, lo, hi).square().sum(0)  # (G, d_out, d_in')
+                self.sums[layer] += rotated(group, curvature, lo, hi).square_().sum(0)  # (G, d_out, d_in'), in place
             self.samples[layer] += group[0].batch_size
 
     def fit(self) -> dict[str, LayerCurvature]:

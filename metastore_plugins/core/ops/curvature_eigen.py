@@ -37,8 +37,9 @@ def head(group: Sequence[LayerRecord]) -> tuple[Tensor, float, int]:
 
 
 def rotated_block(group: Sequence[LayerRecord], lo: int, hi: int) -> Tensor:
-    """``(n, k_out, k_in)`` float64 ``R_i`` of samples ``lo..hi-1``: the record is the rotated gradient."""
-    return single(group).tensors["projected"][lo:hi].to(_F64)
+    """``(n, k_out, k_in)`` float64 ``R_i`` of samples ``lo..hi-1``: the record is the rotated gradient (a copy,
+    which callers may change in place)."""
+    return single(group).tensors["projected"][lo:hi].to(_F64, copy=True)
 
 
 def check_basis(group: Sequence[LayerRecord], basis: int | None) -> None:
