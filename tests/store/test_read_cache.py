@@ -116,6 +116,25 @@ def test_the_allowance_keeps_the_most_recently_used_shards(tmp_path: Path) -> No
     assert small.nbytes == 0  # larger than the allowance: read, not kept
 
 
+def test_within_a_smaller_allowance_the_cache_holds_less_and_is_emptied_after(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    build_store(path)
+    store = open_store(path)
+    sizes = [shard(path, i).stat().st_size for i in range(4)]
+    cache = readcache.ShardCache(max_bytes=1 << 30)
+    expect = [store.index.expectation(i, True, fast=True) for i in range(4)]
+    cache.read(shard(path, 3), path, expect[3])
+    with cache.within(sizes[0] + sizes[1]):
+        assert cache.limit() == sizes[0] + sizes[1]
+        for i in (0, 1, 2):
+            cache.read(shard(path, i), path, expect[i])
+            assert cache.nbytes <= sizes[0] + sizes[1]
+        assert cache.nbytes == sizes[1] + sizes[2]  # the most recently used that fit
+    assert cache.limit() == 1 << 30 and cache.nbytes == 0  # the earlier allowance back, nothing kept
+    with cache.within(1 << 40):  # never more than the allowance already was
+        assert cache.limit() == 1 << 30
+
+
 def test_other_expected_keys_parse_the_kept_bytes_again(tmp_path: Path) -> None:
     path = tmp_path / "store"
     build_store(path)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +94,19 @@ class ShardCache:
         """Drop every shard (tensors already handed out stay valid)."""
         with self._lock:
             self._kept.clear()
+
+    @contextmanager
+    def within(self, max_bytes: int) -> Iterator[None]:
+        """Hold at most ``max_bytes`` (or the allowance, if smaller) inside the block; emptied after it, the
+        earlier allowance back. What a training process's reports use: shards read again cost a read and a
+        checksum (page cache, xxh3), where keeping a whole store would cost its bytes of the trainer's memory."""
+        before = self.max_bytes
+        self.max_bytes = min(self.limit(), max_bytes)
+        try:
+            yield
+        finally:
+            self.max_bytes = before
+            self.clear()
 
     def read(self, path: Path, directory: Path, expect: ShardExpectation) -> ShardData:
         """Shard ``path`` checked against ``expect``: the bytes kept for this file when its identity is

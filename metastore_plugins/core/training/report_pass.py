@@ -47,6 +47,11 @@ from metastore_plugins.core.store.plan_record import projected_size
 from metastore_plugins.core.store.readcache import SHARDS
 from metastore_plugins.core.training.settings import CallbackOptions
 
+#: The most shard bytes the read cache holds while a callback builds its reports (in the trainer's process;
+#: the default allowance, up to 4 GiB, is for a query process of its own). Below it, a shard read again
+#: costs a read from the page cache and a checksum.
+REPORT_CACHE_BYTES = 512 * 2**20
+
 
 @dataclass(eq=False)
 class ReportResult(Mapping[str, Any]):
@@ -249,7 +254,7 @@ def build_reports(
         sources = {**sources, "render": text, "samples": lookup}
     started = time.perf_counter()
     try:
-        with preserved_rng():
+        with preserved_rng(), SHARDS.within(REPORT_CACHE_BYTES):  # emptied after: the trainer keeps no shard bytes
             result = report_run(
                 report_store(store_dir),
                 store_dir / "reports",
@@ -273,5 +278,3 @@ def build_reports(
             stacklevel=3,
         )
         return None
-    finally:
-        SHARDS.clear()  # the trainer's process keeps no shard bytes after its reports (up to 4 GiB otherwise)

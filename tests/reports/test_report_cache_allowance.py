@@ -1,0 +1,45 @@
+"""A callback's report pass keeps the read cache within ``REPORT_CACHE_BYTES`` and leaves it empty.
+
+Reference: the same reports built with the process's default allowance (every shard kept), which must give the
+same influence rows; the bytes held are observed after every shard the cache keeps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from methodcases import write_passes
+
+from metastore_plugins.core.store import readcache
+from metastore_plugins.core.training import report_pass
+from metastore_plugins.core.training.settings import CallbackOptions
+
+
+def test_reports_hold_at_most_their_allowance_and_leave_the_cache_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = CallbackOptions.of("MetaStoreCallback", {})
+    reference_dir = write_passes(tmp_path / "reference")
+    readcache.SHARDS.clear()
+    report_pass.build_reports(options, reference_dir, [], step=0)
+    expected = json.loads((reference_dir / "reports" / "influence.json").read_text())
+
+    store_dir = write_passes(tmp_path / "store")
+    shards = sorted(store_dir.rglob("*.safetensors"))
+    allowance = min(path.stat().st_size for path in shards) - 1  # below a shard: nothing kept
+    monkeypatch.setattr(report_pass, "REPORT_CACHE_BYTES", allowance)
+    held, keep = [], readcache.ShardCache._keep
+
+    def observed(cache: readcache.ShardCache, identity: Any, kept: Any) -> None:
+        keep(cache, identity, kept)
+        held.append(cache.nbytes)
+
+    monkeypatch.setattr(readcache.ShardCache, "_keep", observed)
+    before = readcache.SHARDS.max_bytes
+    result = report_pass.build_reports(options, store_dir, [], step=0)
+    assert result is not None and json.loads((store_dir / "reports" / "influence.json").read_text()) == expected
+    assert held and max(held) <= allowance  # the default allowance would keep the shard: its size
+    assert readcache.SHARDS.max_bytes == before and readcache.SHARDS.nbytes == 0
