@@ -72,6 +72,8 @@ class CapturePolicy:
         self.bases: dict[str, EigenBasis] = {}  # the curvature eigenbasis the passes project on (set_bases)
         self._passes_seen = 0
         self._said: set[str] = set()
+        #: exact factor bytes a captured sample held in the batch the plan was made from (0: no plan yet)
+        self.factor_sample_bytes = 0.0
 
     @classmethod
     def within(cls, budget: Budget, **options: Any) -> CapturePolicy:
@@ -110,6 +112,9 @@ class CapturePolicy:
         if self.plan is None:
             self.plan = make_plan(
                 records, self.shape, policy=self.policy, budget=self.budget.given, encoding=self.encoding
+            )
+            self.factor_sample_bytes = (
+                sum(r.nbytes for r in records) / max(1, records[0].batch_size) if records else 0.0
             )
             self._changed()
         part = "train" if capture_point == "train" else "passes"

@@ -42,7 +42,7 @@ from metastore_plugins.core.model.losses import (
     margins_of,
     predictions_of,
 )
-from metastore_plugins.core.model.pass_sources import PassSource
+from metastore_plugins.core.model.pass_sources import PassSource, within_memory
 from metastore_plugins.core.model.recompute import pass_recomputer
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
 from metastore_plugins.core.policy.budget import Budget
@@ -328,6 +328,7 @@ class RunCapture:
         if self.policy.should_snapshot(step):
             self.snapshot(model, name=name, step=step, attributes=attributes)
         self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
+        sources = within_memory(sources, self.policy.factor_sample_bytes)  # batches whose factors fit PASS_BATCH_BYTES
         fitted_on = training_source(sources) if self.basis_samples and self.policy.projects_passes() else None
         if fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
             fitting = time.perf_counter()
