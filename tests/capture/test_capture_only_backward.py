@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins import CaptureSession
+from metastore_plugins.core.capture.autograd_graph import nodes_reaching
 from metastore_plugins.testing import reference_per_sample_gradients
 
 
@@ -97,3 +98,15 @@ def test_the_hooked_tensors_are_let_go_after_the_backward(capture_only: bool) ->
         session.capture_only = capture_only
         session.backward(loss_fn(model, {"x": torch.randint(0, 11, (2, 5)), "y": torch.tensor([0, 1])}))
         assert session._grad_targets == {} and session._hooked_nodes == []  # no activation kept alive past it
+
+
+def test_nodes_reaching_are_those_above_a_target_on_a_path_to_it() -> None:
+    x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    a = x * 2  # the target's node
+    side = w.exp()  # a branch that never reaches it
+    b = a + side
+    c = (b * 3).sum()
+    reached = nodes_reaching(c.grad_fn, {a.grad_fn})
+    names = {type(node).__name__ for node in reached}
+    assert names == {"SumBackward0", "MulBackward0", "AddBackward0"} and len(reached) == 3  # c's sum, * 3, + side
+    assert a.grad_fn not in reached and side.grad_fn not in reached
