@@ -124,6 +124,12 @@ def _factored(a: LayerRecord, b: LayerRecord, names: Collection[str]) -> Work:
     return UNAVAILABLE
 
 
+def _factored_pair(a: LayerRecord, b: LayerRecord, names: Collection[str]) -> Work:
+    """The factored form's work for a pair, its factors taken from the record :data:`_ORDER` puts first."""
+    first, second = (a, b) if _ORDER[a.kind] <= _ORDER[b.kind] else (b, a)
+    return UNAVAILABLE if first.kind == "dense" else _factored(first, second, names)
+
+
 def _check_method(method: str) -> None:
     if method not in ("auto", "factored", "dense"):
         raise ValueError(f"method must be 'auto', 'factored' or 'dense', got {method!r}")
@@ -149,8 +155,7 @@ def plan_dots(a: LayerRecord, b: LayerRecord, params: Collection[str] | None = N
             (``"factored"`` still rebuilds when no factored form exists, e.g. dense x dense).
     """
     names = common_params(a, b, params)
-    first, second = (a, b) if _ORDER[a.kind] <= _ORDER[b.kind] else (b, a)
-    factored = UNAVAILABLE if first.kind == "dense" else _factored(first, second, names)
+    factored = _factored_pair(a, b, names)
     dense = _rebuild(a, names) + _rebuild(b, names) + Work(2.0 * a.batch_size * b.batch_size * param_numel(a, names))
     return _decide(factored, dense, method)
 
@@ -165,8 +170,7 @@ def dots_method(
     per sample only when the factored cost exceeds that bound. Same decision as :func:`plan_dots`.
     """
     _check_method(method)
-    first, second = (a, b) if _ORDER[a.kind] <= _ORDER[b.kind] else (b, a)
-    factored = UNAVAILABLE if first.kind == "dense" else _factored(first, second, names)
+    factored = _factored_pair(a, b, names)
     if method == "dense" or factored.cost == float("inf"):
         return "dense"
     if method == "factored":
