@@ -58,7 +58,8 @@ def test_influence_streams_under_the_budget(run_a: Run, live_bytes: LiveRecordBy
         live_bytes.peak,
         budget,
     )  # ... never more than budget + a batch or two
-    np.testing.assert_allclose(small.scores, whole.scores, rtol=1e-6, atol=1e-12)
+    scale = np.abs(whole.scores).max()  # row batches joined up to the budget: the same scores up to float rounding
+    np.testing.assert_allclose(small.scores, whole.scores, rtol=1e-5, atol=1e-6 * scale)
     flat = torch.cat([torch.cat([g.reshape(g.shape[0], -1) for g in ref.values()], 1) for ref in run_a.refs]).double()
     lrs = torch.cat([torch.full((len(i),), lr, dtype=torch.float64) for i, lr in zip(run_a.ids, run_a.lrs)])
     ids = torch.cat(run_a.ids).tolist()

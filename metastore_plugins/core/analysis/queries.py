@@ -24,7 +24,7 @@ from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import ColumnBatch, Part, Scan, chunked, scan_of
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.records import LayerRecord
-from metastore_plugins.core.store import Selection, StoreReader
+from metastore_plugins.core.store import Selection, StoredBatch, StoreReader
 
 
 def on_device(records: list[LayerRecord], device: torch.device | str | None) -> list[LayerRecord]:
@@ -78,7 +78,7 @@ def dot_matrix(
     device: torch.device | str | None = None,
 ) -> np.ndarray:
     """``(N, M)`` gradient inner products between two selections (times each row batch's lr if ``weighted``)."""
-    return dot_blocks(rows, chunked(cols, max_bytes), weighted, device)
+    return dot_blocks(rows, chunked(cols, max_bytes), weighted, device, max_bytes)
 
 
 def dot_blocks(
@@ -86,26 +86,37 @@ def dot_blocks(
     col_chunks: Iterable[Sequence[ColumnBatch]],
     weighted: bool = False,
     device: torch.device | str | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> np.ndarray:
     """:func:`dot_matrix` against column batches given chunk by chunk (read here, or received from another process).
 
-    Row batches are read once per column chunk; every ``(row batch, column batch)`` block is one
-    :func:`~metastore_plugins.core.ops.total_dots` call, so a row's scores do not depend on the
-    other rows of the selection.
+    Row batches are read once per column chunk. Consecutive row batches with the same records are
+    joined (:meth:`Selection.merged`: at most ``max_bytes / 4`` of records read, and as much again
+    for their joined copy; the columns take the other half): each ``(row run, column batch)`` block
+    is one :func:`~metastore_plugins.core.ops.total_dots` call, so the products are as large as the
+    budget allows. A row's scores depend on the other rows of its run only through float rounding.
     """
     col_parts = []
     for col_chunk in col_chunks:
         chunk = [(size, on_device(records, device)) for size, records in col_chunk]
         row_parts = []
-        for row_batch in rows.batches():
-            factor = row_batch.ref.lr_weight if weighted else 1.0
-            records = on_device(row_batch.records, device)
-            block = [factor * ops.total_dots(records, c) for _, c in chunk]  # (n, m_c) each
-            row_parts.append(torch.cat(block, 1).cpu())
+        for run, records in rows.merged(max_bytes // 4):
+            records = on_device(records, device)
+            block = torch.cat([ops.total_dots(records, c) for _, c in chunk], 1)  # (n, m_c)
+            row_parts.append((_lr_weighted(block, run) if weighted else block).cpu())
         col_parts.append(torch.cat(row_parts, 0) if row_parts else torch.zeros(0, sum(n for n, _ in chunk)))
     if not col_parts:
         return np.zeros((len(rows), 0))
     return torch.cat(col_parts, 1).double().numpy()
+
+
+def _lr_weighted(block: Tensor, run: Sequence[StoredBatch]) -> Tensor:
+    """``(n, m)`` rows of a run's batches times each batch's lr (one product per element, as batch by batch)."""
+    factors = [b.ref.lr_weight for b in run]
+    if len(set(factors)) == 1:
+        return block * factors[0]
+    per_row = torch.tensor(np.repeat(factors, [b.size for b in run]), dtype=block.dtype, device=block.device)  # (n,)
+    return block * per_row[:, None]
 
 
 def _union(id_lists: Sequence[np.ndarray], what: str) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -274,7 +285,7 @@ def pair_blocks(
     for train_cp, rows, test_cp, cols in pairs:
         part = scan.part(rows, f"influence of {train_cp!r}")
         chunks = scan.columns(partial(read, train_cp, cols), f"influence: test gradients of {test_cp!r}")
-        yield part, cols, dot_blocks(part.selection, chunks, weighted=True, device=scan.device)  # (n, M)
+        yield part, cols, dot_blocks(part.selection, chunks, True, scan.device, max_bytes)  # (n, M)
 
 
 def scored_pairs(
@@ -358,7 +369,7 @@ def scored_similar(
     scan = scan or scan_of(store)
     part = scan.part(rows, f"similar in {candidates!r}")
     chunks = scan.columns(lambda: chunked(cols, max_bytes), "similar: query gradients")
-    local = dot_blocks(part.selection, chunks, device=scan.device)  # (n, M)
+    local = dot_blocks(part.selection, chunks, device=scan.device, max_bytes=max_bytes)  # (n, M)
     if cosine:
         row_sq = sq_norms(part.selection, device=scan.device).get("total", np.zeros(0))  # (n,)
         col_sq = scan.first(lambda: sq_norms(cols)["total"], "similar: query norms")  # (M,)
