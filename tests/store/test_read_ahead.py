@@ -42,11 +42,16 @@ def _ahead_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("metastore-read-ahead")]
 
 
+def _flat(expected: dict[int, dict[str, torch.Tensor]], ids: np.ndarray) -> torch.Tensor:
+    """``(N, P)`` the written gradients (float64) of samples ``ids``, flattened."""
+    return torch.stack(
+        [torch.cat([expected[int(i)][k].double().flatten() for k in sorted(expected[int(i)])]) for i in ids]
+    )
+
+
 def _reference(expected: dict[int, dict[str, torch.Tensor]], ids: np.ndarray) -> np.ndarray:
     """``(N, N)`` Gram matrix of the written gradients (float64), rows in ``ids`` order."""
-    flat = torch.stack(
-        [torch.cat([expected[int(i)][k].double().flatten() for k in sorted(expected[int(i)])]) for i in ids]
-    )  # (N, P)
+    flat = _flat(expected, ids)  # (N, P)
     return (flat @ flat.T).numpy()
 
 
@@ -129,4 +134,32 @@ def test_a_shard_replaced_after_it_was_read_ahead_is_read_and_checked_again(
     with pytest.raises(StoreError, match=f"{shard(path, 2).name}: checksum mismatch"):
         dot_matrix(rows, rows)  # never shard 2's bytes read ahead, never shard 1's under its name
     assert [name for name, _ in reads].count(shard(path, 2).name) == 2  # read ahead, then by the caller
+    assert _ahead_threads() == []
+
+
+def test_the_rows_first_shards_are_read_ahead_while_the_columns_are_read(
+    tmp_path: Path, reads: list[tuple[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "store"
+    expected = build_store(path, shards=SHARDS)  # shard i holds samples 4i..4i+3
+    row_read = threading.Event()
+    read = readcache.read_opened  # the fixture's: notes each read
+
+    def columns_wait(fd: int, opened: Any, file: Path, expect: Any) -> Any:
+        if file == shard(path, 0):  # a column shard: read only once the rows' first shard was (10 s at most)
+            row_read.wait(10)
+        data = read(fd, opened, file, expect)
+        if file == shard(path, 2):
+            row_read.set()
+        return data
+
+    monkeypatch.setattr(readcache, "read_opened", columns_wait)
+    store = open_store(path)
+    rows, cols = store.select(sample_ids=list(range(8, 24))), store.select(sample_ids=list(range(8)))
+    found = dot_matrix(rows, cols)  # (16, 8)
+    reference = (_flat(expected, rows.sample_ids()) @ _flat(expected, cols.sample_ids()).T).numpy()  # (16, 8)
+    np.testing.assert_allclose(found, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    threads = dict(reads)
+    assert threads[shard(path, 2).name].startswith("metastore-read-ahead")  # before the columns were read
+    assert sorted(threads) == sorted(name for name, _ in reads)  # every shard read once
     assert _ahead_threads() == []

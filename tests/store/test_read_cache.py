@@ -8,7 +8,10 @@ uncached read where it matters.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +163,44 @@ def test_the_allowance_is_a_quarter_of_memory_up_to_4_gib_or_the_variable(monkey
     monkeypatch.setenv(readcache.ENV_VAR, "2GiB")
     with pytest.raises(ValueError, match=f"{readcache.ENV_VAR}='2GiB' is not a number of bytes"):
         readcache.allowance()
+
+
+@pytest.mark.parametrize("first", ["succeeds", "fails"])
+def test_a_shard_another_thread_is_reading_is_waited_for_not_read_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    path = tmp_path / "store"
+    build_store(path)
+    expect = open_store(path).index.expectation(0, True, fast=True)
+    cache = readcache.ShardCache(max_bytes=1 << 30)
+    waiting, calls = threading.Event(), []
+    read, read_once = readcache.read_opened, cache._read_once
+
+    def slow(fd: int, opened: Any, file: Path, expect: Any) -> Any:
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:  # the first read holds on until the other thread waits for it (10 s at most)
+            waiting.wait(10)
+            if first == "fails":
+                raise StoreError(f"{file}: cannot be read (a failure of this read only)")
+        return read(fd, opened, file, expect)
+
+    def noted(*args: Any) -> Any:
+        found = read_once(*args)
+        if isinstance(found, threading.Event):
+            waiting.set()
+        return found
+
+    monkeypatch.setattr(readcache, "read_opened", slow)
+    monkeypatch.setattr(cache, "_read_once", noted)
+    with ThreadPoolExecutor(2) as pool:
+        one = pool.submit(cache.read, shard(path, 0), path, expect)
+        while not calls:
+            time.sleep(0.001)
+        other = pool.submit(cache.read, shard(path, 0), path, expect)
+        if first == "fails":
+            with pytest.raises(StoreError, match="a failure of this read only"):
+                one.result()
+            assert other.result().nbytes == shard(path, 0).stat().st_size and len(calls) == 2  # then read there
+        else:
+            assert one.result() is other.result() and len(calls) == 1 and cache.reads == 1
+    assert waiting.is_set()

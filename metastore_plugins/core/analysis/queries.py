@@ -97,14 +97,15 @@ def dot_blocks(
     budget allows. A row's scores depend on the other rows of its run only through float rounding.
     """
     col_parts = []
-    for col_chunk in col_chunks:
-        chunk = [(size, on_device(records, device)) for size, records in col_chunk]
-        row_parts = []
-        for run, records in rows.merged(max_bytes // 4):
-            records = on_device(records, device)
-            block = torch.cat([ops.total_dots(records, c) for _, c in chunk], 1)  # (n, m_c)
-            row_parts.append((_lr_weighted(block, run) if weighted else block).cpu())
-        col_parts.append(torch.cat(row_parts, 0) if row_parts else torch.zeros(0, sum(n for n, _ in chunk)))
+    with rows.read_ahead():  # the rows' first shards read while the first columns are
+        for col_chunk in col_chunks:
+            chunk = [(size, on_device(records, device)) for size, records in col_chunk]
+            row_parts = []
+            for run, records in rows.merged(max_bytes // 4):
+                records = on_device(records, device)
+                block = torch.cat([ops.total_dots(records, c) for _, c in chunk], 1)  # (n, m_c)
+                row_parts.append((_lr_weighted(block, run) if weighted else block).cpu())
+            col_parts.append(torch.cat(row_parts, 0) if row_parts else torch.zeros(0, sum(n for n, _ in chunk)))
     if not col_parts:
         return np.zeros((len(rows), 0))
     return torch.cat(col_parts, 1).double().numpy()

@@ -78,6 +78,7 @@ class ShardCache:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._kept: OrderedDict[Identity, _Kept] = OrderedDict()
+        self._reading: dict[Identity, threading.Event] = {}  # files being read now, by identity
         self.reads = 0  # shards read from disk (the others came from memory)
 
     @property
@@ -111,8 +112,17 @@ class ShardCache:
     def read(self, path: Path, directory: Path, expect: ShardExpectation) -> ShardData:
         """Shard ``path`` checked against ``expect``: the bytes kept for this file when its identity is
         unchanged (the checksums they were not yet checked against checked in memory, the header
-        parsed again for other expected keys), else read from disk, checked and kept.
+        parsed again for other expected keys), else read from disk, checked and kept. A file another
+        thread is reading (a read ahead) is waited for and then looked up again, not read twice.
         :class:`StoreError` starting with the path when it is not sound."""
+        while True:
+            found = self._read_once(path, directory, expect)
+            if isinstance(found, ShardData):
+                return found
+            found.wait()  # kept when that read succeeded; else read here, and its error raised here
+
+    def _read_once(self, path: Path, directory: Path, expect: ShardExpectation) -> ShardData | threading.Event:
+        """:meth:`read`, or the event of another thread's read of the same file to wait for."""
         fd, opened = open_regular(path, directory)  # a regular file of the store, never through a link
         try:
             size_problem(path, opened, expect)
@@ -124,15 +134,23 @@ class ShardCache:
                     kept = None
                 if kept is not None:
                     self._kept.move_to_end(identity)
+                elif identity in self._reading:
+                    return self._reading[identity]
+                else:
+                    self._reading[identity] = threading.Event()
             if kept is not None:
                 return self._reuse(kept, path, expect)
-            data = read_opened(fd, opened, path, expect)
+            try:
+                data = read_opened(fd, opened, path, expect)
+                with self._lock:
+                    self.reads += 1  # a read-ahead thread reads beside the caller's
+                self._keep(identity, _Kept(str(path), data, expect.digests()))
+            finally:
+                with self._lock:
+                    self._reading.pop(identity).set()
+            return data
         finally:
             os.close(fd)
-        with self._lock:
-            self.reads += 1  # a read-ahead thread reads beside the caller's
-        self._keep(identity, _Kept(str(path), data, expect.digests()))
-        return data
 
     def _reuse(self, kept: _Kept, path: Path, expect: ShardExpectation) -> ShardData:
         wanted = {

@@ -29,7 +29,6 @@ from metastore_plugins.core.progress import progress
 from metastore_plugins.core.records import EIGENBASIS_TENSORS, FLOAT_SAMPLE_COLUMNS, SAMPLE_COLUMNS, LayerRecord
 from metastore_plugins.core.store.batches import BatchRef, ShardFiles, tensor_column
 from metastore_plugins.core.store.readcache import SHARDS
-from metastore_plugins.core.store.shardread import ShardData
 
 #: Batch columns every selection returns beside the per-sample ones (SAMPLE_COLUMNS: -1 or NaN where missing).
 BATCH_COLUMNS = ("step", "epoch", "micro_batch", "rank")
@@ -107,7 +106,7 @@ class ReadAhead:
         self.ahead = READ_AHEAD if ahead is None else ahead
         self._first = {shard: i for i, shard in enumerate(self.order)}
         self._next = 0  # position in order of the first shard not yet read ahead or used
-        self._pending: dict[int, Future[ShardData]] = {}
+        self._pending: dict[int, Future[None]] = {}
         self._pool: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> ReadAhead:
@@ -121,10 +120,10 @@ class ReadAhead:
     def _bytes(self, shard: int) -> int:
         return int(self.files.index.shards[shard].bytes)
 
-    def _read(self, shard: int) -> ShardData:
-        files = self.files
+    def _read(self, shard: int) -> None:
+        files = self.files  # into the cache only: a pending read holds no bytes of its own
         path = files.directory / files.index.shards[shard].file
-        return SHARDS.read(path, files.directory, files.index.expectation(shard, files.checksums, fast=True))
+        SHARDS.read(path, files.directory, files.index.expectation(shard, files.checksums, fast=True))
 
     def using(self, shard: int) -> None:
         """Shard ``shard`` is about to be read: wait for its read ahead, start the next ones."""
@@ -136,9 +135,18 @@ class ReadAhead:
             except Exception:  # noqa: BLE001 - the caller's own read raises it (see the class)
                 pass
         self._next = max(self._next, self._first[shard] + 1) if shard in self._first else self._next
+        self._start(self._bytes(shard))
+
+    def start(self) -> ReadAhead:
+        """Start reading the first shards before any is used (a scan that reads something else first)."""
+        self._start(0)
+        return self
+
+    def _start(self, used: int) -> None:
+        """Start the next reads while fewer than ``ahead`` are pending and they fit beside ``used`` bytes."""
         if self.ahead <= 0:
             return
-        used = self._bytes(shard) + sum(self._bytes(s) for s in self._pending)
+        used += sum(self._bytes(s) for s in self._pending)
         limit = SHARDS.limit()
         while self._next < len(self.order) and len(self._pending) < self.ahead:
             nxt = self.order[self._next]
@@ -198,7 +206,7 @@ class Selection:
         index = self.files.index
         rows, at = self._rows
         positions, starts, counts = np.unique(at, return_index=True, return_counts=True)
-        shards = index.batch["shard"][self.batch_rows[positions]] if len(positions) else np.zeros(0, np.int64)
+        shards = self._shards(positions)
         with ReadAhead(self.files, shards.tolist() if with_records else []) as ahead:
             steps = zip(positions, starts, counts, shards.tolist())
             for position, start, count, shard in progress(steps, len(positions), "reading store"):
@@ -211,6 +219,18 @@ class Selection:
                     keep = torch.from_numpy(kept - int(index.batch["row0"][ref.row]))  # (n,) batch-local
                     records = [subset_record(r, keep) for r in ref.read_records(self.layers)]
                 yield StoredBatch(ref, meta, records)
+
+    def _shards(self, positions: np.ndarray | None = None) -> np.ndarray:
+        """``(n,)`` the shard of each batch read (at ``positions`` of ``batch_rows``; by default those with a
+        selected sample), in order."""
+        if positions is None:
+            positions = np.unique(self._rows[1])
+        return self.files.index.batch["shard"][self.batch_rows[positions]] if len(positions) else np.zeros(0, np.int64)
+
+    def read_ahead(self) -> ReadAhead:
+        """The :class:`ReadAhead` of this selection's shards, its first ones started: a ``with`` block around
+        other reading (a product's columns) reads them meanwhile, and :meth:`batches` then finds them read."""
+        return ReadAhead(self.files, self._shards().tolist()).start()
 
     def chunks(self, max_bytes: int) -> Iterator[list[StoredBatch]]:
         """Groups of consecutive batches whose records take at most ``max_bytes`` (at least one batch)."""
