@@ -239,3 +239,38 @@ def test_a_planned_snapshot_that_no_longer_fits_is_skipped_and_said() -> None:
     text = "\n".join(policy.plan.lines())
     assert "skipped at step 60: the weight snapshot of that checkpoint pass" in text, text
     assert any("weight snapshot of the checkpoint pass at step 60 is skipped" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("on_basis", [False, True])
+def test_passes_on_the_eigenbasis_may_keep_a_larger_block_than_the_steps(tmp_path: Path, on_basis: bool) -> None:
+    """Seeded step projections pair with passes only at one size; passes on the curvature eigenbasis never pair
+    with them, so a budget that holds 16x16 passes beside 8x8 steps keeps them (and stays within the budget)."""
+    budget = 560_000
+    shape = RunShape(100, BATCH, passes=2, pass_samples=2 * BATCH, snapshot_bytes=20_000, passes_on_basis=on_basis)
+    policy = CapturePolicy("auto", budget, encoding="fp16")
+    policy.expect(shape)
+    shapes: dict[str, tuple[int, ...]] = {}
+    with StoreWriter(tmp_path, encoding="fp16") as writer:
+        for step in range(100):
+            kept = policy.apply(_records(step), capture_point="train", step=step)
+            assert kept is not None
+            writer.write(kept, sample_ids=torch.arange(BATCH) + step * BATCH, step=step)
+            shapes["train"] = next(tuple(r.tensors["projected"].shape[1:]) for r in kept if r.layer == "inp")
+        for epoch in range(2):
+            assert policy.should_snapshot(100 + epoch) and policy.plan is not None
+            policy.spend(shape.snapshot_bytes)
+            for split in ("train", "val"):
+                point, step = f"epoch-{epoch}/{split}", 100 + epoch
+                kept = policy.apply(_records(200 + epoch), capture_point=point, step=step)
+                assert kept is not None
+                writer.write(kept, sample_ids=torch.arange(BATCH), step=step, capture_point=point)
+                shapes["passes"] = next(tuple(r.tensors["projected"].shape[1:]) for r in kept if r.layer == "inp")
+    on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    assert on_disk + 2 * shape.snapshot_bytes <= budget, on_disk
+    assert policy.plan is not None and not policy.plan.degraded
+    pass_k = 16 if on_basis else 8
+    assert shapes == {"train": (8, 8), "passes": (pass_k, pass_k)}, shapes
+    assert policy.pass_k() == policy.plan.passes_k == pass_k and policy.plan.k == 8
+    text = "\n".join(policy.plan.lines())
+    passes = next(line for line in text.splitlines() if "checkpoint passes:" in line)
+    assert "training steps: projected 8x8" in text and f"projected {pass_k}x{pass_k}" in passes, text

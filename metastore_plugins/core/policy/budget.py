@@ -51,6 +51,7 @@ class RunShape:
     snapshot_bytes: int = 0  # one full fp32 snapshot of the trainable parameters (0: none on this rank)
     layers: int = 0  # modules with trainable parameters of their own (the manifest's layer table)
     reports: bool = False  # this rank writes the end-of-training reports into the store
+    passes_on_basis: bool = False  # projected passes go on each checkpoint's curvature eigenbasis (a basis fit)
 
     @property
     def train_samples(self) -> int:
@@ -88,9 +89,10 @@ class RunShape:
         pass_samples: int,
         rank: int,
         reports: bool = False,
+        passes_on_basis: bool = False,
     ) -> RunShape:
         """The shape of a run of ``model``; rank 0 alone takes snapshots (the weights are the same on every rank)
-        and writes the reports (``reports``: they are on)."""
+        and writes the reports (``reports``: they are on); ``passes_on_basis``: see the field."""
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         layers = sum(any(p.requires_grad for p in m.parameters(recurse=False)) for m in model.modules())
         zero = rank == 0
@@ -102,6 +104,7 @@ class RunShape:
             4 * trainable * zero,
             layers,
             reports and zero,
+            passes_on_basis,
         )
 
 

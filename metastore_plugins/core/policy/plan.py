@@ -12,7 +12,9 @@ captured batch (its exact records measure each layer's bytes per sample) and the
 3. training steps and checkpoint passes take the first rung of :data:`LADDER` whose bytes fit
    what is left: exact, then a projection of ``k x k`` per layer (16, 8, 4), then exact norms
    only, then nothing. A layer whose exact bytes are no more than its projection's stays exact;
-4. checkpoint passes are upgraded to the richest rung whose bytes fit beside the training steps.
+4. checkpoint passes are upgraded to the richest rung whose bytes fit beside the training steps: of the
+   steps' projection size where both keep seeded projections (in-run influence pairs them), of any size
+   where the passes go on the curvature eigenbasis (``RunShape.passes_on_basis``; the plan's ``pass_k``).
 
 Without a budget (``budget=None``) the default is :func:`~.budget.default_budget`: the snapshots plus
 :data:`AUTO_BYTES_PER_SAMPLE` per planned sample. ``policy="exact"`` keeps every layer exact
@@ -117,14 +119,16 @@ def make_plan(
     ladder = LADDER if policy == "auto" else LADDER[:1]
     rung = next((r for r in ladder if total(r, samples) <= rest), ladder[-1])
     train_bytes = total(rung, samples - pass_samples)
-    # one projection size per store: a projected pass takes the training steps' k when they are projected too
-    same_k = [r for r in ladder if not (r[0] == rung[0] == "projected" and r[1] != rung[1])]
+    # seeded projections pair steps with passes only at one size: a pass then takes the steps' k; passes on the
+    # curvature eigenbasis never pair with the steps' seeded projections, so they take the richest rung that fits
+    same_k = [r for r in ladder if shape.passes_on_basis or not (r[0] == rung[0] == "projected" and r[1] != rung[1])]
     pass_rung = next((r for r in same_k if total(r, pass_samples) + train_bytes <= rest), rung)
     k = rung[1] or pass_rung[1] or LADDER[1][1]
+    pass_k = pass_rung[1] or k
 
-    def layer_map(chosen: tuple[Representation, int]) -> dict[str, Representation]:
+    def layer_map(chosen: tuple[Representation, int], size: int) -> dict[str, Representation]:
         rep = chosen[0]
-        return {layer: "exact" if layer in tied else c.choice(rep, k, encoding) for layer, c in costs.items()}
+        return {layer: "exact" if layer in tied else c.choice(rep, size, encoding) for layer, c in costs.items()}
 
     planned = {
         "metadata": metadata,
@@ -134,7 +138,7 @@ def make_plan(
         "checkpoint passes": total(pass_rung, shape.passes * shape.pass_samples),
     }
     planned["total"] = sum(planned.values())
-    train = layer_map(rung)
+    train = layer_map(rung, k)
     return CapturePlan(
         policy=policy,
         budget=None if budget is None else int(budget),
@@ -142,9 +146,10 @@ def make_plan(
         encoding=encoding,
         k=k,
         train=train,
-        passes=layer_map(pass_rung),
+        passes=layer_map(pass_rung, pass_k),
         snapshots=snapshots,
         planned_passes=shape.passes,
         planned={key: int(value) for key, value in planned.items()},
+        pass_k=0 if pass_k == k else pass_k,
         exact_layers=sorted(tied | {layer for layer, rep in train.items() if rep == "exact" and rung[0] != "exact"}),
     )

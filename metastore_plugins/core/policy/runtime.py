@@ -121,10 +121,11 @@ class CapturePolicy:
         if part == "passes" and 0 < self.plan.planned_passes <= self._passes_seen:
             part = "last"  # the last planned pass starts again from its planned rung, on the bytes kept for it
         planned = self.plan.part(capture_point)
+        planned_k = self.plan.k if part == "train" else self.plan.passes_k
         limit = self.limit - self._reserved(part)
         keep = self.keep_for(step, capture_point)
         if keep in REPRESENTATIONS:
-            kept, size = self._kept(records, {layer: keep for layer in planned}, self.plan.k, part)
+            kept, size = self._kept(records, {layer: keep for layer in planned}, planned_k, part)
             if self.spent + size <= limit:
                 self.spent += size
                 return kept
@@ -135,16 +136,16 @@ class CapturePolicy:
         while True:
             rung = self._rungs.get(part)
             if rung is None:
-                chosen, k = planned, self.plan.k
+                chosen, k = planned, planned_k
             else:
                 floor, k = LADDER[rung]
                 chosen = {layer: _no_richer(rep, floor) for layer, rep in planned.items()}
-                k = k or self.plan.k
+                k = k or planned_k
             kept, size = self._kept(records, chosen, k, part)
             if self.spent + size <= limit:
                 self.spent += size
                 return kept
-            if (rung if rung is not None else _rung_of(planned, self.plan.k)) == len(LADDER) - 1:
+            if (rung if rung is not None else _rung_of(planned, planned_k)) == len(LADDER) - 1:
                 self._degrade(part, step, stop=True)  # metadata only does not fit either
                 return None
             self._degrade(part, step)
@@ -163,7 +164,7 @@ class CapturePolicy:
         assert self.plan is not None
         rung = self._rungs.get("passes", self._rungs.get("last"))
         lowered = LADDER[rung][1] if rung is not None else 0
-        return lowered or self.plan.k
+        return lowered or self.plan.passes_k
 
     def set_bases(self, bases: dict[str, EigenBasis], step: int) -> None:
         """Project the checkpoint passes from now on onto ``bases`` (fitted at ``step``); recorded in the plan."""
@@ -235,7 +236,8 @@ class CapturePolicy:
 
     def _degrade(self, part: str, step: int, stop: bool = False) -> None:
         assert self.plan is not None
-        current = self._rungs.get(part, _rung_of(self.plan.train if part == "train" else self.plan.passes, self.plan.k))
+        plan = self.plan
+        current = self._rungs.get(part, _rung_of(plan.part(part), plan.k if part == "train" else plan.passes_k))
         self._rungs[part] = lowered = min(current + 1, len(LADDER) - 1)
         name = {"train": "training steps", "passes": "checkpoint passes", "last": "the last checkpoint pass"}[part]
         if stop and any(c["part"] == name and c["to"] == "not stored" for c in self.plan.degraded):

@@ -15,12 +15,14 @@ from metastore_plugins.core.records import Representation
 
 
 def projected_size(config: dict[str, Any]) -> int | None:
-    """The projection size ``k`` of a store's ``"projected"`` layers (from its manifest config), None if none."""
+    """The projection size ``k`` of a store's ``"projected"`` layers (from its manifest config), None if none: the
+    checkpoint passes' where they keep some layer projected, else the training steps'."""
     plan = config.get("capture_plan")
     if not isinstance(plan, dict):
         return None
-    kept = {*plan.get("train", {}).values(), *plan.get("passes", {}).values()}
-    return int(plan["k"]) if "projected" in kept else None
+    if "projected" in plan.get("passes", {}).values():
+        return int(plan.get("pass_k") or plan["k"])
+    return int(plan["k"]) if "projected" in plan.get("train", {}).values() else None
 
 
 @dataclass
@@ -30,13 +32,16 @@ class CapturePlan:
     Attributes:
         policy, budget: as given (``"auto"`` or ``"exact"``; ``budget``: bytes for this rank; ``budget_source``:
             how it was set).
-        k: the projection size ``k_in = k_out`` of ``"projected"`` layers.
+        k: the projection size ``k_in = k_out`` of ``"projected"`` layers at training steps (and at checkpoint
+            passes unless ``pass_k`` says otherwise).
         train, passes: layer -> representation at training steps / checkpoint passes.
         snapshots: the last ``snapshots`` checkpoint passes take a weight snapshot (-1: every pass).
         planned: bytes planned per part (metadata, snapshots, train, passes, total).
         exact_layers: layers kept exact whatever the rung (tied parameters, or exact no larger).
         degraded: what was lowered during the run (step, part, from, to), in order.
         bases: checkpoint steps whose passes' projected layers went on a curvature eigenbasis fitted there.
+        pass_k: the projection size at checkpoint passes where it differs from ``k`` (0: ``k``; passes projected on
+            the curvature eigenbasis may keep a larger block than the steps' seeded projections).
     """
 
     policy: str
@@ -52,6 +57,12 @@ class CapturePlan:
     exact_layers: list[str] = field(default_factory=list)
     degraded: list[dict[str, Any]] = field(default_factory=list)
     bases: list[int] = field(default_factory=list)
+    pass_k: int = 0
+
+    @property
+    def passes_k(self) -> int:
+        """The projection size of the checkpoint passes' ``"projected"`` layers."""
+        return self.pass_k or self.k
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,7 +80,7 @@ class CapturePlan:
         budget = "no budget" if self.budget is None else f"budget {size_text(self.budget)} ({self.budget_source})"
         out = [f"capture plan: policy {self.policy!r}, {budget}, encoding {self.encoding}"]
         out.append(f"  training steps: {summarize(self.train, self.k)}")
-        passes = summarize(self.passes, self.k) if self.planned_passes else "none planned"
+        passes = summarize(self.passes, self.passes_k) if self.planned_passes else "none planned"
         out.append(f"  checkpoint passes: {passes}")
         if self.planned_passes and "projected" in self.passes.values():
             where = f"fitted at steps {', '.join(map(str, self.bases))}" if self.bases else "none fitted yet"

@@ -35,9 +35,8 @@ def expect_run(
     passes = periods // schedule.every_n_epochs if schedule.every_n_epochs else 0
     train_size, val_size = sizes
     share = lambda most, size: -(-min(most, most if size is None else size) // max(1, world_size))  # noqa: E731
-    pass_samples = share(schedule.train_samples, train_size) + (
-        share(schedule.val_samples, val_size) if val_size else 0
-    )
+    train_share = share(schedule.train_samples, train_size)
+    pass_samples = train_share + (share(schedule.val_samples, val_size) if val_size else 0)
     run.policy.expect(
         RunShape.of(
             model,
@@ -47,5 +46,6 @@ def expect_run(
             pass_samples=pass_samples,
             rank=rank,
             reports=options.reports,
+            passes_on_basis=bool(run.basis_samples and train_share),  # the basis is fitted on the passes' training side
         )
     )
