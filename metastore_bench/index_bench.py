@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from metastore_plugins.core.analysis.vector_search import Plan, VectorIndex, build_ivf, choose_plan, load_faiss
+from metastore_plugins.core.analysis import vector_index as vi
 
 
 def synthetic(rows: int, width: int, seed: int, clusters: int = 256) -> np.ndarray:
@@ -33,6 +33,31 @@ def synthetic(rows: int, width: int, seed: int, clusters: int = 256) -> np.ndarr
         picked = centers[rng.integers(0, clusters, n)]
         block = picked + 0.7 * rng.standard_normal((n, width)).astype(np.float32)
         out[start : start + n] = block * rng.lognormal(0.0, 0.5, (n, 1)).astype(np.float32)
+    return out
+
+
+def lowrank_rows(
+    path: Path, rows: int, width: int, seed: int, rank: int = 128, clusters: int = 256, noise: float = 0.1
+) -> np.ndarray:
+    """``(rows, width)`` float32 written in blocks to a ``.npy`` file at ``path`` and memory-mapped: like
+    :func:`synthetic` (clusters, log-normal norms) but of low effective rank, as per-sample gradients are.
+
+    Row ``i`` is ``s_i (U z_i + e_i)``: ``U`` a fixed ``(width, rank)`` Gaussian basis, ``z_i`` its cluster's
+    centre plus 0.7 times a within-cluster draw, both with a spectrum decaying as ``j^-1/2``; ``e_i`` isotropic
+    noise carrying ``noise`` of the energy; ``s_i`` log-normal (sigma 0.5). ``seed`` 0 gives the basis and centres
+    every seed shares; ``seed`` picks the rows (queries: another seed, the same clusters)."""
+    basis_rng, rng = np.random.default_rng(0), np.random.default_rng(seed + 1)
+    spectrum = (np.arange(1, rank + 1) ** -0.5).astype(np.float32)  # (rank,)
+    basis = (basis_rng.standard_normal((rank, width)) / np.sqrt(width)).astype(np.float32)  # (rank, width)
+    centres = basis_rng.standard_normal((clusters, rank)).astype(np.float32) * spectrum  # (clusters, rank)
+    sigma = float(np.sqrt(noise / (1 - noise) * 1.49 * float((spectrum**2).sum()) / width))
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, width))
+    for start in range(0, rows, 1 << 14):
+        n = min(1 << 14, rows - start)
+        z = centres[rng.integers(0, clusters, n)] + 0.7 * rng.standard_normal((n, rank), np.float32) * spectrum
+        block = z @ basis + sigma * rng.standard_normal((n, width), np.float32)  # (n, width)
+        out[start : start + n] = block * rng.lognormal(0.0, 0.5, (n, 1)).astype(np.float32)
+    out.flush()
     return out
 
 
@@ -50,28 +75,28 @@ def median_ms(fn, queries: np.ndarray) -> float:
 
 
 def run(rows: int, width: int, n_queries: int, nprobes: list[int]) -> dict:
-    faiss = load_faiss()
+    faiss = vi.load_faiss()
     vectors = synthetic(rows, width, 0)
     queries = synthetic(n_queries, width, 1)
     truth = [top10(vectors @ q) for q in queries]
     result: dict = {"rows": rows, "width": width, "queries": n_queries, "vector_bytes": vectors.nbytes}
-    index = VectorIndex("bench", int(round(width**0.5)), np.arange(rows), np.ones(rows), vectors, Plan())
+    index = vi.VectorIndex("bench", int(round(width**0.5)), np.arange(rows), np.ones(rows), vectors, vi.Plan())
     result["numpy_scan_ms"] = median_ms(lambda q: index.search(q, 10), queries)
-    result["plan"] = vars(choose_plan(rows, width, faiss is not None))
+    result["plan"] = vars(vi.choose_plan(rows, width, faiss is not None))
     if faiss is None:
         return result
     flat = faiss.IndexFlatIP(width)
     flat.add(vectors)
     result["faiss_flat_ms"] = median_ms(lambda q: flat.search(q, 10), queries)
-    plan = choose_plan(rows, width, True)
+    plan = vi.choose_plan(rows, width, True)
     nlist = plan.nlist or int(min(65536, max(64, 2 ** round(np.log2(4 * np.sqrt(rows))))))
     start = time.perf_counter()
-    ann = build_ivf(vectors, Plan("ivf", nlist, nlist // 4), faiss)  # as the library builds it
+    ann = vi.build_ivf(vectors, vi.Plan("ivf", nlist, nlist // 4), faiss)  # as the library builds it
     result["ivf"] = {"nlist": nlist, "build_s": time.perf_counter() - start}
     result["ivf"]["bytes"] = int(faiss.serialize_index(ann).nbytes)
     result["ivf"]["by_nprobe"] = []
     for nprobe in sorted({*nprobes, max(1, nlist // 4)}):
-        ivf = VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, Plan("ivf", nlist, nprobe), ann)
+        ivf = vi.VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, vi.Plan("ivf", nlist, nprobe), ann)
         found = [set(ivf.search(q[None], 10)[0].tolist()) for q in queries]
         recall = np.mean([len(t & f) / 10 for t, f in zip(truth, found)])
         wide = [set(ivf.search(q[None], 50)[0].tolist()) for q in queries]  # the candidates a query rescores
@@ -80,6 +105,55 @@ def run(rows: int, width: int, n_queries: int, nprobes: list[int]) -> dict:
         result["ivf"]["by_nprobe"].append(
             {"nprobe": nprobe, "recall_at_10": float(recall), "top10_in_50": float(whole), "median_ms": ms}
         )
+    return result
+
+
+def exhaustive_top(vectors: np.ndarray, queries: np.ndarray, count: int, block: int = 1 << 15) -> np.ndarray:
+    """``(M, count)`` rows of the largest ``<v_i, q>`` per query, by a scan of ``block`` rows at a time (float64)."""
+    best = np.zeros((len(queries), 0), np.int64)
+    scores = np.zeros((len(queries), 0))
+    q = queries.astype(np.float64).T  # (D, M)
+    for start in range(0, len(vectors), block):
+        part = np.asarray(vectors[start : start + block]).astype(np.float64) @ q  # (b, M)
+        rows = np.hstack([best, np.arange(start, start + len(part))[None].repeat(len(queries), 0)])
+        both = np.hstack([scores, part.T])  # (M, count + b)
+        keep = np.argpartition(-both, count - 1, axis=1)[:, :count]
+        best, scores = np.take_along_axis(rows, keep, 1), np.take_along_axis(both, keep, 1)
+    return best
+
+
+def reduced_run(train: Path, test: Path, reduced: list[int], candidates: list[int], scans: int) -> dict:
+    """The full-width rows of ``train`` (a ``.npy`` from :func:`lowrank_rows`, memory-mapped) searched through
+    ``Plan("reduced")`` at each reduced width and candidate count, against the exhaustive scan."""
+    faiss = vi.load_faiss()
+    vectors, queries = np.load(train, mmap_mode="r"), np.asarray(np.load(test), np.float32)
+    rows, width = vectors.shape
+    result: dict = {"rows": rows, "width": width, "queries": len(queries), "vector_bytes": int(vectors.nbytes)}
+    result["plan"] = vars(vi.choose_plan(rows, width, faiss is not None))
+    start = time.perf_counter()
+    truth = [set(t.tolist()) for t in exhaustive_top(vectors, queries, 10)]
+    result["reference_s"] = time.perf_counter() - start
+    flat = vi.VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, vi.Plan())
+    result["exhaustive_scan_ms"] = median_ms(lambda q: flat.search(q, 10), queries[:scans])
+    result["by_reduced"] = []
+    for width_r in reduced:
+        start = time.perf_counter()
+        ann = vi.build_reduced(vectors, np.ones(rows), vi.Plan("reduced", reduced=width_r), faiss)
+        found: dict = {"reduced": width_r, "build_s": time.perf_counter() - start}
+        found["bytes"] = int(faiss.serialize_index(ann).nbytes)
+        found["runs"] = []
+        for count in candidates:
+            plan = vi.Plan("reduced", reduced=width_r, candidates=count)
+            index = vi.VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, plan, ann)
+            got = [set(index.search(q[None], 10)[0].tolist()) for q in queries]
+            recall = float(np.mean([len(t & g) / 10 for t, g in zip(truth, got)]))
+            whole = float(np.mean([t == g for t, g in zip(truth, got)]))
+            ms = median_ms(lambda q, index=index: index.search(q, 10), queries)
+            line = {"candidates": count, "recall_at_10": recall, "top10_equal": whole, "median_ms": ms}
+            print(json.dumps({"reduced": width_r, **line}), flush=True)
+            found["runs"].append(line)
+        result["by_reduced"].append(found)
+        del ann
     return result
 
 
@@ -155,11 +229,26 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=50)
     parser.add_argument("--nprobe", type=int, nargs="+", default=[32, 64, 128, 512])
     parser.add_argument("--out", type=Path, help="write the results as JSON")
+    parser.add_argument("--train", type=Path, help="full-width rows (.npy, see lowrank_rows): the reduced plan's run")
+    parser.add_argument("--test", type=Path, help="the queries of --train (.npy)")
+    parser.add_argument("--generate", type=int, nargs=2, metavar=("ROWS", "WIDTH"), help="write --train/--test first")
+    parser.add_argument("--reduced", type=int, nargs="+", default=[64], help="principal directions (--train)")
+    parser.add_argument("--candidates", type=int, nargs="+", default=[512], help="rows rescored per query (--train)")
+    parser.add_argument("--scans", type=int, default=5, help="exhaustive single-query scans timed (--train)")
     parser.add_argument("--store", type=int, help="also a synthetic projected store of this many training rows")
     parser.add_argument("--layers", type=int, default=6, help="layers of that store (8x8 each)")
     parser.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where that store is written")
     args = parser.parse_args()
     results = []
+    if args.generate:
+        start = time.perf_counter()
+        lowrank_rows(args.test, args.queries, args.generate[1], 1)
+        lowrank_rows(args.train, args.generate[0], args.generate[1], 0)
+        print(json.dumps({"generated_s": time.perf_counter() - start}), flush=True)
+    if args.train:
+        found = reduced_run(args.train, args.test, args.reduced, args.candidates, args.scans)
+        print(json.dumps(found), flush=True)
+        results.append(found)
     if args.store:
         found = store_run(args.store, args.layers, args.queries, args.tmp)
         print(json.dumps(found), flush=True)

@@ -19,7 +19,14 @@ from safetensors.torch import load as load_bytes
 
 from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import check_seed, compute_sketches, sketch_layers
-from metastore_plugins.core.analysis.vector_search import Plan, VectorIndex, build_ivf, choose_plan, load_faiss
+from metastore_plugins.core.analysis.vector_search import (
+    Plan,
+    VectorIndex,
+    build_ivf,
+    build_reduced,
+    choose_plan,
+    load_faiss,
+)
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreError, StoreReader
 from metastore_plugins.core.store import vector_files as vf
@@ -98,13 +105,13 @@ def open_index(
     vectors = np.concatenate([p[2] for p in pieces]) if pieces else np.zeros((0, width), np.float32)
     faiss, kept = load_faiss(), (manifest or {}).get("ann")
     if plan is None and isinstance(kept, dict) and kept.get("parts") == vf.parts_digest(parts):
-        plan = Plan("ivf", int(kept.get("nlist", 0)), int(kept.get("nprobe", 0)))  # a plan asked for once, kept
+        plan = kept_plan(kept)  # a plan asked for once, kept
     plan = plan or choose_plan(len(ids), width, faiss is not None)
     if faiss is None:
         plan = Plan()
     index = VectorIndex(capture_point, dim, ids, lr, vectors, plan, rebuilt=rebuilt)
     ann_entry = None
-    if plan.kind == "ivf":
+    if plan.kind != "flat":
         ann_entry = _open_ann(store, index, key, parts, kept, faiss)
         writable = writable and ann_entry is not None
     new = {**head, "parts": parts, "ann": ann_entry}
@@ -207,8 +214,7 @@ def _open_ann(
     """Set ``index.ann``: the kept FAISS index when it was built over these parts with this plan, else a new one.
     Returns its manifest entry, or None when it could not be written (the index is then kept in memory)."""
     plan, digest = index.plan, vf.parts_digest(parts)
-    wanted = {"kind": plan.kind, "metric": "l2-augmented", "nlist": plan.nlist, "nprobe": plan.nprobe}
-    wanted["rows"] = len(index.sample_ids)
+    wanted = ann_fields(plan, len(index.sample_ids))
     if isinstance(entry, dict) and entry.get("parts") == digest and {k: entry.get(k) for k in wanted} == wanted:
         try:
             cap = index.vectors.nbytes + 64 * len(index.sample_ids) + (64 << 20)
@@ -217,13 +223,33 @@ def _open_ann(
             return dict(entry)
         except StoreError as exc:
             _warn(f"{exc}; rebuilt")
-    ann = index.ann = build_ivf(index.weighted(), plan, faiss)
+    if plan.kind == "reduced":
+        ann = index.ann = build_reduced(index.vectors, index.lr, plan, faiss)
+    else:
+        ann = index.ann = build_ivf(index.weighted(), plan, faiss)
     name = f"ann-{key}.faiss"
     data = faiss.serialize_index(ann).tobytes()
     index.rebuilt.append(name)
     if not _write(store, name, data):
         return None
     return {**wanted, "file": name, "sha256": vf.sha256(data), "parts": digest}
+
+
+def ann_fields(plan: Plan, rows: int) -> dict[str, Any]:
+    """What a manifest's ``ann`` entry records of the plan its file was built with (and the rows it holds)."""
+    if plan.kind == "reduced":
+        fields = {"metric": "inner-product", "reduced": plan.reduced, "candidates": plan.candidates}
+    else:
+        fields = {"metric": "l2-augmented", "nlist": plan.nlist, "nprobe": plan.nprobe}
+    return {"kind": plan.kind, **fields, "rows": rows}
+
+
+def kept_plan(entry: dict[str, Any]) -> Plan | None:
+    """The plan a manifest's ``ann`` entry was built with; None when it names none this version knows."""
+    numbers = {k: entry.get(k, 0) for k in ("nlist", "nprobe", "reduced", "candidates")}
+    if entry.get("kind") not in ("ivf", "reduced") or not all(type(v) is int and v >= 0 for v in numbers.values()):
+        return None
+    return Plan(str(entry["kind"]), **numbers)
 
 
 def _write(store: StoreReader, name: str, data: bytes) -> bool:

@@ -48,9 +48,11 @@ from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import compute_sketches, sketch_layers
 from metastore_plugins.core.analysis.vector_search import (
     FLAT_MAX_VALUES,
+    REDUCE_ABOVE,
     Plan,
     VectorIndex,
     build_ivf,
+    build_reduced,
     choose_plan,
     largest,
     load_faiss,
@@ -62,9 +64,11 @@ from metastore_plugins.core.store import StoreReader
 __all__ = [
     "DEFAULT_DIM",
     "FLAT_MAX_VALUES",
+    "REDUCE_ABOVE",
     "Plan",
     "VectorIndex",
     "build_ivf",
+    "build_reduced",
     "build_vector_index",
     "choose_plan",
     "default_dim",
@@ -143,7 +147,7 @@ def influence(
         row_parts, col_parts = [], []
         for opened, tested, sketch in passes:
             rows = np.flatnonzero(np.isin(opened.sample_ids, sorted(found)))  # (n,) every occurrence
-            matrix = opened.weighted()[rows].astype(np.float64) @ sketch.astype(np.float64).T  # (n, M)
+            matrix = opened.weighted_rows(rows).astype(np.float64) @ sketch.astype(np.float64).T  # (n, M)
             row_parts.append((opened.sample_ids[rows], matrix))
             col_parts.append((tested, matrix))
         scores = queries.summed_scores(row_parts, col_parts)

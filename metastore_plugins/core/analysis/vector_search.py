@@ -20,18 +20,29 @@ FLAT_MAX_VALUES = 1 << 23
 
 @dataclass(frozen=True)
 class Plan:
-    """How an index searches: ``"flat"`` (every row), or ``"ivf"`` with ``nlist`` lists, ``nprobe`` probed."""
+    """How an index searches: ``"flat"`` (every row); ``"ivf"`` (FAISS IVF, ``nlist`` lists, ``nprobe`` probed);
+    ``"reduced"``: a scan of the rows projected on their ``reduced`` principal directions gives ``candidates`` rows
+    per query, rescored exactly on the full rows (:func:`build_reduced`)."""
 
     kind: str = "flat"
     nlist: int = 0
     nprobe: int = 0
+    reduced: int = 0
+    candidates: int = 0
+
+
+#: Rows wider than this are searched through their principal directions (:func:`build_reduced`), not IVF over them.
+REDUCE_ABOVE = 256
 
 
 def choose_plan(rows: int, width: int, have_faiss: bool) -> Plan:
-    """Flat up to :data:`FLAT_MAX_VALUES` numbers (or without FAISS); IVF above, ``nlist ~ 4 sqrt(N)``
-    (a power of two in 64..65536) and ``nprobe = nlist / 4`` (recall@10 >= 0.95 in metastore_bench/index_bench.py)."""
+    """Flat up to :data:`FLAT_MAX_VALUES` numbers (or without FAISS). Above, rows up to :data:`REDUCE_ABOVE` wide:
+    IVF, ``nlist ~ 4 sqrt(N)`` (a power of two in 64..65536), ``nprobe = nlist / 4``; wider rows: ``"reduced"``
+    to 64 principal directions, 512 candidates rescored (both chosen in metastore_bench/index_bench.py)."""
     if rows * width <= FLAT_MAX_VALUES or not have_faiss:
         return Plan()
+    if width > REDUCE_ABOVE:
+        return Plan("reduced", reduced=64, candidates=512)
     nlist = int(min(65536, max(64, 2 ** round(math.log2(4 * math.sqrt(rows))))))
     return Plan("ivf", nlist, max(1, nlist // 4))
 
@@ -66,17 +77,36 @@ class VectorIndex:
             self._weighted = self.vectors if same else (self.vectors * self.lr[:, None]).astype(np.float32)
         return self._weighted
 
+    def weighted_rows(self, rows: np.ndarray) -> np.ndarray:
+        """``(n, D)`` ``lr_i * vector_i`` of these rows only (others are not read: memory-mapped vectors)."""
+        if self._weighted is not None:
+            return np.asarray(self._weighted[rows])
+        found = np.array(self.vectors[rows], dtype=np.float32)  # (n, D)
+        found *= self.lr[rows, None].astype(np.float32)
+        return found
+
     def search(self, queries_: np.ndarray, count: int) -> np.ndarray:
         """``(M, c)`` rows of the ``c = min(count, N)`` largest ``<lr_i v_i, q>`` per query (no order among them)."""
         count = min(count, len(self.sample_ids))
         q = np.ascontiguousarray(queries_, dtype=np.float32)  # (M, D)
         if count == 0:
             return np.zeros((len(q), 0), dtype=np.int64)
-        if self.ann is not None:
+        if self.ann is None:
+            return largest(self.weighted() @ q.T, count)
+        if self.plan.kind != "reduced":
             self.ann.nprobe = self.plan.nprobe
             q = np.hstack([q, np.zeros((len(q), 1), np.float32)])  # (M, D + 1): see build_ivf
             return np.asarray(self.ann.search(q, count)[1], dtype=np.int64)
-        return largest(self.weighted() @ q.T, count)
+        found = np.asarray(self.ann.search(q, max(count, self.plan.candidates))[1], dtype=np.int64)  # (M, C)
+        return np.stack([self._rescored(rows[rows >= 0], query, count) for rows, query in zip(found, q)])
+
+    def _rescored(self, rows: np.ndarray, query: np.ndarray, count: int) -> np.ndarray:
+        """``(count,)`` of ``rows``, the largest ``<lr_i v_i, query>`` on the full rows (read in row order)."""
+        rows = np.unique(rows)  # sorted: a memory-mapped file is read forward
+        if len(rows) < count:  # fewer candidates than asked (tiny lists): every row instead
+            return largest(self.weighted() @ query[:, None], count)[0]
+        exact = (np.asarray(self.vectors[rows]) @ query) * self.lr[rows]  # (C,): lr_i <v_i, q>
+        return rows[largest(exact[:, None], count)[0]]
 
     def search_cosine(self, queries_: np.ndarray, count: int) -> np.ndarray:
         """``(M, c)`` rows of the largest cosines between ``v_i`` and each query (a scan of every row)."""
@@ -100,6 +130,34 @@ def build_ivf(weighted: np.ndarray, plan: Plan, faiss: Any) -> Any:
     ann = faiss.IndexIVFFlat(faiss.IndexFlatL2(rows.shape[1]), rows.shape[1], plan.nlist, faiss.METRIC_L2)
     ann.train(rows[np.random.default_rng(0).permutation(len(rows))[: 40 * plan.nlist]])
     ann.add(rows)
+    return ann
+
+
+def principal_directions(sample: np.ndarray, count: int) -> np.ndarray:
+    """``(D, count)`` float32: the top eigenvectors of ``sample^T sample`` (uncentred: inner products, not distances,
+    are what they keep), ``sample`` ``(n, D)``. Per-sample gradients have low effective rank: a few dozen
+    directions carry most of a row's norm, and ``<x P, q P>`` ranks nearly as ``<x, q>`` does."""
+    rows = np.asarray(sample, dtype=np.float64)  # (n, D)
+    values, vectors = np.linalg.eigh(rows.T @ rows)  # ascending
+    return np.ascontiguousarray(vectors[:, ::-1][:, :count], dtype=np.float32)  # (D, count)
+
+
+def build_reduced(
+    vectors: np.ndarray, lr: np.ndarray, plan: Plan, faiss: Any, sample: int = 1 << 15, block: int = 1 << 14
+) -> Any:
+    """A FAISS index (``IndexPreTransform``: projection on ``plan.reduced`` :func:`principal_directions` of ``sample``
+    seeded rows, then ``IndexFlatIP``) whose search gives the rows of largest ``<(lr_i v_i) P, q P>``: the
+    candidates :meth:`VectorIndex.search` rescores on the full rows. ``block`` rows are read at a time, so
+    ``vectors`` may be a memory-mapped array larger than memory; the index holds ``N x plan.reduced`` numbers."""
+    picked = np.sort(np.random.default_rng(0).permutation(len(vectors))[:sample])  # (s,)
+    basis = principal_directions(np.asarray(vectors[picked]) * lr[picked, None], plan.reduced)  # (D, r)
+    transform = faiss.LinearTransform(vectors.shape[1], plan.reduced, False)
+    faiss.copy_array_to_vector(np.ascontiguousarray(basis.T).ravel(), transform.A)  # y = A x, A (r, D)
+    transform.is_trained = True
+    ann = faiss.IndexPreTransform(transform, faiss.IndexFlatIP(plan.reduced))
+    for start in range(0, len(vectors), block):
+        rows = np.asarray(vectors[start : start + block]) * lr[start : start + block, None]  # (b, D)
+        ann.add(np.ascontiguousarray(rows, dtype=np.float32))
     return ann
 
 

@@ -6,13 +6,15 @@ One index per (capture point, sketch ``dim``, seed, layers in order), named by a
   and ``\\n``; replaced whole (atomically) after each build. It lists the index's **parts**, one
   per shard holding batches of the capture point: ``{"file", "shard", "shard_sha256", "rows",
   "sha256"}``, and the **search structure** ``"ann"`` (``null`` for a flat index):
-  ``{"file", "kind", "nlist", "nprobe", "rows", "sha256", "parts"}`` (``parts``: the sha256 of the
-  parts list it was built over).
+  ``{"file", "kind", "metric", "rows", "sha256", "parts"}`` (``parts``: the sha256 of the parts list it
+  was built over) with ``"nlist", "nprobe"`` (kind ``"ivf"``) or ``"reduced", "candidates"`` (kind
+  ``"reduced"``: principal directions, rows rescored per query).
 - ``part-{key}-{shard stem}.safetensors``: the part's vectors (see
   :mod:`metastore_plugins.core.analysis.vector_index`), written by :func:`part_bytes`: the same
   rows give the same bytes, whoever writes them (a query, or a run's close: the write side).
 - ``ann-{key}.faiss``: the serialized FAISS index (``faiss.serialize_index``), read as bytes
-  and deserialized from them, never opened by path.
+  and deserialized from them, never opened by path; for kind ``"reduced"`` it holds the projection
+  on the principal directions and the reduced rows.
 - ``manifests.lock``: an empty file, locked (POSIX ``lockf``) by the write side while it adds a
   part to a manifest (:func:`add_parts`): ranks closing at once never lose each other's
   entries. A query-time build does not take it (a part it leaves out is rebuilt, see
@@ -276,14 +278,22 @@ def check(store_dir: Path, shard_sha256: dict[str, str], files: bool = True) -> 
             if problem:
                 problems.append(f"{FOLDER}/{entry.get('file')}: {problem}; the next query rebuilds it")
         rows = sum(int(p.get("rows", 0)) for p in parts)
-        kind = "flat" if not isinstance(ann, dict) else f"{ann.get('kind')} (nlist {ann.get('nlist')}, "
-        kind += "" if not isinstance(ann, dict) else f"nprobe {ann.get('nprobe')})"
+        kind = ann_description(ann)
         lines.append(
             f"{manifest.get('capture_point')!s:<20} {rows:,} rows of {len(manifest.get('layers') or [])} layers x "
             f"{manifest.get('dim')}^2, {kind}, "
             f"{len(parts)} parts" + (f" ({stale} stale: rebuilt by the next query)" if stale else "")
         )
     return problems, lines
+
+
+def ann_description(ann: Any) -> str:
+    """How a manifest's search structure searches, in words (``inspect``)."""
+    if not isinstance(ann, dict):
+        return "flat"
+    if ann.get("kind") == "reduced":
+        return f"reduced ({ann.get('reduced')} principal directions, {ann.get('candidates')} candidates rescored)"
+    return f"{ann.get('kind')} (nlist {ann.get('nlist')}, nprobe {ann.get('nprobe')})"
 
 
 def _file_problem(store_dir: Path, entry: dict[str, Any]) -> str | None:
