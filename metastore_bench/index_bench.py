@@ -157,9 +157,10 @@ def reduced_run(train: Path, test: Path, reduced: list[int], candidates: list[in
     return result
 
 
-def store_run(rows: int, layers: int, n_queries: int, path: Path) -> dict:
+def store_run(rows: int, layers: int, n_queries: int, path: Path, low_rank: bool = False) -> dict:
     """A synthetic store kept projected 8x8 (``layers`` layers, fp16, batches of 32) at ``rows`` training rows:
-    the exhaustive ``store.influence(...).top(10)`` per test sample against ``influence(..., k=10)``."""
+    the exhaustive ``store.influence(...).top(10)`` per test sample against ``influence(..., k=10)``; rows from
+    :func:`lowrank_rows` with ``low_rank``, else :func:`synthetic`."""
     import tempfile
 
     import torch
@@ -185,8 +186,12 @@ def store_run(rows: int, layers: int, n_queries: int, path: Path) -> dict:
         ]
 
     root = Path(tempfile.mkdtemp(dir=path))
-    train = synthetic(rows, layers * 64, 0).reshape(rows, layers, 64)
-    test = synthetic(n_queries, layers * 64, 1).reshape(n_queries, layers, 64)
+    if low_rank:
+        train = lowrank_rows(path / f"{root.name}-train.npy", rows, layers * 64, 0).reshape(rows, layers, 64)
+        test = lowrank_rows(path / f"{root.name}-test.npy", n_queries, layers * 64, 1).reshape(n_queries, layers, 64)
+    else:
+        train = synthetic(rows, layers * 64, 0).reshape(rows, layers, 64)
+        test = synthetic(n_queries, layers * 64, 1).reshape(n_queries, layers, 64)
     start = time.perf_counter()
     with StoreWriter(root, encoding="fp16") as writer:
         for step, first in enumerate(range(0, rows, 32)):
@@ -237,6 +242,7 @@ def main() -> None:
     parser.add_argument("--scans", type=int, default=5, help="exhaustive single-query scans timed (--train)")
     parser.add_argument("--store", type=int, help="also a synthetic projected store of this many training rows")
     parser.add_argument("--layers", type=int, default=6, help="layers of that store (8x8 each)")
+    parser.add_argument("--low-rank", action="store_true", help="that store's rows from lowrank_rows")
     parser.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where that store is written")
     args = parser.parse_args()
     results = []
@@ -250,7 +256,7 @@ def main() -> None:
         print(json.dumps(found), flush=True)
         results.append(found)
     if args.store:
-        found = store_run(args.store, args.layers, args.queries, args.tmp)
+        found = store_run(args.store, args.layers, args.queries, args.tmp, args.low_rank)
         print(json.dumps(found), flush=True)
         results.append(found)
     for rows in args.rows:

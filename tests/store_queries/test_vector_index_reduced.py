@@ -35,7 +35,7 @@ def low_rank(rows: int, width: int, seed: int, rank: int = 24) -> np.ndarray:
 
 
 def test_choose_plan_reduces_wide_rows_only() -> None:
-    assert vi.choose_plan(1_000_000, 3456, True) == vi.Plan("reduced", reduced=64, candidates=512)
+    assert vi.choose_plan(1_000_000, 3456, True) == vi.Plan("reduced", reduced=64, candidates=256)
     assert vi.choose_plan(1_000_000, 64, True).kind == "ivf"
     assert vi.choose_plan(2_000, 3456, True) == vi.Plan()  # 6.9 million numbers: a flat scan
     assert vi.choose_plan(1_000_000, 3456, False) == vi.Plan()

@@ -38,11 +38,11 @@ REDUCE_ABOVE = 256
 def choose_plan(rows: int, width: int, have_faiss: bool) -> Plan:
     """Flat up to :data:`FLAT_MAX_VALUES` numbers (or without FAISS). Above, rows up to :data:`REDUCE_ABOVE` wide:
     IVF, ``nlist ~ 4 sqrt(N)`` (a power of two in 64..65536), ``nprobe = nlist / 4``; wider rows: ``"reduced"``
-    to 64 principal directions, 512 candidates rescored (both chosen in metastore_bench/index_bench.py)."""
+    to 64 principal directions, 256 candidates rescored (both chosen in metastore_bench/index_bench.py)."""
     if rows * width <= FLAT_MAX_VALUES or not have_faiss:
         return Plan()
     if width > REDUCE_ABOVE:
-        return Plan("reduced", reduced=64, candidates=512)
+        return Plan("reduced", reduced=64, candidates=256)
     nlist = int(min(65536, max(64, 2 ** round(math.log2(4 * math.sqrt(rows))))))
     return Plan("ivf", nlist, max(1, nlist // 4))
 
