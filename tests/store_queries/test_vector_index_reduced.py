@@ -92,3 +92,16 @@ def test_damaged_or_missing_reduced_file_is_said_then_rebuilt(store: GradientSto
     assert len(caught) == 1 and "\n" not in str(caught[0].message)
     assert_same_top(fast, store.influence(TRAIN, TEST))
     assert store.verify() == [] and victim.exists()  # rebuilt and kept
+
+
+def test_row_stack_reads_the_rows_of_its_parts_as_their_concatenation() -> None:
+    rng = np.random.default_rng(3)
+    parts = [rng.standard_normal((n, 6)).astype(np.float32) for n in (5, 0, 9, 3)]
+    whole, stack = np.concatenate(parts), vi.RowStack(parts, 6)
+    assert stack.shape == whole.shape and len(stack) == 17 and stack.nbytes == whole.nbytes
+    rows = np.array([16, 0, 5, 4, 13, 5])  # unsorted, repeated, across parts
+    np.testing.assert_array_equal(stack[rows], whole[rows])
+    np.testing.assert_array_equal(stack[3:15], whole[3:15])
+    m = rng.standard_normal((6, 2)).astype(np.float32)
+    np.testing.assert_allclose(stack @ m, whole @ m, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(vi.row_norms(stack, block=4), np.linalg.norm(whole, axis=1), rtol=1e-6)

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load as load_bytes
 
 from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import check_seed, compute_sketches, sketch_layers
 from metastore_plugins.core.analysis.vector_search import (
     Plan,
+    RowStack,
     VectorIndex,
     build_ivf,
     build_reduced,
@@ -30,6 +30,7 @@ from metastore_plugins.core.analysis.vector_search import (
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreError, StoreReader
 from metastore_plugins.core.store import vector_files as vf
+from metastore_plugins.core.store import vector_maps as vm
 
 #: The sketch size of a capture point whose records are factors (a projected one uses its own ``k``).
 DEFAULT_DIM = 16
@@ -102,13 +103,16 @@ def open_index(
     ids = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros(0, np.int64)
     lr = np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0)
     width = len(order) * dim * dim
-    vectors = np.concatenate([p[2] for p in pieces]) if pieces else np.zeros((0, width), np.float32)
     faiss, kept = load_faiss(), (manifest or {}).get("ann")
     if plan is None and isinstance(kept, dict) and kept.get("parts") == vf.parts_digest(parts):
         plan = kept_plan(kept)  # a plan asked for once, kept
     plan = plan or choose_plan(len(ids), width, faiss is not None)
     if faiss is None:
         plan = Plan()
+    if plan.kind == "reduced":  # wide rows, many: the parts stay mapped, rows are read as candidates are rescored
+        vectors: np.ndarray | RowStack = RowStack([p[2] for p in pieces], width)
+    else:
+        vectors = np.concatenate([p[2] for p in pieces]) if pieces else np.zeros((0, width), np.float32)
     index = VectorIndex(capture_point, dim, ids, lr, vectors, plan, rebuilt=rebuilt)
     ann_entry = None
     if plan.kind != "flat":
@@ -190,22 +194,22 @@ def load_part(
         return None  # stale: its shard changed
     width = len(head["layers"]) * head["dim"] ** 2
     try:
-        data = vf.read_checked(
+        data = vm.map_checked(
             store.path, entry["file"], str(entry.get("sha256")), rows * (4 * width + 16) + 4096, "part"
         )
         problem = vf.part_binding_problem(data, entry)
         if problem is not None:
             raise StoreError(f"{store.path / vf.FOLDER / entry['file']}: {problem}")
-        tensors = load_bytes(data)
-    except (StoreError, ValueError, RuntimeError) as exc:
+        tensors = vm.part_arrays(data)
+    except (StoreError, ValueError, OSError) as exc:
         (say or _warn)(f"{exc}; rebuilt from {shard}")
         return None
     vector, ids, lr = tensors.get("vector"), tensors.get("sample_id"), tensors.get("lr")
-    if vector is None or ids is None or lr is None or tuple(vector.shape) != (rows, width) or ids.shape != (rows,):
+    if vector is None or ids is None or lr is None or vector.shape != (rows, width) or ids.shape != (rows,):
         return None
-    if vector.dtype != torch.float32 or ids.dtype != torch.int64 or lr.dtype != torch.float64 or lr.shape != (rows,):
+    if vector.dtype != np.float32 or ids.dtype != np.int64 or lr.dtype != np.float64 or lr.shape != (rows,):
         return None
-    return ids.numpy(), lr.numpy(), vector.numpy()
+    return ids, lr, vector  # views of the mapped file
 
 
 def _open_ann(

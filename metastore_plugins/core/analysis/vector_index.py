@@ -50,12 +50,14 @@ from metastore_plugins.core.analysis.vector_search import (
     FLAT_MAX_VALUES,
     REDUCE_ABOVE,
     Plan,
+    RowStack,
     VectorIndex,
     build_ivf,
     build_reduced,
     choose_plan,
     largest,
     load_faiss,
+    row_norms,
 )
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.records import KIND_CODES
@@ -66,6 +68,7 @@ __all__ = [
     "FLAT_MAX_VALUES",
     "REDUCE_ABOVE",
     "Plan",
+    "RowStack",
     "VectorIndex",
     "build_ivf",
     "build_reduced",
@@ -76,6 +79,7 @@ __all__ = [
     "load_faiss",
     "open_index",
     "projected_only",
+    "row_norms",
     "similar",
 ]
 

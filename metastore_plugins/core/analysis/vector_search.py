@@ -9,6 +9,7 @@ exhaustive scan (flat) or FAISS IVF (:func:`build_ivf`) from the rows and width;
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,35 @@ def load_faiss() -> Any | None:
     return faiss
 
 
+class RowStack:
+    """Arrays of one width (an index's parts, memory-mapped) seen as their ``(N, D)`` concatenation, never built:
+    ``stack[rows]`` and ``stack[a:b]`` copy those rows only, ``stack @ m`` goes part by part."""
+
+    def __init__(self, parts: Sequence[np.ndarray], width: int) -> None:
+        self.parts = list(parts)
+        self.starts = np.cumsum([0, *(len(p) for p in self.parts)])  # (P + 1,) first row of each part
+        self.shape = (int(self.starts[-1]), int(width))
+        self.dtype = np.dtype(np.float32)
+        self.nbytes = self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: slice | np.ndarray) -> np.ndarray:
+        rows = np.arange(*key.indices(len(self))) if isinstance(key, slice) else np.asarray(key, dtype=np.int64)
+        part = np.searchsorted(self.starts, rows, side="right") - 1  # (n,)
+        out = np.empty((len(rows), self.shape[1]), self.dtype)  # (n, D)
+        for p in np.unique(part).tolist():
+            mine = part == p
+            out[mine] = self.parts[p][rows[mine] - self.starts[p]]
+        return out
+
+    def __matmul__(self, other: np.ndarray) -> np.ndarray:
+        if not self.parts:
+            return np.zeros((0, *other.shape[1:]), np.float32)
+        return np.concatenate([np.asarray(p) @ other for p in self.parts])  # (N, ...)
+
+
 @dataclass
 class VectorIndex:
     """The vectors of one capture point, in selection order (``store.sample_ids(capture_point)``)."""
@@ -64,7 +94,7 @@ class VectorIndex:
     dim: int
     sample_ids: np.ndarray  # (N,) int64
     lr: np.ndarray  # (N,) float64, 1 where none was recorded
-    vectors: np.ndarray  # (N, D) float32: per-layer sketches side by side, D = L dim^2
+    vectors: np.ndarray | RowStack  # (N, D) float32: per-layer sketches side by side, D = L dim^2
     plan: Plan
     ann: Any = None  # build_ivf of lr * vectors, for plan.kind == "ivf"
     rebuilt: list[str] = field(default_factory=list)  # files (re)built by this open
@@ -103,14 +133,14 @@ class VectorIndex:
     def _rescored(self, rows: np.ndarray, query: np.ndarray, count: int) -> np.ndarray:
         """``(count,)`` of ``rows``, the largest ``<lr_i v_i, query>`` on the full rows (read in row order)."""
         rows = np.unique(rows)  # sorted: a memory-mapped file is read forward
-        if len(rows) < count:  # fewer candidates than asked (tiny lists): every row instead
-            return largest(self.weighted() @ query[:, None], count)[0]
+        if len(rows) < count:  # fewer candidates than asked: every row instead
+            return largest((self.vectors @ query[:, None]) * self.lr[:, None], count)[0]
         exact = (np.asarray(self.vectors[rows]) @ query) * self.lr[rows]  # (C,): lr_i <v_i, q>
         return rows[largest(exact[:, None], count)[0]]
 
     def search_cosine(self, queries_: np.ndarray, count: int) -> np.ndarray:
         """``(M, c)`` rows of the largest cosines between ``v_i`` and each query (a scan of every row)."""
-        norms = np.linalg.norm(self.vectors, axis=1)  # (N,)
+        norms = row_norms(self.vectors)  # (N,)
         cosines = (self.vectors @ np.asarray(queries_, np.float32).T) / np.maximum(norms, 1e-30)[:, None]  # (N, M)
         return largest(cosines, min(count, len(self.sample_ids)))
 
@@ -159,6 +189,12 @@ def build_reduced(
         rows = np.asarray(vectors[start : start + block]) * lr[start : start + block, None]  # (b, D)
         ann.add(np.ascontiguousarray(rows, dtype=np.float32))
     return ann
+
+
+def row_norms(vectors: np.ndarray | RowStack, block: int = 1 << 14) -> np.ndarray:
+    """``(N,)`` float32 Euclidean norms of the rows, read ``block`` rows at a time."""
+    found = [np.linalg.norm(np.asarray(vectors[s : s + block]), axis=1) for s in range(0, len(vectors), block)]
+    return np.concatenate(found) if found else np.zeros(0, np.float32)
 
 
 def largest(scores: np.ndarray, count: int) -> np.ndarray:
