@@ -54,6 +54,7 @@ def test_reduced_candidates_rescored_give_the_exhaustive_top_10(tmp_path: Path) 
     reduced = vi.VectorIndex("cp", 16, np.arange(rows), lr, vectors, plan, ann)
     exact = (np.asarray(vectors, np.float64) * lr[:, None]) @ queries.astype(np.float64).T  # (N, M)
     tenth = -np.sort(-exact, axis=0)[9]  # (M,)
+    threads = faiss.omp_get_max_threads()
     found = reduced.search(queries, 10)  # (M, 10)
     assert found.shape == (40, 10)
     truth = [set(np.flatnonzero(exact[:, j] >= tenth[j]).tolist()) for j in range(40)]
@@ -62,6 +63,9 @@ def test_reduced_candidates_rescored_give_the_exhaustive_top_10(tmp_path: Path) 
     scale = np.abs(tenth) * 1e-5
     whole = [bool(np.all(exact[f, j] >= tenth[j] - scale[j])) for j, f in enumerate(found)]
     assert np.mean(whole) >= 0.95
+    single = [reduced.search(q[None], 10)[0] for q in queries[:5]]  # one query at a time: FAISS on one thread
+    assert np.mean([np.all(exact[f, j] >= tenth[j] - scale[j]) for j, f in enumerate(single)]) >= 0.8
+    assert faiss.omp_get_max_threads() == threads  # its thread count given back
     ann_bytes = faiss.serialize_index(ann).nbytes
     assert ann_bytes < vectors.nbytes / 10  # 24 of 512 numbers a row, plus the projection
 

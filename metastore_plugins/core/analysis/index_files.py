@@ -8,6 +8,7 @@ formats are :mod:`metastore_plugins.core.store.vector_files`'.
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -40,10 +41,20 @@ def default_dim(store: StoreReader, capture_point: str, layers: Sequence[str]) -
     """The largest ``k`` of the capture point's projected records (their own sketch: a layer's narrower block on
     the curvature eigenbasis, a 2-class head's 2 x 8, is zero-padded to it by ``ops.sketch``), else
     :data:`DEFAULT_DIM`."""
-    for batch in store.select(capture_point, layers=list(layers)).batches():
-        kept = [max(r.tensors["projected"].shape[1:]) for r in batch.records if r.kind == "projected"]
-        return int(max(kept)) if kept else DEFAULT_DIM
-    return DEFAULT_DIM
+    memo = (str(store.path), capture_point, tuple(layers), tuple((s.file, s.sha256) for s in store.index.shards))
+    if memo not in _DIMS:
+        if len(_DIMS) > 64:
+            _DIMS.clear()
+        _DIMS[memo] = DEFAULT_DIM
+        for batch in store.select(capture_point, layers=list(layers)).batches():
+            kept = [max(r.tensors["projected"].shape[1:]) for r in batch.records if r.kind == "projected"]
+            _DIMS[memo] = int(max(kept)) if kept else DEFAULT_DIM
+            break
+    return _DIMS[memo]
+
+
+#: default_dim per (store, capture point, layers, listed shards): one batch read per store state, not per query.
+_DIMS: dict[tuple[Any, ...], int] = {}
 
 
 def open_index(
@@ -56,12 +67,19 @@ def open_index(
     build: bool = True,
     plan: Plan | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    partitioned: bool = False,
 ) -> VectorIndex | None:
     """The capture point's index, its stale or missing parts (re)built and kept; ``None`` when ``build`` is
-    False and none was ever built. ``plan`` overrides :func:`choose_plan` (tests, benchmarks)."""
+    False and none was ever built. ``plan`` overrides :func:`choose_plan` (tests, benchmarks). ``partitioned``:
+    the index of this rank's shards only (the store's partitioned scan), its own manifest and search file."""
     order, seed = sketch_layers(store, layers), check_seed(seed)
     dim = default_dim(store, capture_point, order) if dim is None else int(dim)
-    key, head = index_head(capture_point, dim, seed, order)
+    selection = store.select(capture_point, layers=order)
+    mine = None
+    if partitioned:
+        selection = scan_of(store).part(selection, f"vector index of {capture_point!r}").selection
+        mine = sorted({ref.file.name for ref in selection.refs})
+    key, head = index_head(capture_point, dim, seed, order, mine)
     try:
         manifest = vf.read_manifest(store.path, key)
     except StoreError as exc:
@@ -72,7 +90,6 @@ def open_index(
     if manifest is not None and {k: manifest.get(k) for k in head} != head:
         manifest = None
     known = {str(p.get("shard")): p for p in (manifest or {}).get("parts", [])}
-    selection = store.select(capture_point, layers=order)
     shard_rows: dict[str, list[int]] = {}
     for row, ref in zip(selection.batch_rows.tolist(), selection.refs):
         shard_rows.setdefault(ref.file.name, []).append(row)
@@ -87,7 +104,7 @@ def open_index(
         cached[1].rebuilt = []
         return cached[1]  # nothing changed since it was opened in this process
     pieces, rebuilt, writable = [], [], True
-    vf.remove_temporaries(store.path)  # what a build killed mid-write left
+    vf.remove_temporaries(store.path, key if partitioned else None)  # what a build killed mid-write left
     parts: list[dict[str, Any]] = []
     for shard, rows in shard_rows.items():
         sha, sub = store.shard_sha256(shard), replace(selection, batch_rows=np.asarray(rows, dtype=np.int64))
@@ -132,11 +149,18 @@ def open_index(
 Piece = tuple[np.ndarray, np.ndarray, np.ndarray]  # a part's sample ids (n,), learning rates (n,), vectors (n, D)
 
 
-def index_head(capture_point: str, dim: int, seed: int, order: Sequence[str]) -> tuple[str, dict[str, Any]]:
-    """``(key, head)`` of an index: the hash naming its files, and what its manifest and parts record."""
+def index_head(
+    capture_point: str, dim: int, seed: int, order: Sequence[str], shards: Sequence[str] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """``(key, head)`` of an index: the hash naming its files, and what its manifest and parts record. ``shards``:
+    an index over these shards only (a rank's), named and recorded apart by their names' sha256."""
     head = {"format": vf.FORMAT, "version": vf.VERSION, "capture_point": capture_point, "dim": dim, "seed": seed}
     head["layers"] = list(order)
-    return vf.key_hash(capture_point, dim, seed, list(order)), head
+    key = vf.key_hash(capture_point, dim, seed, list(order))
+    if shards is None:
+        return key, head
+    head["shards"] = vf.sha256(json.dumps(list(shards)).encode())[:16]
+    return vf.sha256(f"{key}/{head['shards']}".encode())[:16], head
 
 
 def build_piece(selection: Selection, head: dict[str, Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Piece:
@@ -278,12 +302,9 @@ def build_vector_index(
 ) -> VectorIndex:
     """Build (or bring up to date) and keep the capture point's index; later ``k=`` queries use it.
 
-    Under a partitioned scan one process builds and writes the files first; the others then read them.
+    Under a partitioned scan each rank builds and keeps the index of its own shards (``partitioned=True``).
     """
     options: dict[str, Any] = {"dim": dim, "seed": seed, "layers": layers, "build": True}
-    scan = scan_of(store)
-    if scan.partitioned:  # rank 0 builds; the others wait for it (the answer sent is None)
-        scan.first(lambda: open_index(store, capture_point, **options) and None, f"vector index of {capture_point!r}")
-    index = open_index(store, capture_point, **options)
+    index = open_index(store, capture_point, partitioned=scan_of(store).partitioned, **options)
     assert index is not None  # build=True always gives one
     return index

@@ -100,9 +100,9 @@ def _test_sketches(
 
 def projected_only(store: StoreReader, layers: Sequence[str]) -> bool:
     """Whether every stored record of these layers is ``projected``: then the index's vectors are the records."""
-    record = store.index.record
-    names = np.asarray(store.index.layer_names, dtype=object)
-    mine = np.isin(names[record["layer"]], list(layers)) if len(record["layer"]) else np.zeros(0, bool)
+    record, wanted = store.index.record, set(layers)
+    codes = [i for i, name in enumerate(store.index.layer_names) if name in wanted]
+    mine = np.isin(record["layer"], codes)  # (R,) by layer code: no string per record
     return bool(mine.any()) and bool(np.all(record["kind"][mine] == KIND_CODES.index("projected")))
 
 
@@ -128,26 +128,33 @@ def influence(
     projected (they are those records: the same estimates), from the shards otherwise. ``index``:
     ``None`` uses a kept index (brought up to date), ``True`` builds one when missing, ``False``
     scans every row. ``recompute``: exact refinement of the estimates
-    (:func:`~metastore_plugins.core.analysis.refine.refine_influence`). ``train_ids`` scans every row.
+    (:func:`~metastore_plugins.core.analysis.refine.refine_influence`). ``train_ids`` scans every row. Partitioned
+    (a distributed store): each rank searches the index of its own shards, and the ranks' pooled candidates
+    are scored partitioned; every row where a rank has none kept.
     """
     full: Callable[..., Scores] = queries.influence
-    if scan_of(store).partitioned and recompute is not None:
+    scan = scan_of(store)
+    if scan.partitioned and recompute is not None:
         raise ValueError("recompute= is not supported by partitioned queries; refine the result with refine_influence")
-    if k is None or index is False or train_ids is not None or scan_of(store).partitioned:
+    if k is None or index is False or train_ids is not None:
         return full(store, train, test, layers=layers, train_ids=train_ids, test_ids=test_ids, max_bytes=max_bytes)
     count = candidates or max(4 * k, 50)
     order = sketch_layers(store, layers)
     found: set[int] = set()
     passes = []
     for train_cp, test_cp in queries.paired_points(train, test):
-        opened = open_index(store, train_cp, layers=order, build=bool(index), max_bytes=max_bytes)
-        if opened is None:
+        opened = open_index(
+            store, train_cp, layers=order, build=bool(index), max_bytes=max_bytes, partitioned=scan.partitioned
+        )
+        if not all(scan.every(opened is not None, "vector index: kept")) or opened is None:  # every rank agrees
             return full(store, train, test, layers=layers, test_ids=test_ids, max_bytes=max_bytes)
         tested, sketch = _test_sketches(store, test_cp, test_ids, opened, order, 0)  # (M,), (M, D)
         rows = opened.search(np.concatenate([sketch, -sketch]), count)
         found.update(opened.sample_ids[rows[rows >= 0]].tolist())
         passes.append((opened, tested, sketch))
-    if projected_only(store, order):
+    if scan.partitioned:  # each rank's candidates from the index of its shards: their union, scored partitioned
+        found = set().union(*scan.every(sorted(found), "vector index: candidates"))
+    if projected_only(store, order) and not scan.partitioned:
         row_parts, col_parts = [], []
         for opened, tested, sketch in passes:
             rows = np.flatnonzero(np.isin(opened.sample_ids, sorted(found)))  # (n,) every occurrence

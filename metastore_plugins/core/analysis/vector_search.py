@@ -1,9 +1,10 @@
-"""The nearest-gradient index in memory: a capture point's vectors and how they are searched (flat or FAISS IVF).
+"""The nearest-gradient index in memory: a capture point's vectors and how they are searched (flat, IVF, reduced).
 
 The vectors are per-layer Kronecker sketches side by side, times each row's learning rate: their
 inner product with a test sample's vector is its sketched TracIn score. :func:`choose_plan` picks an
-exhaustive scan (flat) or FAISS IVF (:func:`build_ivf`) from the rows and width; the index's files are
-:mod:`.index_files`, its queries :mod:`.vector_index`.
+exhaustive scan (flat), FAISS IVF (:func:`build_ivf`) or, for wide rows, a scan of their principal
+directions whose candidates are rescored on the full rows (:func:`build_reduced`) from the rows and
+width; the index's files are :mod:`.index_files`, its queries :mod:`.vector_index`.
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ class VectorIndex:
         if self.plan.kind != "reduced":
             self.ann.nprobe = self.plan.nprobe
             q = np.hstack([q, np.zeros((len(q), 1), np.float32)])  # (M, D + 1): see build_ivf
-            return np.asarray(self.ann.search(q, count)[1], dtype=np.int64)
-        found = np.asarray(self.ann.search(q, max(count, self.plan.candidates))[1], dtype=np.int64)  # (M, C)
+            return ann_search(self.ann, q, count)
+        found = ann_search(self.ann, q, max(count, self.plan.candidates))  # (M, C)
         return np.stack([self._rescored(rows[rows >= 0], query, count) for rows, query in zip(found, q)])
 
     def _rescored(self, rows: np.ndarray, query: np.ndarray, count: int) -> np.ndarray:
@@ -143,6 +144,24 @@ class VectorIndex:
         norms = row_norms(self.vectors)  # (N,)
         cosines = (self.vectors @ np.asarray(queries_, np.float32).T) / np.maximum(norms, 1e-30)[:, None]  # (N, M)
         return largest(cosines, min(count, len(self.sample_ids)))
+
+
+#: Fewer queries than this are searched by FAISS on one thread (FAISS's own threshold for its BLAS path).
+ONE_THREAD_BELOW = 20
+
+
+def ann_search(ann: Any, queries_: np.ndarray, count: int) -> np.ndarray:
+    """``(M, count)`` row numbers from ``ann.search``; a few queries on one OpenMP thread (on the shared 2-core
+    machine one query took 1.5 ms so and 16-28 ms on two, their threads waiting on each other under load)."""
+    faiss = load_faiss()
+    if faiss is None or len(queries_) >= ONE_THREAD_BELOW:
+        return np.asarray(ann.search(queries_, count)[1], dtype=np.int64)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        return np.asarray(ann.search(queries_, count)[1], dtype=np.int64)
+    finally:
+        faiss.omp_set_num_threads(threads)
 
 
 def build_ivf(weighted: np.ndarray, plan: Plan, faiss: Any) -> Any:

@@ -144,17 +144,20 @@ def identities(store_dir: Path, names: list[str]) -> tuple[tuple[int, int, int, 
     return tuple((f.st_dev, f.st_ino, f.st_size, f.st_mtime_ns) for f in found if f is not None)
 
 
-def remove_temporaries(store_dir: Path) -> list[str]:
+def remove_temporaries(store_dir: Path, key: str | None = None) -> list[str]:
     """Remove the temporaries a build killed mid-write left in ``vector_index/`` (the files they would have
-    replaced stay as they were); returns their names. A concurrent build whose temporary goes keeps its
-    index in memory."""
+    replaced stay as they were), only those of index ``key``'s files where given; returns their names. A
+    concurrent build whose temporary goes keeps its index in memory (ranks building their own indexes at once
+    pass their ``key``)."""
     removed = []
     try:
         with StoreDir(store_dir) as store, store.subdir(FOLDER) as folder:
             for name in folder.listdir():
-                if temporary_target(name) is not None and folder.kind(name) == "file":
-                    folder.remove(name, missing_ok=True)
-                    removed.append(name)
+                target = temporary_target(name)
+                if target is None or (key is not None and f"-{key}" not in target) or folder.kind(name) != "file":
+                    continue
+                folder.remove(name, missing_ok=True)
+                removed.append(name)
     except (OSError, StoreError):
         pass
     return removed
@@ -282,7 +285,9 @@ def check(store_dir: Path, shard_sha256: dict[str, str], files: bool = True) -> 
         lines.append(
             f"{manifest.get('capture_point')!s:<20} {rows:,} rows of {len(manifest.get('layers') or [])} layers x "
             f"{manifest.get('dim')}^2, {kind}, "
-            f"{len(parts)} parts" + (f" ({stale} stale: rebuilt by the next query)" if stale else "")
+            f"{len(parts)} parts"
+            + (f" ({stale} stale: rebuilt by the next query)" if stale else "")
+            + (" (one rank's shards)" if manifest.get("shards") else "")
         )
     return problems, lines
 
