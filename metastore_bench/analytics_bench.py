@@ -202,12 +202,12 @@ def agreement_ok(result: dict[str, Any]) -> bool:
 @contextmanager
 def read_clock() -> Iterator[dict[str, float]]:
     """Seconds the query waits for reading while the block runs: in ``BatchRef.read_records`` (the shard from
-    the read cache or the disk, its checksum and header, decoding and checks) and in ``ReadAhead.using``
-    (waiting for a shard read ahead), together ``read_records``; and seconds in the read cache
-    (``SHARDS.read``: file reads and checksums, or the identity check of a kept shard) on any thread,
-    the background read ahead's included: ``shard_reads``, overlapped with the arithmetic."""
+    the read cache or the disk, its checksum and header, decoding and checks; or the wait for another
+    thread's read of it) and in ``ReadAhead.using`` (waiting for a shard read ahead), together
+    ``read_records``; and seconds reading files and checking them (``readcache.read_opened``) on any
+    thread, the background read ahead's included: ``shard_reads``, overlapped with the arithmetic."""
     spent = {"read_records": 0.0, "shard_reads": 0.0}
-    originals = (BatchRef.read_records, readcache.SHARDS.read, ReadAhead.using)
+    originals = (BatchRef.read_records, readcache.read_opened, ReadAhead.using)
 
     def clocked(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -220,14 +220,14 @@ def read_clock() -> Iterator[dict[str, float]]:
         return run
 
     BatchRef.read_records = clocked("read_records", originals[0])  # type: ignore[method-assign]
-    readcache.SHARDS.read = clocked("shard_reads", originals[1])  # type: ignore[method-assign]
+    readcache.read_opened = clocked("shard_reads", originals[1])
     ReadAhead.using = clocked("read_records", originals[2])  # type: ignore[method-assign]
     try:
         yield spent
     finally:
         BatchRef.read_records = originals[0]  # type: ignore[method-assign]
+        readcache.read_opened = originals[1]
         ReadAhead.using = originals[2]  # type: ignore[method-assign]
-        del readcache.SHARDS.read
 
 
 def read_case(

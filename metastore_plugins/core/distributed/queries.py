@@ -8,11 +8,10 @@ gathered and put back in selection order: every rank gets the full result (``dst
 rank ``dst`` does (others get ``None``). :func:`partitioned_influence_top` all-gathers each rank's
 top-k instead of its scores. A :class:`~.store.DistributedStore` runs every query this way.
 
-Results equal the single-process query's, in the same order. ``influence``, ``similar``
-with ``cosine=False`` and the sketches are computed by the same op calls on the same blocks
-(bitwise identical on one device). Norms and self-influence group consecutive batches per
-op call (``Selection.merged``) and a rank's groups differ from one process's: they agree to
-float rounding (relative 1e-6 in float32). Without a process group they run in this process.
+Results equal the single-process query's, in the same order. The sketches are computed by the
+same op calls on the same blocks (bitwise identical on one device). Influence, similarity, norms
+and self-influence group consecutive batches per op call (``Selection.merged``) and a rank's
+groups differ from one process's: they agree to float rounding (relative 1e-6 in float32). Without a process group they run in this process.
 """
 
 from __future__ import annotations
