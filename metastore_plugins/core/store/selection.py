@@ -50,8 +50,10 @@ def subset_record(record: LayerRecord, keep: Tensor) -> LayerRecord:
     return replace(record, batch_size=int(keep.numel()), tensors=tensors)
 
 
-def _signature(batch: StoredBatch) -> list[tuple[str, str]]:
-    return [(r.layer, r.kind) for r in batch.records]
+def _signature(batch: StoredBatch) -> list[tuple[str, str, tuple[tuple[str, tuple[int, ...]], ...]]]:
+    """What batches must share to be joined: layers, kinds and each tensor's shape past its rows (a run whose
+    plan lowered its projection mid-way holds 16x16 and 8x8 records of one layer, which cannot be stacked)."""
+    return [(r.layer, r.kind, tuple((k, tuple(t.shape[1:])) for k, t in r.tensors.items())) for r in batch.records]
 
 
 def join_records(batches: list[list[LayerRecord]]) -> list[LayerRecord]:
@@ -247,9 +249,9 @@ class Selection:
             yield group
 
     def merged(self, max_bytes: int) -> Iterator[tuple[list[StoredBatch], list[LayerRecord]]]:
-        """Runs of consecutive batches (at most ``max_bytes`` of records) with the same records (layer and
-        kind, in order), and their records joined as if they were one batch: one op call per run
-        instead of one per batch (a step of a small model holds a few samples)."""
+        """Runs of consecutive batches (at most ``max_bytes`` of records) with the same records (layer, kind and
+        shapes past the rows, in order: :func:`_signature`), and their records joined as if they were one batch:
+        one op call per run instead of one per batch (a step of a small model holds a few samples)."""
         for chunk in self.chunks(max_bytes):
             run: list[StoredBatch] = []
             for batch in chunk:
