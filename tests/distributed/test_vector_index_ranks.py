@@ -65,3 +65,5 @@ def test_two_ranks_give_the_top_k_of_one_process(tmp_path: Path) -> None:
         assert len(rows) < every  # only the ranks' candidates were scored
     assert rows == pickle.loads((tmp_path / "out" / "rows0.pkl").read_bytes())
     assert one.verify() == []
+    shards = sum(len({ref.file.name for ref in one.batch_refs(point)}) for point in TRAIN)
+    assert len(list((store_dir / vector_files.FOLDER).glob("part-*"))) == shards  # the ranks' and the whole share

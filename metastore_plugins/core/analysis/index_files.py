@@ -80,6 +80,7 @@ def open_index(
         selection = scan_of(store).part(selection, f"vector index of {capture_point!r}").selection
         mine = sorted({ref.file.name for ref in selection.refs})
     key, head = index_head(capture_point, dim, seed, order, mine)
+    part_key, part_head = index_head(capture_point, dim, seed, order)  # a rank's index shares the whole one's parts
     try:
         manifest = vf.read_manifest(store.path, key)
     except StoreError as exc:
@@ -112,7 +113,7 @@ def open_index(
         piece = _load_part(store, entry, head, shard, sha) if entry is not None else None
         if piece is None:
             piece = build_piece(sub, head, max_bytes)
-            entry, data = encode_part(piece, head, key, shard, sha)
+            entry, data = encode_part(piece, part_head, part_key, shard, sha)
             writable = writable and _write(store, entry["file"], data)
             rebuilt.append(entry["file"])
         pieces.append(piece)
@@ -302,9 +303,15 @@ def build_vector_index(
 ) -> VectorIndex:
     """Build (or bring up to date) and keep the capture point's index; later ``k=`` queries use it.
 
-    Under a partitioned scan each rank builds and keeps the index of its own shards (``partitioned=True``).
+    Under a partitioned scan one process builds and writes the whole index first, the others then read it,
+    and each rank builds the search file of its own shards' index (``partitioned=True``: the same parts), which
+    partitioned ``influence(..., k=)`` queries use.
     """
     options: dict[str, Any] = {"dim": dim, "seed": seed, "layers": layers, "build": True}
-    index = open_index(store, capture_point, partitioned=scan_of(store).partitioned, **options)
+    scan = scan_of(store)
+    if scan.partitioned:  # rank 0 builds; the others wait for it (the answer sent is None)
+        scan.first(lambda: open_index(store, capture_point, **options) and None, f"vector index of {capture_point!r}")
+        open_index(store, capture_point, partitioned=True, **options)
+    index = open_index(store, capture_point, **options)
     assert index is not None  # build=True always gives one
     return index
