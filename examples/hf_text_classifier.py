@@ -10,6 +10,10 @@ labels are in its top 10%, next to the 10% a random pick would find. TensorBoard
 Run::
 
     python examples/hf_text_classifier.py [--out runs/hf-text] [--epochs 3] [--train-size 600]
+    python examples/hf_text_classifier.py --layers 4 --hidden 256 --defaults   # the callback as it comes
+
+``<out>/result.json`` holds the training seconds (reports included), where the callback's time went,
+the peak resident memory and, with the reports, how many flipped labels they found.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -34,6 +39,7 @@ from transformers import (
 )
 
 from metastore_plugins import MetaStoreTrainerCallback
+from metastore_plugins.core.training.lines import phase_seconds
 
 TOPICS = (
     "goal match team score coach league player season striker keeper referee stadium".split(),
@@ -73,7 +79,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--train-size", type=int, default=600)
     parser.add_argument("--flip", type=float, default=0.1)
+    parser.add_argument("--layers", type=int, default=2, help="BERT layers")
+    parser.add_argument("--hidden", type=int, default=64, help="BERT width (heads of 64; feed-forward 4x wide)")
     parser.add_argument("--no-callback", action="store_true", help="train without the callback (for timing)")
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="the callback with its defaults (passes of 256 training samples), report_k the top 10%%",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -86,10 +99,10 @@ def main() -> None:
     train, val = train.map(encode, batched=True), val.map(encode, batched=True)
     config = BertConfig(
         vocab_size=tok.vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=128,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 64) if args.hidden > 64 else 2,
+        intermediate_size=2 * args.hidden if args.hidden == 64 else 4 * args.hidden,
         max_position_embeddings=64,
         num_labels=2,
         hidden_dropout_prob=0.0,
@@ -110,11 +123,13 @@ def main() -> None:
         seed=0,
         disable_tqdm=True,
     )
-    callbacks = (
-        []
-        if args.no_callback
-        else [MetaStoreTrainerCallback(checkpoint_train_samples=len(train), report_k=max(1, len(train) // 10))]
+    top = max(1, len(train) // 10)
+    callback = (
+        MetaStoreTrainerCallback(report_k=top)
+        if args.defaults
+        else MetaStoreTrainerCallback(checkpoint_train_samples=len(train), report_k=top)
     )
+    callbacks = [] if args.no_callback else [callback]
     trainer = Trainer(
         model=model,
         args=training,
@@ -132,11 +147,18 @@ def main() -> None:
         f"trained {args.epochs} epochs on {len(train)} sentences in {seconds:.1f} s "
         f"({'without' if args.no_callback else 'with'} the callback); eval loss {accuracy['eval_loss']:.3f}"
     )
+    result = {
+        "seconds": round(seconds, 2),
+        "callback": not args.no_callback,
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),  # Linux: KiB
+    }
     if args.no_callback:
+        (out / "result.json").write_text(json.dumps(result))
         return
+    result.update(phase_seconds(callback.seconds, callback.report_result))
     outliers = json.loads((out / "metastore" / "reports" / "outliers.json").read_text())
     found = sum(row["sample_id"] in set(flipped) for row in outliers)
-    result = {"flipped": len(flipped), "top": len(outliers), "found": found, "recall": found / max(1, len(flipped))}
+    result |= {"flipped": len(flipped), "top": len(outliers), "found": found, "recall": found / max(1, len(flipped))}
     print(
         f"the outlier report's top 10% ({len(outliers)} samples) holds {found} of the {len(flipped)} flipped labels "
         f"({result['recall']:.0%}); a random 10% would hold 10%"

@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-callback", action="store_true", help="train without MetaStoreCallback (for timing)")
     parser.add_argument("--no-reports", action="store_true", help="capture only, build no reports (for timing)")
     parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="MetaStoreCallback with its defaults (passes of 256 training samples), report_k the top 10%%",
+    )
+    parser.add_argument(
         "--outliers-from",
         choices=("checkpoints", "training"),
         default="checkpoints",
@@ -130,20 +135,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     L.seed_everything(args.seed, verbose=False)
     train, val, flipped = load_digits_split(args.train_size, args.seed, args.flip)
     top = len(train) // 10  # the top 10% of the training samples
-    callback = MetaStoreCallback(
-        out / "store",
-        checkpoint_train_samples=len(train)
-        if args.outliers_from == "checkpoints"
-        else 256,  # every sample in each pass, or a subset
-        checkpoint_val_samples=args.val_samples,  # influence rows for these validation samples
-        checkpoint_every_n_epochs=0 if args.no_passes else 1,
-        report_k=top,
-        seed=args.seed,
-        reports=not (args.no_reports or args.no_passes),
-        outliers_from=args.outliers_from,
-        policy=args.policy,
-        budget=args.budget,
-        encoding=args.encoding,
+    defaults = MetaStoreCallback(out / "store", seed=args.seed, report_k=top)  # report_k: the top 10% is scored
+    callback = (
+        defaults
+        if args.defaults
+        else MetaStoreCallback(
+            out / "store",
+            checkpoint_train_samples=len(train)
+            if args.outliers_from == "checkpoints"
+            else 256,  # every sample in each pass, or a subset
+            checkpoint_val_samples=args.val_samples,  # influence rows for these validation samples
+            checkpoint_every_n_epochs=0 if args.no_passes else 1,
+            report_k=top,
+            seed=args.seed,
+            reports=not (args.no_reports or args.no_passes),
+            outliers_from=args.outliers_from,
+            policy=args.policy,
+            budget=args.budget,
+            encoding=args.encoding,
+        )
     )
     trainer = L.Trainer(
         max_epochs=args.epochs,

@@ -48,6 +48,17 @@ EXAMPLES: dict[str, tuple[str, dict[str, list[str]]]] = {
             "policy='exact': + passes + reports (the example)": ["--policy", "exact"],
         },
     ),
+    "hf-bert4": (  # a 4-layer 256-wide BERT (random weights) under the HF callback as it comes
+        "examples/hf_text_classifier.py",
+        {
+            "no callback": ["--no-callback", "--layers", "4", "--hidden", "256"],
+            "the callback's defaults": ["--defaults", "--layers", "4", "--hidden", "256"],
+        },
+    ),
+    "lightning-defaults": (  # the digits MLP under the Lightning callback as it comes
+        "examples/lightning_digits.py",
+        {"no callback": ["--no-callback"], "the callback's defaults": ["--defaults"]},
+    ),
 }
 
 

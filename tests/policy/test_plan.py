@@ -274,3 +274,29 @@ def test_passes_on_the_eigenbasis_may_keep_a_larger_block_than_the_steps(tmp_pat
     text = "\n".join(policy.plan.lines())
     passes = next(line for line in text.splitlines() if "checkpoint passes:" in line)
     assert "training steps: projected 8x8" in text and f"projected {pass_k}x{pass_k}" in passes, text
+
+
+def test_the_plan_counts_what_records_on_the_eigenbasis_carry() -> None:
+    """A pass record on the eigenbasis holds its block's float32 eigenvalues besides the samples' numbers; the
+    plan counts them, so the passes spend no more than it planned (a 4-layer BERT whose plan did not count them
+    outgrew it in its last steps and lost its last pass)."""
+    from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADATA_BYTES
+    from metastore_plugins.core.ops.curvature import CurvatureSums
+    from metastore_plugins.core.ops.eigenbasis import fit_bases, fittable
+
+    shape = RunShape(100, BATCH, passes=2, pass_samples=6 * BATCH, snapshot_bytes=0, passes_on_basis=True)
+    policy = CapturePolicy("auto", 600_000, encoding="fp16")
+    policy.expect(shape)
+    policy.apply(_records(0), capture_point="train", step=0)
+    assert policy.plan is not None and "projected" in policy.plan.passes.values()
+    sums = CurvatureSums(torch.float32)
+    sums.add(fittable(_records(1)))
+    policy.set_bases(fit_bases(sums, policy.pass_k(), 1), 1)
+    spent = policy.spent
+    for epoch in range(shape.passes):
+        policy.should_snapshot(1 + epoch)
+        for batch in range(6):
+            kept = policy.apply(_records(2 + batch), capture_point=f"epoch-{epoch}/train", step=1 + epoch)
+            assert kept is not None and any(r.basis is not None for r in kept)  # on the basis
+    metadata = 12 * BATCH_METADATA_BYTES + 12 * BATCH * SAMPLE_METADATA_BYTES  # planned apart: the plan's "metadata"
+    assert policy.spent - spent - metadata <= policy.plan.planned["checkpoint passes"], policy.spent - spent

@@ -40,11 +40,12 @@ import torch
 from torch import Tensor
 
 from metastore_plugins.core.ops._common import rebuild_outer
+from metastore_plugins.core.ops.cost import TENSOR_OVERHEAD_BYTES
 from metastore_plugins.core.ops.curvature import CurvatureSums, LayerCurvature, LayerSums, rotated
 from metastore_plugins.core.ops.influence import total_sq_norms
 from metastore_plugins.core.ops.represent import by_layer, represent, shared_layers, summary_record
 from metastore_plugins.core.ops.sketch import Projections, projection
-from metastore_plugins.core.records import PROJECTION_SEED, LayerRecord, Representation
+from metastore_plugins.core.records import EIGENBASIS_TENSORS, PROJECTION_SEED, LayerRecord, Representation
 
 _F64 = torch.float64
 
@@ -150,6 +151,13 @@ def _embedding_block(group: Sequence[LayerRecord], curvature: LayerCurvature, ba
         out_side = record.tensors["suffix"].to(_F64) @ curvature.q_out  # (R, k_d)
         total += rebuild_outer(out_side[:, None, :], vocab_side[:, None, :], record.tensors["sample"].long(), batch)
     return total
+
+
+def basis_batch_bytes(k: int) -> float:
+    """Bytes a batch's record of one layer on its ``k x k`` eigenbasis block holds besides its samples' numbers: the
+    :data:`~metastore_plugins.core.records.EIGENBASIS_TENSORS` (float32 eigenvalues under every encoding, the
+    basis step and the mean eigenvalue, 4 bytes each in the shard), with their tensor overheads."""
+    return 4.0 * k * k + 8.0 + len(EIGENBASIS_TENSORS) * TENSOR_OVERHEAD_BYTES
 
 
 def eigenbasis_record(group: Sequence[LayerRecord], basis: EigenBasis) -> LayerRecord:

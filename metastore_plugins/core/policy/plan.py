@@ -27,7 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from metastore_plugins.core.model.pass_sources import PASS_BATCH_BYTES
 from metastore_plugins.core.ops.cost import TENSOR_OVERHEAD_BYTES, exact_sample_bytes, projected_sample_bytes
+from metastore_plugins.core.ops.eigenbasis import basis_batch_bytes
 from metastore_plugins.core.ops.represent import by_layer, shared_layers
 from metastore_plugins.core.policy.budget import (
     AUTO_BYTES_PER_SAMPLE,
@@ -87,6 +89,21 @@ def measure(records: Sequence[LayerRecord], encoding: str, batch_size: int = 0) 
     }
 
 
+def factor_sample_bytes(records: Sequence[LayerRecord]) -> float:
+    """Exact factor bytes a captured sample holds in memory (the batch's records over its samples; 0: none)."""
+    return sum(r.nbytes for r in records) / max(1, records[0].batch_size) if records else 0.0
+
+
+def pass_batches(shape: RunShape, sample_bytes: float) -> int:
+    """Batches of the planned passes, at most: batched like training (32 when unknown), cut where a batch's exact
+    factors would exceed :data:`~metastore_plugins.core.model.pass_sources.PASS_BATCH_BYTES`, a partial batch per
+    split (training and validation)."""
+    size = shape.train_batch_size or 32
+    if sample_bytes > 0:
+        size = min(size, max(1, int(PASS_BATCH_BYTES // sample_bytes)))
+    return shape.passes * (-(-shape.pass_samples // size) + 2)
+
+
 def make_plan(
     records: Sequence[LayerRecord],
     shape: RunShape,
@@ -114,15 +131,23 @@ def make_plan(
         rep, k = rung
         return samples * sum(c.bytes("exact" if layer in tied else rep, k, encoding) for layer, c in costs.items())
 
+    def on_basis(rung: tuple[Representation, int]) -> float:
+        """What the passes' records on the eigenbasis carry per batch and projected layer besides their samples."""
+        rep, k = rung
+        if not shape.passes_on_basis or rep != "projected" or rate_only:
+            return 0.0
+        projected = sum(layer not in tied and c.choice(rep, k, encoding) == "projected" for layer, c in costs.items())
+        return pass_batches(shape, factor_sample_bytes(records)) * projected * basis_batch_bytes(k)
+
     if rate_only:  # no cap: the richest rung within AUTO_BYTES_PER_SAMPLE, a snapshot at every pass
         rest, samples, pass_samples = AUTO_BYTES_PER_SAMPLE, 1, 1
     ladder = LADDER if policy == "auto" else LADDER[:1]
-    rung = next((r for r in ladder if total(r, samples) <= rest), ladder[-1])
+    rung = next((r for r in ladder if total(r, samples) + on_basis(r) <= rest), ladder[-1])
     train_bytes = total(rung, samples - pass_samples)
     # seeded projections pair steps with passes only at one size: a pass then takes the steps' k; passes on the
     # curvature eigenbasis never pair with the steps' seeded projections, so they take the richest rung that fits
     same_k = [r for r in ladder if shape.passes_on_basis or not (r[0] == rung[0] == "projected" and r[1] != rung[1])]
-    pass_rung = next((r for r in same_k if total(r, pass_samples) + train_bytes <= rest), rung)
+    pass_rung = next((r for r in same_k if total(r, pass_samples) + on_basis(r) + train_bytes <= rest), rung)
     k = rung[1] or pass_rung[1] or LADDER[1][1]
     pass_k = pass_rung[1] or k
 
@@ -135,7 +160,7 @@ def make_plan(
         "files": files,
         "snapshots": max(0, snapshots) * shape.snapshot_bytes,
         "training steps": total(rung, shape.train_samples),
-        "checkpoint passes": total(pass_rung, shape.passes * shape.pass_samples),
+        "checkpoint passes": total(pass_rung, shape.passes * shape.pass_samples) + on_basis(pass_rung),
     }
     planned["total"] = sum(planned.values())
     train = layer_map(rung, k)

@@ -24,7 +24,7 @@ from metastore_plugins.core.ops.eigenbasis import EigenBasis, represent_on_bases
 from metastore_plugins.core.ops.represent import represent
 from metastore_plugins.core.ops.sketch import Projections
 from metastore_plugins.core.policy.budget import POLICIES, Budget, Policy, RunShape, usable_bytes
-from metastore_plugins.core.policy.plan import LADDER, make_plan
+from metastore_plugins.core.policy.plan import LADDER, factor_sample_bytes, make_plan
 from metastore_plugins.core.records import REPRESENTATIONS, LayerRecord, Representation
 from metastore_plugins.core.store.encoding import Encoding, encoded_nbytes
 from metastore_plugins.core.store.plan_record import CapturePlan, in_words
@@ -113,9 +113,7 @@ class CapturePolicy:
             self.plan = make_plan(
                 records, self.shape, policy=self.policy, budget=self.budget.given, encoding=self.encoding
             )
-            self.factor_sample_bytes = (
-                sum(r.nbytes for r in records) / max(1, records[0].batch_size) if records else 0.0
-            )
+            self.factor_sample_bytes = factor_sample_bytes(records)
             self._changed()
         part = "train" if capture_point == "train" else "passes"
         if part == "passes" and 0 < self.plan.planned_passes <= self._passes_seen:
