@@ -118,8 +118,11 @@ def test_joined_batches_score_as_the_dense_matrix(
     assert scores.row_ids.tolist() == list(range(sum(TRAIN_SIZES)))
     scale = np.abs(reference).max()
     np.testing.assert_allclose(scores.scores, reference, rtol=1e-5, atol=1e-6 * scale)
-    sizes = {records[0].batch_size for records in calls}
-    assert sizes == ({sum(TRAIN_SIZES)} if max_bytes > 1 else set(TRAIN_SIZES))
+    sizes = [records[0].batch_size for records in calls]  # the first batch alone, then runs within the budget
+    if max_bytes > 1:  # one column chunk: each run against each test batch
+        assert sizes == [n for n in (TRAIN_SIZES[0], sum(TRAIN_SIZES[1:])) for _ in TEST_SIZES]
+    else:  # a column chunk per test batch: every row batch alone against it
+        assert sizes == list(TRAIN_SIZES) * len(TEST_SIZES)
 
 
 def test_joined_and_batch_by_batch_scores_agree_and_stay_within_the_budget(

@@ -91,8 +91,8 @@ def dot_blocks(
     """:func:`dot_matrix` against column batches given chunk by chunk (read here, or received from another process).
 
     Row batches are read once per column chunk. Consecutive row batches with the same records are
-    joined (:meth:`Selection.merged`: at most ``max_bytes / 4`` of records read, and as much again
-    for their joined copy; the columns take the other half): each ``(row run, column batch)`` block
+    joined (:func:`_row_runs`: at most ``max_bytes / 4`` of records read, and as much again for
+    their joined copy; the columns take the other half): each ``(row run, column batch)`` block
     is one :func:`~metastore_plugins.core.ops.total_dots` call, so the products are as large as the
     budget allows. A row's scores depend on the other rows of its run only through float rounding.
     """
@@ -101,7 +101,7 @@ def dot_blocks(
         for col_chunk in col_chunks:
             chunk = [(size, on_device(records, device)) for size, records in col_chunk]
             row_parts = []
-            for run, records in rows.merged(max_bytes // 4):
+            for run, records in _row_runs(rows, max_bytes):
                 records = on_device(records, device)
                 block = torch.cat([ops.total_dots(records, c) for _, c in chunk], 1)  # (n, m_c)
                 row_parts.append((_lr_weighted(block, run) if weighted else block).cpu())
@@ -109,6 +109,15 @@ def dot_blocks(
     if not col_parts:
         return np.zeros((len(rows), 0))
     return torch.cat(col_parts, 1).double().numpy()
+
+
+def _row_runs(rows: Selection, max_bytes: int) -> Iterator[tuple[list[StoredBatch], list[LayerRecord]]]:
+    """The row runs of :func:`dot_blocks`: the first batch alone, then :meth:`Selection.merged` runs of
+    ``max_bytes / 4``. The first products wait only for the first batch's shard (a process's first
+    query reads the next shards meanwhile), not for every shard of a run."""
+    first, rest = replace(rows, batch_rows=rows.batch_rows[:1]), replace(rows, batch_rows=rows.batch_rows[1:])
+    for part in (first, rest):
+        yield from part.merged(max_bytes // 4)
 
 
 def _lr_weighted(block: Tensor, run: Sequence[StoredBatch]) -> Tensor:
