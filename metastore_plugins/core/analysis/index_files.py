@@ -116,6 +116,8 @@ def open_index(
             entry, data = encode_part(piece, part_head, part_key, shard, sha)
             writable = writable and _write(store, entry["file"], data)
             rebuilt.append(entry["file"])
+            if writable:  # read back mapped: an index larger than memory is never held whole
+                piece = load_part(store, entry, head, sha, len(piece[0])) or piece
         pieces.append(piece)
         parts.append(entry or {})
     ids = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros(0, np.int64)
