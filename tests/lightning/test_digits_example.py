@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("tensorboard")
 pytest.importorskip("PIL")
 
+from matplotlib.image import imread  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from metastore_plugins.core.reports.render import as_image, dataset_lookup, outlier_grid, sample_input  # noqa: E402
@@ -55,6 +57,9 @@ def test_digits_example_finds_flipped_labels(tmp_path: Path) -> None:
     assert "metastore/data_map" in images
     grid = events.Images("metastore/outlier_samples")[0]
     assert grid.width >= 8 * 56 and grid.height >= 4 * 56  # 32 thumbnails, 8 a row
+    logged = imread(io.BytesIO(grid.encoded_image_string), format="png")[..., :3]  # the grid as TensorBoard shows it
+    saved = imread(out / "store" / "reports" / "outliers.png")[..., :3]
+    assert logged.shape == saved.shape and np.abs(logged - saved).max() <= 1.5 / 255  # the PNG file's pixels
     assert "metastore/outliers/text_summary" in events.Tags()["tensors"]
 
 

@@ -152,6 +152,24 @@ def test_grids_draw_one_framed_thumbnail_per_sample() -> None:
     assert outlier_grid(rows, lambda split, i: torch.rand(7)) is None  # not images
 
 
+def test_a_figure_drawn_for_its_png_goes_to_tensorboard_as_those_pixels(tmp_path: Path) -> None:
+    """No second drawing: the writer gets the PNG file's pixels through ``add_image``; a figure never drawn, or a
+    writer without ``add_image``, goes through ``add_figure``."""
+    drawn, fresh = scatter_figure(small_table()), scatter_figure(small_table())
+    path = save_png(drawn, tmp_path / "scatter.png")
+    writer = ImageWriter()
+    tags = write_tensorboard(writer, {"outliers": []}, small_table(), figures={"drawn": drawn, "fresh": fresh})
+    assert {"metastore/drawn", "metastore/fresh"} <= set(tags)
+    assert set(writer.images) == {"metastore/drawn"} and set(writer.figures) == {"metastore/fresh"}
+    pixels, formats = writer.images["metastore/drawn"]
+    saved = np.round(imread(path)[..., :3] * 255)  # (H, W, 3) of the PNG file
+    assert formats == "HWC" and pixels.dtype == np.uint8 and pixels.shape == saved.shape
+    assert np.abs(pixels.astype(np.float64) - saved).max() <= 1.0
+    plain = RecordingWriter()  # no add_image: the figure is drawn by the writer
+    write_tensorboard(plain, {"outliers": []}, small_table(), figures={"drawn": drawn})
+    assert set(plain.figures) == {"metastore/drawn"}
+
+
 def test_as_image_takes_pil_images() -> None:
     pil = pytest.importorskip("PIL.Image")
     assert as_image(pil.new("L", (5, 4))).shape == (4, 5, 3)
@@ -170,6 +188,15 @@ class RecordingWriter:
 
     def add_figure(self, tag: str, figure: Figure, step: int | None = None, close: bool = True) -> None:
         self.figures[tag] = figure
+
+
+class ImageWriter(RecordingWriter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.images: dict[str, tuple[np.ndarray, str]] = {}
+
+    def add_image(self, tag: str, image: np.ndarray, step: int | None = None, dataformats: str = "CHW") -> None:
+        self.images[tag] = (image, dataformats)
 
 
 def train_images(directory: Path) -> dict[str, list[tuple[torch.Tensor, int]]]:

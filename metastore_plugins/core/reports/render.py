@@ -80,6 +80,15 @@ def save_png(figure: Figure, path: str | os.PathLike[str]) -> Path:
     return path
 
 
+def drawn_pixels(figure: Figure) -> np.ndarray | None:
+    """``(H, W, 3)`` uint8: the figure as its Agg canvas last drew it (:func:`save_png` draws it), ``None`` if it
+    was never drawn. TensorBoard then gets the pixels of the PNG file instead of a second drawing."""
+    canvas = figure.canvas
+    if getattr(canvas, "renderer", None) is None or not hasattr(canvas, "buffer_rgba"):
+        return None
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
 def _axis_scale(values: np.ndarray) -> str:
     """``log`` when the positive values span two decades or more (``symlog`` if some are <= 0), else ``linear``."""
     if not len(values):

@@ -2,7 +2,8 @@
 
 - markdown tables (outliers, influence) via ``add_text``;
 - self-influence of the training samples per labelled class via ``add_histogram``;
-- figures drawn with matplotlib via ``add_figure``, also saved as PNGs next to the JSON reports:
+- figures drawn with matplotlib, saved as PNGs next to the JSON reports and logged with the pixels of that
+  drawing (``add_image``; ``add_figure`` for a writer without it, or a figure not drawn yet):
   the loss-vs-self-influence scatter (``loss_vs_self_influence.png``), the data map
   (``data_map.png``, :mod:`~.datamap`), the layer x step heatmap of gradient norms
   (``gradient_norms.png``, :mod:`~.dynamics`) and, for image samples, a thumbnail grid of the
@@ -34,7 +35,7 @@ from metastore_plugins.core.reports.datamap import data_map_figure, map_signals
 from metastore_plugins.core.reports.dynamics import GradientMap, heatmap_figure
 from metastore_plugins.core.reports.dynamics import write_dynamics as write_dynamics
 from metastore_plugins.core.reports.files import influence_markdown
-from metastore_plugins.core.reports.render import SampleLookup, outlier_grid, save_png, scatter_figure
+from metastore_plugins.core.reports.render import SampleLookup, drawn_pixels, outlier_grid, save_png, scatter_figure
 from metastore_plugins.core.reports.samples import influence_figures
 from metastore_plugins.core.reports.tables import (
     last_metadata,
@@ -142,7 +143,11 @@ def write_tensorboard(
             scatter = None
         figures = {} if scatter is None else {SCATTER: scatter}
     for name, figure in figures.items():
-        writer.add_figure(f"{prefix}/{name}", figure, step, close=False)  # our figures are not pyplot's to close
+        pixels = drawn_pixels(figure) if callable(getattr(writer, "add_image", None)) else None
+        if pixels is not None:  # drawn for its PNG file: not drawn again
+            writer.add_image(f"{prefix}/{name}", pixels, step, dataformats="HWC")
+        else:
+            writer.add_figure(f"{prefix}/{name}", figure, step, close=False)  # our figures are not pyplot's to close
         tags.append(f"{prefix}/{name}")
     flush = getattr(writer, "flush", None)
     if callable(flush):
