@@ -85,7 +85,8 @@ def test_sample_input_and_grid() -> None:
     )
     rows = [{"rank": r + 1, "sample_id": i, "label": i, "prediction": 0} for r, i in enumerate([4, 1, 2])]
     grid = outlier_grid(rows, lookup, cell=20, columns=2)
-    assert grid is not None and len(grid.axes) == 3 and all(axes.images for axes in grid.axes)  # one image per row
+    assert grid is not None and [a.get_gid() for a in grid.artists] == ["train/4", "train/1", "train/2"]  # a frame
+    assert len(grid.images) == 1  # per row, around its place in the grid's one pixel array
     vectors = dataset_lookup({"train": torch.utils.data.TensorDataset(torch.rand(5, 6), torch.arange(5))})
     assert outlier_grid(rows, vectors) is None  # not images: no grid
     with pytest.warns(UserWarning, match="sample lookup failed"):

@@ -15,6 +15,7 @@ from torch import nn
 
 pytest.importorskip("matplotlib")
 
+from figurecases import cell_pixels  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.image import imread  # noqa: E402
@@ -135,12 +136,17 @@ def test_grids_draw_one_framed_thumbnail_per_sample() -> None:
     rows = [{"rank": r + 1, "sample_id": i, "label": i % 2, "pass_prediction": 0} for r, i in enumerate([4, 1, 2])]
     rows.append({"rank": 4, "sample_id": 3, "label": 1, "pass_prediction": None})  # not in the pass: not framed
     grid = outlier_grid(rows, lookup, cell=20, columns=2)
-    assert isinstance(grid, Figure) and len(grid.axes) == 4
-    framed = [ax for ax in grid.axes if ax.spines["top"].get_edgecolor() == to_rgba(MISMATCH)]
-    assert len(framed) == 1  # sample 1: label 1, prediction 0
-    assert all(ax.images for ax in grid.axes) and grid.texts  # thumbnails and a title
-    captions = [t.get_text() for ax in grid.axes for t in ax.texts]
-    assert captions[0] == "#1 id 4\ny 0 p 0"
+    assert isinstance(grid, Figure) and not grid.axes and len(grid.images) == 1  # the thumbnails: one pixel array
+    frames = [a for a in grid.artists if a.get_gid()]
+    assert [a.get_gid() for a in frames] == ["train/4", "train/1", "train/2", "train/3"]
+    framed = [a.get_gid() for a in frames if a.get_edgecolor() == to_rgba(MISMATCH)]
+    assert framed == ["train/1"]  # sample 1: label 1, prediction 0
+    captions = [t.get_text() for t in grid.texts if t.get_gid()]
+    assert captions[0] == "#1 id 4\ny 0 p 0" and len(captions) == 4 and len(grid.texts) == 5  # and a title
+    for frame in frames:  # each frame holds its sample's image, scaled to the cell
+        sid = int(frame.get_gid().split("/")[1])
+        shown = cell_pixels(grid, frame, 6)[..., 0]  # (6, 6): the thumbnail at the image's pixel centres
+        assert np.array_equal(shown, as_image(images[sid][0])[..., 0]), sid
     row = {
         "test_id": 0,
         "test_label": 1,
@@ -148,7 +154,11 @@ def test_grids_draw_one_framed_thumbnail_per_sample() -> None:
         "proponents": [{"sample_id": 3, "label": 1, "score": 0.5}],
     }
     grid = influence_figure(row, lookup, per_side=2)
-    assert grid is not None and len(grid.axes) == 5 and sum(bool(ax.images) for ax in grid.axes) == 2
+    assert grid is not None and [a.get_gid() for a in grid.artists if a.get_gid()] == ["val/0", "train/3"]
+    assert [t.get_gid() for t in grid.texts if t.get_gid()] == ["val/0", "train/3"]  # two empty cells: no caption
+    assert grid.texts[0].get_text().endswith("scores: exact TracIn")  # a row without a method: TracIn's
+    estimated = influence_figure({**row, "method": "ekfac", "exact": False}, lookup, per_side=2)
+    assert estimated is not None and estimated.texts[0].get_text().endswith("estimated (projected gradients) EK-FAC")
     assert outlier_grid(rows, lambda split, i: torch.rand(7)) is None  # not images
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 pytest.importorskip("matplotlib")
 
+from figurecases import cell_pixels  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from metastore_plugins import StoreWriter, open_store  # noqa: E402
@@ -174,14 +175,15 @@ def test_influence_figures_show_the_datasets_images_for_the_reported_ids(run) ->
     for row in rows:
         tag = f"metastore/influence_samples/val_{row['test_id']}"
         assert (directory / "reports" / f"influence-val_{row['test_id']}.png").is_file()
-        panels = [axes for axes in writer.figures[tag].axes if axes.get_gid()]
+        figure = writer.figures[tag]
+        panels = [frame for frame in figure.artists if frame.get_gid()]
         wanted = [("val", row["test_id"])] + [("train", e["sample_id"]) for e in row["proponents"] + row["opponents"]]
-        assert [axes.get_gid() for axes in panels] == [f"{split}/{sid}" for split, sid in wanted]
-        for axes, (split, sid) in zip(panels, wanted):
+        assert [frame.get_gid() for frame in panels] == [f"{split}/{sid}" for split, sid in wanted]
+        for frame, (split, sid) in zip(panels, wanted):
             pixels = data[split][sid][0][0].double().numpy()  # (4, 4) the dataset's image, read here
             scaled = np.round((pixels - pixels.min()) / (pixels.max() - pixels.min()) * 255)
-            np.testing.assert_array_equal(axes.images[0].get_array()[..., 0], scaled)
-        captions = [t.get_text() for axes in panels[1:] for t in axes.texts]
+            np.testing.assert_array_equal(cell_pixels(figure, frame, 4)[..., 0], scaled)
+        captions = [t.get_text() for t in figure.texts if t.get_gid()][1:]
         scores = [e["score"] for e in row["proponents"] + row["opponents"]]
         assert [float(c.splitlines()[-1]) for c in captions] == pytest.approx(scores, rel=1e-2)
 

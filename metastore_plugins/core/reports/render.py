@@ -243,13 +243,18 @@ def thumbnail_grid(
     columns: int = 8,
     title: str = "",
     highlight: Sequence[bool] | None = None,
+    gids: Sequence[str | None] | None = None,
 ) -> Figure:
     """A Figure with a grid of ``images`` (each ``(h, w, 3)`` uint8, ``None``: an empty cell).
 
-    Each image fills a ``cell`` x ``cell`` pixel box (nearest-neighbour, aspect kept) with its
-    caption lines under it; ``highlight[i]`` frames image ``i`` in red (e.g. label differs
-    from prediction).
+    Each image fills a ``cell`` x ``cell`` pixel box (nearest-neighbour, aspect kept, centred) with its
+    caption lines under it; ``highlight[i]`` frames image ``i`` in red (e.g. label differs from
+    prediction). The thumbnails are one pixel array placed as it is (``figimage``), the frames
+    rectangles and the captions texts, each frame and caption with ``gids[i]`` (e.g. ``"train/17"``):
+    one drawing for the whole grid instead of an axes per thumbnail.
     """
+    from matplotlib.patches import Rectangle
+
     pad, line = 6, 10  # pixels: gap between cells, height of a caption line
     lines = max((len(c) for c in captions), default=0)
     columns = max(1, min(columns, len(images)))
@@ -258,23 +263,43 @@ def thumbnail_grid(
     cell_w, cell_h = cell + pad, cell + lines * line + pad
     width, height = columns * cell_w + pad, top + rows * cell_h
     figure = new_figure(width / DPI, height / DPI)
+    pixels = np.full((height, width, 3), 255, dtype=np.uint8)  # (H, W, 3), row 0 at the top
     if title:
         figure.text(pad / width, 1 - 4 / height, title, ha="left", va="top", fontsize=8)
     for i, (image, caption) in enumerate(zip(images, captions)):
         left, upper = pad + (i % columns) * cell_w, top + (i // columns) * cell_h
-        axes = figure.add_axes((left / width, 1 - (upper + cell) / height, cell / width, cell / height))
-        axes.set_xticks([])
-        axes.set_yticks([])
-        framed = highlight is not None and bool(highlight[i])
-        for spine in axes.spines.values():
-            spine.set_visible(image is not None)
-            spine.set_edgecolor(MISMATCH if framed else "#bbbbbb")
-            spine.set_linewidth(2.0 if framed else 0.6)
+        gid = gids[i] if gids is not None else None
         if image is not None:
-            axes.imshow(image, interpolation="nearest")
+            _place(pixels, image, left, upper, cell)
+            framed = highlight is not None and bool(highlight[i])
+            box = Rectangle(
+                (left / width, 1 - (upper + cell) / height),
+                cell / width,
+                cell / height,
+                transform=figure.transFigure,
+                fill=False,
+                edgecolor=MISMATCH if framed else "#bbbbbb",
+                linewidth=2.0 if framed else 0.6,
+                gid=gid,
+            )
+            figure.add_artist(box)
         if any(caption):
-            axes.text(0.5, -0.04, "\n".join(caption), transform=axes.transAxes, ha="center", va="top", fontsize=6.5)
+            x, y = (left + cell / 2) / width, 1 - (upper + 1.04 * cell) / height
+            figure.text(x, y, "\n".join(caption), ha="center", va="top", fontsize=6.5, gid=gid)
+    figure.figimage(pixels, xo=0, yo=0, origin="upper")
     return figure
+
+
+def _place(pixels: np.ndarray, image: np.ndarray, left: int, upper: int, cell: int) -> None:
+    """Write ``image`` ``(h, w, 3)`` into ``pixels`` scaled to fit the ``cell`` box at ``(left, upper)``: nearest
+    neighbour, aspect kept, centred (as ``imshow`` in a square axes shows it)."""
+    h, w = image.shape[:2]
+    scale = cell / max(h, w)
+    out_h, out_w = max(1, round(h * scale)), max(1, round(w * scale))
+    rows = ((np.arange(out_h) + 0.5) * h / out_h).astype(int)  # (out_h,) source row of each pixel row
+    cols = ((np.arange(out_w) + 0.5) * w / out_w).astype(int)  # (out_w,)
+    y0, x0 = upper + (cell - out_h) // 2, left + (cell - out_w) // 2
+    pixels[y0 : y0 + out_h, x0 : x0 + out_w] = image[rows][:, cols]
 
 
 def outlier_grid(
@@ -294,6 +319,7 @@ def outlier_grid(
     images: list[np.ndarray | None] = []
     captions: list[list[str]] = []
     frames: list[bool] = []
+    gids: list[str | None] = []
     for row in rows[:limit]:
         image = lookup_image(lookup, split, int(row["sample_id"]))
         if image is None:
@@ -301,6 +327,7 @@ def outlier_grid(
                 return None  # not image data: no grid
             continue
         images.append(image)
+        gids.append(f"{split}/{row['sample_id']}")
         captions.append(
             [
                 f"#{row.get('rank', len(images))} id {row['sample_id']}",
@@ -317,6 +344,7 @@ def outlier_grid(
         cell=cell,
         columns=columns,
         highlight=frames,
+        gids=gids,
         title="top outlier training samples (y: label, p: prediction at the last pass; red: y != p)",
     )
 

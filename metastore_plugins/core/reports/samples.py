@@ -2,7 +2,7 @@
 
 - :func:`influence_figures`: for image data, one figure per test sample of the influence
   report: the test image beside its top proponents (+) and opponents (-), each with its id,
-  label and score. Each panel's axes carry the gid ``"{split}/{sample id}"``.
+  label and score. Each panel's frame and caption carry the gid ``"{split}/{sample id}"``.
 - :func:`renderers`: a user's ``sample_renderer(split, sample id)`` returning text (shown in
   the tables) or an image (drawn in the figures) becomes the report's text renderer and
   sample lookup.
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from metastore_plugins.core.reports.influence_method import METHOD_NAMES
 from metastore_plugins.core.reports.render import SampleLookup, lookup_image, short_label, thumbnail_grid
 
 if TYPE_CHECKING:
@@ -33,9 +34,10 @@ SampleRenderer = Callable[[str, int], Any]
 TextRenderer = Callable[[str, int], "str | None"]
 
 
-def score_words(exact: bool) -> str:
-    """How a row's scores were computed, in the reports' words."""
-    return "exact TracIn" if exact else "estimates (projected gradients)"
+def score_words(row: Mapping[str, Any]) -> str:
+    """How an influence row's scores were computed, in the reports' words: its method, and whether exact."""
+    method = METHOD_NAMES.get(row.get("method", "tracin"), str(row.get("method")))
+    return f"{'exact' if row.get('exact', True) else 'estimated (projected gradients)'} {method}"
 
 
 def influence_figure(
@@ -72,13 +74,12 @@ def influence_figure(
         cell=cell,
         columns=len(images),
         highlight=[label is not None and predicted is not None and label != predicted] + [False] * (len(images) - 1),
+        gids=gids,
         title=(
             f"{test_split} sample {test_id} (y {label}, p {predicted}) | {per_side} proponents (+) | "
-            f"{per_side} opponents (-); scores: {score_words(bool(row.get('exact', True)))}"
+            f"{per_side} opponents (-); scores: {score_words(row)}"
         ),
     )
-    for axes, gid in zip(figure.axes, gids):
-        axes.set_gid(gid)
     return figure
 
 
