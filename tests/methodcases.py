@@ -23,9 +23,9 @@ N_TRAIN, N_VAL = 16, 6
 TRAIN, VAL = ["epoch-0/train", "epoch-1/train"], ["epoch-0/val", "epoch-1/val"]
 
 
-def write_passes(path: Path, projected: bool = False, eigenbasis: bool = False) -> Path:
+def write_passes(path: Path, projected: bool = False, eigenbasis: bool = False, shards: bool = False) -> Path:
     """The store at ``path``; train ids ``0..15``, val ids ``100..105``; ``projected``: ``2 x 2`` projections,
-    seeded, or on the eigenbasis with ``eigenbasis``."""
+    seeded, or on the eigenbasis with ``eigenbasis``; ``shards``: each pass in a shard of its own."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
@@ -48,6 +48,8 @@ def write_passes(path: Path, projected: bool = False, eigenbasis: bool = False) 
                         records = represent(records, {"0": "projected", "2": "projected"}, 2, 2)
                     point = f"epoch-{epoch}/{split}"
                     writer.write(records, sample_ids=ids[rows], step=epoch, capture_point=point, labels=y[rows])
+                    if shards:
+                        writer.flush()
                     model.zero_grad()
                 with torch.no_grad():
                     for p in model.parameters():
