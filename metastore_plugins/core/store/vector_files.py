@@ -2,7 +2,9 @@
 
 One index per (capture point, sketch ``dim``, seed, layers in order), named by a hash of them:
 
-- ``manifest-{key}.json``: one line, the manifest's compact JSON, a space, its CRC-32 (8 hex digits)
+- ``manifest-{key}.json`` (a rank's index over its own shards: ``"shards"``, the sha256 of their names, in
+  its head and its key; its parts are the whole index's files): one line, the manifest's compact JSON, a
+  space, its CRC-32 (8 hex digits)
   and ``\\n``; replaced whole (atomically) after each build. It lists the index's **parts**, one
   per shard holding batches of the capture point: ``{"file", "shard", "shard_sha256", "rows",
   "sha256"}``, and the **search structure** ``"ann"`` (``null`` for a flat index):
