@@ -72,7 +72,7 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
 
 
 def _vector_index_lines(store: GradientStore) -> list[str]:
-    """The kept nearest-gradient indexes: capture point, rows, width, type (flat, or IVF and its parameters)."""
+    """The kept nearest-gradient indexes: capture point, rows, width, type (flat, IVF or reduced, with parameters)."""
     lines = vector_files.check(store.path, {entry.file: entry.sha256 for entry in store.index.shards}, False)[1]
     if not lines:
         return ["vector index: none (`metastore influence|similar --index build` builds one)"]
