@@ -86,7 +86,7 @@ def join_records(batches: list[list[LayerRecord]]) -> list[LayerRecord]:
 
 
 #: Shards read ahead of the one in use (0: none), while they fit in the read cache's allowance with it.
-READ_AHEAD = 2
+READ_AHEAD = 4  # a run of joined batches (influence's rows) spans 2-3 shards: read the next run's meanwhile
 
 
 class ReadAhead:
