@@ -104,8 +104,9 @@ class VectorIndex:
     def weighted(self) -> np.ndarray:
         """``(N, D)`` ``lr_i * vector_i``: inner products with a test sketch are sketched TracIn scores (kept)."""
         if self._weighted is None:
+            vectors = np.asarray(self.vectors)  # (N, D): a RowStack's rows read whole
             same = bool(np.all(self.lr == 1.0))
-            self._weighted = self.vectors if same else (self.vectors * self.lr[:, None]).astype(np.float32)
+            self._weighted = vectors if same else (vectors * self.lr[:, None]).astype(np.float32)
         return self._weighted
 
     def weighted_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -192,7 +193,12 @@ def principal_directions(sample: np.ndarray, count: int) -> np.ndarray:
 
 
 def build_reduced(
-    vectors: np.ndarray, lr: np.ndarray, plan: Plan, faiss: Any, sample: int = 1 << 15, block: int = 1 << 14
+    vectors: np.ndarray | RowStack,
+    lr: np.ndarray,
+    plan: Plan,
+    faiss: Any,
+    sample: int = 1 << 15,
+    block: int = 1 << 14,
 ) -> Any:
     """A FAISS index (``IndexPreTransform``: projection on ``plan.reduced`` :func:`principal_directions` of ``sample``
     seeded rows, then ``IndexFlatIP``) whose search gives the rows of largest ``<(lr_i v_i) P, q P>``: the

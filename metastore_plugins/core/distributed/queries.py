@@ -11,7 +11,8 @@ top-k instead of its scores. A :class:`~.store.DistributedStore` runs every quer
 Results equal the single-process query's, in the same order. The sketches are computed by the
 same op calls on the same blocks (bitwise identical on one device). Influence, similarity, norms
 and self-influence group consecutive batches per op call (``Selection.merged``) and a rank's
-groups differ from one process's: they agree to float rounding (relative 1e-6 in float32). Without a process group they run in this process.
+groups differ from one process's: they agree to float rounding (relative 1e-6 in float32). Without a
+process group they run in this process.
 """
 
 from __future__ import annotations

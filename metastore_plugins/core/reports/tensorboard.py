@@ -143,9 +143,10 @@ def write_tensorboard(
             scatter = None
         figures = {} if scatter is None else {SCATTER: scatter}
     for name, figure in figures.items():
-        pixels = drawn_pixels(figure) if callable(getattr(writer, "add_image", None)) else None
-        if pixels is not None:  # drawn for its PNG file: not drawn again
-            writer.add_image(f"{prefix}/{name}", pixels, step, dataformats="HWC")
+        add_image = getattr(writer, "add_image", None)  # SummaryWriter's; not every writer-like object has it
+        pixels = drawn_pixels(figure) if callable(add_image) else None
+        if add_image is not None and pixels is not None:  # drawn for its PNG file: not drawn again
+            add_image(f"{prefix}/{name}", pixels, step, dataformats="HWC")
         else:
             writer.add_figure(f"{prefix}/{name}", figure, step, close=False)  # our figures are not pyplot's to close
         tags.append(f"{prefix}/{name}")

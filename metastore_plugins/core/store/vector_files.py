@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import stat
@@ -314,7 +315,7 @@ def _file_problem(store_dir: Path, entry: dict[str, Any]) -> str | None:
     return part_binding_problem(data, entry) if "shard" in entry else None
 
 
-def part_binding_problem(data: bytes, entry: dict[str, Any]) -> str | None:
+def part_binding_problem(data: bytes | mmap.mmap, entry: dict[str, Any]) -> str | None:
     """Why a part's bytes (sound: their sha256 checked) are not the part of the shard its entry names, or None.
 
     A part records its shard's name and sha256 in its safetensors metadata: a manifest (CRC intact) that
