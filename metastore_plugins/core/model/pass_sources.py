@@ -20,12 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from metastore_plugins.core.model.sample_ids import SAMPLE_ID_KEYS, SampleIdError, take_sample_ids, unwrap_dataset
-
-#: The most bytes of exact factors (float32, as captured) one checkpoint-pass batch holds before the plan keeps them:
-#: a pass batch is cut to ``PASS_BATCH_BYTES / (factor bytes per sample)`` samples (the MiniLM example's batches of
-#: 32 training and 64 validation reviews, about 2.4 MB each, become batches of 27). Per-sample gradients do not
-#: depend on the batch; a smaller one costs only more, smaller products.
-PASS_BATCH_BYTES = 64 * 2**20
+from metastore_plugins.core.ops.cost import PASS_BATCH_BYTES, pass_batch_size
 
 
 @dataclass(frozen=True)
@@ -171,9 +166,8 @@ def dataset_size(dataset: Any) -> int | None:
 
 
 def within_memory(sources: Sequence[PassSource], sample_bytes: float, max_bytes: int | None = None) -> list[PassSource]:
-    """``sources`` with batches of at most ``max_bytes / sample_bytes`` samples (:data:`PASS_BATCH_BYTES` by
-    default; as given while ``sample_bytes``, the exact factor bytes a captured sample holds, is not measured: 0)."""
-    if sample_bytes <= 0:
-        return list(sources)
-    most = max(1, int((PASS_BATCH_BYTES if max_bytes is None else max_bytes) // sample_bytes))
-    return [replace(source, batch_size=min(source.batch_size, most)) for source in sources]
+    """``sources`` with batches of at most ``max_bytes / sample_bytes`` samples
+    (:data:`~metastore_plugins.core.ops.cost.PASS_BATCH_BYTES` by default; as given while ``sample_bytes``, the
+    exact factor bytes a captured sample holds, is not measured: 0)."""
+    most = PASS_BATCH_BYTES if max_bytes is None else max_bytes
+    return [replace(source, batch_size=pass_batch_size(source.batch_size, sample_bytes, most)) for source in sources]

@@ -211,6 +211,21 @@ def plan_norms(record: LayerRecord, params: Collection[str] | None = None, metho
 
 # -- bytes: what each representation of a layer costs in the store ------------------------------
 
+#: The most bytes of exact factors (float32, as captured) one checkpoint-pass batch holds before the plan keeps them:
+#: a pass batch is cut to ``PASS_BATCH_BYTES / (factor bytes per sample)`` samples (the MiniLM example's batches of
+#: 32 training and 64 validation reviews, about 2.4 MB each, become batches of 27). Per-sample gradients do not
+#: depend on the batch; a smaller one costs only more, smaller products.
+PASS_BATCH_BYTES = 64 * 2**20
+
+
+def pass_batch_size(batch_size: int, sample_bytes: float, max_bytes: float = PASS_BATCH_BYTES) -> int:
+    """A checkpoint-pass batch of ``batch_size`` cut to what ``max_bytes`` of exact factors hold, at
+    ``sample_bytes`` per sample (as given while that is not measured: 0)."""
+    if sample_bytes <= 0:
+        return batch_size
+    return min(batch_size, max(1, int(max_bytes // sample_bytes)))
+
+
 #: Bytes a shard spends per stored tensor besides its data (safetensors header entry, index columns).
 TENSOR_OVERHEAD_BYTES = 160
 #: Bytes per stored sample of the metadata every batch keeps, twice: in its shard (id, label and prediction

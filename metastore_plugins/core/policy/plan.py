@@ -27,8 +27,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from metastore_plugins.core.model.pass_sources import PASS_BATCH_BYTES
-from metastore_plugins.core.ops.cost import TENSOR_OVERHEAD_BYTES, exact_sample_bytes, projected_sample_bytes
+from metastore_plugins.core.ops.cost import (
+    TENSOR_OVERHEAD_BYTES,
+    exact_sample_bytes,
+    pass_batch_size,
+    projected_sample_bytes,
+)
 from metastore_plugins.core.ops.eigenbasis import basis_batch_bytes
 from metastore_plugins.core.ops.represent import by_layer, shared_layers
 from metastore_plugins.core.policy.budget import (
@@ -96,11 +100,9 @@ def factor_sample_bytes(records: Sequence[LayerRecord]) -> float:
 
 def pass_batches(shape: RunShape, sample_bytes: float) -> int:
     """Batches of the planned passes, at most: batched like training (32 when unknown), cut where a batch's exact
-    factors would exceed :data:`~metastore_plugins.core.model.pass_sources.PASS_BATCH_BYTES`, a partial batch per
+    factors would exceed :data:`~metastore_plugins.core.ops.cost.PASS_BATCH_BYTES`, a partial batch per
     split (training and validation)."""
-    size = shape.train_batch_size or 32
-    if sample_bytes > 0:
-        size = min(size, max(1, int(PASS_BATCH_BYTES // sample_bytes)))
+    size = pass_batch_size(shape.train_batch_size or 32, sample_bytes)
     return shape.passes * (-(-shape.pass_samples // size) + 2)
 
 
