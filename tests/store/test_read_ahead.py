@@ -33,6 +33,7 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, str]]]:
     note = lambda *args: seen.append((args[2].name, threading.current_thread().name)) or read(*args)  # noqa: E731
     monkeypatch.setattr(readcache, "read_opened", note)
     monkeypatch.setattr(batches, "MAX_OPEN_BYTES", 1)  # a store keeps only the shard it just used
+    monkeypatch.setattr(selection, "READ_AHEAD", 4)  # off by default (see its comment): on here
     readcache.SHARDS.clear()
     yield seen
     readcache.SHARDS.clear()

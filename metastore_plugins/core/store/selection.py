@@ -86,7 +86,10 @@ def join_records(batches: list[list[LayerRecord]]) -> list[LayerRecord]:
 
 
 #: Shards read ahead of the one in use (0: none), while they fit in the read cache's allowance with it.
-READ_AHEAD = 4  # a run of joined batches (influence's rows) spans 2-3 shards: read the next run's meanwhile
+#: Off: with it on (4), one rank of a two-process DDP run aborted at exit ("terminate called without an active
+#: exception") in about one run in four (tests/hf/test_hf_ddp.py), none in 8 with it off; a run of joined batches
+#: (influence's rows) spans 2-3 shards, and 4 read the next run's meanwhile (docs/benchmarks.md, issue 35).
+READ_AHEAD = 0
 
 
 class ReadAhead:
