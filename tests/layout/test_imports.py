@@ -113,7 +113,7 @@ def test_no_import_cycle() -> None:
 DEPRECATED_PATHS = ("core.passes", "core.rng", "core.options", "core.capture.records", "core.analysis.recompute")
 
 LAYERS: list[tuple[str, ...]] = [
-    ("core.errors", "core._moved", "core.process_group"),
+    ("core.errors", "core._moved", "core.process_group", "core.heap"),
     ("core.records", "core.progress"),
     ("core.capture", "core.store"),
     ("core.ops",),

@@ -27,6 +27,7 @@ from metastore_plugins.core.analysis.methods import AUTO
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import DistributedQueryError
+from metastore_plugins.core.heap import large_blocks_mapped
 from metastore_plugins.core.model.rng import preserved_rng
 from metastore_plugins.core.reports import RenderFn, report_tables, write_tables
 from metastore_plugins.core.reports.dynamics import dynamics_norms, gradient_map, write_dynamics
@@ -254,7 +255,7 @@ def build_reports(
         sources = {**sources, "render": text, "samples": lookup}
     started = time.perf_counter()
     try:
-        with preserved_rng(), SHARDS.within(REPORT_CACHE_BYTES):  # emptied after: the trainer keeps no shard bytes
+        with preserved_rng(), SHARDS.within(REPORT_CACHE_BYTES), large_blocks_mapped():  # no shard bytes kept after
             result = report_run(
                 report_store(store_dir),
                 store_dir / "reports",

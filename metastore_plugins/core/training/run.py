@@ -32,6 +32,7 @@ from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_config, batch_mixed_lines
 from metastore_plugins.core.capture.layers.generic import generic_rule_lines
 from metastore_plugins.core.capture.session import LossReduction
+from metastore_plugins.core.heap import large_blocks_mapped
 from metastore_plugins.core.model.losses import (
     BatchLoss,
     LabelsFn,
@@ -330,23 +331,24 @@ class RunCapture:
         self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
         sources = within_memory(sources, self.policy.factor_sample_bytes)  # batches whose factors fit PASS_BATCH_BYTES
         fitted_on = training_source(sources) if self.basis_samples and self.policy.projects_passes() else None
-        if fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
-            fitting = time.perf_counter()
-            fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
-                           step=step, context=context, samples=self.basis_samples)  # fmt: skip
-            self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
-        for source in sources:
-            batches = source.batches(rank, world_size)
-            self.checkpoint_pass(
-                model,
-                ((ids, to_device(batch)) for ids, batch in batches),
-                loss_of,
-                capture_point=f"{name}/{source.split}",
-                step=step,
-                epoch=epoch,
-                lr=weight,
-                context=context,
-            )
+        with large_blocks_mapped():  # the pass's temporaries leave no holes in the heap for the steps
+            if fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
+                fitting = time.perf_counter()
+                fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
+                               step=step, context=context, samples=self.basis_samples)  # fmt: skip
+                self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
+            for source in sources:
+                batches = source.batches(rank, world_size)
+                self.checkpoint_pass(
+                    model,
+                    ((ids, to_device(batch)) for ids, batch in batches),
+                    loss_of,
+                    capture_point=f"{name}/{source.split}",
+                    step=step,
+                    epoch=epoch,
+                    lr=weight,
+                    context=context,
+                )
         self.seconds["passes"] += time.perf_counter() - started
 
     # -- plan, tags and snapshots ----------------------------------------------------------
