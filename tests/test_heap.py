@@ -73,8 +73,8 @@ def test_nothing_changes_where_the_user_set_the_threshold(monkeypatch: pytest.Mo
     assert calls == []
     monkeypatch.delenv(heap.USER_SETTING)
     with heap.large_blocks_mapped():
-        assert calls == [("mallopt", heap.M_MMAP_THRESHOLD, heap.LARGE_BLOCK_BYTES)]
-    assert calls[1:] == [("mallopt", heap.M_MMAP_THRESHOLD, heap.AFTER_BYTES), ("malloc_trim", 0, 0)]
+        assert calls == [("mallopt", heap.M_MMAP_THRESHOLD, heap.LARGE_BLOCK_BYTES), ("malloc_trim", 0, 0)]
+    assert calls[2:] == [("mallopt", heap.M_MMAP_THRESHOLD, heap.AFTER_BYTES), ("malloc_trim", 0, 0)]
 
 
 def test_nothing_changes_without_glibc(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,8 +13,8 @@ callback).
 
 Inside :func:`large_blocks_mapped` the threshold is fixed at :data:`LARGE_BLOCK_BYTES`: blocks that
 large reuse the heap's holes or get their own mapping, and never grow the heap. On leaving it is fixed at
-:data:`AFTER_BYTES` (the ceiling of the dynamic threshold, where a long run's threshold ends up) and the
-heap's free pages are given back (``malloc_trim``). Where ``mallopt`` is missing (macOS, Windows, musl)
+:data:`AFTER_BYTES` (the ceiling of the dynamic threshold, where a long run's threshold ends up). The
+heap's free pages are given back (``malloc_trim``) on entering and on leaving. Where ``mallopt`` is missing (macOS, Windows, musl)
 or the user chose the threshold (``MALLOC_MMAP_THRESHOLD_`` set), nothing changes.
 """
 
@@ -64,6 +64,7 @@ def large_blocks_mapped(threshold: int = LARGE_BLOCK_BYTES) -> Iterator[None]:
         yield
         return
     libc.mallopt(M_MMAP_THRESHOLD, int(threshold))
+    libc.malloc_trim(0)  # the free pages the steps left in the heap, before the block adds its own
     try:
         yield
     finally:
