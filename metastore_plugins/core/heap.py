@@ -14,14 +14,14 @@ callback).
 Inside :func:`large_blocks_mapped` the threshold is fixed at :data:`LARGE_BLOCK_BYTES`: blocks that
 large reuse the heap's holes or get their own mapping, and never grow the heap. On leaving it is fixed at
 :data:`AFTER_BYTES` (the ceiling of the dynamic threshold, where a long run's threshold ends up). The
-heap's free pages are given back (``malloc_trim``) on entering and on leaving. Where ``mallopt`` is missing (macOS, Windows, musl)
-or the user chose the threshold (``MALLOC_MMAP_THRESHOLD_`` set), nothing changes.
+heap's free pages are given back (``malloc_trim``) on entering and on leaving. Where ``mallopt`` is
+missing (macOS, Windows, musl) or the user chose the threshold (``MALLOC_MMAP_THRESHOLD_`` set),
+nothing changes.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,10 +41,9 @@ USER_SETTING = "MALLOC_MMAP_THRESHOLD_"
 
 @cache
 def _glibc() -> ctypes.CDLL | None:
-    """The C library when it has glibc's ``mallopt`` and ``malloc_trim``, else None."""
-    name = ctypes.util.find_library("c")
+    """The process's C library when it has glibc's ``mallopt`` and ``malloc_trim``, else None."""
     try:
-        libc = ctypes.CDLL(name or None)
+        libc = ctypes.CDLL(None)  # the symbols the process has loaded: the C library's among them
         libc.mallopt, libc.malloc_trim  # noqa: B018 - both must be there
     except (OSError, AttributeError):
         return None
