@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 
-#: The mmap threshold inside :func:`large_blocks_mapped` (16 MiB: peak 1.42-1.45x the run without the callback
+#: The mmap threshold inside :func:`large_blocks_mapped` (16 MiB: peak 1.42-1.44x the run without the callback
 #: on the MiniLM example, at no measurable cost in time; 8 MiB and 4 MiB lowered the peak a little more
 #: and cost seconds of page faults; docs/benchmarks.md).
 LARGE_BLOCK_BYTES = 16 * 2**20
@@ -45,7 +45,7 @@ def _glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(None)  # the symbols the process has loaded: the C library's among them
         libc.mallopt, libc.malloc_trim  # noqa: B018 - both must be there
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: no CDLL(None) on Windows
         return None
     return libc
 
