@@ -19,7 +19,8 @@ pytest.importorskip("PIL")
 from matplotlib.image import imread  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from metastore_plugins.core.reports.render import as_image, dataset_lookup, outlier_grid, sample_input  # noqa: E402
+from metastore_plugins.core.reports.render import as_image, dataset_lookup, sample_input  # noqa: E402
+from metastore_plugins.core.reports.thumbnails import outlier_grid  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--train-size", "600", "--epochs", "3"]  # measured: 52 of the 60 flipped labels in the top 10% (87%)

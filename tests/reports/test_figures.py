@@ -22,14 +22,13 @@ from matplotlib.image import imread  # noqa: E402
 
 from metastore_plugins import StoreWriter  # noqa: E402
 from metastore_plugins.core.reports.render import (  # noqa: E402
-    MISMATCH,
     as_image,
-    outlier_grid,
     save_png,
     scatter_figure,
 )
 from metastore_plugins.core.reports.samples import influence_figure  # noqa: E402
 from metastore_plugins.core.reports.tensorboard import write_tensorboard  # noqa: E402
+from metastore_plugins.core.reports.thumbnails import MISMATCH, outlier_grid  # noqa: E402
 from metastore_plugins.core.training.passes import capture_step, checkpoint_pass  # noqa: E402
 from metastore_plugins.core.training.report_pass import report_run  # noqa: E402
 

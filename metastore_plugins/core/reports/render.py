@@ -1,4 +1,4 @@
-"""The report figures, drawn with matplotlib: the loss-vs-self-influence scatter and thumbnail grids.
+"""The report figures, drawn with matplotlib: the loss-vs-self-influence scatter, and the sample images.
 
 Every figure is a ``matplotlib.figure.Figure`` on the non-interactive Agg canvas, made without
 ``pyplot`` (no global figure registry, no display, safe off the main thread): log it with
@@ -6,6 +6,8 @@ Every figure is a ``matplotlib.figure.Figure`` on the non-interactive Agg canvas
 when a figure is drawn; without it these functions raise ``ImportError`` naming the extra
 to install (:func:`~metastore_plugins.core.reports.tensorboard.report_run` then skips the
 figures with a warning and writes everything else).
+
+Thumbnail grids of the samples are in :mod:`.thumbnails`.
 
 A *sample lookup* ``(split, sample id) -> item`` returns the dataset item behind a sample id
 (``"train"`` or ``"val"``), e.g. ``lambda split, i: train_set[i]``. Items may be ``(x, y, ...)``
@@ -16,8 +18,6 @@ images; reshape them in the dataset (and flatten in the model) to have them draw
 
 Example::
 
-    figure = outlier_grid(report["outliers"], lambda split, i: digits[i])   # a Figure, or None
-    save_png(figure, "outliers.png")
     figure = scatter_figure(table, flagged=[row["sample_id"] for row in report["outliers"]])
     writer.add_figure("metastore/loss_vs_self_influence", figure, 0)
 """
@@ -28,7 +28,7 @@ import io
 import os
 import sys
 import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -46,8 +46,6 @@ INPUT_KEYS = ("pixel_values", "image", "images", "img", "x", "input", "inputs")
 MAX_SIDE = 256
 #: pixels per inch of every figure: sizes given in pixels (``cell``) are pixels of the PNG
 DPI = 100
-#: the frame colour of thumbnails whose label differs from the prediction
-MISMATCH = "#d62728"
 #: legend entries up to this many classes; more classes get a colour bar instead
 MAX_LEGEND_CLASSES = 20
 
@@ -235,120 +233,6 @@ def as_image(value: Any) -> np.ndarray | None:
     return (scaled * 255.0).round().astype(np.uint8)
 
 
-def thumbnail_grid(
-    images: Sequence[np.ndarray | None],
-    captions: Sequence[Sequence[str]],
-    *,
-    cell: int = 56,
-    columns: int = 8,
-    title: str = "",
-    highlight: Sequence[bool] | None = None,
-    gids: Sequence[str | None] | None = None,
-) -> Figure:
-    """A Figure with a grid of ``images`` (each ``(h, w, 3)`` uint8, ``None``: an empty cell).
-
-    Each image fills a ``cell`` x ``cell`` pixel box (nearest-neighbour, aspect kept, centred) with its
-    caption lines under it; ``highlight[i]`` frames image ``i`` in red (e.g. label differs from
-    prediction). The thumbnails are one pixel array placed as it is (``figimage``), the frames
-    rectangles and the captions texts, each frame and caption with ``gids[i]`` (e.g. ``"train/17"``):
-    one drawing for the whole grid instead of an axes per thumbnail.
-    """
-    from matplotlib.patches import Rectangle
-
-    pad, line = 6, 10  # pixels: gap between cells, height of a caption line
-    lines = max((len(c) for c in captions), default=0)
-    columns = max(1, min(columns, len(images)))
-    rows = max(1, (len(images) + columns - 1) // columns)
-    top = 22 if title else pad
-    cell_w, cell_h = cell + pad, cell + lines * line + pad
-    width, height = columns * cell_w + pad, top + rows * cell_h
-    figure = new_figure(width / DPI, height / DPI)
-    pixels = np.full((height, width, 3), 255, dtype=np.uint8)  # (H, W, 3), row 0 at the top
-    if title:
-        figure.text(pad / width, 1 - 4 / height, title, ha="left", va="top", fontsize=8)
-    for i, (image, caption) in enumerate(zip(images, captions)):
-        left, upper = pad + (i % columns) * cell_w, top + (i // columns) * cell_h
-        gid = gids[i] if gids is not None else None
-        if image is not None:
-            _place(pixels, image, left, upper, cell)
-            framed = highlight is not None and bool(highlight[i])
-            box = Rectangle(
-                (left / width, 1 - (upper + cell) / height),
-                cell / width,
-                cell / height,
-                transform=figure.transFigure,
-                fill=False,
-                edgecolor=MISMATCH if framed else "#bbbbbb",
-                linewidth=2.0 if framed else 0.6,
-                gid=gid,
-            )
-            figure.add_artist(box)
-        if any(caption):
-            x, y = (left + cell / 2) / width, 1 - (upper + 1.04 * cell) / height
-            figure.text(x, y, "\n".join(caption), ha="center", va="top", fontsize=6.5, gid=gid)
-    figure.figimage(pixels, xo=0, yo=0, origin="upper")
-    return figure
-
-
-def _place(pixels: np.ndarray, image: np.ndarray, left: int, upper: int, cell: int) -> None:
-    """Write ``image`` ``(h, w, 3)`` into ``pixels`` scaled to fit the ``cell`` box at ``(left, upper)``: nearest
-    neighbour, aspect kept, centred (as ``imshow`` in a square axes shows it)."""
-    h, w = image.shape[:2]
-    scale = cell / max(h, w)
-    out_h, out_w = max(1, round(h * scale)), max(1, round(w * scale))
-    rows = ((np.arange(out_h) + 0.5) * h / out_h).astype(int)  # (out_h,) source row of each pixel row
-    cols = ((np.arange(out_w) + 0.5) * w / out_w).astype(int)  # (out_w,)
-    y0, x0 = upper + (cell - out_h) // 2, left + (cell - out_w) // 2
-    pixels[y0 : y0 + out_h, x0 : x0 + out_w] = image[rows][:, cols]
-
-
-def outlier_grid(
-    rows: Sequence[Mapping[str, Any]],
-    lookup: SampleLookup,
-    *,
-    split: str = "train",
-    limit: int = 32,
-    cell: int = 56,
-    columns: int = 8,
-) -> Figure | None:
-    """Thumbnails of the top outlier rows with ``#rank id``, ``y label p prediction``; ``None`` if they are not images.
-
-    The prediction is the one at the last checkpoint pass (``pass_prediction``; ``None`` for a sample
-    it does not hold); rows whose label differs from it are framed in red.
-    """
-    images: list[np.ndarray | None] = []
-    captions: list[list[str]] = []
-    frames: list[bool] = []
-    gids: list[str | None] = []
-    for row in rows[:limit]:
-        image = lookup_image(lookup, split, int(row["sample_id"]))
-        if image is None:
-            if not images:
-                return None  # not image data: no grid
-            continue
-        images.append(image)
-        gids.append(f"{split}/{row['sample_id']}")
-        captions.append(
-            [
-                f"#{row.get('rank', len(images))} id {row['sample_id']}",
-                f"y {short_label(row.get('label'))} p {short_label(row.get('pass_prediction'))}",
-            ]
-        )
-        predicted = row.get("pass_prediction")  # None: not in the last pass, nothing to compare
-        frames.append(predicted is not None and row.get("label") != predicted)
-    if not images:
-        return None
-    return thumbnail_grid(
-        images,
-        captions,
-        cell=cell,
-        columns=columns,
-        highlight=frames,
-        gids=gids,
-        title="top outlier training samples (y: label, p: prediction at the last pass; red: y != p)",
-    )
-
-
 def dataset_lookup(datasets: Mapping[str, Any]) -> SampleLookup | None:
     """A lookup over map-style datasets per split (``IndexedDataset`` unwrapped); ``None`` when there is none.
 
@@ -396,10 +280,8 @@ __all__ = [
     "dataset_lookup",
     "lookup_image",
     "new_figure",
-    "outlier_grid",
     "sample_input",
     "save_png",
     "scatter_figure",
     "short_label",
-    "thumbnail_grid",
 ]

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from metastore_plugins.core.reports.influence_method import METHOD_NAMES
-from metastore_plugins.core.reports.render import SampleLookup, lookup_image, short_label, thumbnail_grid
+from metastore_plugins.core.reports.render import SampleLookup, lookup_image, short_label
+from metastore_plugins.core.reports.thumbnails import thumbnail_grid
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

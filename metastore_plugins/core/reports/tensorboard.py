@@ -35,13 +35,14 @@ from metastore_plugins.core.reports.datamap import data_map_figure, map_signals
 from metastore_plugins.core.reports.dynamics import GradientMap, heatmap_figure
 from metastore_plugins.core.reports.dynamics import write_dynamics as write_dynamics
 from metastore_plugins.core.reports.files import influence_markdown
-from metastore_plugins.core.reports.render import SampleLookup, drawn_pixels, outlier_grid, save_png, scatter_figure
+from metastore_plugins.core.reports.render import SampleLookup, drawn_pixels, save_png, scatter_figure
 from metastore_plugins.core.reports.samples import influence_figures
 from metastore_plugins.core.reports.tables import (
     last_metadata,
     outlier_markdown,
     self_influence_of,
 )
+from metastore_plugins.core.reports.thumbnails import outlier_grid
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
