@@ -300,3 +300,30 @@ def test_the_plan_counts_what_records_on_the_eigenbasis_carry() -> None:
             assert kept is not None and any(r.basis is not None for r in kept)  # on the basis
     metadata = 12 * BATCH_METADATA_BYTES + 12 * BATCH * SAMPLE_METADATA_BYTES  # planned apart: the plan's "metadata"
     assert policy.spent - spent - metadata <= policy.plan.planned["checkpoint passes"], policy.spent - spent
+
+
+def ranks_of(model: nn.Module, world: int = 2, **shape: int) -> list[RunShape]:
+    """The shapes every rank of a ``world``-rank run of ``model`` tells its policy (as the callbacks make them)."""
+    common = {"train_batches": 100, "train_batch_size": BATCH, "passes": 2, "pass_samples": 16, **shape}
+    return [RunShape.of(model, rank=rank, **common) for rank in range(world)]
+
+
+@pytest.mark.parametrize("budget", [2_000_000, 4_000_000, 8_000_000, None])
+def test_every_rank_plans_the_same_records_though_rank_zero_alone_takes_snapshots(budget: int | None) -> None:
+    """A query pairs one rank's test pass with another rank's training records, so the ranks' projections must have
+    one size; rank 0's snapshots must not leave it a smaller one. The shapes are those of a model whose snapshot
+    (1.6 MB: 400,400 parameters) is large beside the budget, the records those of a small one."""
+    records = _records()
+    shapes = ranks_of(nn.Linear(1000, 400))
+    assert shapes[0].snapshot_bytes == shapes[1].snapshot_bytes > 0  # the snapshot's size is every rank's to know
+    plans = [make_plan(records, shape, policy="auto", budget=budget, encoding="fp16") for shape in shapes]
+    assert plans[0].k == plans[1].k and plans[0].pass_k == plans[1].pass_k
+    assert plans[0].train == plans[1].train and plans[0].passes == plans[1].passes
+    assert (plans[0].snapshots != 0) == (budget != 2_000_000)  # 1.6 MB fits beside the rest from 4 MB up
+    assert plans[1].snapshots == 0 and plans[1].planned["snapshots"] == 0  # rank 0 alone takes and counts them
+    for shape, plan in zip(shapes, plans):
+        policy = CapturePolicy("auto", budget)
+        policy.expect(shape)
+        policy.plan = plan
+        taken = sum(policy.should_snapshot(step=pass_step) for pass_step in (1, 2))  # the two planned passes
+        assert taken == (plan.snapshots if shape is shapes[0] else 0)

@@ -48,10 +48,11 @@ class RunShape:
     train_batch_size: int = 0
     passes: int = 0
     pass_samples: int = 0  # training and validation samples of one pass on this rank
-    snapshot_bytes: int = 0  # one full fp32 snapshot of the trainable parameters (0: none on this rank)
+    snapshot_bytes: int = 0  # one full fp32 snapshot of the trainable parameters (0: no snapshots in this run)
     layers: int = 0  # modules with trainable parameters of their own (the manifest's layer table)
     reports: bool = False  # this rank writes the end-of-training reports into the store
     passes_on_basis: bool = False  # projected passes go on each checkpoint's curvature eigenbasis (a basis fit)
+    takes_snapshots: bool = True  # this rank writes the snapshots (rank 0); every rank plans around their bytes
 
     @property
     def train_samples(self) -> int:
@@ -92,7 +93,9 @@ class RunShape:
         passes_on_basis: bool = False,
     ) -> RunShape:
         """The shape of a run of ``model``; rank 0 alone takes snapshots (the weights are the same on every rank)
-        and writes the reports (``reports``: they are on); ``passes_on_basis``: see the field."""
+        and writes the reports (``reports``: they are on); ``passes_on_basis``: see the field. Every rank knows
+        the snapshots' size, so that a given budget leaves every rank the same room for its records
+        (:meth:`Budget.snapshots`): a query pairs one rank's records with another's."""
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         layers = sum(any(p.requires_grad for p in m.parameters(recurse=False)) for m in model.modules())
         zero = rank == 0
@@ -101,10 +104,11 @@ class RunShape:
             max(0, train_batch_size),
             passes,
             pass_samples,
-            4 * trainable * zero,
+            4 * trainable,
             layers,
             reports and zero,
             passes_on_basis,
+            zero,
         )
 
 
@@ -133,7 +137,8 @@ def default_budget(shape: RunShape) -> int:
     """The budget when none is given: one snapshot per pass plus :data:`AUTO_BYTES_PER_SAMPLE` per sample, the
     files (:func:`files_bytes`), and the :data:`HEADROOM` on top."""
     per_sample = AUTO_BYTES_PER_SAMPLE * max(shape.samples, 1)
-    return with_headroom(shape.passes * shape.snapshot_bytes + per_sample + files_bytes(shape))
+    snapshots = shape.passes * shape.snapshot_bytes if shape.takes_snapshots else 0
+    return with_headroom(snapshots + per_sample + files_bytes(shape))
 
 
 @dataclass(frozen=True)
@@ -181,8 +186,23 @@ class Budget:
         """How many of the last planned passes take a weight snapshot (-1: every pass, the run's length unknown).
 
         It depends on the run's shape and budget alone, so a pass that runs before the plan is made (the
-        first one, when training steps are not captured) knows whether it takes one.
+        first one, when training steps are not captured) knows whether it takes one. Under a given budget
+        every rank counts rank 0's snapshots (:meth:`reserved`); a rank that takes none has none.
         """
+        if not shape.takes_snapshots:
+            return 0
+        return self._snapshots(shape)
+
+    def reserved(self, shape: RunShape) -> int:
+        """Bytes kept for weight snapshots by the plan of a rank of this shape: rank 0's snapshots on every rank
+        under a given budget (the same room left for records on every rank), else those the rank takes (the
+        default budget adds them to rank 0's alone)."""
+        if self.given is None and not shape.takes_snapshots:
+            return 0
+        return max(0, self._snapshots(shape)) * shape.snapshot_bytes
+
+    def _snapshots(self, shape: RunShape) -> int:
+        """:meth:`snapshots` of the rank that takes them."""
         if self.policy != "auto" or not shape.snapshot_bytes or not shape.passes:
             return 0
         cap, source = self.resolved(shape)
