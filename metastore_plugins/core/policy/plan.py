@@ -120,15 +120,15 @@ def make_plan(
     costs = measure(records, encoding, shape.train_batch_size)
     tied = shared_layers(records)
     rate_only = budget is None and policy == "auto" and not shape.known
-    snapshots = Budget(policy, budget).snapshots(shape)  # the budget as given: a default one holds one per pass
-    budget_given = budget
-    budget, source = Budget(policy, budget).resolved(shape)
+    given = Budget(policy, budget)  # as given: a default budget holds one snapshot per pass
+    snapshots, reserved = given.snapshots(shape), given.reserved(shape)
+    budget, source = given.resolved(shape)
     pass_samples = shape.passes * shape.pass_samples
     samples = shape.train_samples + pass_samples
     files = files_bytes(shape)
     usable = usable_bytes(budget, shape)
     metadata = shape.metadata_bytes
-    rest = usable - metadata - Budget(policy, budget_given).reserved(shape)  # the same on every rank
+    rest = usable - metadata - reserved  # the same on every rank
 
     def total(rung: tuple[Representation, int], samples: int) -> float:
         rep, k = rung
