@@ -15,6 +15,7 @@ from metastore_plugins.core.analysis.queries import nearest_occurrences
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
 from metastore_plugins.core.reports.files import influence_markdown
+from metastore_plugins.core.reports.influence_table import influence_rows
 from metastore_plugins.core.reports.stored import (
     budget_caption,
     dropped_message,
@@ -22,7 +23,7 @@ from metastore_plugins.core.reports.stored import (
     stored_self_influence,
     with_gradients,
 )
-from metastore_plugins.core.reports.tables import influence_rows, outlier_markdown, outlier_table
+from metastore_plugins.core.reports.tables import outlier_markdown, outlier_table
 from metastore_plugins.core.store import StoreError
 
 

@@ -22,7 +22,7 @@ from reportcases import RTOL, assert_shares, assert_tables_match, read_tables
 
 from metastore_plugins.core.analysis import queries
 from metastore_plugins.core.distributed import open_distributed_store
-from metastore_plugins.core.reports import tables
+from metastore_plugins.core.reports import influence_table
 from metastore_plugins.core.training.report_pass import report_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # forked gloo ranks (run_ranks)
@@ -59,7 +59,7 @@ def _not_exact(store: Any) -> bool:
 
 def _report(rank: int, world: int, out: Path) -> str:
     """The report pass on this rank, with a writer and a recompute that records its calls; pickle what it got."""
-    tables.passes_exact = _not_exact  # forked: this process only
+    influence_table.passes_exact = _not_exact  # forked: this process only
     calls: list[tuple[str, list[int], str]] = []
 
     def recompute(split: str, ids: Any, checkpoint: str) -> Any:
@@ -96,7 +96,7 @@ def ranks(store_dir: Path) -> list[dict[str, Any]]:
 def alone(store_dir: Path, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The single-process report pass, after the partitioned one (same estimates path)."""
     writer = RecordingWriter()
-    saved, tables.passes_exact = tables.passes_exact, _not_exact
+    saved, influence_table.passes_exact = influence_table.passes_exact, _not_exact
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -104,7 +104,7 @@ def alone(store_dir: Path, ranks: list[dict[str, Any]]) -> dict[str, Any]:
                 store_dir, store_dir.parent / "alone", [writer], k=5, recompute=_raise, influence_method="tracin"
             )  # TracIn: the method the refinement recomputes
     finally:
-        tables.passes_exact = saved
+        influence_table.passes_exact = saved
     assert result is not None
     return {"result": result, "writer": writer.calls}
 

@@ -17,7 +17,8 @@ from lightning_cases import Classifier, fit, loaders
 from metastore_plugins import MetaStoreCallback, MetaStoreTrainerCallback, open_store
 from metastore_plugins.core.analysis import vector_index as vi
 from metastore_plugins.core.reports import build
-from metastore_plugins.core.reports.tables import checkpoint_points, influence_rows
+from metastore_plugins.core.reports.influence_table import influence_rows
+from metastore_plugins.core.reports.tables import checkpoint_points
 from metastore_plugins.core.training import run as run_module
 
 

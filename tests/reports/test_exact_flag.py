@@ -14,7 +14,7 @@ from torch import nn
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.ops.represent import represent
-from metastore_plugins.core.reports.tables import influence_rows, passes_exact
+from metastore_plugins.core.reports.influence_table import influence_rows, passes_exact
 
 N, D_IN, CLASSES = 12, 6, 3
 

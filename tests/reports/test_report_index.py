@@ -26,7 +26,7 @@ from metastore_plugins.core.ops.curvature import CurvatureSums
 from metastore_plugins.core.ops.eigenbasis import fit_bases, represent_on_bases
 from metastore_plugins.core.ops.represent import represent
 from metastore_plugins.core.reports.build import report_tables
-from metastore_plugins.core.reports.tables import influence_rows
+from metastore_plugins.core.reports.influence_table import influence_rows
 
 TRAIN_N, VAL_N = 1000, 24
 

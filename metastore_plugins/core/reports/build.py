@@ -20,6 +20,7 @@ from metastore_plugins.core.reports.files import (
     write_table,
     write_text,
 )
+from metastore_plugins.core.reports.influence_table import influence_rows
 from metastore_plugins.core.reports.stored import (
     budget_caption,
     budget_notes,
@@ -32,7 +33,6 @@ from metastore_plugins.core.reports.tables import (
     OUTLIER_COLUMNS,
     Scores,
     checkpoint_points,
-    influence_rows,
     outlier_markdown,
     outlier_points,
     outlier_table,
@@ -94,7 +94,7 @@ def report_tables(
     (:func:`~.tables.outlier_points`). ``rank_outliers_by``: ``"auto"`` (AUM where the training
     steps hold margins, else self-influence), ``"aum"``, ``"loss"`` or ``"self_influence"``
     (:func:`~.tables.outlier_scores`).
-    ``recompute``: refines estimated TracIn scores exactly (:func:`~.tables.influence_rows`).
+    ``recompute``: refines estimated TracIn scores exactly (:func:`~.influence_table.influence_rows`).
     ``influence_method``: what scores the influence table, one of
     :data:`~metastore_plugins.core.analysis.methods.METHOD_CHOICES`; ``"auto"`` (default) is EK-FAC where
     every layer of the passes can be preconditioned (the best LDS measured, docs/quality.md), else TracIn.

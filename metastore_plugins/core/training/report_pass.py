@@ -142,7 +142,7 @@ def report_run(
     the checkpoint passes (:func:`~metastore_plugins.core.reports.tables.outlier_points`);
     ``rank_outliers_by`` chooses the ranking (:func:`~metastore_plugins.core.reports.tables.outlier_scores`),
     ``influence_method`` what scores the influence table (``"auto"``: EK-FAC where the passes can be
-    preconditioned, else TracIn; :func:`~metastore_plugins.core.reports.tables.influence_rows`).
+    preconditioned, else TracIn; :func:`~metastore_plugins.core.reports.influence_table.influence_rows`).
     The loss-vs-self-influence scatter is saved as ``loss_vs_self_influence.png`` and logged as
     ``metastore/loss_vs_self_influence``; the data map (``data_map.png``, ``metastore/data_map``)
     and the heatmap of the training steps' gradient norms (``gradient_norms.png``,

@@ -1,0 +1,108 @@
+"""The influence table: per test sample, its strongest proponents and opponents among the training samples.
+
+Rows are plain dicts (JSON-ready), each saying which method produced its scores and whether they are
+exact (:func:`passes_exact`); :mod:`~metastore_plugins.core.reports.files` writes them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis.methods import check_damping, resolve_method
+from metastore_plugins.core.analysis.refine import RecomputeFn, RefinedScores, refine_influence
+from metastore_plugins.core.analysis.signals import TRAINING_STEPS
+from metastore_plugins.core.records import EXACT_KINDS
+from metastore_plugins.core.reports.influence_method import method_fields
+from metastore_plugins.core.reports.tables import last_metadata
+
+
+def influence_rows(
+    store: GradientStore,
+    train: Sequence[str],
+    test: Sequence[str],
+    k: int = 5,
+    samples: int | None = None,
+    recompute: RecomputeFn | None = None,
+    index: bool | None = None,
+    method: str = "tracin",
+    damping: float | None = None,
+    relative_damping: float | None = None,
+) -> list[dict[str, Any]]:
+    """Per test sample: its label/prediction and the ``k`` strongest proponents and opponents by ``method``.
+
+    ``method``: one of :data:`~metastore_plugins.core.analysis.methods.METHOD_CHOICES` (``"auto"``: EK-FAC
+    where every layer of the passes can be preconditioned, else TracIn; ``resolve_method``), with its
+    ``damping`` and ``relative_damping`` (``store.influence``'s). Each row says what produced it
+    (:func:`~.influence_method.method_fields`) and whether its scores are ``"exact"``.
+
+    ``samples``: only the test samples with the ``samples`` smallest ids (all when ``None``);
+    the cost grows with train x test pairs, and a report shows a handful.
+
+    TracIn: ``index`` ``None`` (default; the reports) scores only the candidates of the store's nearest-gradient
+    index where one is kept (``RunCapture(index=True)`` builds it at the run's close), every row otherwise;
+    ``True`` builds it first, ``False`` scores every training row (the reference). The candidates are rescored
+    as ``store.influence(k=...)`` does (from the shards; from the projections where they are the records):
+    the top lists are the exhaustive scan's where the candidates hold them (docs/queries.md measures it).
+    Where the passes are kept projected its scores are estimates, unless ``recompute`` is given: then each
+    test sample's candidates are recomputed exactly
+    (:func:`~metastore_plugins.core.analysis.refine.refine_influence`). K-FAC / EK-FAC / TRAK score every
+    row and are not refined (the refinement recomputes TracIn): K-FAC / EK-FAC are exact given the fitted
+    curvature where the passes hold exact records, TRAK's sketches are estimates.
+    """
+    chosen = resolve_method(store, method, [*train, *test])
+    check_damping(chosen.method, damping, relative_damping)
+    test_ids = None if samples is None else sorted(set(store.sample_ids(test[-1]).tolist()))[:samples]
+    if chosen.method == "tracin":
+        top_k: dict[str, Any] = {} if index is False else {"k": k, "index": index}
+        scores = store.influence(list(train), list(test), test_ids=test_ids, **top_k)
+        exact = passes_exact(store)
+        if not exact:
+            refined = None
+            if recompute is not None:
+                try:
+                    refined = refine_influence(store, scores, list(train), list(test), recompute)
+                except Exception as exc:  # the user's model, data or a missing snapshot: keep the estimates
+                    warnings.warn(
+                        f"influence scores stay estimates: recomputing them exactly failed ({exc!r})", stacklevel=2
+                    )
+            scores = refined or RefinedScores(scores.scores, scores.row_ids, scores.col_ids, None)
+    else:
+        scores = store.influence(
+            list(train),
+            list(test),
+            test_ids=test_ids,
+            method=chosen.method,
+            damping=damping,
+            relative_damping=relative_damping,
+        )
+        exact = chosen.method != "trak" and passes_exact(store)
+    fields = method_fields(chosen, damping, relative_damping)
+    train_meta, test_meta = last_metadata(store, train), last_metadata(store, test)
+    rows = []
+    for entry in scores.top(k):
+        sid = entry["sample_id"]
+        rows.append(
+            {
+                "test_id": sid,
+                **{f"test_{key}": value for key, value in test_meta[sid].items()},
+                "proponents": [
+                    {"sample_id": i, "score": s, "label": train_meta[i]["label"]} for i, s in entry["proponents"]
+                ],
+                "opponents": [
+                    {"sample_id": i, "score": s, "label": train_meta[i]["label"]} for i, s in entry["opponents"]
+                ],
+                "exact": entry.get("exact", exact),
+                **fields,
+            }
+        )
+    return rows
+
+
+def passes_exact(store: GradientStore) -> bool:
+    """Whether every record the checkpoint passes hold is exact: what the shards hold, not what was planned
+    (a budget may have degraded a pass planned exact while the run went on)."""
+    points = [p for p in store.capture_points() if p != TRAINING_STEPS]
+    return all(r["kind"] in EXACT_KINDS for p in points for ref in store.batch_refs(p) for r in ref.info["records"])
