@@ -9,7 +9,7 @@ from typing import Any
 
 from metastore_plugins.cli.output import emit, plain, printable
 from metastore_plugins.core.analysis import GradientStore, open_store
-from metastore_plugins.core.store import vector_files
+from metastore_plugins.core.store import vector_check
 from metastore_plugins.core.store.maintenance import compact, repair
 from metastore_plugins.core.store.plan_record import CapturePlan
 from metastore_plugins.core.store.runs import repeated_batches
@@ -73,7 +73,7 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
 
 def _vector_index_lines(store: GradientStore) -> list[str]:
     """The kept nearest-gradient indexes: capture point, rows, width, type (flat, IVF or reduced, with parameters)."""
-    lines = vector_files.check(store.path, {entry.file: entry.sha256 for entry in store.index.shards}, False)[1]
+    lines = vector_check.check(store.path, {entry.file: entry.sha256 for entry in store.index.shards}, False)[1]
     if not lines:
         return ["vector index: none (`metastore influence|similar --index build` builds one)"]
     return [f"vector index: {len(lines)}", *(f"  {line}" for line in lines)]

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from metastore_plugins.core.records import META_BITS, meta_key, meta_prefix
-from metastore_plugins.core.store import vector_files
+from metastore_plugins.core.store import vector_check
 from metastore_plugins.core.store.batches import ShardFiles
 from metastore_plugins.core.store.entries import ShardEntry, sample_columns
 from metastore_plugins.core.store.file_kinds import TEMPORARY_SUFFIX, kind_of
@@ -92,7 +92,7 @@ def check_store(directory: Path, index: StoreIndex, files: ShardFiles, checksums
         problems += [one_line(f"{entry.file}: {line}") for line in contradicted_columns(data, entry)]
     problems += [one_line(line) for line in unlisted_files(directory, {e.file for e in index.shards})]
     return problems + [
-        one_line(line) for line in vector_files.check(directory, {e.file: e.sha256 for e in index.shards})[0]
+        one_line(line) for line in vector_check.check(directory, {e.file: e.sha256 for e in index.shards})[0]
     ]
 
 

@@ -15,7 +15,7 @@ Per rank, under its lock (:class:`~metastore_plugins.core.store.journal.RankLock
 - a missing manifest is rebuilt from the layers the rank's shards describe; when one of them does
   not, the rank is left untouched and the message says how to restore it;
 - then the nearest-gradient index (``vector_index/``, a cache): its damaged or stale files and a
-  stopped build's leftovers are removed (:func:`~metastore_plugins.core.store.vector_files.repair`);
+  stopped build's leftovers are removed (:func:`~metastore_plugins.core.store.vector_check.repair`);
   the next query rebuilds them.
 
 The manifest is written before the journal, the journal is read back with the reader and
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.store import manifest as mf
-from metastore_plugins.core.store import vector_files
+from metastore_plugins.core.store import vector_check
 from metastore_plugins.core.store.entries import ShardEntry, entry_from_json, shard_pattern
 from metastore_plugins.core.store.file_kinds import any_temporary_target
 from metastore_plugins.core.store.files import StoreDir, open_regular
@@ -108,7 +108,7 @@ def repair(directory: str | os.PathLike[str]) -> list[str]:
     for rank in sorted(ranks):
         with RankLock(directory, rank), StoreDir(directory) as files:
             done += _repair_rank(directory, files, rank, manifests.get(rank))
-    return done + vector_files.repair(directory, _listed_sha256(directory))
+    return done + vector_check.repair(directory, _listed_sha256(directory))
 
 
 def _listed_sha256(directory: Path) -> dict[str, str]:
