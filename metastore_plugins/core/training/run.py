@@ -2,6 +2,7 @@
 
 It owns the :class:`~metastore_plugins.core.capture.CaptureSession` of each step, the
 :class:`~metastore_plugins.core.store.StoreWriter`, the capture policy, the tags and the snapshots of the run.
+What one training step does is its base, :class:`~metastore_plugins.core.training.run_step.StepCapture`.
 The callbacks map their framework's events onto it; what they share besides lives beside it in
 :mod:`~metastore_plugins.core.training` (settings, run start, report pass) and in
 :mod:`~metastore_plugins.core.model` (sample ids, losses, checkpoint pass sources).
@@ -17,7 +18,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -33,22 +33,12 @@ from metastore_plugins.core.capture.batch_mixing import batch_mixed_config, batc
 from metastore_plugins.core.capture.layers.generic import generic_rule_lines
 from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.heap import large_blocks_mapped
-from metastore_plugins.core.model.losses import (
-    BatchLoss,
-    LabelsFn,
-    PerSampleLossFn,
-    default_labels,
-    default_per_sample_loss,
-    logits_of,
-    margins_of,
-    predictions_of,
-)
+from metastore_plugins.core.model.losses import BatchLoss, LabelsFn, PerSampleLossFn, default_labels
 from metastore_plugins.core.model.pass_sources import PassSource, within_memory
 from metastore_plugins.core.model.recompute import pass_recomputer
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
 from metastore_plugins.core.policy.budget import Budget
 from metastore_plugins.core.policy.runtime import CapturePolicy
-from metastore_plugins.core.records import BatchMeta
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding
 from metastore_plugins.core.store.maintenance import CompactionReport, close_and_compact
 from metastore_plugins.core.store.plan_record import CapturePlan
@@ -56,13 +46,13 @@ from metastore_plugins.core.store.snapshots import SnapshotInfo, SnapshotWriter
 from metastore_plugins.core.store.tags import TagBook, tag_attributes
 from metastore_plugins.core.store.writer import StoreWriter
 from metastore_plugins.core.training.basis_fit import BASIS_SAMPLES, fit_pass_bases, training_source
-from metastore_plugins.core.training.loss_scale import LossScaleError, check_loss_reduction, gradients_finite
 from metastore_plugins.core.training.pass_rates import PassRates
+from metastore_plugins.core.training.run_step import StepCapture
 
 __all__ = ["RunCapture"]
 
 
-class RunCapture:
+class RunCapture(StepCapture):
     """Owns the capture session of each step and the store writer of one process rank.
 
     Args:
@@ -135,124 +125,6 @@ class RunCapture:
         self.seconds: dict[str, float] = {"passes": 0.0, "refinement": 0.0, "basis": 0.0}
         #: training samples the curvature eigenbasis of projected passes is fitted on (0: seeded projections)
         self.basis_samples = BASIS_SAMPLES
-
-    # -- one training step ---------------------------------------------------------------
-
-    def begin_step(
-        self,
-        model: nn.Module,
-        *,
-        loss_scale: float = 1.0,
-        grad_scaler: Any = None,
-        capture_point: str = "train",
-        capture_only: bool = False,
-    ) -> None:
-        """Collect the coming forward and backward of ``model`` at ``capture_point`` (dropping any step left open).
-
-        The model is hooked once and stays hooked (paused between steps) until :meth:`close`.
-        ``capture_only``: the backward will be :meth:`backward` (a checkpoint pass, a basis fit).
-        """
-        self.abort_step()
-        if self._session is None or self._session.model is not model:
-            self._close_session()
-            self._session = CaptureSession(model, loss_reduction=self.loss_reduction, **self.session_options)
-            self._session.attach()
-            self._output_hook = model.register_forward_hook(self._keep_output)
-        self._session.rescale(loss_scale, grad_scaler)
-        self._session.summarized_layers = self.policy.summarized(capture_point)
-        self._session.capture_only = capture_only
-        self._session.resume()
-        self._collecting = True
-
-    def backward(self, loss: Tensor) -> None:
-        """The backward of a ``capture_only`` step: the gradients capture reads, no parameter's ``.grad``
-        (:meth:`~metastore_plugins.core.capture.session.CaptureSession.backward`)."""
-        if self._session is None:
-            loss.backward()
-        else:
-            self._session.backward(loss)
-
-    def end_backward(self) -> None:
-        """Read the factors of the backward just done (before a GradScaler updates its scale)."""
-        if self._session is not None and self._collecting:
-            records = self._session.factors(scaled=False)  # scaled once kept: projections are cheaper to scale
-            overflowed = self._session.grad_scaler is not None and not gradients_finite(records)
-            self.skipped_steps += overflowed  # the GradScaler skips this step too: nothing is stored
-            self._records, self._scaling = None if overflowed else records, self._session.scaling()
-            self._pause()
-
-    def factors_read(self) -> list[LayerRecord]:
-        """The records of the backward just done, scaled to per-sample losses, kept nowhere (a basis fit)."""
-        self.end_backward()
-        records, self._records = self._records or [], None
-        return [self._scaling(record) for record in records]
-
-    def finish_step(
-        self,
-        batch: Any,
-        sample_ids: Tensor,
-        *,
-        step: int,
-        capture_point: str = "train",
-        epoch: int = 0,
-        micro_batch: int = 0,
-        lr: float | None = None,
-        output: Any = None,
-        batch_loss: Tensor | None = None,
-    ) -> None:
-        """Queue the step's records with ids, labels, per-sample losses and predictions.
-
-        ``batch_loss``: the loss the training step returned (before any division for
-        accumulation). The first one given is checked against ``loss_reduction`` of the
-        per-sample losses (:func:`~metastore_plugins.core.training.loss_scale.check_loss_reduction`):
-        a wrong setting raises before anything is stored; a loss that is no mean or sum of
-        them (label smoothing, a regulariser) cannot be checked, which is said once.
-        """
-        self._pause()
-        records, self._records = self._records, None
-        forward_output = self._output if output is None else output
-        self._output = None
-        if records is None:  # no backward happened (a skipped step)
-            return
-        labels, losses = self.losses(forward_output, batch)
-        kept = self.policy.apply(records, capture_point=capture_point, step=step)
-        if kept is None:  # the budget is spent
-            return
-        kept = [self._scaling(record) for record in kept]
-        if batch_loss is not None and not self._reduction_checked:
-            self._reduction_checked = True
-            try:
-                check_loss_reduction(batch_loss.detach().cpu(), losses, self.loss_reduction, self.owner)
-            except LossScaleError as exc:
-                warnings.warn(f"{self.owner}: the loss reduction cannot be checked ({exc})", stacklevel=3)
-        logits = logits_of(forward_output)
-        at = BatchMeta(sample_ids, step, capture_point, epoch, micro_batch, labels, losses, predictions_of(logits),
-                       margins_of(logits, labels), lr)  # fmt: skip
-        self.writer.write(kept, at)
-
-    def abort_step(self) -> None:
-        """Forget an unfinished step (the model stays hooked, paused)."""
-        self._pause()
-        self._records, self._output = None, None
-
-    def losses(self, output: Any, batch: Any) -> tuple[Tensor, Tensor]:
-        """Labels and per-sample losses of a batch, checked to hold one value per sample."""
-        labels = torch.as_tensor(self.labels(batch)).detach()
-        if self.per_sample_loss is not None:
-            losses = self.per_sample_loss(output, batch)
-        elif output is None:
-            raise ValueError(
-                "no forward output was seen for this batch (the step did not call the module itself), so the default "
-                "per-sample loss cannot be computed; pass per_sample_loss=callable(output, batch) -> (B,)"
-            )
-        else:
-            losses = default_per_sample_loss(output, labels)
-        losses = torch.as_tensor(losses).detach().float().reshape(-1)
-        if losses.shape[0] != labels.reshape(len(labels), -1).shape[0]:
-            raise ValueError(
-                f"per_sample_loss returned {losses.shape[0]} values for {len(labels)} samples; return one per sample"
-            )
-        return labels.cpu(), losses.cpu()
 
     # -- checkpoint passes ---------------------------------------------------------------
 
@@ -417,25 +289,3 @@ class RunCapture:
         if self.index and self.index_parts is None and sys.exc_info()[1] is None:  # after compaction: its shards
             self.index_parts = build_rank_parts(self.path, self.rank)
             self.seconds["index"] = self.index_parts.seconds
-
-    def _keep_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        # the first call that completes: Lightning's DDP runs the whole training_step through an outer
-        # forward call of the module, which completes after the step's own call
-        if self._collecting and self._output is None:
-            self._output = output
-
-    def _pause(self) -> None:
-        self._collecting = False
-        if self._session is not None:
-            self._session.pause()
-            self._session.reset()
-
-    def _close_session(self) -> None:
-        try:
-            if self._session is not None:
-                self._session.close()
-        finally:
-            self._session = None
-            if self._output_hook is not None:
-                self._output_hook.remove()
-                self._output_hook = None
