@@ -18,9 +18,10 @@ PROBE = """
 import ctypes, json, torch
 from metastore_plugins.core import heap
 
+FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+
 class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [(name, ctypes.c_size_t) for name in FIELDS]
 
 libc = heap._glibc()
 libc.mallinfo2.restype = MallInfo2
