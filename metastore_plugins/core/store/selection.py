@@ -86,9 +86,9 @@ def join_records(batches: list[list[LayerRecord]]) -> list[LayerRecord]:
 
 
 #: Shards read ahead of the one in use (0: none), while they fit in the read cache's allowance with it.
-#: Off: with it on (4), one rank of a two-process DDP run aborted at exit ("terminate called without an active
-#: exception") in about one run in four (tests/hf/test_hf_ddp.py), none in 8 with it off; a run of joined batches
-#: (influence's rows) spans 2-3 shards, and 4 read the next run's meanwhile (docs/benchmarks.md, issue 35).
+#: Off: where torch's threads take every core it does not shorten a first query, it moves the reading's CPU time
+#: into the products (docs/store.md). On, 4: a run of joined batches (influence's rows) spans 2-3 shards, and 4
+#: read the next run's meanwhile (docs/benchmarks.md, issue 35).
 READ_AHEAD = 0
 
 
