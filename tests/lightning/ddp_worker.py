@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import lightning as L  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from lightning_cases import Classifier, loaders, make_data  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -36,3 +37,5 @@ if __name__ == "__main__":
     result = callback.report_result or {}  # every rank scored its share of the reports
     kept = {"partition": result.get("partition"), "tags": result.get("tags", [])}
     (out / f"report-rank{trainer.global_rank}.json").write_text(json.dumps(kept))
+    if dist.is_initialized():  # before exit, as torch asks (tests/hf/trainer_ddp_worker.py says why)
+        dist.destroy_process_group()
