@@ -3,20 +3,19 @@
 glibc's ``malloc`` serves a block from the heap's free space when a free block there holds it; else a
 block of at least its *mmap threshold* gets a mapping of its own, given back to the system when freed,
 and a smaller one grows the heap, where a freed block stays resident for as long as a live block lies
-above it. The threshold starts at 128 KiB and rises to the size of each
-mapped block freed (up to 32 MiB), so a long run soon serves its large tensors from the heap. A
-checkpoint pass allocates activations and factors of other shapes than the training steps (batches
-cut by bytes, other sequence lengths, the basis fit's Kronecker sums), which leaves freed holes the
-next step cannot reuse: on the MiniLM example the process's resident memory climbed pass after pass,
-its heap holding 700 MB free beside 400 MB in use (peak 1.8-1.9 GiB against 1.1 GiB without the
-callback).
+above it. The threshold starts at 128 KiB and rises to the size of each mapped block freed (up to 32
+MiB), so a long run soon serves its large tensors from the heap. A checkpoint pass allocates activations
+and factors of other shapes than the training steps (batches cut by bytes, other sequence lengths, the
+basis fit's Kronecker sums), which leaves freed holes the next step cannot reuse: on the MiniLM example
+the process's resident memory climbed pass after pass, its heap holding 700 MB free beside 400 MB in use
+(peak 1.8-1.9 GiB against 1.1 GiB without the callback).
 
 Inside :func:`large_blocks_mapped` the threshold is fixed at :data:`LARGE_BLOCK_BYTES`: blocks that
-large reuse the heap's holes or get their own mapping, and never grow the heap. On leaving it is fixed at
-:data:`AFTER_BYTES` (the ceiling of the dynamic threshold, where a long run's threshold ends up). The
+large reuse the heap's holes or get their own mapping, and never grow the heap. On leaving it is fixed
+at :data:`AFTER_BYTES` (the ceiling of the dynamic threshold, where a long run's threshold ends up). The
 heap's free pages are given back (``malloc_trim``) on entering and on leaving. Where ``mallopt`` is
-missing (macOS, Windows, musl) or the user chose the threshold (``MALLOC_MMAP_THRESHOLD_`` set),
-nothing changes.
+missing (macOS, Windows, musl) or the user chose the threshold (``MALLOC_MMAP_THRESHOLD_`` set), nothing
+changes.
 """
 
 from __future__ import annotations

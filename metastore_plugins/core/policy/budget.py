@@ -95,7 +95,7 @@ class RunShape:
         """The shape of a run of ``model``; rank 0 alone takes snapshots (the weights are the same on every rank)
         and writes the reports (``reports``: they are on); ``passes_on_basis``: see the field. Every rank knows
         the snapshots' size, so that a given budget leaves every rank the same room for its records
-        (:meth:`Budget.snapshots`): a query pairs one rank's records with another's."""
+        (:meth:`Budget.reserved`): a query pairs one rank's records with another's."""
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         layers = sum(any(p.requires_grad for p in m.parameters(recurse=False)) for m in model.modules())
         zero = rank == 0
