@@ -196,6 +196,34 @@ def _block_gradients(record: LayerRecord, lo: int, hi: int, layout: WeightLayout
     return torch.cat(parts, 3)
 
 
+#: Columns of one block of :func:`gram` (a multiple of 128, so that every block but the last is aligned).
+GRAM_BLOCK = 384
+
+
+def gram(rows: Tensor) -> Tensor:
+    """``(G, d, d)`` ``X_g^T X_g`` of ``(G, R, d)`` rows, by blocks of :data:`GRAM_BLOCK` columns: the blocks on
+    and above the diagonal are products, those below their transposes (``b (b + 1) / 2`` products of ``b^2``).
+
+    The MiniLM basis fit's 1,537-wide sums (1,536 inputs and the bias's ones): 21 ms a batch of 1,080 rows
+    against 41 ms for one product on 2 threads, since a width of 1,537 leaves BLAS misaligned.
+    """
+    width = rows.shape[-1]
+    if width <= GRAM_BLOCK:
+        return rows.transpose(1, 2) @ rows
+    edges = [*range(0, width, GRAM_BLOCK), width]
+    if width - edges[-2] < GRAM_BLOCK // 2:  # a narrow last block joins the one before it
+        edges.pop(-2)
+    out = rows.new_empty(rows.shape[0], width, width)  # (G, d, d)
+    for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        left = rows[..., lo:hi].transpose(1, 2)  # (G, w_i, R)
+        for lo2, hi2 in zip(edges[i:], edges[i + 1 :]):
+            block = left @ rows[..., lo2:hi2]  # (G, w_i, w_j)
+            out[:, lo:hi, lo2:hi2] = block
+            if lo2 != lo:
+                out[:, lo2:hi2, lo:hi] = block.transpose(1, 2)
+    return out
+
+
 class CurvatureSums:
     """K-FAC sums over training batches, per layer: :meth:`add` each batch's records, then :meth:`fit`.
 
@@ -225,8 +253,8 @@ class CurvatureSums:
                 suffixes = torch.cat([r.tensors["suffix"].to(self.dtype) for r in group]).transpose(
                     0, 1
                 )  # (G, R, d_out)
-                sums.inputs = _added(sums.inputs, prefixes.transpose(1, 2) @ prefixes, layer)  # (G, d_in', d_in')
-                sums.outputs = _added(sums.outputs, suffixes.transpose(1, 2) @ suffixes, layer)  # (G, d_out, d_out)
+                sums.inputs = _added(sums.inputs, gram(prefixes), layer)  # (G, d_in', d_in')
+                sums.outputs = _added(sums.outputs, gram(suffixes), layer)  # (G, d_out, d_out)
                 sums.rows += prefixes.shape[1]
                 sums.layout = first.layout
                 sums.factored_samples += first.batch_size
