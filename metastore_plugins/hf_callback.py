@@ -20,6 +20,7 @@ See ``docs/hf.md`` for defaults, sample ids, loss scaling and the reports.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import math
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import DefaultFlowCallback, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.utils import logging as hf_logging
 from typing_extensions import Unpack, override
 
@@ -168,10 +169,6 @@ class MetaStoreTrainerCallback(TrainerCallback):
 
     def _expect(self, args: TrainingArguments, state: TrainerState, model: nn.Module, kwargs: dict[str, Any]) -> None:
         """The run's planned micro-batches, evaluations and set sizes, for the capture plan."""
-        strategy, every = str(getattr(args.eval_strategy, "value", args.eval_strategy)), getattr(args, "eval_steps", 0)
-        every = (every or 0) * state.max_steps if (every or 0) < 1 else every  # a fraction of the steps, or a number
-        epochs = math.ceil(getattr(args, "num_train_epochs", 1) or 1)
-        evals = {"epoch": epochs, "steps": int(state.max_steps // max(1, every))}
         datasets = loader_datasets(kwargs.get("train_dataloader"), kwargs.get("eval_dataloader"))
         expect_run(
             self.options,
@@ -180,10 +177,11 @@ class MetaStoreTrainerCallback(TrainerCallback):
             self.schedule,
             train_batches=int(state.max_steps) * max(1, int(args.gradient_accumulation_steps)),
             train_batch_size=args.per_device_train_batch_size,
-            periods=evals.get(strategy, self.schedule.every_n_epochs),  # no evaluation: one pass at the end
+            periods=_evaluations(args, state, kwargs.get("train_dataloader")),
             sizes=(dataset_size(datasets["train"]), dataset_size(datasets["val"])),
             rank=args.process_index,
             world_size=args.world_size,
+            pass_at_end=True,  # on_train_end runs one when no evaluation made one
         )
 
     @override
@@ -372,6 +370,38 @@ class MetaStoreTrainerCallback(TrainerCallback):
         run, self.run = self.run, None
         if run is not None:
             run.close()
+
+
+def _evaluations(args: TrainingArguments, state: TrainerState, loader: Any) -> int:
+    """The evaluations this ``train()`` call will run, counted as the installed Trainer schedules them.
+
+    ``eval_on_start`` adds one. ``"steps"``: every step from the one after ``state.global_step`` (a resumed run)
+    to ``state.max_steps`` that is a multiple of ``state.eval_steps`` (the Trainer's absolute number) and not
+    before ``eval_delay``, plus the last step when the installed ``DefaultFlowCallback`` evaluates at the end
+    of training off the grid (transformers 5 does; asked of it, not of its version). ``"epoch"``: every epoch
+    left (the Trainer's ``state.num_train_epochs``, a partial last epoch included), from ``eval_delay`` on.
+    """
+    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    first, last = int(state.global_step), int(state.max_steps)
+    delay = float(getattr(args, "eval_delay", 0) or 0)
+    count = 1 if getattr(args, "eval_on_start", False) else 0
+    if strategy == "steps" and last > first:
+        every = max(1, int(state.eval_steps or 1))
+        start = max(first + 1, math.ceil(delay))  # the first step that may evaluate
+        count += max(0, last // every - (start - 1) // every)
+        if last % every and last >= delay:
+            probe, control = copy.copy(state), TrainerControl()  # the flow callback only sets the control
+            probe.global_step = last
+            DefaultFlowCallback().on_step_end(args, probe, control)
+            count += bool(control.should_evaluate)
+    elif strategy == "epoch":
+        length = len(loader) if hasattr(loader, "__len__") else 0
+        accumulation = max(1, int(args.gradient_accumulation_steps))
+        per_epoch = max(1, -(-length // accumulation)) if length else 0
+        done = first // per_epoch if per_epoch else 0
+        epochs = min(int(state.num_train_epochs or 0), done + max(0, last - first))  # an epoch ends at a step or later
+        count += sum(1 for epoch in range(done, epochs) if delay <= epoch + 1)
+    return count
 
 
 def _decoder(tokenizer: Any) -> DecodeFn | None:

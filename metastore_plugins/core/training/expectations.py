@@ -26,13 +26,17 @@ def expect_run(
     sizes: tuple[int | None, int | None],
     rank: int,
     world_size: int,
+    pass_at_end: bool = False,
 ) -> None:
     """Tell the run's capture policy what the run will be, for its plan.
 
     ``train_batches``: training micro-batches this rank will capture (0: unknown); ``periods``: epochs (or
-    evaluations) the schedule counts; ``sizes``: the training and validation set sizes (None: unknown).
+    evaluations) the trainer will run, each one the schedule may make a pass at; ``sizes``: the training and
+    validation set sizes (None: unknown); ``pass_at_end``: the adapter runs one pass at the end of training
+    when the schedule made none (the HF callback), so that one is planned too.
     """
     passes = periods // schedule.every_n_epochs if schedule.every_n_epochs else 0
+    passes = max(passes, 1) if pass_at_end and schedule.every_n_epochs else passes
     train_size, val_size = sizes
     share = lambda most, size: -(-min(most, most if size is None else size) // max(1, world_size))  # noqa: E731
     train_share = share(schedule.train_samples, train_size)
