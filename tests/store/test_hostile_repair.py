@@ -222,12 +222,20 @@ def test_repair_refuses_to_run_beside_a_writer(store6: tuple) -> None:
     assert shard(path, 7).exists()
 
 
-def test_repair_of_a_version_1_store_removes_copies_and_keeps_its_manifests(tmp_path: Path) -> None:
+def test_repair_of_a_version_1_store_sets_copies_aside_and_keeps_its_manifests(tmp_path: Path) -> None:
+    """A version 1 shard does not describe its batches (capture point, step), so equal tensors and sample ids do
+    not prove a copy (issue 44): the unlisted file is set aside, never deleted."""
     path = golden_v1(tmp_path / "store")
     manifests = {p.name: p.read_bytes() for p in path.glob("manifest-*.json")}
     shutil.copyfile(path / "rank0-000000.safetensors", path / "rank0-000002.safetensors")
+    copied = (path / "rank0-000002.safetensors").read_bytes()
     assert repair(path) == [
-        "rank0-000002.safetensors: removed (a copy: listed shards hold each of its batches byte for byte)"
+        "rank0-000002.safetensors: set aside as quarantine/rank0-000002.safetensors (this rank has no manifest, or "
+        "a version 1 one: it cannot be listed); NOT deleted: move it back once the store can list it, or delete it "
+        "yourself"
     ]
+    assert (path / "quarantine" / "rank0-000002.safetensors").read_bytes() == copied
     assert {p.name: p.read_bytes() for p in path.glob("manifest-*.json")} == manifests
-    assert open_store(path).verify() == []
+    assert open_store(path).verify() == [
+        "quarantine/: 1 file(s) set aside by `metastore verify --repair`; see docs/store.md#compaction-and-repair"
+    ]

@@ -242,3 +242,33 @@ def test_a_description_never_makes_a_header_a_reader_refuses(tmp_path: Path) -> 
         with safe_open(str(shard(path, 0)), framework="pt") as handle:
             assert ("index" in handle.metadata()) == described
         assert open_store(path).verify() == []
+
+
+@pytest.mark.parametrize("differs", ["capture_point", "step"])
+def test_equal_tensors_of_another_batch_are_not_a_copy(tmp_path: Path, differs: str) -> None:
+    """Issue 44: one batch stored twice with byte-for-byte equal tensors (the weights did not move between two
+    capture points, or two steps). The first shard's journal line is damaged: repair lists it again from its own
+    description instead of removing it as "a copy" of the other batch. Reference: the samples each shard file
+    holds, read with safetensors, and the capture points and steps the test wrote."""
+    from metastore_plugins import StoreWriter
+    from metastore_plugins.core.records import LayerRecord
+
+    path = tmp_path / "store"
+    record = LayerRecord("fc", "dense", 4, {"weight": "w"}, {"weight": (3,)}, {"grad.weight": torch.ones(4, 3)})
+    batches = {"capture_point": [("epoch-0/train", 4), ("epoch-1/train", 4)], "step": [("train", 4), ("train", 5)]}
+    with StoreWriter(path, encoding="fp32", shard_bytes=1) as writer:
+        for capture_point, step in batches[differs]:
+            writer.write([record], sample_ids=torch.arange(4), step=step, capture_point=capture_point)
+    lines = _lines(path)
+    journal(path).write_bytes(lines[0][:-3] + b"00\n" + lines[1])  # a CRC-damaged line for shard 0
+    assert repair(path) == [
+        "removed: index-rank0.jsonl line 1: damaged: its CRC-32 does not match its content; ignored",
+        f"rank0-000000.safetensors: {RELISTED}",
+    ]
+    assert shard(path, 0).exists() and shard(path, 1).exists()
+    opened = open_store(path)
+    assert sorted(opened.capture_points()) == sorted({point for point, _ in batches[differs]})
+    for capture_point, step in batches[differs]:
+        assert step in opened.steps(capture_point)
+        assert sorted(opened.sample_ids(capture_point, steps=step).tolist()) == [0, 1, 2, 3]
+    assert sorted(opened.sample_ids().tolist()) == sorted(shard_ids(shard(path, 0)) + shard_ids(shard(path, 1)))

@@ -8,6 +8,7 @@ anything reads it. Columns are numpy arrays (``batches``: one row per stored bat
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,13 @@ class ShardEntry:
     @property
     def rows(self) -> int:
         return int(self.batches["size"].sum())
+
+    def batch_labels(self) -> list[str]:
+        """Per batch, what tells it from another batch of equal tensors: its capture point's name and its step,
+        epoch, micro-batch, size, learning rate and metadata bits (its sample ids are among its tensors)."""
+        points = [self.capture_points[int(c)] for c in self.batches["capture_point"]]
+        fields = [[repr(v) for v in self.batches[key].tolist()] for key in BATCH_FIELDS[1:]]
+        return [json.dumps([point, *row]) for point, *row in zip(points, *fields)]
 
     def to_json(self) -> dict[str, Any]:
         """The journal object of this entry (columns packed)."""

@@ -8,10 +8,11 @@ Per rank, under its lock (:class:`~metastore_plugins.core.store.journal.RankLock
   but that this version cannot use (an unknown column from a newer version, a layer the manifest
   lacks) is kept byte for byte, with its shard;
 - every shard file no kept line lists is, in this order: removed when listed shards hold each of
-  its batches byte for byte (a compaction's leftover); re-listed when it describes itself
-  (:mod:`~metastore_plugins.core.store.shardinfo`: the layers it names are added to the manifest);
-  otherwise set aside in ``quarantine/`` and reported. A shard that may hold the only copy of a
-  sample is never deleted;
+  its batches byte for byte as the same batch (tensors, sample ids, capture point, step: a
+  compaction's leftover; a shard that does not describe its batches is never taken for a copy);
+  re-listed when it describes itself (:mod:`~metastore_plugins.core.store.shardinfo`: the layers
+  it names are added to the manifest); otherwise set aside in ``quarantine/`` and reported. A
+  shard that may hold the only copy of a sample is never deleted;
 - a missing manifest is rebuilt from the layers the rank's shards describe; when one of them does
   not, the rank is left untouched and the message says how to restore it;
 - then the nearest-gradient index (``vector_index/``, a cache): its damaged or stale files and a
@@ -251,7 +252,7 @@ def _sort_unlisted(
     copies = _Copies(directory, layers, trusted)
     pattern = shard_pattern(rank)
     for name in sorted(n for n in files.listdir() if pattern.fullmatch(n) and n not in claimed):
-        kind = files.kind(name)
+        kind, undescribed = files.kind(name), ""
         if kind == "directory":
             done.append(f"{name}: a directory where a shard would be; NOT removed, remove it yourself")
             continue
@@ -260,12 +261,17 @@ def _sort_unlisted(
             done.append(f"{name}: removed (a {kind}, not a shard; a link's target is left alone)")
             continue
         try:
-            data, _ = read_unlisted(directory, name)
+            read = read_unlisted(directory, name)
         except StoreError as exc:
             done.append(_set_aside(files, name, f"it cannot be read: {_short(exc, directory / name)}"))
             continue
+        data = read[0]
+        try:
+            entry, specs = entry_from_shard(directory, name, rank, read)
+        except StoreError as exc:  # it cannot say what its batches are: never taken for a copy, never listed
+            undescribed = _short(exc, directory / name)
         prints = batch_prints(data)
-        held = copies.held(data, prints)
+        held = None if undescribed else copies.held(data, prints, entry)
         if held is not None and all(held):
             copies_found.append(name)  # removed by the caller once the journal is written and read back
             done.append(f"{name}: removed (a copy: listed shards hold each of its batches byte for byte)")
@@ -276,10 +282,8 @@ def _sort_unlisted(
         if v1:
             done.append(_set_aside(files, name, "this rank has no manifest, or a version 1 one: it cannot be listed"))
             continue
-        try:
-            entry, specs = entry_from_shard(directory, name, rank)
-        except StoreError as exc:
-            done.append(_set_aside(files, name, _short(exc, directory / name)))
+        if undescribed:
+            done.append(_set_aside(files, name, undescribed))
             continue
         conflict = [layer for layer, spec in specs.items() if layers.get(layer, spec) != spec]
         if conflict:
@@ -308,29 +312,31 @@ def _set_aside(files: StoreDir, name: str, why: str) -> str:
 
 
 class _Copies:
-    """Which batches of unlisted shards listed shards hold byte for byte (listed shards read only when their
-    sample ids match)."""
+    """Which batches of unlisted shards listed shards hold byte for byte: the same tensors (sample ids included)
+    under the same description (capture point, step, epoch, micro-batch, learning rate); listed shards are read
+    only when their sample ids match."""
 
     def __init__(self, directory: Path, layers: dict[str, Any], entries: list[ShardEntry]) -> None:
         self.directory, self.layers, self.entries = directory, layers, list(entries)
-        self._prints: dict[int, set[bytes]] = {}  # entry position -> its batches' digests (read once)
+        self._prints: dict[int, set[bytes]] = {}  # entry position -> its batches' labelled digests (read once)
         self._by_ids: dict[tuple[int, bytes], list[int]] | None = None
 
     def add(self, entry: ShardEntry, prints: list[bytes] | None) -> None:
         self.entries.append(entry)
-        self._prints[len(self.entries) - 1] = set(prints or ())
+        self._prints[len(self.entries) - 1] = _labelled(entry, prints)
         self._by_ids = None
 
-    def held(self, data: Any, prints: list[bytes] | None) -> list[bool] | None:
-        """Per batch of ``data``, whether a listed shard holds it; None when its batches cannot be told apart."""
-        if prints is None:
+    def held(self, data: Any, prints: list[bytes] | None, entry: ShardEntry) -> list[bool] | None:
+        """Per batch of ``data`` (described by ``entry``), whether a listed shard holds it; None when its batches
+        cannot be told apart."""
+        if prints is None or len(prints) != len(entry.batches["size"]):
             return None
         out, keys = [], set(data.keys())
-        for j, digest in enumerate(prints):
+        for j, (digest, label) in enumerate(zip(prints, entry.batch_labels())):
             key = mf.meta_key(j, "sample_id")
             ids = data.get(key).numpy() if key in keys else None
             candidates = self._candidates(ids)
-            out.append(any(digest in self._prints_of(i) for i in candidates))
+            out.append(any(label.encode() + digest in self._prints_of(i) for i in candidates))
         return out
 
     def _candidates(self, ids: np.ndarray | None) -> list[int]:
@@ -350,10 +356,16 @@ class _Copies:
             entry = self.entries[i]
             try:
                 data = read_shard(self.directory / entry.file, self.directory, expectation(entry, self.layers, True))
-                self._prints[i] = set(batch_prints(data) or ())
+                self._prints[i] = _labelled(entry, batch_prints(data))
             except StoreError:
                 self._prints[i] = set()  # a damaged listed shard holds no sound copy
         return self._prints[i]
+
+
+def _labelled(entry: ShardEntry, prints: list[bytes] | None) -> set[bytes]:
+    """Each batch's digest behind its description (:meth:`ShardEntry.batch_labels`); empty when they do not pair."""
+    labels = entry.batch_labels()
+    return set() if prints is None or len(prints) != len(labels) else {a.encode() + b for a, b in zip(labels, prints)}
 
 
 def _write_index(

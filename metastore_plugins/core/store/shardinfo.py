@@ -109,14 +109,17 @@ def read_unlisted(directory: Path, name: str) -> tuple[ShardData, str]:
     return read_shard(path, directory, ShardExpectation(opened.st_size, sha256, keys)), sha256
 
 
-def entry_from_shard(directory: Path, name: str, rank: int) -> tuple[ShardEntry, dict[str, dict[str, Any]]]:
-    """The journal entry of shard ``name`` rebuilt from the shard alone, and the specs of its layers.
+def entry_from_shard(
+    directory: Path, name: str, rank: int, read: tuple[ShardData, str] | None = None
+) -> tuple[ShardEntry, dict[str, dict[str, Any]]]:
+    """The journal entry of shard ``name`` rebuilt from the shard alone, and the specs of its layers; ``read``: what
+    :func:`read_unlisted` gave for it, when the caller read it already.
 
     Raises :class:`StoreError` naming the file when the shard does not describe itself (written
     before descriptions, or its description did not fit) or what it says does not hold.
     """
     path = directory / name
-    data, sha256 = read_unlisted(directory, name)
+    data, sha256 = read_unlisted(directory, name) if read is None else read
     text = data.metadata.get(INFO_KEY)
     if text is None:
         raise StoreError(
