@@ -175,19 +175,25 @@ def curvature_refusal(
 ) -> str | None:
     """Why K-FAC / EK-FAC cannot precondition these capture points (``None``: they can).
 
-    The one check is :func:`~metastore_plugins.core.ops.curvature.layer_groups`, asked of the first
-    stored batch holding records of each capture point (of ``layers``): what it refuses (projected or
-    norms-only records, layers it cannot fit, tied weights) is the answer, in its own words.
+    The one check is :func:`~metastore_plugins.core.ops.curvature.layer_groups`, asked of one stored batch of
+    each kind of records a capture point holds (of ``layers``; a capture policy may have lowered a pass part way,
+    its later batches projected): what it refuses (projected or norms-only records, layers it cannot fit, tied
+    weights) is the answer, in its own words. A point with batches kept as metadata only is refused too.
     """
     chosen = None if layers is None else tuple(layers)
     for point in capture_points:
-        refs = [ref for ref in store.batch_refs(point) if ref.info["records"]]
-        if not refs:
+        refs = store.batch_refs(point)
+        bare = sum(not ref.info["records"] for ref in refs)
+        if bare == len(refs):
             return f"{point!r} holds no per-sample records"
-        try:
-            layer_groups(refs[0].read_records(chosen))
-        except ValueError as exc:  # a RepresentationError is one too
-            return f"{point!r}: {exc}"
+        if bare:
+            return f"{point!r} holds {bare} batch(es) kept as metadata only (no per-sample records)"
+        kinds = {tuple((r.get("layer"), r.get("kind")) for r in ref.info["records"]): ref for ref in refs}
+        for ref in kinds.values():
+            try:
+                layer_groups(ref.read_records(chosen))
+            except ValueError as exc:  # a RepresentationError is one too
+                return f"{point!r}: {exc}"
     return None
 
 

@@ -214,12 +214,16 @@ def self_influence(
 def lr_sq_norms(
     selection: Selection, max_bytes: int = DEFAULT_MAX_BYTES, device: torch.device | str | None = None
 ) -> np.ndarray:
-    """``(N,)`` ``lr_b ||g_i||^2`` of a selection's samples (``lr_b`` of each sample's batch), in selection order."""
-    values = [
-        np.repeat([b.ref.lr_weight for b in run], [b.size for b in run])
-        * ops.total_sq_norms(on_device(records, device)).double().cpu().numpy()
-        for run, records in selection.merged(max_bytes // 2)
-    ]
+    """``(N,)`` ``lr_b ||g_i||^2`` of a selection's samples (``lr_b`` of each sample's batch), in selection order;
+    NaN for the samples of batches that hold no records (kept as metadata only by a capture policy)."""
+    values = []
+    for run, records in selection.merged(max_bytes // 2):
+        sizes = [b.size for b in run]
+        if not records:
+            values.append(np.full(sum(sizes), np.nan))
+            continue
+        lr = np.repeat([b.ref.lr_weight for b in run], sizes)  # (n,)
+        values.append(lr * ops.total_sq_norms(on_device(records, device)).double().cpu().numpy())
     return np.concatenate(values) if values else np.zeros(0)
 
 

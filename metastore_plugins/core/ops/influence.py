@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, record_pairs, selected_roles
 from metastore_plugins.core.ops.cost import Method
 from metastore_plugins.core.ops.dots import dots
@@ -28,6 +29,11 @@ def _shares(a: LayerRecord, b: LayerRecord, params: Collection[str] | None) -> b
 
 def _batch_size(records: Sequence[LayerRecord], what: str) -> int:
     sizes = {r.batch_size for r in records}
+    if not sizes:
+        raise RepresentationError(
+            f"{what} batch holds no per-sample gradient records (a capture policy kept it as metadata only: sample "
+            "ids, labels and losses); ask the query of capture points that hold gradients (`metastore inspect`)"
+        )
     if len(sizes) != 1:
         raise ValueError(f"{what} records must describe one batch (one batch size), got sizes {sorted(sizes)}")
     return sizes.pop()

@@ -11,6 +11,11 @@ recorded in the plan (``degraded``). The last planned checkpoint pass is the mos
 planned bytes stay reserved until it runs, so the training steps and the earlier passes degrade
 first. A tag with ``keep=`` sets the representation of the steps it covers, within the budget like
 everything else.
+
+A checkpoint pass is stored whole or not at all: when it starts, the metadata of all its samples (ids,
+labels, losses) must fit, or the pass is dropped entirely (no tag, no snapshot, no records: said and
+recorded as ``"dropped"``); once started, that metadata stays reserved, so its batches may be lowered down
+to metadata only but are never cut off part way.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class CapturePolicy:
         self._projections = Projections()
         self.bases: dict[str, EigenBasis] = {}  # the curvature eigenbasis the passes project on (set_bases)
         self._passes_seen = 0
+        self.pass_dropped = False  # the pass started last keeps nothing (start_pass)
+        self._pass_metadata = 0.0  # metadata bytes of the pass in progress, reserved and not yet spent
         self._said: set[str] = set()
         #: exact factor bytes a captured sample held in the batch the plan was made from (0: no plan yet)
         self.factor_sample_bytes = 0.0
@@ -115,18 +122,18 @@ class CapturePolicy:
             )
             self.factor_sample_bytes = factor_sample_bytes(records)
             self._changed()
-        part = "train" if capture_point == "train" else "passes"
-        if part == "passes" and 0 < self.plan.planned_passes <= self._passes_seen:
-            part = "last"  # the last planned pass starts again from its planned rung, on the bytes kept for it
+        part = self._part(capture_point)
+        if part != "train" and self.pass_dropped:
+            return None  # said once when the pass started
         planned = self.plan.part(capture_point)
         planned_k = self.plan.k if part == "train" else self.plan.passes_k
-        limit = self.limit - self._reserved(part)
+        held = 0.0 if part == "train" else max(0.0, self._pass_metadata - self._metadata_nbytes(records))
+        limit = self.limit - self._reserved(part) - held  # the rest of the pass's metadata stays reserved
         keep = self.keep_for(step, capture_point)
         if keep in REPRESENTATIONS:
             kept, size = self._kept(records, {layer: keep for layer in planned}, planned_k, part)
             if self.spent + size <= limit:
-                self.spent += size
-                return kept
+                return self._spend(kept, size, held, part)
             self._say_once(
                 f"{self.owner}: a tag asks to keep step {step} ({capture_point}) as {keep!r}, which does not fit the "
                 f"budget ({self.plan.budget:,} bytes); those steps are kept as planned"
@@ -141,12 +148,30 @@ class CapturePolicy:
                 k = k or planned_k
             kept, size = self._kept(records, chosen, k, part)
             if self.spent + size <= limit:
-                self.spent += size
-                return kept
+                return self._spend(kept, size, held, part)
             if (rung if rung is not None else _rung_of(planned, planned_k)) == len(LADDER) - 1:
+                if part != "train":  # a started pass keeps its metadata (reserved when it started)
+                    return self._spend(kept, size, held, part)
                 self._degrade(part, step, stop=True)  # metadata only does not fit either
                 return None
             self._degrade(part, step)
+
+    def _part(self, capture_point: str) -> str:
+        """``"train"``, ``"passes"``, or ``"last"``: the last planned pass, which starts again from its planned
+        rung on the bytes kept for it (and any pass beyond the plan)."""
+        if capture_point == "train":
+            return "train"
+        planned = self.plan.planned_passes if self.plan is not None else self.shape.passes
+        return "last" if 0 < planned <= self._passes_seen else "passes"
+
+    def _spend(self, kept: list[LayerRecord], size: int, held: float, part: str) -> list[LayerRecord]:
+        self.spent += size
+        if part != "train":
+            self._pass_metadata = held
+        return kept
+
+    def _metadata_nbytes(self, records: Sequence[LayerRecord]) -> int:
+        return BATCH_METADATA_BYTES + SAMPLE_METADATA_BYTES * (records[0].batch_size if records else 0)
 
     def projects_passes(self) -> bool:
         """Whether the checkpoint passes keep some layer projected (as planned, or lowered to it): they then
@@ -191,9 +216,26 @@ class CapturePolicy:
             self._said.add(message.split(" step ")[0])
             warnings.warn(message, stacklevel=4)
 
-    def start_pass(self) -> None:
-        """Count a checkpoint pass as started (once per pass, before :meth:`snapshot_due` is asked of it)."""
+    def start_pass(self, step: int = -1) -> bool:
+        """Count a checkpoint pass (at ``step``) as started, once per pass before :meth:`snapshot_due` is asked of
+        it, and reserve the metadata of all its samples; False (and :attr:`pass_dropped`) when that does not fit:
+        the whole pass is then not stored, which is said once and recorded in the plan (``"dropped"``)."""
         self._passes_seen += 1
+        part = self._part("pass")
+        need = SAMPLE_METADATA_BYTES * self.shape.pass_samples + BATCH_METADATA_BYTES * self.shape.pass_batches
+        self.pass_dropped = self.spent + need > self.limit - self._reserved(part)
+        self._pass_metadata = 0.0 if self.pass_dropped else float(need)
+        if self.pass_dropped and self.plan is not None:
+            name = {"passes": "checkpoint passes", "last": "the last checkpoint pass"}[part]
+            before = _label(LADDER[self._rungs.get(part, _rung_of(self.plan.passes, self.plan.passes_k))])
+            self.plan.degraded.append({"step": step, "part": name, "from": before, "to": "dropped"})
+            self._say_once(
+                f"{self.owner}: the run outgrew its capture plan (budget {self.plan.budget:,} bytes, {self.spent:,} "
+                f"spent): the checkpoint pass at step {step} is not stored, not even its sample ids and losses (a "
+                "pass is kept whole or not at all)"
+            )
+            self._changed()
+        return not self.pass_dropped
 
     def snapshot_due(self) -> bool | None:
         """Whether the pass started last takes a weight snapshot: True, False (none planned for it), or None (one
@@ -205,7 +247,8 @@ class CapturePolicy:
         snapshots = self.plan.snapshots if self.plan is not None else self.budget.snapshots(self.shape)
         if not snapshots or (snapshots > 0 and self._passes_seen < self.shape.passes - snapshots + 1):
             return False  # none planned, or the plan snapshots only the last passes
-        return True if self.spent + self.shape.snapshot_bytes <= self.limit - self._reserved("passes") else None
+        room = self.limit - self._reserved("passes") - self._pass_metadata  # the pass's metadata comes first
+        return True if self.spent + self.shape.snapshot_bytes <= room else None
 
     def skip_snapshot(self, step: int) -> None:
         """Record that the planned snapshot of the pass at ``step`` is skipped (it no longer fits): said once, and
@@ -222,7 +265,8 @@ class CapturePolicy:
     def should_snapshot(self, step: int = -1) -> bool:
         """:meth:`start_pass`, :meth:`snapshot_due` and, for a planned snapshot that no longer fits,
         :meth:`skip_snapshot`: what the start of a checkpoint pass at ``step`` runs (once per pass)."""
-        self.start_pass()
+        if not self.start_pass(step):
+            return False
         due = self.snapshot_due()
         if due is None:
             self.skip_snapshot(step)

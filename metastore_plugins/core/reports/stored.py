@@ -88,6 +88,8 @@ def _notes(plan: CapturePlan) -> list[str]:
         verb = "was" if part.startswith("the last") else "were"
         if change["to"] == "skipped":
             notes.append(f"the weight snapshot of the checkpoint pass at step {step} was skipped ({budget} was spent)")
+        elif change["to"] == "dropped":
+            notes.append(f"the checkpoint pass at step {step} was not stored at all ({budget} was spent)")
         elif change["to"] == "not stored":
             notes.append(f"{part} {verb} no longer stored from step {step} on ({budget} was spent)")
         else:

@@ -106,6 +106,11 @@ class CapturePlan:
                     f"  skipped at step {change['step']}: the weight snapshot of that checkpoint pass (the budget "
                     "was spent)"
                 )
+            elif change["to"] == "dropped":
+                out.append(
+                    f"  dropped at step {change['step']}: the checkpoint pass at that step, whole (not even its "
+                    "metadata fitted the budget left)"
+                )
             elif change["to"] == "not stored":
                 out.append(
                     f"  stopped at step {change['step']}: {change['part']} no longer stored, not even their metadata "
