@@ -121,6 +121,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         model: nn.Module = kwargs["model"]
+        if self.run is not None:  # an earlier train() of this callback raised (the Trainer has no exception event)
+            self._close(how="unfinished")
         if self.dirpath is None:
             self.dirpath = Path(args.output_dir or ".") / "metastore"
         # log_level="info" (or "debug") shows them as info, like the Trainer's own lines; by default ("passive",
@@ -363,13 +365,13 @@ class MetaStoreTrainerCallback(TrainerCallback):
         if zero:
             logger.log(self._say, end_line(self.options, self.dirpath, self.report_result, logdirs, self.seconds))
 
-    def _close(self) -> None:
+    def _close(self, how: str | None = None) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks, self._pending = [], None
         run, self.run = self.run, None
         if run is not None:
-            run.close()
+            run.close(how=how)
 
 
 def _evaluations(args: TrainingArguments, state: TrainerState, loader: Any) -> int:

@@ -311,7 +311,7 @@ class MetaStoreCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._close()
+        self._close(exception)  # what was captured is written; the store's run log names the exception
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -372,11 +372,11 @@ class MetaStoreCallback(Callback):
         batch_sampler = getattr(trainer.train_dataloader, "batch_sampler", None)
         self._sampler = batch_sampler if isinstance(batch_sampler, RecordingBatchSampler) else None
 
-    def _close(self) -> None:
+    def _close(self, error: BaseException | None = None) -> None:
         self._unwatch_train_loaders()
         run, self.run = self.run, None
         if run is not None:
-            run.close()
+            run.close(error)
 
 
 def _quiet_loss(pl_module: pl.LightningModule, batch: Any, k: int) -> Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 __all__ = [
     "DistributedQueryError",
     "ExistingStoreError",
+    "IncompleteStoreWarning",
     "JournalError",
     "LossScaleError",
     "MetastoreError",
@@ -22,6 +23,7 @@ __all__ = [
     "RepresentationError",
     "SampleIdError",
     "StoreError",
+    "StoreNotWritableError",
     "UnsupportedLayerError",
 ]
 
@@ -33,6 +35,11 @@ class MetastoreError(Exception):
 class StoreError(MetastoreError, ValueError):
     """A user mistake about a store (not a store, unknown capture point, sample, step or layer),
     or a damaged or malformed store (a checksum mismatch, a hostile manifest or shard, a link)."""
+
+
+class StoreNotWritableError(StoreError):
+    """A command that writes into a store (compaction, repair, capture, reports into ``<store>/reports``) met a
+    directory this process cannot write (a read-only filesystem, no permission); names it and what to do."""
 
 
 class JournalError(MetastoreError, ValueError):
@@ -65,3 +72,7 @@ class ExistingStoreError(MetastoreError, ValueError):
 
 class DistributedQueryError(MetastoreError, RuntimeError):
     """A partitioned query stopped because another rank died, hung or disagreed; the message names it."""
+
+
+class IncompleteStoreWarning(UserWarning):
+    """A query covers steps the store does not hold: capture stopped after an error writing it (a full disk)."""

@@ -33,6 +33,7 @@ from hostilecases import (
 from storecases import synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
+from metastore_plugins.core.errors import IncompleteStoreWarning
 from metastore_plugins.core.store import StoreError, batches, readcache, shardread
 from metastore_plugins.core.store import files as files_module
 from metastore_plugins.core.store import writer as writer_module
@@ -178,10 +179,17 @@ def test_a_full_disk_stops_capture_with_one_warning(tmp_path: Path, monkeypatch:
     assert len(calls) == 3  # nothing was attempted after the failure
     assert writer.stats.shards == 2
     assert not list(tmp_path.glob("*.tmp"))  # the partial file is removed
-    store = open_store(tmp_path)
-    assert store.verify() == []
-    assert store.sample_ids().tolist() == sorted(expected)
-    check(store, expected)
+    store = open_store(tmp_path)  # what the store says of itself: incomplete from the first batch lost (step 2)
+    assert store.verify() == [
+        "INCOMPLETE store: capture stopped at step 2 after an error writing the store (OSError: [Errno 28] No space "
+        f"left on device: {str(calls[2])!r}): nothing from step 2 on was stored, 28 sample(s) lost"
+    ]
+    with pytest.warns(IncompleteStoreWarning, match="capture stopped at step 2") as said:
+        assert store.sample_ids().tolist() == sorted(expected)
+    assert len(said) == 1
+    assert store.sample_ids(steps=(0, 1)).tolist() == sorted(expected)  # before the stop: complete, no warning
+    with pytest.warns(IncompleteStoreWarning, match="capture stopped at step 2"):
+        check(store, expected)
 
 
 def test_a_full_disk_can_raise_instead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,7 +208,10 @@ def test_a_full_disk_can_raise_instead(tmp_path: Path, monkeypatch: pytest.Monke
         writer.close()
     assert not list(tmp_path.glob("*.tmp"))
     store = open_store(tmp_path)
-    assert store.verify() == [] and store.sample_ids().tolist() == sorted(expected)
+    assert len(store.verify()) == 1 and "capture stopped at step 1" in store.verify()[0]
+    assert "4 sample(s) lost" in store.verify()[0]  # batch 1; batch 2 was refused before it was queued
+    with pytest.warns(IncompleteStoreWarning, match="capture stopped at step 1"):
+        assert store.sample_ids().tolist() == sorted(expected)
 
 
 def test_a_full_disk_while_writing_the_manifest_keeps_the_last_one(
@@ -229,8 +240,10 @@ def test_a_full_disk_while_writing_the_manifest_keeps_the_last_one(
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [shard(tmp_path, i).name for i in range(2)]
     assert len(journal_objects(tmp_path)) == 2  # the shard whose layer the manifest lacks was never listed
     store = open_store(tmp_path)
-    assert store.verify() == [] and store.layers() == ["fc", "ln"]
-    check(store, expected)
+    assert len(store.verify()) == 1 and "capture stopped at step 2" in store.verify()[0]
+    assert store.layers() == ["fc", "ln"]
+    with pytest.warns(IncompleteStoreWarning, match="capture stopped at step 2"):
+        check(store, expected)
 
 
 def test_a_full_disk_while_appending_a_journal_line_cuts_it_off(
@@ -251,14 +264,16 @@ def test_a_full_disk_while_appending_a_journal_line_cuts_it_off(
             raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(files_module, "os", HalfWrites())
-    with pytest.warns(RuntimeWarning, match="STOPPED CAPTURING.*2 shard\\(s\\) and 8 sample\\(s\\)"):
-        write_batches(writer, range(2, 3))
-        writer.close()
+    unrecorded = "the run log could not be written.*not know that the store lacks every step from 2 on$"
+    with pytest.warns(RuntimeWarning, match=unrecorded):  # nor its line in the run log
+        with pytest.warns(RuntimeWarning, match="STOPPED CAPTURING.*2 shard\\(s\\) and 8 sample\\(s\\)"):
+            write_batches(writer, range(2, 3))
+            writer.close()
     monkeypatch.undo()
     assert journal(tmp_path).read_bytes() == before  # the half line was cut off
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [shard(tmp_path, i).name for i in range(2)]
     store = open_store(tmp_path)
-    assert store.verify() == []
+    assert store.verify() == []  # a disk that refuses every write refused the run log's line too (warned)
     check(store, expected)
 
 

@@ -25,6 +25,7 @@ from metastore_plugins.core.analysis.scan import LOCAL, Scan
 from metastore_plugins.core.model import recompute as recompute_module
 from metastore_plugins.core.records import LayerRecord, RepresentationError
 from metastore_plugins.core.store import StoreReader, find_store_dir
+from metastore_plugins.core.store.run_log import noted_once
 from metastore_plugins.core.store.snapshots import list_snapshots
 from metastore_plugins.core.store.tags import find_tags, read_tags
 
@@ -41,17 +42,28 @@ class GradientStore(StoreReader):
     #: how queries read the store: every batch here (a ``DistributedStore``: this rank's shards)
     scan: Scan = LOCAL
     # norms; influence and self-influence by method= (TracIn with k=: top-k candidates from the
-    # nearest-gradient index); similarity
-    norms, self_influence, self_influence_ids = queries.norms, methods.self_influence, queries.self_influence_ids
-    influence, similar, in_run_influence = methods.influence, methods.similar, in_run.in_run_influence
+    # nearest-gradient index); similarity. Each warns at most once that the store is incomplete (noted_once).
+    norms = noted_once(queries.norms)
+    self_influence = noted_once(methods.self_influence)
+    self_influence_ids = noted_once(queries.self_influence_ids)
+    influence = noted_once(methods.influence)
+    similar = noted_once(methods.similar)
+    in_run_influence = noted_once(in_run.in_run_influence)
     # training dynamics
-    batch_gradient, changed_most = dynamics.batch_gradient, dynamics.changed_most
-    top_contributors, exceed_fractions = dynamics.top_contributors, dynamics.exceed_fractions
-    spikes, compare = dynamics.spikes, dynamics.compare
+    batch_gradient = noted_once(dynamics.batch_gradient)
+    changed_most = noted_once(dynamics.changed_most)
+    top_contributors = noted_once(dynamics.top_contributors)
+    exceed_fractions = noted_once(dynamics.exceed_fractions)
+    spikes = noted_once(dynamics.spikes)
+    compare = noted_once(dynamics.compare)
     # sketches, curvature, the index
-    sketches, build_sketches, clusters = sketch_queries.sketches, sketch_queries.build_sketches, sketch_queries.clusters
-    sketched_influence, kernel_influence = sketch_queries.sketched_influence, sketch_queries.kernel_influence
-    kfac_influence, build_vector_index = curvature.kfac_influence, vector_index.build_vector_index
+    sketches = noted_once(sketch_queries.sketches)
+    build_sketches = noted_once(sketch_queries.build_sketches)
+    clusters = noted_once(sketch_queries.clusters)
+    sketched_influence = noted_once(sketch_queries.sketched_influence)
+    kernel_influence = noted_once(sketch_queries.kernel_influence)
+    kfac_influence = noted_once(curvature.kfac_influence)
+    build_vector_index = noted_once(vector_index.build_vector_index)
 
     def recompute(
         self, model: nn.Module, dataset: Any, sample_ids: Sequence[int], *, snapshot: str | None, **options: Any

@@ -110,12 +110,17 @@ class RankIndexWriter:
                 return None
             return {**self.manifest, "layers": dict(self.manifest["layers"]), "config": dict(self.manifest["config"])}
 
+    def save_config(self) -> None:
+        """Write the manifest now when the config changed since it was written (layers alone are written with
+        the shard that uses them)."""
+        if self._config_changed:
+            manifest = self._take_changed()
+            if manifest is not None:
+                mf.write_manifest(self.directory, manifest)
+
     def close(self) -> None:
         try:
-            if self._config_changed:  # layers alone are written with the shard that uses them
-                manifest = self._take_changed()
-                if manifest is not None:
-                    mf.write_manifest(self.directory, manifest)
+            self.save_config()
         finally:
             self.journal.close()
             self.files.close()

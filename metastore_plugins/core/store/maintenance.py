@@ -249,15 +249,18 @@ def _merged_shard(
     return header_bytes(ranges, specs, metadata) + bytes(section)
 
 
-def close_and_compact(writer: StoreWriter) -> CompactionReport | None:
-    """Close ``writer``, then compact its rank (the end of training: the timer's small shards merged).
+def close_and_compact(
+    writer: StoreWriter, error: BaseException | None = None, how: str | None = None
+) -> CompactionReport | None:
+    """Close ``writer`` (``error``, ``how``: how the run ended, for its run log: :meth:`StoreWriter.close`), then
+    compact its rank (the end of training: the timer's small shards merged).
 
     A compaction that fails (another process holds the rank, a full disk) warns and leaves the
     store as the writer left it; None then, and when the writer stopped after a disk error.
     """
     if writer.closed:
         return None
-    writer.close()
+    writer.close(error, how=how)
     if writer.stopped is not None:
         return None
     try:

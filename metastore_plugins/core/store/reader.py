@@ -27,6 +27,7 @@ from torch import Tensor
 
 from metastore_plugins.core.records import KIND_CODES, PER_SAMPLE_KINDS, restore_all
 from metastore_plugins.core.store import manifest as mf
+from metastore_plugins.core.store import run_log
 from metastore_plugins.core.store.batches import BatchRef, ShardFiles
 from metastore_plugins.core.store.health import check_store, fill_v1_samples
 from metastore_plugins.core.store.index import RankIndex, StoreIndex, read_rank
@@ -74,6 +75,11 @@ class StoreReader:
         self.open_problems += fill_v1_samples(self.path, entries, self._layers, checksums)
         self.index = StoreIndex(entries, self._layers)
         self._files = ShardFiles(self.path, self.index, checksums)
+        #: how the runs that wrote the store went (:mod:`~metastore_plugins.core.store.run_log`), the steps it
+        #: lacks after an error writing it, and the line that says so (None: complete)
+        self.run_log = run_log.read_run_log(self.path)
+        self.gaps: list[run_log.Gap] = run_log.missing_steps(self.run_log.sessions)
+        self.incomplete = run_log.incomplete_note(self.gaps, self.run_log.sessions)
 
     # -- listing -------------------------------------------------------------------------
 
@@ -192,6 +198,10 @@ class StoreReader:
             layers = [layers] if isinstance(layers, str) else list(layers)
             self.check_layers(layers)
         ids = None if sample_ids is None else np.unique(np.asarray(list(sample_ids), dtype=np.int64).reshape(-1))
+        if self.incomplete is not None and run_log.covers(self.gaps, capture_point, self.steps(capture_point), window):
+            run_log.warn_incomplete(
+                self.path, self.incomplete, stacklevel=3
+            )  # once per query (GradientStore's methods)
         return Selection(self._files, rows, ids, None if layers is None else tuple(layers))
 
     def batch_refs(self, capture_point: str | None = None) -> list[BatchRef]:
@@ -210,9 +220,10 @@ class StoreReader:
         code = names.index(capture_point) if capture_point in names else -1
         rows = np.flatnonzero(self.index.batch["capture_point"] == code) if len(self.index) else np.zeros(0, np.int64)
         if not len(rows):
+            why = f" ({self.incomplete})" if self.incomplete is not None else ""
             raise StoreError(
                 f"unknown capture point {capture_point!r} in {self.path}; "
-                f"it has: {', '.join(self.capture_points()) or 'none'}"
+                f"it has: {', '.join(self.capture_points()) or 'none'}{why}"
             )
         return rows
 
@@ -265,9 +276,11 @@ class StoreReader:
         file, size, sha256, tensor keys, sample ids), journal columns (labels, losses, predictions,
         margins, step, epoch, lr) that contradict the shard's own tensors or description (queries
         serve the journal's; the shard is what was written), and files that look like shards but
-        are not listed. Only regular files inside the store are read.
+        are not listed. Only regular files inside the store are read. A store capture stopped writing
+        after an error (a full disk) says so first (:attr:`incomplete`), with run-log lines not read.
         """
-        return self.open_problems + check_store(self.path, self.index, self._files, checksums)
+        problems = self.open_problems + [self.incomplete or ""] + self.run_log.problems
+        return [p for p in problems if p] + check_store(self.path, self.index, self._files, checksums)
 
     def summary(self) -> dict[str, Any]:
         """Sizes on disk against the dense fp32 per-sample gradients the store stands for."""

@@ -20,14 +20,13 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 import torch
-from torch import Tensor
 
-from metastore_plugins.core.records import BatchMeta, LayerRecord, meta_key, record_key
+from metastore_plugins.core.records import BatchMeta, LayerRecord
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding, check_encoding, encoded_nbytes
 from metastore_plugins.core.store.entries import new_entry
@@ -35,32 +34,15 @@ from metastore_plugins.core.store.index_writer import RankIndexWriter
 from metastore_plugins.core.store.journal import journal_name
 from metastore_plugins.core.store.shardfile import ShardBuffer, Written, write_shard
 from metastore_plugins.core.store.shardinfo import describe
+from metastore_plugins.core.store.writer_batches import Batch, WriterStats, record_info, shard_keys
+from metastore_plugins.core.store.writer_life import WriterLife
 
 
-@dataclass
-class _Batch:
-    records: list[LayerRecord]
-    meta: dict[str, Tensor]  # column -> (B, ...)
-    info: dict[str, Any]  # capture point, step, epoch, micro-batch, rank, size, lr
-    nbytes: int
+class _SaveConfig(threading.Event):
+    """A request to write the manifest's config now, without a shard (set once written)."""
 
 
-@dataclass
-class WriterStats:
-    """What the writer did: bytes, shards, and how long training waited on it."""
-
-    shards: int = 0
-    bytes_written: int = 0
-    peak_queued_bytes: int = 0
-    peak_pending_bytes: int = 0  # encoded bytes of the shard being built
-    wait_seconds: float = 0.0
-    batches: int = 0
-    dense_bytes: int = 0  # what the same samples' dense fp32 per-sample gradients would take
-    files: list[str] = field(default_factory=list)
-    timer_shards: int = 0  # shards written because the oldest unwritten batch waited flush_seconds / 2
-
-
-class StoreWriter:
+class StoreWriter(WriterLife):
     """Writes records and per-sample metadata of one process rank to a run directory.
 
     Args:
@@ -80,10 +62,17 @@ class StoreWriter:
             data, and the next ``write``/``flush``/``close`` warns once, naming the directory
             and what the store kept; training goes on. ``"raise"``: the next
             ``write``/``flush``/``close`` raises ``RuntimeError``. Either way the shards already
-            listed and the last manifest stay valid, and the partial file is removed.
+            listed and the last manifest stay valid, the partial file is removed, and the rank's run
+            log records that the store is incomplete from the first step not stored
+            (:mod:`~metastore_plugins.core.store.run_log`).
         on_shard: called on the writer thread with each shard's file name once it is listed (the write
             side of the nearest-gradient index queues its part there). It must return at once; what it
             raises is kept in :attr:`on_shard_error` (the first) and never stops capture.
+        run_start: the step the run this writer captures starts at: its start and how it ended
+            (:meth:`close`) go to the run log. ``None``: only an error that stops capture is recorded.
+
+    A writer still open when the process exits is closed then (what it holds is written;
+    :mod:`~metastore_plugins.core.store.writer_life`).
     """
 
     def __init__(
@@ -98,6 +87,7 @@ class StoreWriter:
         config: dict[str, Any] | None = None,
         on_error: Literal["warn", "raise"] = "warn",
         on_shard: Callable[[str], object] | None = None,
+        run_start: int | None = None,
     ) -> None:
         if queue_bytes <= 0 or shard_bytes <= 0:
             raise ValueError("queue_bytes and shard_bytes must be positive byte counts")
@@ -114,7 +104,6 @@ class StoreWriter:
         self.on_shard_error: Exception | None = None
         self.stopped: OSError | None = None  # the disk error that stopped capture (on_error="warn")
         self._warned = False
-        self.dropped_samples = 0
         self.path = Path(path)
         self.rank = int(rank)
         self.encoding = check_encoding(encoding)
@@ -122,12 +111,17 @@ class StoreWriter:
         self.stats = WriterStats()
         self.path.mkdir(parents=True, exist_ok=True)
         self._index = RankIndexWriter(self.path, self.rank, config or {})
-        self._queue: deque[tuple[float, _Batch | threading.Event | None]] = deque()  # (time.monotonic() queued, item)
+        self._queue: deque[tuple[float, Batch | threading.Event | None]] = deque()  # (time.monotonic() queued, item)
         self._queued_bytes = 0
         self._idle = False  # the writer thread waits with nothing unwritten: the next batch wakes it (starts the timer)
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._closed = False
+        try:
+            self._open_life(run_start)
+        except BaseException:
+            self._index.close()
+            raise
         self._thread = threading.Thread(target=self._run, name=f"metastore-writer-rank{self.rank}", daemon=True)
         self._thread.start()
 
@@ -136,8 +130,8 @@ class StoreWriter:
     def __enter__(self) -> StoreWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
+        self.close(error)
 
     @property
     def closed(self) -> bool:
@@ -164,7 +158,7 @@ class StoreWriter:
         if self._closed:
             raise RuntimeError("this StoreWriter is closed; open a new one to write more")
         if self.stopped is not None:
-            self.dropped_samples += int(torch.as_tensor(meta.sample_ids).numel())
+            self._lose(int(meta.step), int(torch.as_tensor(meta.sample_ids).numel()))
             return
         if not isinstance(meta.capture_point, str) or not meta.capture_point.strip():
             raise ValueError(f"capture_point must be a non-empty name such as 'train'; got {meta.capture_point!r}")
@@ -182,11 +176,17 @@ class StoreWriter:
             "lr": None if meta.lr is None else float(meta.lr),
         }
         nbytes = sum(r.nbytes for r in records) + sum(t.numel() * t.element_size() for t in columns.values())
-        self._put(_Batch(records, columns, info, nbytes), nbytes)
+        self._put(Batch(records, columns, info, nbytes), nbytes)
 
-    def update_config(self, changes: dict[str, Any]) -> None:
-        """Merge ``changes`` into the manifest's config (written with the next shard, or when closing)."""
+    def update_config(self, changes: dict[str, Any], *, save: bool = False) -> None:
+        """Merge ``changes`` into the manifest's config (written with the next shard, or when closing).
+
+        ``save``: have the writer thread write the manifest now, without a shard and without waiting for it
+        (the capture plan, recorded when the run starts).
+        """
         self._index.update_config(changes)
+        if save:
+            self._put(_SaveConfig(), 0)
 
     def flush(self, wait: bool = True) -> None:
         """Write everything queued so far as a shard; with ``wait``, block until it is on disk and listed.
@@ -201,8 +201,12 @@ class StoreWriter:
                 break
         self._raise_if_failed()
 
-    def close(self) -> None:
-        """Write what is queued, stop the thread. Safe to call twice."""
+    def close(self, error: BaseException | None = None, *, how: str | None = None) -> None:
+        """Write what is queued, stop the thread. Safe to call twice.
+
+        ``error``: the exception that ends the run (None: it finished); ``how`` says it in the run log's words
+        instead (:data:`~metastore_plugins.core.store.run_log.HOW`).
+        """
         if self._closed:
             return
         try:
@@ -213,7 +217,10 @@ class StoreWriter:
                 self._queue.append((time.monotonic(), None))
                 self._cond.notify_all()
             self._thread.join()
-            self._index.close()
+            try:
+                self._end_life(how, error)
+            finally:
+                self._index.close()
 
     # -- caller side ---------------------------------------------------------------------
 
@@ -240,7 +247,7 @@ class StoreWriter:
         if new:
             self._index.register_layers(new)
 
-    def _put(self, item: _Batch | threading.Event, nbytes: int) -> None:
+    def _put(self, item: Batch | threading.Event, nbytes: int) -> None:
         start, queued = time.perf_counter(), time.monotonic()  # the timer counts from here, waiting for room included
         with self._cond:
             while self._queued_bytes > 0 and self._queued_bytes + nbytes > self.queue_bytes and self._error is None:
@@ -250,7 +257,7 @@ class StoreWriter:
             self._queued_bytes += nbytes
             self.stats.peak_queued_bytes = max(self.stats.peak_queued_bytes, self._queued_bytes)
             if (
-                not isinstance(item, _Batch)
+                not isinstance(item, Batch)
                 or self._idle
                 or self._queued_bytes >= min(self.shard_bytes, self.queue_bytes // 2)
             ):
@@ -267,8 +274,8 @@ class StoreWriter:
                 f"the gradient store writer for {self.path} STOPPED CAPTURING after a disk error "
                 f"({self.stopped}); the store keeps the {self._index.shards} shard(s) and "
                 f"{self._index.samples} sample(s) listed in {journal_name(self.rank)}; "
-                f"{self.dropped_samples} sample(s) in flight were lost and later batches are dropped "
-                "(pass on_error='raise' to StoreWriter to fail instead)",
+                f"{self.dropped_samples} sample(s) in flight were lost and later batches are dropped"
+                f"{self._record_note()} (pass on_error='raise' to StoreWriter to fail instead)",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -282,7 +289,7 @@ class StoreWriter:
         # intra-op threads oversubscribes the cores and slows the training step (per-thread setting)
         torch.set_num_threads(1)
         buffer = ShardBuffer()  # reused by every shard; freed when the thread ends
-        pending: list[_Batch] = []  # batches of the shard being built, not encoded yet
+        pending: list[Batch] = []  # batches of the shard being built, not encoded yet
         pending_bytes = 0  # their encoded size
         pending_since: float | None = None  # when pending[0] was queued (time.monotonic())
         timer: threading.Event | None = None  # the flush request the timer queued, not reached yet
@@ -291,7 +298,7 @@ class StoreWriter:
             with self._cond:
                 while True:
                     # the oldest batch not on disk: the first pending one, else the first queued one
-                    first = next((t for t, queued in self._queue if isinstance(queued, _Batch)), None)
+                    first = next((t for t, queued in self._queue if isinstance(queued, Batch)), None)
                     oldest = first if pending_since is None else pending_since
                     left = None if half is None or oldest is None else oldest + half - time.monotonic()
                     if left is not None and left <= 0 and timer is None:  # due: write all it holds now
@@ -310,10 +317,14 @@ class StoreWriter:
                 timer = None
             try:
                 if self.stopped is not None or self._error is not None:  # drop what is left
-                    if isinstance(item, _Batch):
-                        self.dropped_samples += item.info["size"]
+                    if isinstance(item, Batch):
+                        self._lose(item.info["step"], item.info["size"])
                     else:
                         item.set()
+                    continue
+                if isinstance(item, _SaveConfig):
+                    self._index.save_config()
+                    item.set()
                     continue
                 if isinstance(item, threading.Event):  # flush(), or the timer
                     if pending:
@@ -337,32 +348,22 @@ class StoreWriter:
                     self.stopped = exc
                 else:
                     self._error = exc
-                self.dropped_samples += sum(b.info["size"] for b in pending)
+                if pending:
+                    self._lose(min(b.info["step"] for b in pending), sum(b.info["size"] for b in pending))
                 pending, pending_bytes, pending_since = [], 0, None
                 if isinstance(item, threading.Event):
                     item.set()
             finally:
                 with self._cond:
-                    self._queued_bytes -= item.nbytes if isinstance(item, _Batch) else 0
+                    self._queued_bytes -= item.nbytes if isinstance(item, Batch) else 0
                     self._cond.notify_all()
 
-    @staticmethod
-    def _record_info(record: LayerRecord) -> dict[str, Any]:
-        rows = int(record.tensors["sample"].shape[0]) if "sample" in record.tensors else record.batch_size
-        return {
-            "layer": record.layer,
-            "kind": record.kind,
-            "rows": rows,
-            "bytes": record.nbytes,
-            "dense_bytes": record.dense_nbytes,
-        }
-
-    def _write_shard(self, pending: list[_Batch], buffer: ShardBuffer) -> None:
+    def _write_shard(self, pending: list[Batch], buffer: ShardBuffer) -> None:
         """Write ``pending`` as the next shard, whole on disk, then list it with one journal line."""
         name = mf.shard_name(self.rank, self._index.next_shard)
         files = self._index.files
         written: list[Written] = []
-        batches = [(b.info | {"records": [self._record_info(r) for r in b.records]}, b.meta) for b in pending]
+        batches = [(b.info | {"records": [record_info(r) for r in b.records]}, b.meta) for b in pending]
         entry = new_entry(name, 0, "", self.encoding, self.rank, batches)
         metadata = {"format": mf.FORMAT, "encoding": self.encoding}
         metadata.update(describe(entry, self._index.layers, shard_keys(pending)))  # what repair rebuilds its line from
@@ -378,6 +379,7 @@ class StoreWriter:
             files.remove(name, missing_ok=True)  # never listed: free its space; the journal stays valid
             raise
         self.stats.shards += 1
+        self.stored_step = max([self.stored_step or 0, *(b.info["step"] for b in pending)])
         self.stats.batches += len(batches)
         self.stats.bytes_written += entry.bytes
         self.stats.files.append(name)
@@ -386,14 +388,3 @@ class StoreWriter:
                 self.on_shard(name)
             except Exception as exc:  # the shard is listed: a failing listener never stops capture
                 self.on_shard_error = self.on_shard_error or exc
-
-
-def shard_keys(pending: list[_Batch]) -> list[tuple[str, int]]:
-    """``(key, ndim)`` of the record and metadata tensors a shard of ``pending`` holds (``.scale`` keys left out)."""
-    keys = [(meta_key(j, column), t.dim()) for j, b in enumerate(pending) for column, t in b.meta.items()]
-    return keys + [
-        (record_key(j, k, name), t.dim())
-        for j, b in enumerate(pending)
-        for k, r in enumerate(b.records)
-        for name, t in r.tensors.items()
-    ]

@@ -108,7 +108,7 @@ def open_run(
         rank=start["rank"],
         agree=agree,
     )
-    return options.run_capture(dirpath, **start), moved
+    return options.run_capture(dirpath, start_step=step, **start), moved
 
 
 def run_end(run: RunCapture | None) -> tuple[RecomputeFn | None, dict[str, float]]:

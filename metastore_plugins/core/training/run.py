@@ -73,6 +73,8 @@ class RunCapture(StepCapture):
             nothing during the steps; its time in ``seconds["index"]`` and docs/benchmarks.md, its bytes
             outside the budget); later ``k=`` queries and the reports then use it. A close while an
             exception is handled builds none. Off by default: a query builds the parts it needs.
+        start_step: the trainer's step this run starts at (0, or where it resumes): the store's run log records
+            the run's start there, and how it ended at :meth:`close`. ``None``: no start is recorded.
     """
 
     def __init__(
@@ -91,13 +93,16 @@ class RunCapture(StepCapture):
         budget: Budget | None = None,
         announce: Callable[[str], None] | None = None,
         index: bool = False,
+        start_step: int | None = None,
     ) -> None:
         self.path = Path(path)
         self.loss_reduction = loss_reduction
         self.per_sample_loss = per_sample_loss
         self.labels = labels or default_labels
         self.session_options = dict(session_options or {})
-        self.writer = StoreWriter(self.path, rank=rank, encoding=encoding, flush_seconds=flush_seconds, config=config)
+        self.writer = StoreWriter(
+            self.path, rank=rank, encoding=encoding, flush_seconds=flush_seconds, config=config, run_start=start_step
+        )
         self.index = index
         self.index_parts: PartsBuilt | None = None  # what close() built of the index
         self.rank = rank
@@ -200,6 +205,8 @@ class RunCapture(StepCapture):
         attributes = {"epoch": epoch, "lr": trained_at, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
         if self.policy.should_snapshot(step):
             self.snapshot(model, name=name, step=step, attributes=attributes)
+        if self.policy.pass_dropped:
+            return  # the budget keeps no part of this pass (said, and recorded in the plan): no tag, no records
         self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
         sources = within_memory(sources, self.policy.factor_sample_bytes)  # batches whose factors fit PASS_BATCH_BYTES
         fitted_on = training_source(sources) if self.basis_samples and self.policy.projects_passes() else None
@@ -264,7 +271,7 @@ class RunCapture(StepCapture):
 
     def _plan_changed(self, plan: CapturePlan) -> None:
         mixed = self._session.batch_mixed_parameters() if self._session is not None else {}  # below a train-mode BN
-        self.writer.update_config({"capture_plan": plan.to_json(), **batch_mixed_config(mixed)})
+        self.writer.update_config({"capture_plan": plan.to_json(), **batch_mixed_config(mixed)}, save=True)  # now
         if self._announce is not None and not plan.degraded:  # one message, once; slow rules named
             generic = generic_rule_lines(self._session.generic_parameters() if self._session is not None else [])
             self._announce(f"{self.owner}: " + "\n".join([*plan.lines(), *generic, *batch_mixed_lines(mixed)]))
@@ -279,13 +286,19 @@ class RunCapture(StepCapture):
         """Block until what is captured so far is on disk: the store holds every step the checkpoint saw."""
         self.writer.flush()
 
-    def close(self) -> None:
-        """Remove hooks, write everything queued and compact this rank's small shards. Safe to call twice."""
+    def close(self, error: BaseException | None = None, *, how: str | None = None) -> None:
+        """Remove hooks, write everything queued and compact this rank's small shards. Safe to call twice.
+
+        ``error``: the exception that ends training (by default the one being handled, if any; none: training
+        finished), recorded in the store's run log (``metastore inspect`` names it); ``how`` says it in the run
+        log's words instead (:data:`~metastore_plugins.core.store.run_log.HOW`).
+        """
+        error = error if error is not None else sys.exc_info()[1]
         try:
             self.abort_step()
             self._close_session()
         finally:
-            self.compaction = close_and_compact(self.writer) or self.compaction
-        if self.index and self.index_parts is None and sys.exc_info()[1] is None:  # after compaction: its shards
+            self.compaction = close_and_compact(self.writer, error, how) or self.compaction
+        if self.index and self.index_parts is None and error is None:  # after compaction: its shards
             self.index_parts = build_rank_parts(self.path, self.rank)
             self.seconds["index"] = self.index_parts.seconds

@@ -201,10 +201,12 @@ class CallbackOptions:
         world_size: int = 1,
         announce: Callable[[str], None] | None = None,
         early_tags: list[tuple[str, dict[str, Any]]] | None = None,
+        start_step: int | None = None,
     ) -> RunCapture:
         """The :class:`RunCapture` of one process rank, with these settings (the budget split between ranks).
 
         ``early_tags``: the tags :meth:`tag` kept before training; written now (and the list emptied).
+        ``start_step``: the trainer's step the run starts at, for the store's run log.
         """
         session = {"unsupported": self.unsupported, **({"modules": list(self.modules)} if self.modules else {})}
         run = RunCapture(
@@ -221,6 +223,7 @@ class CallbackOptions:
             budget=Budget(self.policy, None if self.budget is None else int(self.budget)).per_rank(world_size),
             announce=announce,
             index=self.index,
+            start_step=start_step,
         )
         run.basis_samples = self.basis_samples
         try:
