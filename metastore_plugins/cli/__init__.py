@@ -10,7 +10,8 @@ Example::
     metastore verify runs/text-classifier --repair  # mend what a killed run left behind
     torchrun --nproc-per-node 4 -m metastore_plugins.cli influence runs/text-classifier  # partitioned
 
-User mistakes (unknown run, sample, layer, step) print one line and exit with status 2.
+User mistakes (unknown run, sample, layer, step) and a store that cannot be written by a command that writes
+into it (compact, verify --repair, report into ``STORE/reports``) print one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from metastore_plugins.core.distributed import (
     rank_of,
     shutdown,
 )
-from metastore_plugins.core.store import StoreError, find_store_dir
+from metastore_plugins.core.errors import MetastoreError
+from metastore_plugins.core.store import find_store_dir
 
 __all__ = ["PARTITIONED", "build_parser", "main"]
 
@@ -75,12 +77,12 @@ def _main(argv: Sequence[str] | None) -> int:
         with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout) as out:
             with contextlib.redirect_stdout(out):
                 status = args.func(args, target) or 0
-    except (StoreError, ValueError, FileNotFoundError) as exc:
-        print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)
-        return 2
     except DistributedQueryError as exc:
         print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)
         return 1
+    except (MetastoreError, ValueError, FileNotFoundError) as exc:  # a read-only store too: StoreNotWritableError
+        print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("metastore: interrupted", file=sys.stderr)
         return 130

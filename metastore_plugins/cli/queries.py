@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -20,11 +21,13 @@ from metastore_plugins.core.reports.stored import (
     budget_caption,
     dropped_message,
     outlier_ranking,
+    paired_passes,
     stored_self_influence,
     with_gradients,
 )
 from metastore_plugins.core.reports.tables import outlier_markdown, outlier_table
 from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.store.writable import writing
 
 
 def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
@@ -46,6 +49,8 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
     test = [cp.split("/")[0] + "/" + args.test_split for cp in train]
     if args.capture_point:
         train, test = train[-1:], [args.capture_point]
+    elif not args.train and (paired := paired_passes(store, train, args.test_split)):
+        train, test = [a for a, _ in paired], [b for _, b in paired]  # the passes the budget kept both sides of
     absent = [cp for cp in test if cp not in store.capture_points()]
     if absent and not args.capture_point:
         why = dropped_message(store) or (
@@ -144,10 +149,12 @@ def _index_option(args: argparse.Namespace) -> bool | None:
 
 def cmd_restore(args: argparse.Namespace, store: GradientStore) -> None:
     """The exact dense gradients of one sample occurrence, written to ``--out`` (safetensors)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     grads = store.restore(args.sample, capture_point=args.capture_point, step=args.step, layer=args.layer)
-    save_file({name: g.contiguous() for name, g in grads.items()}, args.out)
+    data = save({name: g.contiguous() for name, g in grads.items()})  # one sample's dense gradients
+    with writing(Path(args.out).parent, "pass --out a file in a writable folder"):
+        Path(args.out).write_bytes(data)
     shapes = {name: list(g.shape) for name, g in grads.items()}
     emit(
         args,

@@ -14,6 +14,7 @@ from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_note
 from metastore_plugins.core.reports.files import (
+    REPORTS_ELSEWHERE,
     RenderFn,
     influence_markdown,
     open_reports,
@@ -37,6 +38,7 @@ from metastore_plugins.core.reports.tables import (
     outlier_points,
     outlier_table,
 )
+from metastore_plugins.core.store.writable import writing
 
 #: test samples in the influence report by default (those with the smallest ids)
 INFLUENCE_SAMPLES = 16
@@ -147,7 +149,7 @@ def write_tables(store: GradientStore, directory: str | Path, tables: dict[str, 
 
     ``tables["influence"] is None`` (no test passes): no influence files.
     """
-    with open_reports(store.path, directory) as out:  # <store>/reports: never through a link
+    with writing(Path(directory), REPORTS_ELSEWHERE), open_reports(store.path, directory) as out:  # never a link
         files = write_table(out, "outliers", tables["outliers"], tables["outlier_columns"])
         caption = tables.get("outlier_caption", [])  # what ranks the rows and where each column comes from
         write_text(out, "outliers.md", outlier_markdown(tables["outliers"], tables["outlier_columns"], caption))

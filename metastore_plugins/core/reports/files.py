@@ -29,6 +29,10 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines) + "\n"
 
 
+#: What to do when the report folder cannot be written (``<store>/reports`` of a read-only store).
+REPORTS_ELSEWHERE = "write the reports to another folder: `metastore report --out DIR` (Python: report_run(store, DIR))"
+
+
 def open_reports(store_dir: Path, directory: str | os.PathLike[str]) -> StoreDir:
     """The report folder, created: ``<store>/reports`` (or any folder inside the store) is never reached
     through a link (:class:`~metastore_plugins.core.store.files.StoreError` naming it and the fix); a folder

@@ -39,6 +39,7 @@ import numpy as np
 from metastore_plugins.core.errors import JournalError
 from metastore_plugins.core.store.files import StoreDir, StoreError, atomic_write_bytes
 from metastore_plugins.core.store.manifest import json_values_problem
+from metastore_plugins.core.store.writable import COPY_TO_WRITE, writing
 
 #: Dtype codes a column may use (all little-endian).
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -177,12 +178,13 @@ class RankLock:
 
     A POSIX record lock (``lockf``) between processes, which processes forked while it is held (a
     DataLoader's workers) do not inherit, unlike ``flock``; within this process a registry of held
-    lock files. Where ``fcntl`` is missing (Windows) only the registry applies.
+    lock files. Where ``fcntl`` is missing (Windows) only the registry applies. A directory this process
+    cannot write (read-only, no permission) raises :class:`~metastore_plugins.core.errors.StoreNotWritableError`.
     """
 
     def __init__(self, directory: Path, rank: int) -> None:
         self.path = directory / lock_name(rank)
-        with StoreDir(directory) as opened:
+        with StoreDir(directory) as opened, writing(directory, COPY_TO_WRITE):  # a read-only store: one line
             self._fd = opened.open_lock(lock_name(rank))  # never through a link, never a directory or FIFO
         stat = os.fstat(self._fd)
         self._key = (stat.st_dev, stat.st_ino)

@@ -31,6 +31,7 @@ from metastore_plugins.core.heap import large_blocks_mapped
 from metastore_plugins.core.model.rng import preserved_rng
 from metastore_plugins.core.reports import RenderFn, report_tables, write_tables
 from metastore_plugins.core.reports.dynamics import dynamics_norms, gradient_map, write_dynamics
+from metastore_plugins.core.reports.files import REPORTS_ELSEWHERE
 from metastore_plugins.core.reports.partitioned import agreed, distributed, report_store, share_of, writes
 from metastore_plugins.core.reports.render import SampleLookup
 from metastore_plugins.core.reports.samples import renderers
@@ -46,6 +47,7 @@ from metastore_plugins.core.reports.tensorboard import (
 )
 from metastore_plugins.core.store.plan_record import projected_size
 from metastore_plugins.core.store.readcache import SHARDS
+from metastore_plugins.core.store.writable import check_writable
 from metastore_plugins.core.training.settings import CallbackOptions
 
 #: The most shard bytes the read cache holds while a callback builds its reports (in the trainer's process;
@@ -170,6 +172,8 @@ def report_run(
                 stacklevel=2,
             )
         return None
+    if writing:  # a folder that cannot be written (a read-only store's reports/): said before the work, not after
+        check_writable(Path(reports_dir), REPORTS_ELSEWHERE)
     sources = outlier_points(store, points, outliers_from)
     scores = stored_self_influence(store, sources)  # read once, for the table and the histograms
     views = agreed(store, bool(writers), "report: whether rank 0 writes TensorBoard events")
