@@ -171,7 +171,9 @@ def write_dynamics(
                 writer.add_scalar(f"{prefix}/{name}", float(mean), int(step))
         tags.append(f"{prefix}/{name}")
     for epoch in np.unique(epochs):
-        writer.add_histogram(f"{prefix}/grad_norm_per_epoch", total[epochs == epoch], int(epoch))
+        held = total[(epochs == epoch) & np.isfinite(total)]  # steps kept as metadata only have no norm
+        if len(held):
+            writer.add_histogram(f"{prefix}/grad_norm_per_epoch", held, int(epoch))
     threshold = explode_factor * float(np.median(total)) if len(total) else 0.0
     fractions = ops.step_exceed_fractions(
         torch.from_numpy(total), torch.from_numpy(np.asarray(steps, dtype=np.int64)), threshold

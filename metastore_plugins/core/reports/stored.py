@@ -36,9 +36,18 @@ def with_gradients(store: GradientStore, points: Sequence[str], *, inner: bool =
     found = []
     for point in points:
         kinds = stored_kinds(store, point)
+        if kinds and inner:  # every batch with records (none kept as metadata only), each with inner products
+            kinds = kinds if all(ref.info["records"] for ref in store.batch_refs(point)) else set()
         if kinds and (not inner or kinds <= INNER_PRODUCT_KINDS):
             found.append(point)
     return found
+
+
+def paired_passes(store: GradientStore, train: Sequence[str], test_split: str) -> list[tuple[str, str]]:
+    """``(train point, test point)`` of the checkpoint passes of ``train`` whose ``test_split`` side is stored too,
+    both with inner products (:func:`with_gradients`): a pass the budget dropped or lowered is left out."""
+    pairs = [(a, f"{a.split('/')[0]}/{test_split}") for a in train]
+    return [(a, b) for a, b in pairs if len(with_gradients(store, (a, b), inner=True)) == 2]
 
 
 def stored_self_influence(store: GradientStore, points: Sequence[str]) -> Scores:

@@ -134,7 +134,9 @@ def write_tensorboard(
     if table is not None and len(table["sample_id"]):
         for label in np.unique(table["label"]):
             values = table["self_influence"][table["label"] == label]
-            writer.add_histogram(f"{prefix}/self_influence/class_{int(label)}", values, step)
+            values = values[np.isfinite(values)]  # samples of batches kept as metadata only have none
+            if len(values):
+                writer.add_histogram(f"{prefix}/self_influence/class_{int(label)}", values, step)
             tags.append(f"{prefix}/self_influence/class_{int(label)}")
     if figures is None:
         try:
