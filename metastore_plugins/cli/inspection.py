@@ -12,6 +12,7 @@ from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.store import vector_check
 from metastore_plugins.core.store.maintenance import compact, repair
 from metastore_plugins.core.store.plan_record import CapturePlan
+from metastore_plugins.core.store.run_log import Gap, Session
 from metastore_plugins.core.store.runs import repeated_batches
 from metastore_plugins.core.store.snapshots import SnapshotInfo, check_snapshots
 from metastore_plugins.core.store.tags import Tag, check_tags
@@ -40,6 +41,8 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
         "capture_plan": plan,
         "tags": [vars(tag) for tag in tags] if args.json else [],  # only printed with --json (300k tags: 1 s)
         "snapshots": [{**dataclasses.asdict(info), "path": str(info.path)} for info in snapshots],
+        "runs": [{**dataclasses.asdict(s), "state": s.state()} for s in store.run_log.sessions],
+        "incomplete": store.incomplete,
     }
     more = f"  ... and {len(tags) - TAG_LINES:,} more (--json lists them all)" if len(tags) > TAG_LINES else ""
     ratio = summary["compression"]
@@ -47,6 +50,8 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
         f"store      {summary['path']}",
         f"ranks      {summary['ranks']}   shards {summary['shards']}   encodings {', '.join(summary['encodings'])}",
         f"samples    {summary['samples']} stored over {summary['steps']} steps",
+        *_run_lines(store.run_log.sessions),
+        *([f"incomplete {store.incomplete}"] if store.incomplete else []),
         f"bytes      {summary['bytes_on_disk']:,} on disk "
         f"vs {summary['dense_bytes']:,} as dense fp32 per-sample gradients"
         + (f" ({ratio:.1f}x smaller)" if ratio else ""),
@@ -62,13 +67,33 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
         *(f"  {_snapshot_line(info)}" for info in snapshots),
         *_vector_index_lines(store),
         f"tags       {len(tags)}",
-        *(f"  {_tag_line(tag)}" for tag in tags[:TAG_LINES]),
+        *(f"  {_tag_line(tag, store.gaps)}" for tag in tags[:TAG_LINES]),
         *([more] if more else []),
         "problems: " + ("none" if not problems else ""),
         *(f"  {p}" for p in problems),
     ]
     emit(args, data, "\n".join(printable(line) for line in lines))  # one stored string never makes two lines
     return 1 if problems else 0
+
+
+def _run_lines(sessions: list[Session]) -> list[str]:
+    """How the runs that wrote the store went: the latest run of each rank (one line when the ranks agree), then
+    the earlier runs a resumed run continued."""
+    if not sessions:
+        return ["run        no run log (a store written before run logs, or by a StoreWriter outside a run)"]
+    latest = {session.rank: session for session in sessions}
+    states = {session.state() for session in latest.values()}
+    lines = (
+        [f"run        {states.pop()}"]
+        if len(states) == 1
+        else ["run        by rank:", *(f"  rank {rank}: {s.state()}" for rank, s in sorted(latest.items()))]
+    )
+    earlier = [s for s in sessions if s is not latest[s.rank]]
+    return lines + [f"  earlier run on rank {s.rank}{_started(s)}: {s.state()}" for s in earlier]
+
+
+def _started(session: Session) -> str:
+    return "" if session.start is None else f" (started at step {session.start})"
 
 
 def _vector_index_lines(store: GradientStore) -> list[str]:
@@ -82,7 +107,7 @@ def _vector_index_lines(store: GradientStore) -> list[str]:
 def _plan_lines(plan: Any, problems: list[str]) -> list[str]:
     """The capture plan's lines; one more problem (and no plan lines) when the recorded plan is not readable."""
     if not plan:
-        return ["capture plan: none recorded (an older store)"]
+        return ["capture plan: none recorded (a store written by a StoreWriter alone, or by an older version)"]
     try:
         return CapturePlan.from_json(plan).lines()
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
@@ -98,11 +123,16 @@ def _snapshot_line(info: SnapshotInfo) -> str:
     return f"{info.name:<20} step {info.step}, rank {info.rank}{checksum}"
 
 
-def _tag_line(tag: Tag) -> str:
+def _tag_line(tag: Tag, gaps: list[Gap]) -> str:
     steps = f"step {tag.first_step}" if tag.first_step == tag.last_step else f"steps {tag.first_step}..{tag.last_step}"
     keep = f", keep {tag.keep}" if tag.keep else ""
     attributes = ", ".join(f"{key}={value}" for key, value in tag.attributes.items())
-    return f"{tag.name:<20} {steps}{keep}" + (f" ({attributes})" if attributes else "")
+    lost = any(
+        rank == tag.rank and first <= tag.first_step and (resumed is None or tag.first_step < resumed)
+        for rank, first, resumed in gaps
+    )
+    stopped = " NOT STORED (capture had stopped: see incomplete)" if lost and tag.automatic else ""
+    return f"{tag.name:<20} {steps}{keep}" + (f" ({attributes})" if attributes else "") + stopped
 
 
 def cmd_verify(args: argparse.Namespace, path: Path) -> int:

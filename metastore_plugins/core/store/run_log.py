@@ -123,7 +123,7 @@ def error_text(error: BaseException | None) -> str | None:
     """``Type: message`` of ``error`` on one line, at most :data:`MAX_ERROR_CHARS` characters."""
     if error is None:
         return None
-    text = " ".join(f"{type(error).__name__}: {error}".split())
+    text = " ".join(f"{type(error).__name__}: {error}".split()).removesuffix(":")  # KeyboardInterrupt: no message
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
