@@ -45,16 +45,13 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
         "incomplete": store.incomplete,
     }
     more = f"  ... and {len(tags) - TAG_LINES:,} more (--json lists them all)" if len(tags) > TAG_LINES else ""
-    ratio = summary["compression"]
     lines = [
         f"store      {summary['path']}",
         f"ranks      {summary['ranks']}   shards {summary['shards']}   encodings {', '.join(summary['encodings'])}",
         f"samples    {summary['samples']} stored over {summary['steps']} steps",
         *_run_lines(store.run_log.sessions),
         *([f"incomplete {store.incomplete}"] if store.incomplete else []),
-        f"bytes      {summary['bytes_on_disk']:,} on disk "
-        f"vs {summary['dense_bytes']:,} as dense fp32 per-sample gradients"
-        + (f" ({ratio:.1f}x smaller)" if ratio else ""),
+        *_bytes_lines(summary),
         "capture points:",
         *(
             f"  {cp:<20} {n} batches, steps {store.steps(cp)[0]}..{store.steps(cp)[-1]}"
@@ -94,6 +91,18 @@ def _run_lines(sessions: list[Session]) -> list[str]:
 
 def _started(session: Session) -> str:
     return "" if session.start is None else f" (started at step {session.start})"
+
+
+def _bytes_lines(summary: dict[str, Any]) -> list[str]:
+    """Every file of the store directory by part (``summary()["bytes_by_part"]``), then the listed shards against
+    the dense fp32 per-sample gradients they stand for."""
+    ratio = summary["compression"]
+    parts = ", ".join(f"{part} {size:,}" for part, size in summary["bytes_by_part"].items())
+    return [
+        f"bytes      {summary['bytes_on_disk']:,} on disk ({parts})",
+        f"           shards {summary['shard_bytes']:,} vs {summary['dense_bytes']:,} as dense fp32 per-sample "
+        "gradients" + (f" ({ratio:.1f}x smaller)" if ratio else ""),
+    ]
 
 
 def _vector_index_lines(store: GradientStore) -> list[str]:

@@ -29,6 +29,7 @@ from metastore_plugins.core.records import KIND_CODES, PER_SAMPLE_KINDS, restore
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store import run_log
 from metastore_plugins.core.store.batches import BatchRef, ShardFiles
+from metastore_plugins.core.store.disk_usage import disk_usage
 from metastore_plugins.core.store.health import check_store, fill_v1_samples
 from metastore_plugins.core.store.index import RankIndex, StoreIndex, read_rank
 from metastore_plugins.core.store.manifest import StoreError
@@ -283,9 +284,15 @@ class StoreReader:
         return [p for p in problems if p] + check_store(self.path, self.index, self._files, checksums)
 
     def summary(self) -> dict[str, Any]:
-        """Sizes on disk against the dense fp32 per-sample gradients the store stands for."""
+        """Sizes on disk against the dense fp32 per-sample gradients the store stands for.
+
+        ``bytes_on_disk``: every file of the store directory, by part in ``bytes_by_part``
+        (:func:`~metastore_plugins.core.store.disk_usage.disk_usage`: shards, snapshots, index, caches, reports,
+        other); ``shard_bytes``: the listed shards, which ``compression`` compares with ``dense_bytes``.
+        """
         shards = self.index.shards
         on_disk = sum(entry.bytes for entry in shards)
+        usage = disk_usage(self.path, {entry.file for entry in shards})
         dense = int(self.index.record["dense_bytes"].sum())
         batch = self.index.batch
         return {
@@ -297,7 +304,9 @@ class StoreReader:
             "steps": len(np.unique(batch["step"])) if len(self.index) else 0,
             "layers": len(self._layers),
             "encodings": sorted({entry.encoding for entry in shards}),
-            "bytes_on_disk": on_disk,
+            "bytes_on_disk": sum(usage.values()),
+            "bytes_by_part": usage,
+            "shard_bytes": on_disk,
             "dense_bytes": dense,
             "compression": dense / on_disk if on_disk else None,
             "index_problems": len(self.open_problems),
