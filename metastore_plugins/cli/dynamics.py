@@ -56,6 +56,7 @@ def comparison_text(comparison: RunComparison, k: int) -> str:
     return "\n".join(
         [
             markdown_table(layers, ("layer", "mean_norm", "other_mean_norm", "ratio", "update_cosine")),
+            *comparison.notes,  # why an update_cosine is blank
             f"{len(comparison.steps)} steps; the {len(steps)} where the mean per-sample gradient norms differ most:",
             markdown_table(steps, ("step", "norm", "other_norm", "loss", "other_loss")),
         ]

@@ -329,5 +329,5 @@ def compare(
         )
     scan = scan_of(store)  # the other run is read the same way
     return compare_profiles(
-        run_profile(store, capture_point, common, scan), run_profile(other, capture_point, common, scan)
+        run_profile(store, capture_point, common, scan), run_profile(other, capture_point, common, scan), capture_point
     )

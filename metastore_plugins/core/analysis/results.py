@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -98,13 +98,15 @@ class Clusters:
 @dataclass(frozen=True)
 class LayerComparison:
     """One layer in two runs: mean per-sample gradient norms, ``ratio = mean_norm / other_mean_norm``,
-    and the cosine between the cumulative updates ``sum_t lr_t g_t`` of the two runs."""
+    and the cosine between the cumulative updates ``sum_t lr_t g_t`` of the two runs: ``None`` where a run
+    does not hold them (the layer kept projected or as norms only at some step; a zero update), which
+    :attr:`RunComparison.notes` says."""
 
     layer: str
     mean_norm: float
     other_mean_norm: float
     ratio: float
-    update_cosine: float
+    update_cosine: float | None
 
 
 @dataclass(frozen=True)
@@ -117,3 +119,4 @@ class RunComparison:
     other_norm: np.ndarray
     loss: np.ndarray  # (S,) mean recorded loss
     other_loss: np.ndarray
+    notes: list[str] = field(default_factory=list)  # why a value is missing (an update_cosine of None)

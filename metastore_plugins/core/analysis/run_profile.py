@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ class Profile:
     step_loss: dict[int, float]
     loss_count: dict[int, int]
     update: dict[str, Tensor]  # layer -> flattened sum_t lr_t g_t (float64)
+    inexact: dict[str, int] = field(default_factory=dict)  # layer -> batches kept projected or as norms only
 
     def mean_norm(self, layer: str) -> float:
         count = self.layer_count.get(layer, 0)
@@ -57,7 +58,8 @@ def run_profile(store: StoreReader, capture_point: str, layers: list[str], scan:
             profile.layer_norm[layer] = profile.layer_norm.get(layer, 0.0) + float(norms.sum())
             profile.layer_count[layer] = profile.layer_count.get(layer, 0) + batch.size
             if any(record.kind not in EXACT_KINDS for record in records):
-                continue  # projected or norms only (capture policy): no weight updates
+                profile.inexact[layer] = profile.inexact.get(layer, 0) + 1  # no weight update: none for the layer
+                continue
             for name, grad in ops.batch_gradient(records, "sum").items():
                 part = grad.double() * (lr / step_size[step])
                 updates[layer][name] = updates[layer][name] + part if name in updates[layer] else part
@@ -70,12 +72,12 @@ def run_profile(store: StoreReader, capture_point: str, layers: list[str], scan:
             profile.step_loss[step] = profile.step_loss.get(step, 0.0) + float(loss.double().sum())
             profile.loss_count[step] = profile.loss_count.get(step, 0) + batch.size
     sums = [profile.layer_norm, profile.layer_count, profile.step_norm, profile.step_count]
-    every = scan.every([*sums, profile.step_loss, profile.loss_count], what)
-    layer_norm, layer_count, step_norm, step_count, step_loss, loss_count = (_added(p) for p in zip(*every))
-    profile = Profile(layer_norm, layer_count, step_norm, step_count, step_loss, loss_count, {})
+    every = scan.every([*sums, profile.step_loss, profile.loss_count, profile.inexact], what)
+    layer_norm, layer_count, step_norm, step_count, step_loss, loss_count, inexact = (_added(p) for p in zip(*every))
+    profile = Profile(layer_norm, layer_count, step_norm, step_count, step_loss, loss_count, {}, inexact)
     for layer in layers:
-        grads = scan.sum(updates[layer], f"{what} ({layer})")
-        if grads:
+        grads = scan.sum(updates[layer], f"{what} ({layer})")  # every rank calls it (a collective)
+        if grads and not inexact.get(layer):  # some steps' updates missing: no cumulative update
             profile.update[layer] = torch.cat([grads[name].reshape(-1) for name in sorted(grads)])
     return profile
 
@@ -89,13 +91,21 @@ def _added(parts: tuple[dict[Any, Any], ...]) -> dict[Any, Any]:
     return out
 
 
-def compare_profiles(mine: Profile, theirs: Profile) -> RunComparison:
-    """The :class:`RunComparison` of two runs' profiles over the same layers."""
-    rows = []
+def compare_profiles(mine: Profile, theirs: Profile, capture_point: str = "train") -> RunComparison:
+    """The :class:`RunComparison` of two runs' profiles over the same layers; a note per kind of missing cosine."""
+    rows, zero = [], []
+    kept: dict[str, list[str]] = {"this run": [], "the other run": []}
     for layer in mine.layer_norm:
         a, b = mine.mean_norm(layer), theirs.mean_norm(layer)
         ratio = a / b if b > 0 else (math.inf if a > 0 else math.nan)
-        rows.append(LayerComparison(layer, a, b, ratio, _cosine(mine.update.get(layer), theirs.update.get(layer))))
+        cosine = _cosine(mine.update.get(layer), theirs.update.get(layer))
+        for run, profile in (("this run", mine), ("the other run", theirs)):
+            if profile.inexact.get(layer):
+                kept[run].append(layer)
+        if cosine is None and not (mine.inexact.get(layer) or theirs.inexact.get(layer)):
+            zero.append(layer)
+        rows.append(LayerComparison(layer, a, b, ratio, cosine))
+    notes = _notes(kept, zero, capture_point)
     steps = sorted(set(mine.step_count) | set(theirs.step_count))
     return RunComparison(
         rows,
@@ -104,11 +114,35 @@ def compare_profiles(mine: Profile, theirs: Profile) -> RunComparison:
         theirs.per_step(steps, theirs.step_norm),
         mine.per_step(steps, mine.step_loss, mine.loss_count),
         theirs.per_step(steps, theirs.step_loss, theirs.loss_count),
+        notes,
     )
 
 
-def _cosine(a: Tensor | None, b: Tensor | None) -> float:
+def _notes(kept: dict[str, list[str]], zero: list[str], capture_point: str) -> list[str]:
+    """Why ``update_cosine`` is missing: layers a run keeps projected or as norms only at some step, layers whose
+    cumulative update is zero."""
+    notes = []
+    inexact = sorted({layer for layers in kept.values() for layer in layers})
+    if inexact:
+        runs = " and ".join(run for run, layers in kept.items() if layers)
+        notes.append(
+            f"update_cosine is blank for {_named(inexact)}: {runs} keep(s) them projected or as norms only at some "
+            f"steps of {capture_point!r}, which hold no weight update; capture them exactly to compare updates "
+            "(policy='exact', or a budget that keeps them exact)"
+        )
+    if zero:
+        notes.append(f"update_cosine is blank for {_named(zero)}: a run's cumulative update of them is zero")
+    return notes
+
+
+def _named(layers: list[str], shown: int = 5) -> str:
+    more = f" and {len(layers) - shown} more" if len(layers) > shown else ""
+    return f"{len(layers)} layer(s) ({', '.join(layers[:shown])}{more})"
+
+
+def _cosine(a: Tensor | None, b: Tensor | None) -> float | None:
+    """The cosine of two cumulative updates; None where one is missing or zero."""
     if a is None or b is None:
-        return math.nan
+        return None
     denominator = float(a.norm() * b.norm())
-    return float(a @ b) / denominator if denominator > 0 else math.nan
+    return float(a @ b) / denominator if denominator > 0 else None
