@@ -85,8 +85,8 @@ def check_crashed_store(store_dir: Path, out: Path) -> None:
 
 #: What ``metastore inspect`` says of the run each mode ended.
 RUN_LINES = {
-    "exception": f"run        ended by an exception after step {CRASH - 1} (ValueError: boom at step {CRASH})",
-    "sigint": f"run        interrupted after step {CRASH - 1} (KeyboardInterrupt)",
+    "exception": f"run        ended by an exception (ValueError: boom at step {CRASH}); last step stored: {CRASH - 1}",
+    "sigint": f"run        interrupted (KeyboardInterrupt); last step stored: {CRASH - 1}",
 }
 
 

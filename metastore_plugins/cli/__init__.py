@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +36,7 @@ from metastore_plugins.core.distributed import (
     rank_of,
     shutdown,
 )
-from metastore_plugins.core.errors import MetastoreError
+from metastore_plugins.core.errors import IncompleteStoreWarning, MetastoreError
 from metastore_plugins.core.store import find_store_dir
 
 __all__ = ["PARTITIONED", "build_parser", "main"]
@@ -62,6 +64,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
+def _one_line(command: str, show: Any, message: Warning | str, category: type[Warning], *where: Any) -> None:
+    """An incomplete store's warning on one line of stderr (``metastore CMD: warning: ...``); others as Python shows
+    them."""
+    if issubclass(category, IncompleteStoreWarning):
+        print(f"metastore {command}: warning: {printable(message)}", file=sys.stderr)
+    else:
+        show(message, category, *where)
+
+
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if launched() and args.command not in PARTITIONED:
@@ -75,7 +86,8 @@ def _main(argv: Sequence[str] | None) -> int:
         target = _open(args)
         quiet = rank_of() != 0  # every rank computes, rank 0 prints
         with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout) as out:
-            with contextlib.redirect_stdout(out):
+            with contextlib.redirect_stdout(out), warnings.catch_warnings():
+                warnings.showwarning = functools.partial(_one_line, args.command, warnings.showwarning)
                 status = args.func(args, target) or 0
     except DistributedQueryError as exc:
         print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)

@@ -50,7 +50,7 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
         f"ranks      {summary['ranks']}   shards {summary['shards']}   encodings {', '.join(summary['encodings'])}",
         f"samples    {summary['samples']} stored over {summary['steps']} steps",
         *_run_lines(store.run_log.sessions),
-        *([f"incomplete {store.incomplete}"] if store.incomplete else []),
+        *([store.incomplete] if store.incomplete else []),
         *_bytes_lines(summary),
         "capture points:",
         *(

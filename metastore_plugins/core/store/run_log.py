@@ -87,15 +87,15 @@ class Session:
 
     def state(self) -> str:
         """This session's state in words (``metastore inspect``)."""
-        after = f"after step {self.last_step}" if self.last_step is not None else "before any step was stored"
+        last = f"last step stored: {self.last_step}" if self.last_step is not None else "no step stored"
         if self.how == "finished":
-            return f"finished {after}"
+            return f"finished; {last}"
         if self.how == "exception":
-            return f"ended by an exception {after} ({self.end_error})"
+            return f"ended by an exception ({self.end_error}); {last}"
         if self.how == "interrupted":
-            return f"interrupted {after} ({self.end_error or 'KeyboardInterrupt'})"
+            return f"interrupted ({self.end_error or 'KeyboardInterrupt'}); {last}"
         if self.how == "unfinished":
-            return f"stopped {after} without ending training (an exception the caller caught, or the process exited)"
+            return f"stopped without ending training (an exception the caller caught, or the process exited); {last}"
         who = f"process {self.pid} on {self.host}" if self.pid is not None else "its process"
         if self.alive():
             return f"still running ({who})"
@@ -257,6 +257,12 @@ def incomplete_note(gaps: list[Gap], sessions: list[Session]) -> str | None:
         + (f", {lost:,} sample(s) lost" if lost else "")
         + more
     )
+
+
+def store_incomplete(store_dir: str | os.PathLike[str]) -> str | None:
+    """The line saying from which step the store in ``store_dir`` is incomplete (:func:`incomplete_note`), or None."""
+    sessions = read_run_log(store_dir).sessions
+    return incomplete_note(missing_steps(sessions), sessions)
 
 
 # -- queries: one warning per query ---------------------------------------------------------

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from metastore_plugins.core.model.pass_sources import CheckpointSchedule
+from metastore_plugins.core.store.run_log import store_incomplete
 from metastore_plugins.core.training.settings import CallbackOptions
 
 
@@ -29,18 +30,20 @@ def end_line(
     logdirs: Sequence[Path],
     seconds: Mapping[str, float] | None = None,
 ) -> str:
-    """The one line a callback logs when training ends: what was written, how long the passes and the reports
-    took (``seconds``: :attr:`RunCapture.seconds`), and how to open it."""
+    """The one line a callback logs when training ends: what was written (and whether the store is incomplete: its
+    run log), how long the passes and the reports took (``seconds``: :attr:`RunCapture.seconds`), how to open it."""
     how = [f"metastore inspect {store_dir}"] + [f"tensorboard --logdir {logdir}" for logdir in logdirs]
     seconds = seconds or {}
     refined = seconds.get("refinement", 0.0)
+    incomplete = store_incomplete(store_dir)
     if result is None:
         made = "no reports" if options.reports else "reports off"
     else:
         of = f", of which {refined:.1f} s recomputing samples exactly" if refined else ""
         made = f"reports in {store_dir / 'reports'} (built in {result.get('seconds', 0.0):.1f} s{of})"
     passes = f"; checkpoint passes took {seconds['passes']:.1f} s" if seconds.get("passes") else ""
-    return f"{options.owner}: store {store_dir} written, {made}{passes}; open with: {' | '.join(how)}"
+    written = f"written ({incomplete})" if incomplete else "written"
+    return f"{options.owner}: store {store_dir} {written}, {made}{passes}; open with: {' | '.join(how)}"
 
 
 def phase_seconds(seconds: Mapping[str, float], result: Mapping[str, Any] | None) -> dict[str, float]:

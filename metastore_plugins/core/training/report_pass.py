@@ -47,6 +47,7 @@ from metastore_plugins.core.reports.tensorboard import (
 )
 from metastore_plugins.core.store.plan_record import projected_size
 from metastore_plugins.core.store.readcache import SHARDS
+from metastore_plugins.core.store.run_log import one_note, store_incomplete
 from metastore_plugins.core.store.writable import check_writable
 from metastore_plugins.core.training.settings import CallbackOptions
 
@@ -165,10 +166,10 @@ def report_run(
     writing, since = writes(store), len(getattr(store, "shares", ()))
     points = checkpoint_points(store, train_split)
     if not points and TRAINING_STEPS not in store.capture_points():
+        why = store.incomplete or "checkpoint passes were turned off or no epoch finished"
         if writing:
             warnings.warn(
-                f"no reports: the store {store.path} holds no checkpoint passes 'epoch-*/{train_split}' "
-                "(checkpoint passes were turned off or no epoch finished)",
+                f"no reports: the store {store.path} holds no checkpoint passes 'epoch-*/{train_split}' ({why})",
                 stacklevel=2,
             )
         return None
@@ -194,6 +195,8 @@ def report_run(
         rank_outliers_by=rank_outliers_by,
         influence_method=influence_method,
     )  # its influence query is the last collective: what follows on rank 0 keeps no other rank waiting
+    if store.incomplete:  # the tables' first line says what they lack
+        tables["outlier_caption"] = [store.incomplete, *tables.get("outlier_caption", [])]
     partition = share_of(store, since)
     if not writing:
         return ReportResult(partition=partition)
@@ -259,7 +262,8 @@ def build_reports(
         sources = {**sources, "render": text, "samples": lookup}
     started = time.perf_counter()
     try:
-        with preserved_rng(), SHARDS.within(REPORT_CACHE_BYTES), large_blocks_mapped():  # no shard bytes kept after
+        # no shard bytes kept after; an incomplete store is said in the reports' caption, not by each query
+        with preserved_rng(), SHARDS.within(REPORT_CACHE_BYTES), large_blocks_mapped(), one_note(str(store_dir)):
             result = report_run(
                 report_store(store_dir),
                 store_dir / "reports",
@@ -277,8 +281,9 @@ def build_reports(
         return result
     except (KeyError, ValueError, DistributedQueryError) as exc:
         where = f" on rank {rank}" if distributed() else ""
+        complete = "is complete" if store_incomplete(store_dir) is None else "is incomplete (see metastore inspect)"
         warnings.warn(
-            f"{options.owner} could not build the reports{where} ({exc!r}); the store {store_dir} is complete. "
+            f"{options.owner} could not build the reports{where} ({exc!r}); the store {store_dir} {complete}. "
             "Pass reports=False to skip them",
             stacklevel=3,
         )
