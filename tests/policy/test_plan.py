@@ -220,9 +220,11 @@ def test_a_loader_with_a_batch_sampler_tells_its_batch_size() -> None:
     assert unknown.planned["training steps"] == told.planned["training steps"] > 0
 
 
-def test_a_planned_snapshot_that_no_longer_fits_is_skipped_and_said() -> None:
-    """Training steps outgrow the plan: the first pass's snapshot is skipped (said, in the plan's lines); the
-    last pass's, kept for it, is taken."""
+def test_a_pass_that_no_longer_fits_is_dropped_whole_and_said() -> None:
+    """Training steps outgrow the plan up to the bytes kept for the last pass: the first pass, whose samples'
+    metadata no longer fits, is dropped whole (no snapshot, no records: said, in the plan's lines); the last
+    pass's snapshot, kept for it, is taken. (Before issue 43 the first pass took its snapshot's skip alone and
+    lost its records part way.)"""
     shape = RunShape(train_batches=4, train_batch_size=BATCH, passes=2, pass_samples=BATCH, snapshot_bytes=20_000)
     policy = CapturePolicy("auto", 200_000)
     policy.expect(shape)
@@ -232,13 +234,16 @@ def test_a_planned_snapshot_that_no_longer_fits_is_skipped_and_said() -> None:
             policy.apply(_records(step), capture_point="train", step=step)
         assert policy.plan is not None and policy.plan.snapshots == 2
         first = policy.should_snapshot(60)
-        policy.apply(_records(), capture_point="epoch-0/train", step=60)
+        dropped = policy.pass_dropped
+        kept = policy.apply(_records(), capture_point="epoch-0/train", step=60)
         last = policy.should_snapshot(120)
-    assert (first, last) == (False, True)
-    assert {"step": 60, "part": "weight snapshots", "from": "snapshot", "to": "skipped"} in policy.plan.degraded
+        stored = policy.apply(_records(), capture_point="epoch-1/train", step=120)
+    assert (first, dropped, kept, last) == (False, True, None, True)
+    assert stored is not None  # the last pass keeps its samples
+    assert [c["to"] for c in policy.plan.degraded if c["step"] == 60] == ["dropped"]
     text = "\n".join(policy.plan.lines())
-    assert "skipped at step 60: the weight snapshot of that checkpoint pass" in text, text
-    assert any("weight snapshot of the checkpoint pass at step 60 is skipped" in str(w.message) for w in caught)
+    assert "dropped at step 60: the checkpoint pass at that step, whole" in text, text
+    assert any("checkpoint pass at step 60 is not stored, not even its sample ids" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("on_basis", [False, True])
