@@ -249,11 +249,15 @@ def incomplete_note(gaps: list[Gap], sessions: list[Session]) -> str | None:
     lost = sum(s.lost for s in sessions if s.stopped is not None)
     ranks = {s.rank for s in sessions}
     where = f" on rank {rank}" if len(ranks) > 1 else ""
-    span = f"steps {first}..{resumed - 1}" if resumed is not None else f"nothing from step {first} on"
+    span = (
+        f"steps {first}..{resumed - 1} were not stored"
+        if resumed is not None
+        else f"nothing from step {first} on was stored"
+    )
     more = f"; {len(gaps) - 1} more gap(s) on other ranks" if len(gaps) > 1 else ""
     return (
         f"INCOMPLETE store: capture stopped at step {first}{where} after an error writing the store "
-        f"({cause.error if cause is not None and cause.error else 'not recorded'}): {span} was stored"
+        f"({cause.error if cause is not None and cause.error else 'not recorded'}): {span}"
         + (f", {lost:,} sample(s) lost" if lost else "")
         + more
     )

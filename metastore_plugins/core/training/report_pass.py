@@ -47,7 +47,7 @@ from metastore_plugins.core.reports.tensorboard import (
 )
 from metastore_plugins.core.store.plan_record import projected_size
 from metastore_plugins.core.store.readcache import SHARDS
-from metastore_plugins.core.store.run_log import one_note, store_incomplete
+from metastore_plugins.core.store.run_log import noted_once, one_note, store_incomplete
 from metastore_plugins.core.store.writable import check_writable
 from metastore_plugins.core.training.settings import CallbackOptions
 
@@ -109,6 +109,7 @@ def projector_dim(store: GradientStore) -> int:
     return projected_size(store.config) or 8
 
 
+@noted_once  # an incomplete store is warned about once in the pass (and said in the outlier table's caption)
 def report_run(
     store_dir: str | os.PathLike[str] | GradientStore,
     reports_dir: str | os.PathLike[str],
