@@ -74,5 +74,7 @@ class DistributedQueryError(MetastoreError, RuntimeError):
     """A partitioned query stopped because another rank died, hung or disagreed; the message names it."""
 
 
-class IncompleteStoreWarning(UserWarning):
-    """A query covers steps the store does not hold: capture stopped after an error writing it (a full disk)."""
+class IncompleteStoreWarning(MetastoreError, UserWarning):
+    """A query covers steps the store does not hold: capture stopped after an error writing it (a full disk).
+
+    A warning (``warnings.warn``), raised only where warnings are made errors; a ``MetastoreError`` like the rest."""
