@@ -56,7 +56,7 @@ from metastore_plugins.core.training.adapter_support import (
 )
 from metastore_plugins.core.training.expectations import expect_run
 from metastore_plugins.core.training.lines import end_line, start_line
-from metastore_plugins.core.training.loss_scale import MeasuredLossScale, per_sample_weight
+from metastore_plugins.core.training.loss_scale import MeasuredLossScale, batch_weight
 from metastore_plugins.core.training.report_pass import ReportResult
 from metastore_plugins.core.training.run import RunCapture
 from metastore_plugins.core.training.settings import CallbackOptions, CaptureSettings
@@ -83,7 +83,9 @@ class MetaStoreTrainerCallback(TrainerCallback):
         {settings}
 
     ``per_sample_loss`` receives the dict of tensors the model received as its batch, and its
-    default reads ``batch["labels"]`` (sequence classification).
+    default reads ``batch["labels"]``: class cross-entropy (sequence classification), or for a language
+    model (causal or masked LM, token classification, seq2seq) each sequence's sum of its token losses,
+    whose weight in the model's loss (over every token of the batch) is measured at each step and pass.
     """
 
     def __init__(
@@ -231,9 +233,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
             "'labels'), and do not set label_smoothing_factor or compute_loss_func (the Trainer then takes the "
             "labels away from the model)",
         )
-        _, losses = self.run.losses(output, pending.batch)
-        weight = per_sample_weight(loss.detach(), losses, pending.batch.get("num_items_in_batch"))
-        self._scale.watch(loss, weight, len(losses))
+        weight, size = batch_weight(self.run, output, pending.batch, loss, pending.batch.get("num_items_in_batch"))
+        self._scale.watch(loss, weight, size)
 
     @override
     def on_substep_end(
@@ -311,8 +312,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
         loss = model_loss(
             output, f"{type(model).__name__} returned no loss for a checkpoint-pass batch; the batches need `labels`"
         )
-        _, losses = run.losses(output, batch)
-        return loss / (per_sample_weight(loss.detach(), losses) * len(losses))
+        weight, size = batch_weight(run, output, batch, loss)  # a pass's model loss: no num_items_in_batch
+        return loss / (weight * size)
 
     def tag(self, name: str, **options: Any) -> Any:
         """Tag the current step (or ``steps=(first, last)``) while training runs; ``keep=`` sets what those steps

@@ -11,7 +11,9 @@ the factors, :data:`PerSampleLossFn` (of the batch) or :data:`PerSampleLoss` (of
 a loss to differentiate.
 
 The callbacks' defaults read ``(x, y)`` batches and dicts with ``"labels"``; outputs that are logits, have
-``.logits`` or ``["logits"]``; cross-entropy of ``(B, C)`` logits on ``(B,)`` class labels.
+``.logits`` or ``["logits"]``; cross-entropy of ``(B, C)`` logits on ``(B,)`` class labels, and for a language
+model's ``(B, T, V)`` logits on ``(B, T)`` token labels (a causal or masked LM, token classification, a seq2seq
+decoder) the sum of each sequence's token losses, ``-100`` labels left out (:class:`DefaultPerSampleLoss`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 LABEL_KEYS = ("labels", "label", "y")
+#: The label of a token no loss is taken on (padding, a prompt, an unmasked token): PyTorch's and transformers' own.
+IGNORE_INDEX = -100
 
 #: ``(model, batch) -> scalar``: the batch loss, reduced over samples as the run's loss reduction says.
 LossFn = Callable[[nn.Module, Any], Tensor]
@@ -48,8 +52,10 @@ def unbound_loss(loss_of: BatchLoss) -> LossFn:
 
 
 __all__ = [
+    "IGNORE_INDEX",
     "LABEL_KEYS",
     "BatchLoss",
+    "DefaultPerSampleLoss",
     "LabelsFn",
     "LossFn",
     "PerSampleLoss",
@@ -59,6 +65,8 @@ __all__ = [
     "logits_of",
     "margins_of",
     "predictions_of",
+    "token_level",
+    "token_losses",
     "unbound_loss",
 ]
 
@@ -89,16 +97,75 @@ def logits_of(output: Any) -> Tensor | None:
     return output if isinstance(output, Tensor) else None
 
 
-def default_per_sample_loss(output: Any, labels: Tensor) -> Tensor:
-    """Cross-entropy of ``(B, C)`` logits on ``(B,)`` class labels, per sample."""
+def token_level(logits: Tensor | None, labels: Tensor) -> bool:
+    """Whether ``logits`` and ``labels`` are a language model's: ``(B, T, V)`` logits on ``(B, T)`` integer labels."""
+    return (
+        logits is not None
+        and logits.dim() == 3
+        and labels.dim() == 2
+        and tuple(logits.shape[:2]) == tuple(labels.shape)
+        and not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
+    )
+
+
+def token_losses(logits: Tensor, labels: Tensor, *, shift: bool) -> tuple[Tensor, Tensor]:
+    """Each sequence's sum of token cross-entropies and the number of tokens summed (``-100`` labels left out).
+
+    Args:
+        logits: ``(B, T, V)``.
+        labels: ``(B, T)`` token ids, ``-100`` where no loss is taken.
+        shift: the logits at position ``t`` predict ``labels[t + 1]`` (a causal LM shifts inside the model, as
+            transformers' ``ForCausalLMLoss`` does); otherwise ``labels[t]`` (masked LM, token classification,
+            a seq2seq decoder's logits on its labels).
+
+    Returns:
+        ``(B,)`` float32 sums (detached) and ``(B,)`` int64 counts.
+    """
+    z = logits.detach().float()  # (B, T, V)
+    y = labels.detach().to(z.device).long()  # (B, T)
+    if shift:
+        z, y = z[:, :-1], y[:, 1:]  # (B, T - 1, V), (B, T - 1)
+    flat = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+    return flat.view(y.shape).sum(1), (y != IGNORE_INDEX).sum(1)  # (B,), (B,)
+
+
+def default_per_sample_loss(output: Any, labels: Tensor, *, shift: bool | None = None) -> Tensor:
+    """Cross-entropy of ``(B, C)`` logits on ``(B,)`` class labels, per sample; for ``(B, T, V)`` logits on ``(B, T)``
+    token labels, each sequence's sum of token losses (:func:`token_losses`, ``shift`` as there; it must be given)."""
     logits = logits_of(output)
+    if logits is not None and token_level(logits, labels):
+        if shift is None:
+            raise ValueError(
+                f"the per-sample loss of (B, T, V) logits {tuple(logits.shape)} on (B, T) token labels is the sum of "
+                "each sequence's token losses, with the labels shifted by one for a causal LM or not (masked LM, token "
+                "classification, seq2seq), as the model's own loss tells (MetaStoreTrainerCallback reads it); it was "
+                "not told here (neither matched the model's loss: label smoothing? a loss of another kind? or a run "
+                "whose loss the capture does not see built, as in Lightning). Pass per_sample_loss=callable(output, "
+                "batch) -> (B,)"
+            )
+        return token_losses(logits, labels, shift=shift)[0]
     if logits is None or logits.dim() != 2 or labels.dim() != 1 or labels.is_floating_point():
         shape = None if logits is None else tuple(logits.shape)
         raise ValueError(
-            f"the default per-sample loss is cross-entropy of (B, C) logits on (B,) class labels; got logits of shape "
-            f"{shape} and labels of shape {tuple(labels.shape)}. Pass per_sample_loss=callable(output, batch) -> (B,)"
+            "the default per-sample loss is cross-entropy of (B, C) logits on (B,) class labels, or of (B, T, V) "
+            f"logits on (B, T) token labels; got logits of shape {shape} and labels of shape {tuple(labels.shape)}. "
+            "Pass per_sample_loss=callable(output, batch) -> (B,)"
         )
     return F.cross_entropy(logits.detach().float(), labels.to(logits.device).long(), reduction="none")
+
+
+class DefaultPerSampleLoss:
+    """The callbacks' per-sample loss when none is given: :func:`default_per_sample_loss` with ``shift`` remembered.
+
+    Whether a language model's labels are shifted is told by the model's own loss, once
+    (:func:`~metastore_plugins.core.training.loss_scale.learn_token_shift` sets :attr:`shift`).
+    """
+
+    def __init__(self) -> None:
+        self.shift: bool | None = None  # None: not known yet (or no token-level batch seen)
+
+    def __call__(self, output: Any, labels: Tensor) -> Tensor:
+        return default_per_sample_loss(output, labels, shift=self.shift)
 
 
 def predictions_of(outputs: Any) -> Tensor | None:

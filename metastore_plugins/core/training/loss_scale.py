@@ -7,7 +7,10 @@ processes. The stored factors must be each sample's own loss gradient whatever w
 
 - :func:`per_sample_weight` tells, from the loss value and the per-sample losses, the
   weight ``c`` of each sample's loss in the model's loss ``c * sum_i l_i`` (``1/B`` for a
-  mean, ``1/N`` for a sum over the ``N`` items of an accumulated batch, ``1`` for a sum);
+  mean, ``1/N`` for a sum over the ``N`` items of an accumulated batch, ``1/N`` for a
+  language model's mean over the ``N`` tokens of the batch, ``1`` for a sum);
+- :func:`batch_weight` does so for a run's batch, first telling a language model's head
+  (:func:`learn_token_shift`: are its labels shifted, as a causal LM's are?) from its loss;
 - :class:`MeasuredLossScale` reads the gradient that reaches the model's loss in
   ``backward`` (everything the trainer multiplied it by) and hands a
   :class:`~metastore_plugins.core.capture.CaptureSession` the factor to divide out, as
@@ -28,11 +31,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from metastore_plugins.core.errors import LossScaleError
+from metastore_plugins.core.model.losses import (
+    IGNORE_INDEX,
+    DefaultPerSampleLoss,
+    LabelsFn,
+    PerSampleLossFn,
+    logits_of,
+    token_level,
+    token_losses,
+)
 from metastore_plugins.core.records import LayerRecord
 
 
@@ -41,14 +54,17 @@ def per_sample_weight(
     per_sample_losses: Tensor,
     num_items: Tensor | int | float | None = None,
     *,
+    tokens: Sequence[int] = (),
     rtol: float = 1e-3,
 ) -> float:
-    """The weight ``c`` with ``loss == c * sum(per_sample_losses)``: ``1/B``, ``1/num_items`` or ``1``.
+    """The weight ``c`` with ``loss == c * sum(per_sample_losses)``: ``1/B``, ``1/num_items``, ``1/tokens`` or ``1``.
 
     Args:
         loss: the scalar loss the model returned.
         per_sample_losses: ``(B,)`` losses of the same samples.
         num_items: the number of items the trainer told the model to divide by, if any.
+        tokens: the numbers of tokens a language model's mean over every token of the batch may divide by
+            (:func:`token_counts`), each sample's loss being the sum of its token losses.
         rtol: relative tolerance of the match.
 
     Raises:
@@ -61,6 +77,7 @@ def per_sample_weight(
     candidates = [("mean", 1.0 / size)]
     if num_items is not None and float(num_items) > 0:
         candidates.append(("sum / num_items_in_batch", 1.0 / float(num_items)))
+    candidates += [(f"sum / {count} tokens", 1.0 / count) for count in dict.fromkeys(tokens) if count > 0]
     candidates.append(("sum", 1.0))
     for _, weight in candidates:
         if math.isclose(value, weight * total, rel_tol=rtol, abs_tol=1e-6 * max(1.0, abs(value))):
@@ -69,8 +86,59 @@ def per_sample_weight(
     raise LossScaleError(
         f"the model's loss {value:.6g} is none of the expected reductions of the per-sample losses ({described}); "
         "the stored gradients would be mis-scaled. Pass per_sample_loss=callable(output, batch) -> (B,) that returns "
-        "the per-sample losses the model's loss is built from"
+        "the per-sample losses the model's loss is built from (for a language model, each sequence's sum of its "
+        "token losses: the default)"
     )
+
+
+def token_counts(labels: Tensor) -> tuple[int, ...]:
+    """The numbers of tokens a language model's mean over every token of a batch of ``(B, T)`` labels divides by:
+    the labels that are not ``-100``, as they are (masked LM, token classification, seq2seq) and shifted by one
+    (a causal LM); ``()`` for labels of another shape or type."""
+    if labels.dim() != 2 or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        return ()
+    kept = labels != IGNORE_INDEX  # (B, T)
+    return int(kept.sum()), int(kept[:, 1:].sum())
+
+
+def learn_token_shift(
+    default: DefaultPerSampleLoss, output: Any, labels: Tensor, loss: Tensor | float, num_items: Any = None
+) -> None:
+    """Set ``default.shift`` from a language model's loss: the labels shifted by one (a causal LM) or not,
+    whichever makes the model's loss a reduction of the sequences' token-loss sums; left unknown when neither
+    does (the default then refuses, naming ``per_sample_loss``) or the batch is not token-level."""
+    logits = logits_of(output)
+    if default.shift is not None or logits is None or not token_level(logits, labels):
+        return
+    for shift in (False, True):
+        sums, counts = token_losses(logits, labels, shift=shift)  # (B,), (B,)
+        try:
+            per_sample_weight(loss, sums, num_items, tokens=(int(counts.sum()),))
+        except LossScaleError:
+            continue
+        default.shift = shift
+        return
+
+
+class LossSource(Protocol):
+    """What :func:`batch_weight` reads of a run (:class:`~metastore_plugins.core.training.run.RunCapture`)."""
+
+    per_sample_loss: PerSampleLossFn | None
+    labels: LabelsFn
+    default_loss: DefaultPerSampleLoss
+
+    def losses(self, output: Any, batch: Any) -> tuple[Tensor, Tensor]: ...
+
+
+def batch_weight(run: LossSource, output: Any, batch: Any, loss: Tensor, num_items: Any = None) -> tuple[float, int]:
+    """The weight ``c`` of each per-sample loss in the model's ``loss`` of ``batch`` (:func:`per_sample_weight`),
+    and the batch size; a language model's head is told first (:func:`learn_token_shift`) when the run's
+    per-sample loss is the default. The same in training steps and checkpoint passes."""
+    labels = torch.as_tensor(run.labels(batch)).detach()
+    if run.per_sample_loss is None:
+        learn_token_shift(run.default_loss, output, labels, loss.detach(), num_items)
+    _, losses = run.losses(output, batch)
+    return per_sample_weight(loss.detach(), losses, num_items, tokens=token_counts(labels)), len(losses)
 
 
 def check_loss_reduction(loss: Tensor | float, per_sample_losses: Tensor, loss_reduction: str, owner: str) -> None:
@@ -149,4 +217,14 @@ def gradients_finite(records: Sequence[LayerRecord]) -> bool:
     return not extremes or bool(torch.isfinite(torch.stack(extremes)).all())
 
 
-__all__ = ["LossScaleError", "MeasuredLossScale", "check_loss_reduction", "gradients_finite", "per_sample_weight"]
+__all__ = [
+    "LossScaleError",
+    "LossSource",
+    "MeasuredLossScale",
+    "batch_weight",
+    "check_loss_reduction",
+    "gradients_finite",
+    "learn_token_shift",
+    "per_sample_weight",
+    "token_counts",
+]

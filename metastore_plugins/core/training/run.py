@@ -33,7 +33,13 @@ from metastore_plugins.core.capture.batch_mixing import batch_mixed_config, batc
 from metastore_plugins.core.capture.layers.generic import generic_rule_lines
 from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.heap import large_blocks_mapped
-from metastore_plugins.core.model.losses import BatchLoss, LabelsFn, PerSampleLossFn, default_labels
+from metastore_plugins.core.model.losses import (
+    BatchLoss,
+    DefaultPerSampleLoss,
+    LabelsFn,
+    PerSampleLossFn,
+    default_labels,
+)
 from metastore_plugins.core.model.pass_sources import PassSource, within_memory
 from metastore_plugins.core.model.recompute import pass_recomputer
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
@@ -60,7 +66,7 @@ class RunCapture(StepCapture):
         rank: the process rank (each rank writes its own shards).
         loss_reduction: how the training loss combines per-sample losses (``"mean"``/``"sum"``).
         per_sample_loss: ``(forward output, batch) -> (B,)``; default
-            :func:`default_per_sample_loss` of the labels.
+            :func:`default_per_sample_loss` of the labels (:class:`DefaultPerSampleLoss`).
         labels: ``batch -> (B,)``; default :func:`default_labels`.
         encoding, flush_seconds, config: passed to :class:`StoreWriter`.
         session_options: more :class:`CaptureSession` arguments (``modules``, ``unsupported``, ...).
@@ -98,6 +104,7 @@ class RunCapture(StepCapture):
         self.path = Path(path)
         self.loss_reduction = loss_reduction
         self.per_sample_loss = per_sample_loss
+        self.default_loss = DefaultPerSampleLoss()  # a language model's head is learnt from its loss (loss_scale.py)
         self.labels = labels or default_labels
         self.session_options = dict(session_options or {})
         self.writer = StoreWriter(

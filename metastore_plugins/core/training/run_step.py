@@ -17,9 +17,9 @@ from torch import Tensor, nn
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.model.losses import (
+    DefaultPerSampleLoss,
     LabelsFn,
     PerSampleLossFn,
-    default_per_sample_loss,
     logits_of,
     margins_of,
     predictions_of,
@@ -36,6 +36,7 @@ class StepCapture:
 
     loss_reduction: LossReduction
     per_sample_loss: PerSampleLossFn | None
+    default_loss: DefaultPerSampleLoss  # used where per_sample_loss is None
     labels: LabelsFn
     session_options: dict[str, Any]
     writer: StoreWriter
@@ -158,7 +159,7 @@ class StepCapture:
                 "per-sample loss cannot be computed; pass per_sample_loss=callable(output, batch) -> (B,)"
             )
         else:
-            losses = default_per_sample_loss(output, labels)
+            losses = self.default_loss(output, labels)
         losses = torch.as_tensor(losses).detach().float().reshape(-1)
         if losses.shape[0] != labels.reshape(len(labels), -1).shape[0]:
             raise ValueError(
