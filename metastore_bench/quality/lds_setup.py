@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from metastore_plugins.core.analysis.results import Scores
 
 from .digits import train_model
-from .lds_tasks import Kind, build_model
+from .lds_tasks import TOKEN_KINDS, Kind, build_model
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class Setup:
         """The reported run. No explicit IF on the CNN: dattri's Hessian of all 1,497 samples, a vmapped
         jacfwd over 3,818 parameters, needs ~12 GB per intermediate (killed here), and its CG variant
         took 174 s at 10 iterations (docs/quality-lds.md); nor on the token model (a jacfwd through
-        attention over 12 tokens). The token task trains 1,000 sequences for 8 epochs (4 underfit)."""
-        if kind == "tokens":
+        attention over 12 tokens). The token tasks train 1,000 sequences for 8 epochs (4 underfit)."""
+        if kind in TOKEN_KINDS:
             return Setup(kind=kind, train_size=1000, epochs=8, influence_functions=False)
         return Setup(kind=kind, influence_functions=kind == "mlp")
 
@@ -65,7 +65,7 @@ class Setup:
         """600 training samples, 64 subsets, 100 test samples; TRAK at the full run's pick (no tuning), no IF."""
         return Setup(
             kind=kind,
-            epochs=8 if kind == "tokens" else 4,
+            epochs=8 if kind in TOKEN_KINDS else 4,
             train_size=600,
             test_samples=100,
             tune_samples=0,

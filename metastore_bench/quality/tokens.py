@@ -86,15 +86,31 @@ def sinusoids(length: int, width: int) -> Tensor:
 
 
 class TinyTransformer(nn.Module):
-    """Embedding + sinusoids, one single-head self-attention block (residual), mean pool, ``Linear-ReLU-Linear``."""
+    """Embedding + positions, one single-head self-attention block (residual), mean pool, ``Linear-ReLU-Linear``.
 
-    def __init__(self, vocab: int = VOCAB, length: int = LENGTH, width: int = WIDTH, classes: int = CLASSES) -> None:
+    ``learned_positions``: the positions are a learned ``(length, width)`` table, an ``nn.Parameter`` of this root
+    module itself (not inside an ``nn.Embedding``: the capture's generic rule takes it, as a dense per-sample
+    gradient of layer ``""``), initialised as the sinusoids; else the fixed sinusoids (a buffer).
+    """
+
+    def __init__(
+        self,
+        vocab: int = VOCAB,
+        length: int = LENGTH,
+        width: int = WIDTH,
+        classes: int = CLASSES,
+        learned_positions: bool = False,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.query, self.key = nn.Linear(width, width), nn.Linear(width, width)
         self.value, self.out = nn.Linear(width, width), nn.Linear(width, width)
         self.hidden, self.head = nn.Linear(width, width), nn.Linear(width, classes)
-        self.register_buffer("positions", sinusoids(length, width), persistent=False)
+        self.positions: Tensor
+        if learned_positions:
+            self.positions = nn.Parameter(sinusoids(length, width))  # (L, W)
+        else:
+            self.register_buffer("positions", sinusoids(length, width), persistent=False)
 
     def forward(self, tokens: Tensor) -> Tensor:  # (B, L) int64 -> (B, C)
         h = self.embed(tokens) + self.positions  # (B, L, W)
@@ -103,8 +119,8 @@ class TinyTransformer(nn.Module):
         return self.head(torch.relu(self.hidden(h.mean(1))))  # (B, C)
 
 
-def make_token_model(seed: int) -> nn.Module:
+def make_token_model(seed: int, learned_positions: bool = False) -> nn.Module:
     """:class:`TinyTransformer` initialised from ``torch.manual_seed(seed)``; the global RNG is left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return TinyTransformer()
+        return TinyTransformer(learned_positions=learned_positions)

@@ -10,6 +10,13 @@ eigenbasis is the identity) and ``s`` the exact second moments of ``W_i`` in it;
 Training ids use tokens 1..8 only: tokens 9 and 10 are never seen (their eigenvalues are zero, and the
 damping's mean eigenvalue counts them), the test batch holds token 9.
 
+Below :data:`~metastore_plugins.core.ops.curvature_embedding.TOKEN_BASIS_MAX_PARAMS` an embedding gets a full token
+basis instead: ``C = T / tr(T)``, ``T = sum_i W_i W_i^T`` from the reference gradients, its eigenvectors ``Q_A`` and
+EK-FAC's ``Q = Q_A ⊗ Q_G``. The tests of the diagonal rule (a large vocabulary's) lower that size to 0; those of the
+token basis (fixture ``basis="tokens"``) keep it. Where the rows of a sample share one output gradient ``d``
+(``W_i = c_i d^T``, a bag of tokens), ``F = E[c c^T] ⊗ d d^T`` is diagonal in the token basis, so EK-FAC is the
+exact ``(F + delta I)^-1``: records built by hand, against the explicit ``F`` of their gradients.
+
 Tolerances: records hold fp32 rows (relative rounding 6e-8) of a float64 model. Covariances: ``1e-6``
 relative; preconditioned scores: ``1e-7 kappa`` relative to the largest score, ``kappa`` the damped
 block's condition number (checked below 2,000).
@@ -28,11 +35,26 @@ from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.ops import curvature as kfac
 from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops import total_dots
+from metastore_plugins.core.ops.leverage import preconditioned_sq_norms
 from metastore_plugins.core.ops.precondition import precondition
 from metastore_plugins.core.records import to_dense
 from metastore_plugins.testing import reference_per_sample_gradients
 
 VOCAB, WIDTH, LENGTH = 11, 4, 6
+TOKEN_BASIS_MAX_PARAMS = embedding.TOKEN_BASIS_MAX_PARAMS  # as shipped (44 parameters here are below it)
+
+
+@pytest.fixture(autouse=True)
+def diagonal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The diagonal token factor of a large vocabulary (the sparse rule), unless a test asks for the token basis."""
+    monkeypatch.setattr(embedding, "TOKEN_BASIS_MAX_PARAMS", 0)
+
+
+@pytest.fixture(params=["diagonal", "tokens"])
+def basis(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, diagonal: None) -> str:
+    if request.param == "tokens":
+        monkeypatch.setattr(embedding, "TOKEN_BASIS_MAX_PARAMS", TOKEN_BASIS_MAX_PARAMS)
+    return str(request.param)
 
 
 class Bag(nn.Module):
@@ -96,21 +118,27 @@ def hand_covariances(model: Bag, batch: dict[str, Tensor]) -> tuple[Tensor, Tens
     return torch.diag(counts) / len(d_kept), d_kept.T @ d_kept / len(ids)
 
 
-def reference_scores(method: str) -> tuple[Tensor, float]:
+def reference_scores(method: str, basis: str = "diagonal") -> tuple[Tensor, float]:
     """``(24, 7)`` ``g_train^T (F + delta I)^-1 g_test`` with the explicit ``(44, 44)`` ``F``, and its ``kappa``."""
-    g, g_test, damped = reference_inverse(method)
+    g, g_test, damped = reference_inverse(method, basis)
     return g @ torch.linalg.solve(damped, g_test.T), float(torch.linalg.cond(damped))
 
 
-def reference_inverse(method: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``(g_train (24, V d), g_test (7, V d), F + delta I (V d, V d))``, ``F`` explicit."""
+def reference_inverse(method: str, basis: str = "diagonal") -> tuple[Tensor, Tensor, Tensor]:
+    """``(g_train (24, V d), g_test (7, V d), F + delta I (V d, V d))``, ``F`` explicit; ``basis="tokens"``: the
+    token factor ``C = T / tr(T)``, ``T = sum_i W_i W_i^T``."""
     model, train, test = build(), make_batch(24, 1, 8), make_batch(7, 2, 9)
     c, gg = hand_covariances(model, train)
-    g = reference_per_sample_gradients(model, loss_fn, train)["embed.weight"].reshape(24, -1)  # (N, V d)
+    w = reference_per_sample_gradients(model, loss_fn, train)["embed.weight"]  # (N, V, d)
+    if basis == "tokens":
+        tokens = torch.einsum("nvd,nud->vu", w, w)  # (V, V)
+        c = tokens / torch.trace(tokens)
+    g = w.reshape(24, -1)  # (N, V d)
     g_test = reference_per_sample_gradients(model, loss_fn, test)["embed.weight"].reshape(7, -1)  # (M, V d)
     fisher = torch.kron(c, gg)  # (V d, V d): row-major (v, k)
     if method == "ekfac":
-        q = torch.kron(torch.eye(VOCAB, dtype=torch.float64), torch.linalg.eigh(gg)[1].contiguous())  # (V d, V d)
+        q_c = torch.eye(VOCAB, dtype=torch.float64) if basis == "diagonal" else torch.linalg.eigh(c)[1]
+        q = torch.kron(q_c.contiguous(), torch.linalg.eigh(gg)[1].contiguous())  # (V d, V d)
         fisher = q @ torch.diag(((g @ q) ** 2).mean(0)) @ q.T
     damping = 0.1 * torch.trace(fisher) / len(fisher)  # 0.1 x the mean eigenvalue, unseen tokens included
     return g, g_test, fisher + damping * torch.eye(len(fisher), dtype=torch.float64)
@@ -153,14 +181,15 @@ def test_token_counts_and_output_covariance_are_the_hand_ones() -> None:
 
 
 @pytest.mark.parametrize("method", ["kfac", "ekfac"])
-def test_preconditioned_influence_is_the_dense_inverse(method: str) -> None:
+def test_preconditioned_influence_is_the_dense_inverse(method: str, basis: str) -> None:
     model = build()
     halves = train_halves(model)
     curvature = fitted(method, halves)
+    assert (curvature["embed"].q_in is None) == (basis == "diagonal")
     test_records = capture(model, make_batch(7, 2, 9))
     preconditioned = precondition(test_records, curvature)
     got = torch.cat([total_dots(records, preconditioned) for records in halves]).double()  # (N, M)
-    expected, kappa = reference_scores(method)
+    expected, kappa = reference_scores(method, basis)
     assert kappa < 2000
     assert rel_err(got, expected) <= 1e-7 * kappa
 
@@ -179,6 +208,53 @@ def test_self_products_sparse_and_dense_rotated(method: str) -> None:
     dense = torch.cat([(kfac.rotated(h, c, 0, 12).square() / (c.eigenvalues + delta)).sum((1, 2)) for h in halves])
     assert rel_err(sparse, expected) <= 1e-7 * float(torch.linalg.cond(damped))
     assert rel_err(dense, sparse) <= 1e-12
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_self_products_on_the_token_basis(method: str, basis: str) -> None:
+    """``g_i^T (F + delta I)^-1 g_i`` of :func:`preconditioned_sq_norms` (sparse rows, or the dense token basis)."""
+    model = build()
+    halves = train_halves(model)
+    curvature = fitted(method, halves)
+    g, _, damped = reference_inverse(method, basis)
+    expected = (g * torch.linalg.solve(damped, g.T).T).sum(1)  # (24,)
+    got = torch.cat([preconditioned_sq_norms(h, curvature) for h in halves])
+    assert rel_err(got, expected) <= 1e-7 * float(torch.linalg.cond(damped))
+
+
+def bag_records(counts: Tensor, d: Tensor) -> list[LayerRecord]:
+    """Hand-built embedding records of ``W_i = c_i d^T``: sample ``i`` holds token ``v`` ``counts[i, v]`` times,
+    every row with the output gradient ``d`` ``(WIDTH,)`` (a bag of tokens whose rows share one gradient)."""
+    sample, ids = counts.nonzero(as_tuple=True)  # (U,), (U,)
+    repeats = counts[sample, ids].long()  # (U,)
+    sample, ids = sample.repeat_interleave(repeats), ids.repeat_interleave(repeats)  # (R,), (R,)
+    tensors = {"ids": ids.int(), "suffix": d.float().expand(len(ids), -1).contiguous(), "sample": sample.int(),
+               "position": torch.zeros_like(sample).int()}  # fmt: skip
+    params, shapes = {"weight": "embed.weight"}, {"weight": (VOCAB, WIDTH)}
+    return [LayerRecord("embed", "embedding", counts.shape[0], params, shapes, tensors)]
+
+
+def test_ekfac_on_the_token_basis_is_the_exact_inverse_of_a_bag_of_tokens(basis: str) -> None:
+    """``F = E[c c^T] ⊗ d d^T`` with co-occurring tokens: EK-FAC on the token basis is ``(F + delta I)^-1`` itself;
+    the diagonal basis, blind to the co-occurrence, is not."""
+    g = torch.Generator().manual_seed(4)
+    counts = torch.randint(0, 3, (40, VOCAB), generator=g).double()  # (N, V): every sample holds many tokens
+    counts[:, 1:4] += counts[:, :1]  # tokens 0..3 co-occur
+    counts_test = torch.randint(0, 3, (6, VOCAB), generator=g).double()  # (M, V)
+    d = torch.tensor([0.5, -1.0, 0.25, 2.0], dtype=torch.float64)  # (WIDTH,), exact in fp32
+    train, test = bag_records(counts, d), bag_records(counts_test, d)
+    w, w_test = counts[:, :, None] * d, counts_test[:, :, None] * d  # (N, V, d), (M, V, d): c_i d^T
+    flat = w.reshape(40, -1)  # (N, V d)
+    fisher = flat.T @ flat / 40  # (V d, V d)
+    damped = fisher + 0.1 * torch.trace(fisher) / len(fisher) * torch.eye(len(fisher), dtype=torch.float64)
+    expected = flat @ torch.linalg.solve(damped, w_test.reshape(6, -1).T)  # (N, M)
+    got = total_dots(train, precondition(test, fitted("ekfac", [train]))).double()  # (N, M)
+    kappa = float(torch.linalg.cond(damped))
+    assert kappa < 2000
+    if basis == "tokens":
+        assert rel_err(got, expected) <= 1e-7 * kappa
+    else:
+        assert rel_err(got, expected) > 1e-2
 
 
 def test_a_preconditioned_embedding_stays_one_row_per_distinct_token() -> None:

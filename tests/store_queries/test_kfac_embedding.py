@@ -7,7 +7,10 @@ the embedding's per-row output gradients and the head's input and output gradien
 ``torch.func`` (``vmap(grad(...))`` of each sample's own loss), the per-sample parameter gradients from
 ``reference_per_sample_gradients``; each layer's Fisher block is an explicit ``(P, P)`` matrix
 (embedding: ``C ⊗ G`` with ``C`` the diagonal of token frequencies, the eigenbasis ``I ⊗ Q_G`` for
-EK-FAC; head: ``G ⊗ C`` on ``[W | b]``), solved with ``torch.linalg.solve``.
+EK-FAC; head: ``G ⊗ C`` on ``[W | b]``), solved with ``torch.linalg.solve``. An embedding this small gets a full
+token basis as shipped (``C = T / tr(T)``, ``T = sum_i W_i W_i^T`` of the reference gradients, EK-FAC's basis
+``Q_T ⊗ Q_G``: ``basis="tokens"``); ``basis="diagonal"`` lowers
+:data:`~metastore_plugins.core.ops.curvature_embedding.TOKEN_BASIS_MAX_PARAMS` to 0, the rule of a large vocabulary.
 
 Tolerance: fp32 records and scores; the damped inverse amplifies that rounding by at most its
 condition number (below 2,000 here, checked): ``1e-7 kappa`` relative to the largest score.
@@ -24,12 +27,20 @@ from torch.func import grad, vmap
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.ops import curvature_embedding
 from metastore_plugins.core.training.passes import capture_step
 from metastore_plugins.testing import reference_per_sample_gradients
 
 LRS = (0.7, 0.2)  # per pass
 VOCAB, WIDTH, LENGTH = 11, 4, 6
 TRAINS, TESTS = ["epoch-0/train", "epoch-1/train"], ["epoch-0/test", "epoch-1/test"]
+
+
+@pytest.fixture(params=["diagonal", "tokens"])
+def basis(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "diagonal":
+        monkeypatch.setattr(curvature_embedding, "TOKEN_BASIS_MAX_PARAMS", 0)
+    return str(request.param)
 
 
 class TokenBag(nn.Module):
@@ -98,7 +109,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> GradientStore:
     return open_store(path)
 
 
-def blocks(model: TokenBag, ids: Tensor, y: Tensor) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+def blocks(model: TokenBag, ids: Tensor, y: Tensor, basis: str) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
     """Per layer ``(g (N, P), C, G)``: per-sample gradients in row-major order and the hand K-FAC factors."""
     ref = reference_per_sample_gradients(model, loss_fn, {"ids": ids, "y": y})
     rows = model.embed(ids).detach()  # (N, T, d)
@@ -106,6 +117,10 @@ def blocks(model: TokenBag, ids: Tensor, y: Tensor) -> dict[str, tuple[Tensor, T
     kept = ids.ne(0)  # (N, T): padding rows count in neither mean
     d_kept = d_rows.detach()[kept]  # (R, d)
     c_embed = torch.diag(torch.bincount(ids[kept], minlength=VOCAB).double()) / len(d_kept)  # (V, V)
+    if basis == "tokens":
+        w = ref["embed.weight"]  # (N, V, d)
+        tokens = torch.einsum("nvd,nud->vu", w, w)  # (V, V)
+        c_embed = tokens / torch.trace(tokens)
     h = model.features(rows, ids).detach()  # (N, d): the head's input
     d_head = vmap(grad(lambda z, t: F.cross_entropy(z[None], t[None])))(model.head(h).detach(), y)  # (N, 3)
     a_head = torch.cat([h, torch.ones(len(h), 1, dtype=h.dtype)], 1)  # (N, d + 1)
@@ -122,17 +137,18 @@ def kron(layer: str, on_inputs: Tensor, on_outputs: Tensor) -> Tensor:
     return torch.kron(first.contiguous(), second.contiguous())
 
 
-def reference(method: str, layers: tuple[str, ...] = ("embed", "head")) -> tuple[np.ndarray, float]:
+def reference(method: str, basis: str, layers: tuple[str, ...] = ("embed", "head")) -> tuple[np.ndarray, float]:
     """``(24, 8)`` ``sum_c lr_c sum_l g_train^T (F_cl + delta I)^-1 g_test``, and the largest condition number."""
     (x, y), (xt, yt) = data(24, 1, 8), data(8, 2, 9)
     total, kappa = torch.zeros(24, 8, dtype=torch.float64), 0.0
     for lr, model in zip(LRS, checkpoints()):
-        train, test = blocks(model, x, y), blocks(model, xt, yt)
+        train, test = blocks(model, x, y, basis), blocks(model, xt, yt, basis)
         for layer in layers:
             g, c, gg = train[layer]
             fisher = kron(layer, c, gg)
             if method == "ekfac":
-                q_c = torch.eye(len(c), dtype=c.dtype) if layer == "embed" else torch.linalg.eigh(c)[1]
+                diagonal = layer == "embed" and basis == "diagonal"
+                q_c = torch.eye(len(c), dtype=c.dtype) if diagonal else torch.linalg.eigh(c)[1]
                 q = kron(layer, q_c, torch.linalg.eigh(gg)[1])
                 fisher = q @ torch.diag(((g @ q) ** 2).mean(0)) @ q.T
             damped = fisher + 0.1 * torch.trace(fisher) / len(fisher) * torch.eye(len(fisher), dtype=torch.float64)
@@ -146,16 +162,16 @@ def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("method", ["kfac", "ekfac"])
-def test_kfac_influence_with_the_embedding_is_the_dense_inverse(store: GradientStore, method: str) -> None:
+def test_kfac_influence_with_the_embedding_is_the_dense_inverse(store: GradientStore, method: str, basis: str) -> None:
     scores = store.kfac_influence(TRAINS, TESTS, method=method)
-    expected, kappa = reference(method)
+    expected, kappa = reference(method, basis)
     assert scores.row_ids.tolist() == list(range(24)) and scores.col_ids.tolist() == list(range(100, 108))
     assert kappa < 2000
     assert rel_err(scores.scores, expected) <= 1e-7 * kappa
 
 
-def test_the_embedding_alone_in_a_small_memory_budget(store: GradientStore) -> None:
+def test_the_embedding_alone_in_a_small_memory_budget(store: GradientStore, basis: str) -> None:
     scores = store.kfac_influence(TRAINS, TESTS, layers=["embed"], train_ids=[0, 5, 17], max_bytes=4000)
-    expected, kappa = reference("ekfac", ("embed",))
+    expected, kappa = reference("ekfac", basis, ("embed",))
     assert scores.row_ids.tolist() == [0, 5, 17]
     assert rel_err(scores.scores, expected[[0, 5, 17]]) <= 1e-7 * kappa

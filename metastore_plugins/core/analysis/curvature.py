@@ -70,7 +70,9 @@ def _added_sums(sums: CurvatureSums, scan: Scan, what: str) -> CurvatureSums:
         f"{what} (layers)",
     )
     kept = {
-        (layer, name): getattr(s, name) for layer, s in sums.layers.items() for name in ("inputs", "outputs", "dense")
+        (layer, name): getattr(s, name)
+        for layer, s in sums.layers.items()
+        for name in ("inputs", "outputs", "dense", "tokens")
     }
     tensors = scan.sum({f"{layer}\n{name}": t for (layer, name), t in kept.items() if t is not None}, what)
     out = CurvatureSums()

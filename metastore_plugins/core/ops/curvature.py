@@ -23,8 +23,11 @@ block-diagonally, one block per layer (a record's parameters together):
   ``(D_i Q_D)^T (A'_i Q_A)``.
 - **embedding layers** (``"embedding"`` records): the same estimators with a one-hot input, so ``C`` is
   the diagonal of token frequencies, ``Q_A = I`` and ``Lambda`` is ``(V, d)``; everything stays sparse
-  (one row per distinct token of a sample), see :mod:`.curvature_embedding`. An embedding tied to
-  another layer (an LM head) is refused, as every tied weight is.
+  (one row per distinct token of a sample), see :mod:`.curvature_embedding`. A small embedding
+  (``V d`` at most :data:`~.curvature_embedding.TOKEN_BASIS_MAX_PARAMS`) gets a full token-side factor
+  ``C = T / tr(T)``, ``T = sum_i W_i W_i^T`` ``(V, V)``, instead: the tokens a sample holds together (its
+  co-occurrence), which the diagonal cannot show. An embedding tied to another layer (an LM head) is refused,
+  as every tied weight is.
 - **dense layers** (``"dense"`` records: norms, small parameters): the flattened gradient's full
   ``F`` (eigendecomposed) up to :data:`FULL_FISHER_MAX_PARAMS` entries, its diagonal above. K-FAC and
   EK-FAC treat them alike.
@@ -84,6 +87,7 @@ class LayerSums:
         dense: ``(P, P)`` ``sum_i g_i g_i^T`` over the dense batches, or ``(P,)`` ``sum_i g_i^2`` above
             :data:`FULL_FISHER_MAX_PARAMS`.
         dense_samples: samples of the dense batches.
+        tokens: embedding layers with a full token basis: ``(V, V)`` ``sum_i W_i W_i^T`` (else ``None``).
         layout: the weight layout of the factored records (dense records do not say).
     """
 
@@ -94,6 +98,7 @@ class LayerSums:
     factored_samples: int = 0
     dense: Tensor | None = None
     dense_samples: int = 0
+    tokens: Tensor | None = None
     layout: WeightLayout = "out_in"
     block: tuple[Tensor, float, int] | None = None  # eigenbasis records: (eigenvalues, mean eigenvalue, basis)
 
@@ -118,7 +123,7 @@ class LayerCurvature:
         kind: ``"outer"``, ``"embedding"`` or ``"dense"``.
         params: role -> parameter name.
         q_in: outer: ``(G, d_in', d_in')`` ``Q_A``; dense: ``(P, P)`` ``Q``, or ``None`` (diagonal); embedding:
-            ``None`` (``Q_A = I``).
+            ``(V, V)`` ``Q_A`` of a full token basis, or ``None`` (``Q_A = I``: sparse throughout).
         q_out: outer: ``(G, d_out, d_out)`` ``Q_D``; embedding: ``(d, d)`` ``Q_D``; dense: ``None``.
         eigenvalues: outer: ``(G, d_out, d_in')`` ``Lambda``; embedding: ``(V, d)``; dense: ``(P,)``.
         samples: training samples it was fitted on.
@@ -298,13 +303,19 @@ def _add_embedding(sums: LayerSums, group: Sequence[LayerRecord], layer: str) ->
     counts, outputs, rows = embedding.kronecker_sums(group)  # (V,), (d, d)
     sums.inputs = _added(sums.inputs, counts, layer)
     sums.outputs = _added(sums.outputs, outputs, layer)
+    if embedding.has_token_basis(group):
+        sums.tokens = _added(sums.tokens, embedding.token_second_moment(group), layer)  # (V, V)
     sums.rows += rows
     sums.factored_samples += group[0].batch_size
 
 
 def _fit_embedding(sums: LayerSums, frequencies: Tensor, second: Tensor) -> LayerCurvature:
-    """An embedding layer's K-FAC: ``Q_A = I``, ``Q_D`` of ``G``, ``Lambda = (n / R) l_D^T`` ``(V, d)``."""
+    """An embedding layer's K-FAC: ``Q_D`` of ``G``; ``Q_A = I`` and ``Lambda = (n / R) l_D^T`` ``(V, d)``, or with
+    a full token basis (``sums.tokens``) ``Q_A`` of ``C = T / tr(T)`` and ``Lambda = l_A l_D^T``."""
     l_out, q_out = torch.linalg.eigh(second)  # (d,), (d, d)
+    if sums.tokens is not None:
+        q_in, values = embedding.token_basis(sums.tokens, l_out)  # (V, V), (V, d)
+        return LayerCurvature("embedding", sums.params, q_in, q_out, values, sums.factored_samples)
     values = embedding.kfac_eigenvalues(frequencies, l_out)  # (V, d)
     return LayerCurvature("embedding", sums.params, None, q_out, values, sums.factored_samples)
 
@@ -323,8 +334,9 @@ def rotated(group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi
 
     Kronecker layer: ``(n, G, d_out, d_in')`` ``Q_D^T [W_i | b_i] Q_A``, from the rotated factors
     ``(D Q_D)^T (A' Q_A)`` of factored records (rotating the gradient of dense ones); dense layer:
-    ``(n, P)`` ``Q^T g_i`` (``g_i`` itself under a diagonal Fisher); embedding layer: ``(n, V, d)`` ``W_i Q_D``,
-    dense (the queries here use the sparse rows of :mod:`.curvature_embedding` instead).
+    ``(n, P)`` ``Q^T g_i`` (``g_i`` itself under a diagonal Fisher); embedding layer: ``(n, V, d)``
+    ``Q_A^T W_i Q_D``, dense (without a full token basis, the queries here use the sparse rows of
+    :mod:`.curvature_embedding` instead).
     """
     n = hi - lo
     if curvature.kind == "eigen":
@@ -332,7 +344,7 @@ def rotated(group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi
         return eigen.rotated_block(group, lo, hi)  # (n, k_out, k_in)
     if curvature.kind == "embedding":
         assert curvature.q_out is not None
-        return embedding.dense_rotated(group, curvature.q_out, lo, hi)  # (n, V, d)
+        return embedding.dense_rotated(group, curvature.q_out, lo, hi, curvature.q_in)  # (n, V, d)
     if curvature.kind == "dense":
         flat = sum((flat_gradients(r, lo, hi) for r in group[1:]), flat_gradients(group[0], lo, hi))  # (n, P)
         return flat if curvature.q_in is None else flat @ curvature.q_in
@@ -372,7 +384,7 @@ class EigenvalueCorrection:
             if layer not in self.sums:
                 continue
             curvature = self.curvature[layer]
-            if curvature.kind == "embedding":
+            if curvature.kind == "embedding" and curvature.q_in is None:  # sparse: the diagonal token factor
                 assert curvature.q_out is not None
                 embedding.add_squared_rotated(self.sums[layer], group, curvature.q_out)  # (V, d)
                 self.samples[layer] += group[0].batch_size

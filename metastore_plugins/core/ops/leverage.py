@@ -53,7 +53,7 @@ def preconditioned_sq_norms(
         if c is None:
             raise ValueError(f"layer '{layer}' has no fitted curvature; fit on records holding it, or leave it out")
         delta = c.damping(damping, relative_damping)
-        if c.kind == "embedding":  # sparse: one row per distinct (sample, token), no (V, d) gradient
+        if c.kind == "embedding" and c.q_in is None:  # sparse: one row per distinct (sample, token), no (V, d) gradient
             assert c.q_out is not None
             part = embedding.preconditioned_self_products(group, c.q_out, c.eigenvalues, delta).to(torch.float64)
             total = part if total is None else total + part

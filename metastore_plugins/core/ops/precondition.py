@@ -2,8 +2,9 @@
 
 In a layer's eigenbasis ``F = Q diag(Lambda) Q^T``, so ``(F + delta I)^-1 g = Q [(Q^T g) / (Lambda + delta)]``;
 for a factored layer ``Q_D [(Q_D^T [W | b] Q_A) / (Lambda + delta)] Q_A^T``, built from the rotated factors
-(no ``(d_out d_in)^2`` matrix). An embedding layer stays sparse (:mod:`.curvature_embedding`); records on a
-curvature eigenbasis are divided where they are (:mod:`.curvature_eigen`).
+(no ``(d_out d_in)^2`` matrix). An embedding layer stays sparse (:mod:`.curvature_embedding`), except one with a
+full token basis: ``Q_A [(Q_A^T W Q_D) / (Lambda + delta)] Q_D^T``, dense; records on a curvature eigenbasis are
+divided where they are (:mod:`.curvature_eigen`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from metastore_plugins.core.records import LayerRecord, dense_key
 def _dense_record(record: LayerRecord, curvature: LayerCurvature, values: Tensor) -> LayerRecord:
     """A ``"dense"`` record of ``record``'s parameters from ``(B, G, d_out, d_in')`` or ``(B, P)`` values."""
     batch, tensors = values.shape[0], {}
-    dtype = record.tensors["suffix" if record.kind == "outer" else dense_key(next(iter(record.params)))].dtype
-    if curvature.kind == "dense":
+    dtype = record.tensors["suffix" if record.kind != "dense" else dense_key(next(iter(record.params)))].dtype
+    if curvature.kind == "embedding":  # a full token basis: (B, V, d), the weight's own shape
+        tensors[dense_key("weight")] = values.reshape(batch, *record.param_shapes["weight"])
+    elif curvature.kind == "dense":
         start = 0
         for role in record.params:
             size = math.prod(record.param_shapes[role])
@@ -74,7 +77,7 @@ def precondition(
         if c is None:
             raise ValueError(f"layer '{layer}' has no fitted curvature; fit on records holding it, or leave it out")
         delta = c.damping(damping, relative_damping)
-        if c.kind == "embedding":
+        if c.kind == "embedding" and c.q_in is None:  # sparse: the diagonal token factor
             assert c.q_out is not None
             out.append(embedding.preconditioned_rows(group, c.q_out, c.eigenvalues, delta))
             continue
@@ -85,6 +88,9 @@ def precondition(
             if c.kind == "outer":
                 assert c.q_in is not None and c.q_out is not None
                 scaled = c.q_out @ scaled @ c.q_in.transpose(1, 2)  # (n, G, d_out, d_in')
+            elif c.kind == "embedding":
+                assert c.q_in is not None and c.q_out is not None
+                scaled = c.q_in @ scaled @ c.q_out.T  # (n, V, d)
             elif c.q_in is not None:
                 scaled = scaled @ c.q_in.T  # (n, P)
             parts.append(scaled)
