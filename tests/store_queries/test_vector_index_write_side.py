@@ -211,7 +211,8 @@ path, rank = Path(sys.argv[1]), sys.argv[2]
 head = {"format": vf.FORMAT, "version": vf.VERSION, "capture_point": "cp", "dim": 2, "seed": 0, "layers": ["a"]}
 for i in range(40):
     shard = f"rank{rank}-{i:06d}.safetensors"
-    entry = {"file": vf.part_name("0" * 16, shard), "shard": shard, "shard_sha256": "0" * 64, "rows": 1, "sha256": ""}
+    entry = {"file": vf.part_name("0" * 16, shard), "shard": shard, "shard_sha256": "0" * 64, "rows": 1}
+    entry["sha256"] = "0" * 64
     vf.add_parts(path, "0" * 16, head, [entry])
 """
 

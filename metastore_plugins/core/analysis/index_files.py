@@ -30,6 +30,7 @@ from metastore_plugins.core.analysis.vector_search import (
 )
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreError, StoreReader
+from metastore_plugins.core.store import vector_check as vc
 from metastore_plugins.core.store import vector_files as vf
 from metastore_plugins.core.store import vector_maps as vm
 
@@ -110,14 +111,14 @@ def open_index(
     for shard, rows in shard_rows.items():
         sha, sub = store.shard_sha256(shard), replace(selection, batch_rows=np.asarray(rows, dtype=np.int64))
         entry: dict[str, Any] | None = known.get(shard)
-        piece = _load_part(store, entry, head, shard, sha) if entry is not None else None
+        piece = load_part(store, entry, head, sha, sub) if entry is not None else None
         if piece is None:
             piece = build_piece(sub, head, max_bytes)
             entry, data = encode_part(piece, part_head, part_key, shard, sha)
             writable = writable and _write(store, entry["file"], data)
             rebuilt.append(entry["file"])
-            if writable:  # read back mapped: an index larger than memory is never held whole
-                piece = load_part(store, entry, head, sha, len(piece[0])) or piece
+            if writable:  # read back as rows: an index larger than memory is never held whole
+                piece = load_part(store, entry, head, sha, sub) or piece
         pieces.append(piece)
         parts.append(entry or {})
     ids = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros(0, np.int64)
@@ -132,7 +133,7 @@ def open_index(
     if plan.kind == "reduced":  # wide rows, many: the parts stay mapped, rows are read as candidates are rescored
         vectors: np.ndarray | RowStack = RowStack([p[2] for p in pieces], width)
     else:
-        vectors = np.concatenate([p[2] for p in pieces]) if pieces else np.zeros((0, width), np.float32)
+        vectors = np.concatenate([np.asarray(p[2]) for p in pieces]) if pieces else np.zeros((0, width), np.float32)
     index = VectorIndex(capture_point, dim, ids, lr, vectors, plan, rebuilt=rebuilt)
     ann_entry = None
     if plan.kind != "flat":
@@ -149,7 +150,8 @@ def open_index(
     return index
 
 
-Piece = tuple[np.ndarray, np.ndarray, np.ndarray]  # a part's sample ids (n,), learning rates (n,), vectors (n, D)
+#: A part's sample ids (n,), learning rates (n,), vectors (n, D): in memory, or on disk (read as rows are asked for).
+Piece = tuple[np.ndarray, np.ndarray, "np.ndarray | vm.PartRows"]
 
 
 def index_head(
@@ -180,7 +182,11 @@ def encode_part(piece: Piece, head: dict[str, Any], key: str, shard: str, sha: s
     int64, ``lr`` (n,) float64, its metadata the index's head and the shard's name and sha256 (its binding)."""
     ids, lr, vectors = piece
     data = vf.part_bytes(
-        {"vector": torch.from_numpy(vectors), "sample_id": torch.from_numpy(ids), "lr": torch.from_numpy(lr)},
+        {
+            "vector": torch.from_numpy(np.asarray(vectors)),
+            "sample_id": torch.from_numpy(ids),
+            "lr": torch.from_numpy(lr),
+        },
         {**{k: str(v) for k, v in head.items()}, "shard": shard, "shard_sha256": sha},
     )
     name = vf.part_name(key, shard)
@@ -200,43 +206,58 @@ def _signature(store: StoreReader, manifest: dict[str, Any], shards: tuple[tuple
     return None if files is None else (vf.encode_manifest(manifest), shards, files)
 
 
-def _load_part(store: StoreReader, entry: dict[str, Any], head: dict[str, Any], shard: str, sha: str) -> Piece | None:
-    """A part's ``(ids, lr, vectors)`` when it is current and sound, else None (said once when damaged)."""
-    rows = sum(ref.size for ref in store.batch_refs(head["capture_point"]) if ref.file.name == shard)
-    return load_part(store, entry, head, sha, rows)
-
-
 def load_part(
     store: StoreReader,
     entry: dict[str, Any],
     head: dict[str, Any],
     sha: str,
-    rows: int,
+    shard_rows: Selection,
     say: Callable[[str], None] | None = None,
 ) -> Piece | None:
-    """The ``(ids, lr, vectors)`` of a listed part of ``rows`` rows when its shard's sha256 is ``sha`` and its bytes
-    are sound and bound to that shard; else None (a damaged file said in one line: a warning, or to ``say``)."""
+    """The ``(ids, lr, vectors)`` of a listed part over ``shard_rows`` (its shard's batches of the capture point) when
+    its shard's sha256 is ``sha`` and it is sound and bound to that shard by content: its sample ids and learning
+    rates the shard's own (from the store's index), and one of its batches, drawn at random, sketched again from
+    the shard to the part's numbers (:func:`sketch_problem`). Else None (a damaged file said in one line: a
+    warning, or to ``say``). ``vectors``: a :class:`~metastore_plugins.core.store.vector_maps.PartRows`, read
+    as rows are asked for."""
     shard = str(entry.get("shard"))
     if entry.get("shard_sha256") != sha or not isinstance(entry.get("file"), str):
         return None  # stale: its shard changed
     width = len(head["layers"]) * head["dim"] ** 2
+    ids, lr = shard_rows.sample_ids(), np.concatenate([np.full(ref.size, ref.lr_weight) for ref in shard_rows.refs])
     try:
-        data = vm.map_checked(
-            store.path, entry["file"], str(entry.get("sha256")), rows * (4 * width + 16) + 4096, "part"
-        )
-        problem = vf.part_binding_problem(data, entry)
+        cap = len(ids) * (4 * width + 16) + 4096
+        tensors = vm.open_part(store.path, entry["file"], str(entry.get("sha256")), cap, "part")
+        problem = vf.part_binding_problem(tensors["__metadata__"], entry) or vc.rows_problem(tensors, (ids, lr), width)
+        problem = problem or sketch_problem(tensors["vector"], shard_rows, head)
         if problem is not None:
             raise StoreError(f"{store.path / vf.FOLDER / entry['file']}: {problem}")
-        tensors = vm.part_arrays(data)
     except (StoreError, ValueError, OSError) as exc:
         (say or _warn)(f"{exc}; rebuilt from {shard}")
         return None
-    vector, ids, lr = tensors.get("vector"), tensors.get("sample_id"), tensors.get("lr")
-    if vector is None or ids is None or lr is None or vector.shape != (rows, width) or ids.shape != (rows,):
+    return tensors["sample_id"], tensors["lr"], tensors["vector"]
+
+
+#: A part's rows sketched again must agree to this relative error (fp32 round-off of the same sums is about 1e-7).
+SKETCH_RTOL = 1e-4
+
+
+def sketch_problem(vectors: vm.PartRows, shard_rows: Selection, head: dict[str, Any]) -> str | None:
+    """Why a part's vectors are not its shard's sketches, or None: one batch of the shard, drawn at random (a
+    manifest re-signed over scaled rows cannot know which), is sketched again and compared."""
+    sizes = np.array([ref.size for ref in shard_rows.refs])  # (b,)
+    if not len(sizes):
         return None
-    if vector.dtype != np.float32 or ids.dtype != np.int64 or lr.dtype != np.float64 or lr.shape != (rows,):
-        return None
-    return ids, lr, vector  # views of the mapped file
+    batch = int(np.random.default_rng().integers(len(sizes)))
+    one = replace(shard_rows, batch_rows=shard_rows.batch_rows[batch : batch + 1])
+    order, dim, seed = list(head["layers"]), int(head["dim"]), int(head["seed"])
+    want = compute_sketches(one, order, dim, seed, "concat", DEFAULT_MAX_BYTES)[1].numpy()  # (B, D)
+    start = int(sizes[:batch].sum())
+    got = vectors[np.arange(start, start + int(sizes[batch]))]  # (B, D)
+    scale = max(float(np.abs(want).max(initial=0.0)), 1e-30)
+    if float(np.abs(got - want).max(initial=0.0)) > SKETCH_RTOL * scale:
+        return f"its rows of batch {batch} are not the sketches of its shard's (scaled or replaced)"
+    return None
 
 
 def _open_ann(
@@ -248,9 +269,7 @@ def _open_ann(
     wanted = ann_fields(plan, len(index.sample_ids))
     if isinstance(entry, dict) and entry.get("parts") == digest and {k: entry.get(k) for k in wanted} == wanted:
         try:
-            cap = index.vectors.nbytes + 64 * len(index.sample_ids) + (64 << 20)
-            data = vf.read_checked(store.path, str(entry.get("file")), str(entry.get("sha256")), cap, "FAISS index")
-            index.ann = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+            index.ann = _read_ann(store, entry, index.vectors.shape[1], faiss)
             return dict(entry)
         except StoreError as exc:
             _warn(f"{exc}; rebuilt")
@@ -264,6 +283,29 @@ def _open_ann(
     if not _write(store, name, data):
         return None
     return {**wanted, "file": name, "sha256": vf.sha256(data), "parts": digest}
+
+
+def _read_ann(store: StoreReader, entry: dict[str, Any], width: int, faiss: Any) -> Any:
+    """The kept FAISS index of ``entry`` (its sha256, kind, width and rows checked before and after FAISS reads it);
+    :class:`StoreError` (one line naming the file) when it is not the one the entry describes."""
+    path = store.path / vf.FOLDER / str(entry["file"])
+    data = vf.read_checked(store.path, entry["file"], entry["sha256"], vf.ann_cap(entry["rows"], width), "FAISS index")
+    problem = vf.ann_bytes_problem(data, entry, width)
+    if problem is None:
+        try:
+            ann = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+        except (RuntimeError, MemoryError, ValueError) as exc:
+            problem = f"FAISS cannot read it ({str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else exc!r})"
+        else:
+            kind = faiss.IndexIVFFlat if entry["kind"] == "ivf" else faiss.IndexPreTransform
+            wide = width + 1 if entry["kind"] == "ivf" else width
+            if not isinstance(ann, kind) or (ann.d, ann.ntotal) != (wide, entry["rows"]):
+                problem = f"it is not the {entry['kind']} index of {entry['rows']} rows its manifest lists"
+            elif entry["kind"] == "ivf" and ann.nlist != entry["nlist"]:
+                problem = f"it has {ann.nlist} lists, not the {entry['nlist']} its manifest lists"
+    if problem is not None:
+        raise StoreError(f"{path}: {problem}")
+    return ann
 
 
 def ann_fields(plan: Plan, rows: int) -> dict[str, Any]:

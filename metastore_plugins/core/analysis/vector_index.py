@@ -36,6 +36,7 @@ used, said in one warning line, rebuilt (in memory where the store cannot be wri
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -61,7 +62,7 @@ from metastore_plugins.core.analysis.vector_search import (
 )
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.records import KIND_CODES
-from metastore_plugins.core.store import StoreReader
+from metastore_plugins.core.store import StoreError, StoreReader
 
 __all__ = [
     "DEFAULT_DIM",
@@ -138,6 +139,32 @@ def influence(
         raise ValueError("recompute= is not supported by partitioned queries; refine the result with refine_influence")
     if k is None or index is False or train_ids is not None:
         return full(store, train, test, layers=layers, train_ids=train_ids, test_ids=test_ids, max_bytes=max_bytes)
+    try:
+        scores = _influence(store, train, test, k, index, candidates, layers, test_ids, max_bytes)
+    except StoreError as exc:  # a part changed on disk while it was read: this answer scans every row
+        if scan.partitioned:
+            raise
+        _warn(f"{exc}; every row is scanned")
+        scores = full(store, train, test, layers=layers, test_ids=test_ids, max_bytes=max_bytes)
+    if recompute is not None:
+        return refine_influence(store, scores, train, test, recompute)
+    return scores
+
+
+def _influence(
+    store: StoreReader,
+    train: str | Sequence[str],
+    test: str | Sequence[str],
+    k: int,
+    index: bool | None,
+    candidates: int | None,
+    layers: Sequence[str] | None,
+    test_ids: Sequence[int] | None,
+    max_bytes: int,
+) -> Scores:
+    """:func:`influence` through the index (``k`` given); :class:`StoreError` when a part changed while read."""
+    full: Callable[..., Scores] = queries.influence
+    scan = scan_of(store)
     count = candidates or max(4 * k, 50)
     order = sketch_layers(store, layers)
     found: set[int] = set()
@@ -166,8 +193,6 @@ def influence(
         scores = full(
             store, train, test, layers=layers, train_ids=sorted(found), test_ids=test_ids, max_bytes=max_bytes
         )
-    if recompute is not None:
-        return refine_influence(store, scores, train, test, recompute)
     return scores
 
 
@@ -202,10 +227,32 @@ def similar(
 
     if k is None or index is False or scan_of(store).partitioned:
         return scan(None)
+    try:
+        return scan(
+            _similar_candidates(store, query, candidates, k, index, count, query_ids, cosine, layers, max_bytes)
+        )
+    except StoreError as exc:  # a part changed on disk while it was read: this answer scans every row
+        _warn(f"{exc}; every row is scanned")
+        return scan(None)
+
+
+def _similar_candidates(
+    store: StoreReader,
+    query: str,
+    candidates: str,
+    k: int,
+    index: bool | None,
+    count: int | None,
+    query_ids: Sequence[int] | None,
+    cosine: bool,
+    layers: Sequence[str] | None,
+    max_bytes: int,
+) -> list[int] | None:
+    """The candidate ids :func:`similar` scores (None: every row); :class:`StoreError` when a part changed."""
     order = sketch_layers(store, layers)
     opened = open_index(store, candidates, layers=order, build=bool(index), max_bytes=max_bytes)
     if opened is None:
-        return scan(None)
+        return None
     sketch = _test_sketches(store, query, query_ids, opened, order, 0)[1]  # (M, D)
     wanted = count or max(4 * k, 50)
     both = np.concatenate([sketch, -sketch])  # the most similar, and the least (what .top calls opponents)
@@ -213,4 +260,8 @@ def similar(
         rows = opened.search_cosine(both, wanted)
     else:
         rows = largest(opened.vectors @ both.T, min(wanted, len(opened.sample_ids)))
-    return scan(sorted(set(opened.sample_ids[rows.ravel()].tolist())))
+    return sorted(set(opened.sample_ids[rows.ravel()].tolist()))
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message.splitlines()[0] if message else message, stacklevel=4)

@@ -59,10 +59,11 @@ def load_faiss() -> Any | None:
 
 
 class RowStack:
-    """Arrays of one width (an index's parts, memory-mapped) seen as their ``(N, D)`` concatenation, never built:
-    ``stack[rows]`` and ``stack[a:b]`` copy those rows only, ``stack @ m`` goes part by part."""
+    """Arrays of one width (an index's parts, read from their files as rows are asked for) seen as their ``(N, D)``
+    concatenation, never built: ``stack[rows]`` and ``stack[a:b]`` read those rows only, ``stack @ m`` goes part
+    by part."""
 
-    def __init__(self, parts: Sequence[np.ndarray], width: int) -> None:
+    def __init__(self, parts: Sequence[Any], width: int) -> None:
         self.parts = list(parts)
         self.starts = np.cumsum([0, *(len(p) for p in self.parts)])  # (P + 1,) first row of each part
         self.shape = (int(self.starts[-1]), int(width))

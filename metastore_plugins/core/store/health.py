@@ -92,7 +92,8 @@ def check_store(directory: Path, index: StoreIndex, files: ShardFiles, checksums
         problems += [one_line(f"{entry.file}: {line}") for line in contradicted_columns(data, entry)]
     problems += [one_line(line) for line in unlisted_files(directory, {e.file for e in index.shards})]
     return problems + [
-        one_line(line) for line in vector_check.check(directory, {e.file: e.sha256 for e in index.shards})[0]
+        one_line(line)
+        for line in vector_check.check(directory, {e.file: e.sha256 for e in index.shards}, index=index)[0]
     ]
 
 

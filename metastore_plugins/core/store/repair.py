@@ -38,7 +38,7 @@ from metastore_plugins.core.store.entries import ShardEntry, entry_from_json, sh
 from metastore_plugins.core.store.file_kinds import any_temporary_target
 from metastore_plugins.core.store.files import StoreDir, open_regular
 from metastore_plugins.core.store.health import QUARANTINE, leftover_rank
-from metastore_plugins.core.store.index import expectation, read_rank
+from metastore_plugins.core.store.index import StoreIndex, expectation, read_rank
 from metastore_plugins.core.store.journal import (
     MAX_LINE_BYTES,
     JournalError,
@@ -109,18 +109,26 @@ def repair(directory: str | os.PathLike[str]) -> list[str]:
     for rank in sorted(ranks):
         with RankLock(directory, rank), StoreDir(directory) as files:
             done += _repair_rank(directory, files, rank, manifests.get(rank))
-    return done + vector_check.repair(directory, _listed_sha256(directory))
+    return done + vector_check.repair(directory, *_listed(directory))
 
 
-def _listed_sha256(directory: Path) -> dict[str, str]:
-    """Listed shard -> its sha256, as the repaired journals list them (a rank that cannot be read lists none)."""
-    listed: dict[str, str] = {}
+def _listed(directory: Path) -> tuple[dict[str, str], StoreIndex | None]:
+    """Listed shard -> its sha256, and the store's index, as the repaired journals list them (a rank that cannot
+    be read lists none): the index files are checked against them."""
+    entries: list[ShardEntry] = []
+    layers: dict[str, dict[str, Any]] = {}
     for rank, path in mf.find_manifests(directory):
         try:
-            listed |= {entry.file: entry.sha256 for entry in read_rank(directory, rank, path).entries}
+            read = read_rank(directory, rank, path)
         except StoreError:
             continue
-    return listed
+        entries += read.entries
+        layers |= read.manifest["layers"]
+    try:
+        index: StoreIndex | None = StoreIndex(entries, layers)
+    except (KeyError, ValueError):  # ranks that disagree on their layers: the parts' rows are not checked
+        index = None
+    return {entry.file: entry.sha256 for entry in entries}, index
 
 
 def _repair_rank(directory: Path, files: StoreDir, rank: int, manifest_path: Path | None) -> list[str]:

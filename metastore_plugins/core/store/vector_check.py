@@ -9,13 +9,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from metastore_plugins.core.store.file_kinds import temporary_target
 from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.store.index import StoreIndex
 from metastore_plugins.core.store.vector_files import (
     FOLDER,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     OWN_NAME,
+    ann_bytes_problem,
+    ann_cap,
     decode_manifest,
     encode_manifest,
     part_binding_problem,
@@ -23,13 +28,50 @@ from metastore_plugins.core.store.vector_files import (
     read,
     read_checked,
 )
+from metastore_plugins.core.store.vector_maps import open_part
+
+#: A part's rows as its shard holds them: ``(sample ids (n,), learning-rate weights (n,))``, or None when unknown.
+Rows = tuple[np.ndarray, np.ndarray]
 
 
-def check(store_dir: Path, shard_sha256: dict[str, str], files: bool = True) -> tuple[list[str], list[str]]:
+def listed_rows(index: StoreIndex, shard: str, capture_point: Any) -> Rows | None:
+    """The sample ids and learning-rate weights (1 where none was recorded) of the rows a part of ``shard`` at
+    ``capture_point`` holds, in selection order, from the store's own index (not the part's manifest)."""
+    names = [entry.file for entry in index.shards]
+    if shard not in names or capture_point not in index.capture_point_names or not len(index):
+        return None
+    mine = (index.batch["shard"] == names.index(shard)) & (
+        index.batch["capture_point"] == index.capture_point_names.index(capture_point)
+    )
+    batches = np.flatnonzero(mine)
+    rows, at = index.rows(batches)
+    lr = index.batch["lr"][batches]
+    return index.sample["sample_id"][rows], np.where(np.isnan(lr), 1.0, lr)[at]
+
+
+def rows_problem(tensors: dict[str, Any], rows: Rows, width: int) -> str | None:
+    """Why a sound part's tensors are not the rows of its shard (``rows``: :func:`listed_rows`), or None: its
+    ``sample_id`` and ``lr`` must be the shard's own, in order, and its ``vector`` ``(n, width)`` float32. A
+    manifest re-signed over another shard's part, or over permuted ids, is caught here."""
+    ids, lr, vector = tensors.get("sample_id"), tensors.get("lr"), tensors.get("vector")
+    n = len(rows[0])
+    if vector is None or tuple(vector.shape) != (n, width) or vector.dtype != np.float32:
+        return f"its vectors are not the ({n}, {width}) float32 its shard's rows make"
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or not np.array_equal(ids, rows[0]):
+        return "its sample ids are not its shard's, in order"
+    if not isinstance(lr, np.ndarray) or lr.dtype != np.float64 or not np.array_equal(lr, rows[1]):
+        return "its learning rates are not its shard's batches'"
+    return None
+
+
+def check(
+    store_dir: Path, shard_sha256: dict[str, str], files: bool = True, index: StoreIndex | None = None
+) -> tuple[list[str], list[str]]:
     """``(problems, descriptions)`` of every index in ``vector_index/`` (for ``verify`` and ``inspect``).
 
     Problems: a damaged manifest, a part or search file missing, a link or not regular, or
-    whose bytes do not match its recorded sha256. A part whose shard changed or went away is
+    whose bytes do not match its recorded sha256, or (given the store's ``index``) a part whose rows are not
+    its shard's. A part whose shard changed or went away is
     stale, not damaged: the next query rebuilds it. ``shard_sha256``: listed shard -> its sha256.
     ``files=False`` reads the manifests only (the descriptions, and damaged manifests).
     """
@@ -57,20 +99,20 @@ def check(store_dir: Path, shard_sha256: dict[str, str], files: bool = True) -> 
             problems.append(f"{FOLDER}/{name}: {_tail(exc, where / name)}; the next query rebuilds the index")
             continue
         parts, ann = manifest["parts"], manifest.get("ann")
-        current = [p for p in parts if shard_sha256.get(str(p.get("shard"))) == p.get("shard_sha256")]
+        current = [p for p in parts if shard_sha256.get(p["shard"]) == p["shard_sha256"]]
         stale = len(parts) - len(current)
-        # a stale part (or a search file over stale parts) is rebuilt whatever its bytes: not damage
-        checked = [*current, *([ann] if isinstance(ann, dict) and not stale else [])]
-        for entry in checked if files else []:
-            problem = _file_problem(store_dir, entry)
+        for entry in current if files else []:  # a stale part is rebuilt whatever its bytes: not damage
+            problem = _file_problem(store_dir, manifest, entry, index)
             if problem:
-                problems.append(f"{FOLDER}/{entry.get('file')}: {problem}; the next query rebuilds it")
-        rows = sum(int(p.get("rows", 0)) for p in parts)
-        kind = ann_description(ann)
+                problems.append(f"{FOLDER}/{entry['file']}: {problem}; the next query rebuilds it")
+        if isinstance(ann, dict) and not stale and files:  # a search file over stale parts is rebuilt too
+            problem = _ann_problem(store_dir, manifest, ann)
+            if problem:
+                problems.append(f"{FOLDER}/{ann['file']}: {problem}; the next query rebuilds it")
+        rows = sum(p["rows"] for p in parts)
         lines.append(
-            f"{manifest.get('capture_point')!s:<20} {rows:,} rows of {len(manifest.get('layers') or [])} layers x "
-            f"{manifest.get('dim')}^2, {kind}, "
-            f"{len(parts)} parts"
+            f"{ascii(manifest['capture_point'])[1:-1]:<20} {rows:,} rows of {len(manifest['layers'])} layers x "
+            f"{manifest['dim']}^2, {ann_description(ann)}, {len(parts)} parts"
             + (f" ({stale} stale: rebuilt by the next query)" if stale else "")
             + (" (one rank's shards)" if manifest.get("shards") else "")
         )
@@ -86,15 +128,41 @@ def ann_description(ann: Any) -> str:
     return f"{ann.get('kind')} (nlist {ann.get('nlist')}, nprobe {ann.get('nprobe')})"
 
 
-def _file_problem(store_dir: Path, entry: dict[str, Any]) -> str | None:
-    name, expected = entry.get("file"), entry.get("sha256")
-    if not isinstance(name, str) or not isinstance(expected, str):
-        return "listed without a file name or sha256"
+def _width(manifest: dict[str, Any]) -> int:
+    return len(manifest["layers"]) * manifest["dim"] ** 2
+
+
+def _file_problem(
+    store_dir: Path, manifest: dict[str, Any], entry: dict[str, Any], index: StoreIndex | None
+) -> str | None:
+    """Why a current part is not sound and bound to its shard (its rows its shard's, given the store's index)."""
     try:
-        data = read_checked(store_dir, name, expected, 1 << 40, "vector index file")
+        tensors = open_part(
+            store_dir,
+            entry["file"],
+            entry["sha256"],
+            entry["rows"] * (4 * _width(manifest) + 16) + 4096,
+            "vector index file",
+        )
     except StoreError as exc:
-        return _tail(exc, store_dir / FOLDER / name)
-    return part_binding_problem(data, entry) if "shard" in entry else None
+        return _tail(exc, store_dir / FOLDER / entry["file"])
+    problem = part_binding_problem(tensors["__metadata__"], entry)
+    rows = None if index is None else listed_rows(index, entry["shard"], manifest["capture_point"])
+    if problem is None and rows is not None:
+        problem = rows_problem(tensors, rows, _width(manifest))
+    return problem
+
+
+def _ann_problem(store_dir: Path, manifest: dict[str, Any], ann: dict[str, Any]) -> str | None:
+    """Why a search file is not sound and the structure its entry describes (over the manifest's parts)."""
+    if ann["parts"] != parts_digest(manifest["parts"]) or ann["rows"] != sum(p["rows"] for p in manifest["parts"]):
+        return "built over other parts"
+    width, path = _width(manifest), store_dir / FOLDER / ann["file"]
+    try:
+        data = read_checked(store_dir, ann["file"], ann["sha256"], ann_cap(ann["rows"], width), "vector index file")
+    except StoreError as exc:
+        return _tail(exc, path)
+    return ann_bytes_problem(data, ann, width)
 
 
 def _tail(exc: StoreError, path: Path) -> str:
@@ -102,7 +170,7 @@ def _tail(exc: StoreError, path: Path) -> str:
     return text[len(str(path)) + 2 :] if text.startswith(f"{path}: ") else text
 
 
-def repair(store_dir: Path, shard_sha256: dict[str, str]) -> list[str]:
+def repair(store_dir: Path, shard_sha256: dict[str, str], index: StoreIndex | None = None) -> list[str]:
     """Remove what of ``vector_index/`` is damaged, stale or left over; one line per thing removed.
 
     The index is a cache: a part or search file that is damaged (missing, a link, not regular, its
@@ -110,7 +178,8 @@ def repair(store_dir: Path, shard_sha256: dict[str, str]) -> list[str]:
     whose other parts stay (the next query rebuilds what is missing); a damaged manifest is removed
     with its files (the next ``--index build`` rebuilds the index); temporaries of a stopped build and
     files no manifest lists are removed; a link where the folder belongs is removed (never its
-    target). Shards are never touched. ``shard_sha256``: listed shard -> its sha256.
+    target). Shards are never touched. ``shard_sha256``: listed shard -> its sha256; ``index``: the store's index
+    (a part whose rows are not its shard's is removed too).
     """
     done: list[str] = []
     with StoreDir(store_dir) as store:
@@ -131,7 +200,7 @@ def repair(store_dir: Path, shard_sha256: dict[str, str]) -> list[str]:
                     keep.discard(name)
                     done.append(f"{FOLDER}/{name}: {_tail(exc, store_dir / FOLDER / name)}; removed with its files")
                     continue
-                repaired, lines = _drop_unsound(store_dir, manifest, shard_sha256, keep)
+                repaired, lines = _drop_unsound(store_dir, manifest, shard_sha256, keep, index)
                 if repaired != manifest:
                     folder.atomic_write(name, encode_manifest(repaired))
                 done += lines
@@ -153,27 +222,27 @@ def repair(store_dir: Path, shard_sha256: dict[str, str]) -> list[str]:
 
 
 def _drop_unsound(
-    store_dir: Path, manifest: dict[str, Any], shard_sha256: dict[str, str], keep: set[str]
+    store_dir: Path, manifest: dict[str, Any], shard_sha256: dict[str, str], keep: set[str], index: StoreIndex | None
 ) -> tuple[dict[str, Any], list[str]]:
     """The manifest without its stale and damaged files, and a line for each (the caller removes the files:
     the sound ones are added to ``keep``)."""
     done, parts = [], []
     for part in manifest["parts"]:
-        if shard_sha256.get(str(part.get("shard"))) != part.get("shard_sha256"):
+        if shard_sha256.get(part["shard"]) != part["shard_sha256"]:
             problem: str | None = "stale (its shard changed or went away)"
         else:
-            problem = _file_problem(store_dir, part)
+            problem = _file_problem(store_dir, manifest, part, index)
         if problem is None:
             parts.append(part)
-            keep.add(str(part["file"]))
+            keep.add(part["file"])
         else:
-            done.append(f"{FOLDER}/{part.get('file')}: {problem}; removed (the next query rebuilds it)")
-    ann = manifest.get("ann")
+            done.append(f"{FOLDER}/{part['file']}: {problem}; removed (the next query rebuilds it)")
+    repaired, ann = {**manifest, "parts": parts}, manifest.get("ann")
     if isinstance(ann, dict):
-        problem = "built over other parts" if ann.get("parts") != parts_digest(parts) else _file_problem(store_dir, ann)
+        problem = _ann_problem(store_dir, repaired, ann)
         if problem is None:
-            keep.add(str(ann["file"]))
+            keep.add(ann["file"])
         else:
-            done.append(f"{FOLDER}/{ann.get('file')}: {problem}; removed (the next query rebuilds it)")
+            done.append(f"{FOLDER}/{ann['file']}: {problem}; removed (the next query rebuilds it)")
             ann = None
-    return {**manifest, "parts": parts, "ann": ann}, done
+    return {**repaired, "ann": ann}, done

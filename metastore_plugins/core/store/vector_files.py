@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import re
 import stat
@@ -53,8 +52,8 @@ from metastore_plugins.core.store.shardfile import header_bytes, tensor_layout
 
 FOLDER = "vector_index"
 FORMAT, VERSION = "metastore-vector-index", 1
-#: The largest manifest a reader accepts (a part line is about 250 bytes: 4 million shards).
-MAX_MANIFEST_BYTES = 1 << 30
+#: The largest manifest a reader accepts (a part line is about 250 bytes: a million shards; parsed in about 1 GB).
+MAX_MANIFEST_BYTES = 1 << 28
 MANIFEST_NAME = re.compile(r"manifest-[0-9a-f]{16}\.json", re.ASCII)
 
 
@@ -90,19 +89,102 @@ def encode_manifest(manifest: dict[str, Any]) -> bytes:
 
 
 def decode_manifest(data: bytes) -> dict[str, Any]:
-    """The manifest of a file's bytes; :class:`StoreError` (one line) when it is torn, damaged or foreign."""
+    """The manifest of a file's bytes; :class:`StoreError` (one line) when it is torn, damaged or foreign, or any
+    field is not of its kind and range (:func:`manifest_problem`). Bounded: a body of more objects or lists than its
+    size holds parts (:data:`MIN_OBJECT_BYTES` each), or of more values than parts and layers make, is refused
+    before it is parsed (100 million ``{}`` would take gigabytes as Python objects)."""
     body, _, tail = data.rstrip(b"\n").rpartition(b" ")
     if not data.endswith(b"\n") or not re.fullmatch(rb"[0-9a-f]{8}", tail) or zlib.crc32(body) != int(tail, 16):
         raise StoreError("its CRC-32 does not match (a damaged or torn file)")
+    containers = (body.count(b"{") + body.count(b"[")) * MIN_OBJECT_BYTES
+    if containers > len(body) + 8 * MIN_OBJECT_BYTES or body.count(b",") > len(body) // 16 + MAX_LAYERS + 64:
+        raise StoreError("it holds more values than its size has room for (not an index manifest)")
     try:
         manifest = json.loads(body)
     except (ValueError, RecursionError) as exc:
         raise StoreError("it is not JSON") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise StoreError(f"it is not a version {VERSION} {FORMAT} manifest")
-    if not isinstance(manifest.get("parts"), list) or not all(isinstance(p, dict) for p in manifest["parts"]):
-        raise StoreError("its parts are not a list of objects")
+    problem = manifest_problem(manifest)
+    if problem is not None:
+        raise StoreError(problem)
     return manifest
+
+
+#: The fewest bytes a part's entry takes in a manifest (two sha256 and two names: about 250 in practice).
+MIN_OBJECT_BYTES = 128
+#: Bounds of a manifest's numbers: a sketch ``dim`` and layer count (a row is ``layers x dim^2`` float32), rows.
+MAX_DIM, MAX_LAYERS, MAX_ROWS = 1 << 10, 1 << 14, 1 << 40
+SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
+
+
+def _count(value: Any, low: int, high: int) -> bool:
+    """Whether ``value`` is an ``int`` (not a bool, a float or a string) in ``low..high``."""
+    return type(value) is int and low <= value <= high
+
+
+def manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """Why a decoded manifest's fields are not of their kinds and ranges (one line), or None."""
+    layers, dim = manifest.get("layers"), manifest.get("dim")
+    if not isinstance(manifest.get("capture_point"), str) or type(manifest.get("seed")) is not int:
+        return "its capture_point or seed is not a string and an integer"
+    if not isinstance(layers, list) or not 0 < len(layers) <= MAX_LAYERS or not all(isinstance(n, str) for n in layers):
+        return f"its layers are not a list of 1 to {MAX_LAYERS} names"
+    if not _count(dim, 1, MAX_DIM) or "shards" in manifest and not isinstance(manifest["shards"], str):
+        return f"its dim is not an integer in 1..{MAX_DIM} (or its shards not a string)"
+    if not isinstance(manifest.get("parts"), list) or not all(isinstance(p, dict) for p in manifest["parts"]):
+        return "its parts are not a list of objects"
+    for part in manifest["parts"]:
+        named = all(isinstance(part.get(k), str) for k in ("file", "shard"))
+        signed = all(isinstance(part.get(k), str) and SHA256.fullmatch(part[k]) for k in ("sha256", "shard_sha256"))
+        if not (named and signed and OWN_NAME.fullmatch(part["file"]) and _count(part.get("rows"), 0, MAX_ROWS)):
+            return "a part is not listed with its file, shard, both sha256 and a row count"
+    ann = manifest.get("ann")
+    return None if ann is None else ann_problem(ann, len(layers) * manifest["dim"] ** 2)
+
+
+def ann_problem(ann: Any, width: int) -> str | None:
+    """Why a manifest's ``ann`` entry (its search structure over rows ``width`` wide) is not one a reader can
+    search within bounded work, or None: ``ivf`` with ``1 <= nprobe <= nlist <= 65536``, ``reduced`` with
+    ``1 <= reduced <= width`` directions and ``1 <= candidates <= 65536``."""
+    if not isinstance(ann, dict) or not all(isinstance(ann.get(k), str) for k in ("file", "sha256", "parts")):
+        return "its search structure is not listed with its file and sha256"
+    if not OWN_NAME.fullmatch(ann["file"]) or not _count(ann.get("rows"), 0, MAX_ROWS):
+        return "its search structure's file or row count is not an index's"
+    if ann.get("kind") == "ivf":
+        nlist, nprobe = ann.get("nlist"), ann.get("nprobe")
+        if _count(nlist, 1, 1 << 16) and _count(nprobe, 1, ann["nlist"]):
+            return None
+        return "its ivf search structure's nlist and nprobe are not 1 <= nprobe <= nlist <= 65536"
+    if ann.get("kind") == "reduced":
+        if _count(ann.get("reduced"), 1, width) and _count(ann.get("candidates"), 1, 1 << 16):
+            return None
+        return f"its reduced search structure's directions are not in 1..{width} or its candidates in 1..65536"
+    return f"its search structure's kind {str(ann.get('kind'))[:40]!r} is not ivf or reduced"
+
+
+#: The first four bytes of the FAISS file of each kind of search structure (``IndexIVFFlat``, ``IndexPreTransform``).
+ANN_FOURCC = {"ivf": b"IwFl", "reduced": b"IxPT"}
+
+
+def ann_cap(rows: int, width: int) -> int:
+    """The largest FAISS file a reader accepts for ``rows`` rows ``width`` wide (IVF holds them whole, plus ids)."""
+    return rows * (4 * (width + 1) + 64) + (64 << 20)
+
+
+def ann_bytes_problem(data: bytes, ann: dict[str, Any], width: int) -> str | None:
+    """Why a FAISS file's bytes (sound: their sha256 checked) are not the search structure ``ann`` describes, or
+    None: its kind (FAISS's four bytes), width and row count (its header) and the bytes its rows take at least,
+    read before FAISS is given the file (which allocates what a damaged header asks for)."""
+    kind = ann["kind"]
+    if data[:4] != ANN_FOURCC[kind] or len(data) < 16:
+        return f"it is not a FAISS {kind} index"
+    d, total = int.from_bytes(data[4:8], "little", signed=True), int.from_bytes(data[8:16], "little", signed=True)
+    wanted = width + 1 if kind == "ivf" else width
+    if (d, total) != (wanted, ann["rows"]):
+        return f"it holds {total} rows {d} wide, not the {ann['rows']} rows {wanted} wide its manifest lists"
+    least = total * (4 * d + 8) if kind == "ivf" else total * 4 * int(ann["reduced"])
+    return None if len(data) >= least else f"it is {len(data)} bytes, shorter than its rows (cut short)"
 
 
 def sha256(data: bytes) -> str:
@@ -134,9 +216,10 @@ def write(store_dir: Path, name: str, data: bytes) -> None:
         folder.atomic_write(name, data)
 
 
-def identities(store_dir: Path, names: list[str]) -> tuple[tuple[int, int, int, int], ...] | None:
-    """``(device, inode, size, mtime_ns)`` of each ``vector_index/`` file (not followed), None if one is missing
-    or not a regular file: a file replaced or rewritten since has another."""
+def identities(store_dir: Path, names: list[str]) -> tuple[tuple[int, int, int, int, int], ...] | None:
+    """``(device, inode, size, mtime_ns, ctime_ns)`` of each ``vector_index/`` file (not followed), None if one is
+    missing or not a regular file: a file replaced or rewritten since has another (its ctime, which the kernel sets
+    on every write and no ``utime`` sets back, even when its mtime was set back by hand)."""
     try:
         with StoreDir(store_dir) as store, store.subdir(FOLDER) as folder:
             found = [folder.lstat(name) for name in names]
@@ -144,7 +227,7 @@ def identities(store_dir: Path, names: list[str]) -> tuple[tuple[int, int, int, 
         return None
     if any(f is None or not stat.S_ISREG(f.st_mode) for f in found):
         return None
-    return tuple((f.st_dev, f.st_ino, f.st_size, f.st_mtime_ns) for f in found if f is not None)
+    return tuple((f.st_dev, f.st_ino, f.st_size, f.st_mtime_ns, f.st_ctime_ns) for f in found if f is not None)
 
 
 def remove_temporaries(store_dir: Path, key: str | None = None) -> list[str]:
@@ -243,16 +326,11 @@ def remove(store_dir: Path, names: Iterable[str]) -> None:
                 folder.remove(name, missing_ok=True)
 
 
-def part_binding_problem(data: bytes | mmap.mmap, entry: dict[str, Any]) -> str | None:
-    """Why a part's bytes (sound: their sha256 checked) are not the part of the shard its entry names, or None.
-
-    A part records its shard's name and sha256 in its safetensors metadata: a manifest (CRC intact) that
-    lists another shard's part under this shard's name is caught here, not by the sha256."""
-    try:
-        size = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8 : 8 + size]).get("__metadata__") if 8 + size <= len(data) else None
-    except (ValueError, AttributeError, RecursionError):
-        meta = None
+def part_binding_problem(meta: Any, entry: dict[str, Any]) -> str | None:
+    """Why a part (sound: its sha256 checked) is not the part of the shard its entry names, or None. ``meta``: its
+    safetensors metadata, which records its shard's name and sha256: a manifest (CRC intact) that lists another
+    shard's part under this shard's name is caught here, not by the sha256 (its rows are checked against the
+    shard's own by the reader: :func:`~metastore_plugins.core.store.vector_check.rows_problem`)."""
     if not isinstance(meta, dict) or (meta.get("shard"), meta.get("shard_sha256")) != (
         entry.get("shard"),
         entry.get("shard_sha256"),
