@@ -49,6 +49,7 @@ from metastore_plugins.core.training.adapter_support import (
     model_loss,
     newest_event_dir,
     open_run,
+    refuse_compiled,
     resumed_batches,
     run_end,
     sampler_recorder,
@@ -130,6 +131,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
         # log_level="info" (or "debug") shows them as info, like the Trainer's own lines; by default ("passive",
         # transformers at warning level) they are logged at warning level, so a default run says where its store went
         self._say = logging.INFO if getattr(args, "log_level", "passive") != "passive" else logging.WARNING
+        compiled = bool(getattr(args, "torch_compile", False))  # the Trainer compiles the model after this event
+        refuse_compiled(model, compiled, self.options.owner, "TrainingArguments(torch_compile=True)")
         self.options.check_model(model, capturable=True)
         if self.options.capture_train_steps:
             loader = kwargs.get("train_dataloader")  # accelerate's DataLoaderShard iterates the DataLoader it wraps

@@ -49,6 +49,7 @@ from metastore_plugins.core.training.adapter_support import (
     loader_datasets,
     open_run,
     patch_attribute,
+    refuse_compiled,
     run_end,
     silenced,
     strip_index,
@@ -111,6 +112,7 @@ class MetaStoreCallback(Callback):
                 "MetaStoreCallback needs to know where to put the store: pass dirpath=... to MetaStoreCallback, "
                 "or give the Trainer a logger (logger=TensorBoardLogger(...))"
             )
+        refuse_compiled(pl_module, False, self.options.owner, "torch.compile (fit the uncompiled LightningModule)")
         self.options.check_model(pl_module)
         if not pl_module.automatic_optimization:
             raise ValueError(

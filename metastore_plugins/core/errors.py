@@ -58,6 +58,10 @@ class UnsupportedLayerError(MetastoreError, RuntimeError):
     """A trainable parameter that no capture rule covers, with ``unsupported="error"``."""
 
 
+class CompiledModelError(MetastoreError, ValueError):
+    """A model compiled with ``torch.compile``, whose per-sample gradients the capture hooks cannot read."""
+
+
 class SampleIdError(MetastoreError, ValueError):
     """A batch whose samples' dataset indices cannot be known exactly."""
 

@@ -24,7 +24,7 @@ from typing_extensions import Unpack
 
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.capture.session import LossReduction
-from metastore_plugins.core.errors import SampleIdError
+from metastore_plugins.core.errors import CompiledModelError, SampleIdError
 from metastore_plugins.core.model.rng import preserved_rng
 from metastore_plugins.core.model.sample_ids import (
     SAMPLE_ID_KEYS,
@@ -134,6 +134,26 @@ def end_reports(
     return build_reports(
         options, dirpath, writers, step=step, rank=rank, render=render, samples=samples, recompute=recompute
     )
+
+
+def refuse_compiled(model: torch.nn.Module, compiled: bool, owner: str, setting: str) -> None:
+    """Raise :class:`CompiledModelError` naming ``setting`` when ``compiled`` or ``model`` (or a module in it) was
+    compiled (``torch.compile(module)``, ``module.compile()``, Lightning's ``from_compiled``): the capture's
+    forward and tensor hooks are not run exactly inside a compiled graph, so training stops before its first step
+    rather than part way through."""
+    inside = [
+        name or type(model).__name__
+        for name, module in model.named_modules()
+        if hasattr(module, "_orig_mod")  # torch.compile(module): an OptimizedModule
+        or getattr(module, "_compiled_call_impl", None) is not None  # module.compile()
+        or getattr(module, "_compiler_ctx", None) is not None  # Lightning's from_compiled(torch.compile(module))
+    ]
+    if compiled or inside:
+        where = f" ({', '.join(inside[:3])} compiled)" if inside else ""
+        raise CompiledModelError(
+            f"{owner} cannot capture per-sample gradients of a compiled model{where}: its hooks do not run exactly "
+            f"inside a torch.compile graph. Train without {setting}, or keep {owner} for an uncompiled run"
+        )
 
 
 def first_lr(optimizer: Any) -> float | None:
@@ -297,6 +317,7 @@ __all__ = [
     "newest_event_dir",
     "open_run",
     "patch_attribute",
+    "refuse_compiled",
     "resumed_batches",
     "run_end",
     "sampler_recorder",
