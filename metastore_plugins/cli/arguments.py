@@ -21,6 +21,16 @@ def sample_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated sample ids such as 3,17,42; got {text!r}") from None
 
 
+def layer_names(text: str) -> list[str]:
+    """``bert.encoder.layer.0.output.dense,classifier`` as a list of layer names (``--layers``)."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer names (metastore inspect lists them); got {text!r}"
+        )
+    return names
+
+
 def whole(text: str, least: int) -> int:
     """A whole number ``>= least``; anything else is an argparse error."""
     try:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from metastore_plugins.cli.arguments import int64, non_negative, positive, positive_float, sample_ids, step_range
+from metastore_plugins.cli.arguments import (
+    int64,
+    layer_names,
+    non_negative,
+    positive,
+    positive_float,
+    sample_ids,
+    step_range,
+)
 from metastore_plugins.cli.dynamics import cmd_query
 from metastore_plugins.cli.inspection import cmd_compact, cmd_inspect, cmd_verify
 from metastore_plugins.cli.queries import cmd_influence, cmd_outliers, cmd_restore, cmd_similar
@@ -92,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_float,
         help="kfac/ekfac/trak: the damping as a fraction of the mean eigenvalue (default 0.1 for kfac/ekfac, "
         "1.0 for trak)",
+    )
+    p.add_argument(
+        "--layers",
+        type=layer_names,
+        help="comma-separated layers to score on (default: every layer; metastore inspect lists them): leave out a "
+        "layer K-FAC cannot fit, such as one of two tied layers",
     )
     p = add("similar", cmd_similar, "samples whose gradients are most similar to one sample's")
     p.add_argument("--sample", type=int, required=True)

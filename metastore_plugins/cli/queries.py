@@ -81,6 +81,7 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
         method=method if args.index != "auto" else args.method,  # auto's own choice keeps its note
         damping=args.damping,
         relative_damping=args.relative_damping,
+        layers=args.layers,
     )
     if args.test is not None:
         rows = [row for row in rows if row["test_id"] in set(args.test)]
@@ -91,9 +92,9 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
 def _checked_method(args: argparse.Namespace, store: GradientStore, points: Sequence[str]) -> str:
     """The method ``--method`` runs on these passes; a flag it does not take raises naming the flag."""
     if args.method == "auto" and args.index != "auto":  # an --index choice is TracIn's: it asks for TracIn
-        chosen = resolve_method(store, "tracin", points)
+        chosen = resolve_method(store, "tracin", points, args.layers)
     else:
-        chosen = resolve_method(store, args.method, points)
+        chosen = resolve_method(store, args.method, points, args.layers)
     why = f"--method auto chose tracin ({chosen.fallback}): " if chosen.fallback else ""
     try:
         check_damping(chosen.method, args.damping, args.relative_damping, ("--damping", "--relative-damping"))

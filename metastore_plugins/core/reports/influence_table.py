@@ -30,6 +30,7 @@ def influence_rows(
     method: str = "tracin",
     damping: float | None = None,
     relative_damping: float | None = None,
+    layers: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Per test sample: its label/prediction and the ``k`` strongest proponents and opponents by ``method``.
 
@@ -37,6 +38,8 @@ def influence_rows(
     where every layer of the passes can be preconditioned, else TracIn; ``resolve_method``), with its
     ``damping`` and ``relative_damping`` (``store.influence``'s). Each row says what produced it
     (:func:`~.influence_method.method_fields`) and whether its scores are ``"exact"``.
+
+    ``layers``: score on these layers only (every layer when ``None``), as ``store.influence(layers=...)``.
 
     ``samples``: only the test samples with the ``samples`` smallest ids (all when ``None``);
     the cost grows with train x test pairs, and a report shows a handful.
@@ -52,16 +55,16 @@ def influence_rows(
     row and are not refined (the refinement recomputes TracIn): K-FAC / EK-FAC are exact given the fitted
     curvature where the passes hold exact records, TRAK's sketches are estimates.
     """
-    chosen = resolve_method(store, method, [*train, *test])
+    chosen = resolve_method(store, method, [*train, *test], layers)
     check_damping(chosen.method, damping, relative_damping)
     test_ids = None if samples is None else sorted(set(store.sample_ids(test[-1]).tolist()))[:samples]
     if chosen.method == "tracin":
         top_k: dict[str, Any] = {} if index is False else {"k": k, "index": index}
-        scores = store.influence(list(train), list(test), test_ids=test_ids, **top_k)
+        scores = store.influence(list(train), list(test), test_ids=test_ids, layers=layers, **top_k)
         exact = passes_exact(store)
         if not exact:
             refined = None
-            if recompute is not None:
+            if recompute is not None and layers is None:  # the refinement recomputes every layer
                 try:
                     refined = refine_influence(store, scores, list(train), list(test), recompute)
                 except Exception as exc:  # the user's model, data or a missing snapshot: keep the estimates
@@ -77,6 +80,7 @@ def influence_rows(
             method=chosen.method,
             damping=damping,
             relative_damping=relative_damping,
+            layers=layers,
         )
         exact = chosen.method != "trak" and passes_exact(store)
     fields = method_fields(chosen, damping, relative_damping)
