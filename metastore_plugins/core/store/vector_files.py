@@ -183,7 +183,8 @@ def ann_bytes_problem(data: bytes, ann: dict[str, Any], width: int) -> str | Non
     wanted = width + 1 if kind == "ivf" else width
     if (d, total) != (wanted, ann["rows"]):
         return f"it holds {total} rows {d} wide, not the {ann['rows']} rows {wanted} wide its manifest lists"
-    least = total * (4 * d + 8) if kind == "ivf" else total * 4 * int(ann["reduced"])
+    # IVF: every row and its id; reduced: every row's reduced numbers and the (reduced, width) projection
+    least = total * (4 * d + 8) if kind == "ivf" else (total + width) * 4 * ann["reduced"]
     return None if len(data) >= least else f"it is {len(data)} bytes, shorter than its rows (cut short)"
 
 
