@@ -145,7 +145,7 @@ def reference_inverse(method: str, basis: str = "diagonal") -> tuple[Tensor, Ten
 
 
 def fitted(method: str, halves: list[list[LayerRecord]]) -> dict[str, kfac.LayerCurvature]:
-    sums = kfac.CurvatureSums()
+    sums = kfac.CurvatureSums(token_basis=True)  # as the queries fit it
     for records in halves:
         sums.add(records)
     curvature = sums.fit()
@@ -220,6 +220,25 @@ def test_self_products_on_the_token_basis(method: str, basis: str) -> None:
     expected = (g * torch.linalg.solve(damped, g.T).T).sum(1)  # (24,)
     got = torch.cat([preconditioned_sq_norms(h, curvature) for h in halves])
     assert rel_err(got, expected) <= 1e-7 * float(torch.linalg.cond(damped))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 1024])
+def test_the_token_factor_is_the_hand_one_in_blocks_of_any_size(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``T = sum_i W_i W_i^T`` from the rows, in blocks of whole samples (a sample above the block size alone)."""
+    monkeypatch.setattr(embedding, "_TOKEN_ROWS", rows)
+    monkeypatch.setattr(embedding, "TOKEN_BASIS_MAX_PARAMS", TOKEN_BASIS_MAX_PARAMS)
+    model = build()
+    halves = train_halves(model)
+    w = reference_per_sample_gradients(model, loss_fn, make_batch(24, 1, 8))["embed.weight"]  # (N, V, d)
+    expected = torch.einsum("nvd,nud->vu", w, w)  # (V, V)
+    sums = kfac.CurvatureSums(token_basis=True)
+    for records in halves:
+        sums.add(records)
+    tokens = sums.layers["embed"].tokens
+    assert tokens is not None and rel_err(tokens, expected) <= 1e-6
+    capture_time = kfac.CurvatureSums(torch.float32)  # a capture-time basis fit does not sum it
+    capture_time.add(halves[0])
+    assert capture_time.layers["embed"].tokens is None
 
 
 def bag_records(counts: Tensor, d: Tensor) -> list[LayerRecord]:

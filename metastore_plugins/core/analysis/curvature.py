@@ -45,7 +45,7 @@ def fit_curvature(
     added over the processes before each fit, so every process fits the same curvature.
     """
     part = scan.part(selection, what)
-    sums = CurvatureSums()
+    sums = CurvatureSums(token_basis=True)
     for batch in part.selection.batches():
         sums.add(batch.records)
     curvature = _added_sums(sums, scan, what).fit()

@@ -233,12 +233,14 @@ class CurvatureSums:
     """K-FAC sums over training batches, per layer: :meth:`add` each batch's records, then :meth:`fit`.
 
     ``dtype``: of the Kronecker sums (float64; a capture-time basis, which needs only the top eigenvectors,
-    takes float32 at half the cost).
+    takes float32 at half the cost). ``token_basis``: also sum a small embedding's ``(V, V)`` token factor
+    (:mod:`.curvature_embedding`), for a fit that preconditions (the queries'); a capture-time basis does not use it.
     """
 
-    def __init__(self, dtype: torch.dtype = _F64) -> None:
+    def __init__(self, dtype: torch.dtype = _F64, token_basis: bool = False) -> None:
         self.layers: dict[str, LayerSums] = {}
         self.dtype = dtype
+        self.token_basis = token_basis
 
     def add(self, records: Sequence[LayerRecord]) -> None:
         """Add one batch (all of a layer's records of the batch together)."""
@@ -248,7 +250,7 @@ class CurvatureSums:
             if sums.params != first.params:
                 raise ValueError(f"layer '{layer}' has records of two parameter sets; fit records of one model")
             if all(r.kind == "embedding" for r in group):
-                _add_embedding(sums, group, layer)
+                _add_embedding(sums, group, layer, self.token_basis)
                 continue
             if first.basis is not None:
                 sums.block, sums.factored_samples = eigen.head(group), sums.factored_samples + first.batch_size
@@ -298,12 +300,13 @@ class CurvatureSums:
         return out
 
 
-def _add_embedding(sums: LayerSums, group: Sequence[LayerRecord], layer: str) -> None:
-    """Add one batch's embedding records: token counts, ``sum_r d_r d_r^T``, rows and samples."""
+def _add_embedding(sums: LayerSums, group: Sequence[LayerRecord], layer: str, token_basis: bool) -> None:
+    """Add one batch's embedding records: token counts, ``sum_r d_r d_r^T``, rows and samples (and the token
+    factor's ``sum_i W_i W_i^T`` where ``token_basis`` and the layer is small enough)."""
     counts, outputs, rows = embedding.kronecker_sums(group)  # (V,), (d, d)
     sums.inputs = _added(sums.inputs, counts, layer)
     sums.outputs = _added(sums.outputs, outputs, layer)
-    if embedding.has_token_basis(group):
+    if token_basis and embedding.has_token_basis(group):
         sums.tokens = _added(sums.tokens, embedding.token_second_moment(group), layer)  # (V, V)
     sums.rows += rows
     sums.factored_samples += group[0].batch_size

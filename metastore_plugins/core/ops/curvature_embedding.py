@@ -44,16 +44,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.ops._common import chunks, segment_sum
+from metastore_plugins.core.ops._common import segment_sum
 from metastore_plugins.core.ops.dots import _grouped_embedding_rows as grouped_rows
 from metastore_plugins.core.records import LayerRecord
 
 _F64 = torch.float64
-#: An embedding of at most this many parameters ``V d`` gets a full token basis (module docstring): its ``(V, V)``
-#: factor and its samples' dense ``(V, d)`` rotated gradients stay small. A larger one keeps the diagonal ``C``.
+#: An embedding of at most this many parameters ``V d`` (and :data:`TOKEN_BASIS_MAX_VOCAB` tokens) gets a full token
+#: basis (module docstring): its ``(V, V)`` factor and its samples' dense ``(V, d)`` rotated gradients stay small.
+#: A larger one keeps the diagonal ``C``.
 TOKEN_BASIS_MAX_PARAMS = 65_536
-#: Samples per chunk of :func:`token_second_moment`'s dense ``(n, V, d)`` gradients (64 x 65,536 float64: 32 MiB).
-_TOKEN_CHUNK = 64
+TOKEN_BASIS_MAX_VOCAB = 2048
+#: Rows per block of :func:`token_second_moment` (a block's ``(n, n)`` Gram: 8 MiB in float64).
+_TOKEN_ROWS = 1024
 
 
 def is_embedding_layer(group: Sequence[LayerRecord]) -> bool:
@@ -105,21 +107,30 @@ def kronecker_sums(group: Sequence[LayerRecord]) -> tuple[Tensor, Tensor, int]:
 def has_token_basis(group: Sequence[LayerRecord]) -> bool:
     """Whether the layer of these records is small enough for a full token basis (:data:`TOKEN_BASIS_MAX_PARAMS`)."""
     vocab, width = group[0].param_shapes["weight"]
-    return vocab * width <= TOKEN_BASIS_MAX_PARAMS
+    return vocab <= TOKEN_BASIS_MAX_VOCAB and vocab * width <= TOKEN_BASIS_MAX_PARAMS
 
 
 def token_second_moment(group: Sequence[LayerRecord]) -> Tensor:
     """``(V, V)`` ``T = sum_i W_i W_i^T`` over one batch's embedding records of a layer (float64).
 
-    ``T[v, u] = sum_i (W_i)[v] . (W_i)[u]``: a token's rows against those of every token of the same sample.
+    ``T[v, u] = sum_i (W_i)[v] . (W_i)[u]``: each sample's distinct-token rows against each other, so the cost is
+    ``sum_i U_i^2 d`` (``U_i`` distinct tokens of sample ``i``), in blocks of whole samples of about
+    :data:`_TOKEN_ROWS` rows; no ``(V, d)`` gradient is built.
     """
     vocab, batch = group[0].param_shapes["weight"][0], group[0].batch_size
-    sample, ids, rows = grouped_rows(joined_rows(group))  # (U,), (U,), (U, d)
-    total = rows.new_zeros(vocab, vocab)  # (V, V)
-    for lo, hi in chunks(batch, _TOKEN_CHUNK):
-        dense = _scattered(sample, ids, rows, lo, hi, vocab)  # (n, V, d)
-        total += torch.einsum("nvd,nud->vu", dense, dense)
-    return total
+    sample, ids, rows = grouped_rows(joined_rows(group))  # (U,), (U,), (U, d), sample-major
+    total = rows.new_zeros(vocab * vocab)  # (V V,)
+    ends = torch.bincount(sample, minlength=batch).cumsum(0)  # (B,) each sample's last row + 1
+    lo = 0
+    while lo < len(sample):
+        whole = int(torch.searchsorted(ends, lo + _TOKEN_ROWS, right=True))  # samples ending within the block
+        hi = int(ends[whole - 1]) if whole > 0 else lo
+        hi = hi if hi > lo else int(ends[int(sample[lo])])  # one sample above the block size: alone
+        s, v, r = sample[lo:hi], ids[lo:hi], rows[lo:hi]  # (n,), (n,), (n, d)
+        gram = (r @ r.T) * (s[:, None] == s[None, :])  # (n, n), pairs of one sample
+        total.index_add_(0, (v[:, None] * vocab + v[None, :]).reshape(-1), gram.reshape(-1))
+        lo = hi
+    return total.view(vocab, vocab)
 
 
 def token_basis(tokens: Tensor, output_values: Tensor) -> tuple[Tensor, Tensor]:
