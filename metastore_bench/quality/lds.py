@@ -1,10 +1,11 @@
 """LDS (linear datamodeling score) of influence from the store, next to dattri's TRAK and IF and Kronfluence.
 
-``python -m metastore_bench.quality.lds [--quick] [--kinds mlp cnn tokens] [--out JSON]``
+``python -m metastore_bench.quality.lds [--quick] [--kinds mlp cnn tokens positions] [--out JSON]``
 (default ``metastore_bench/results/quality_lds.json``)
 
 Tasks (:mod:`.lds_tasks`): the digits MLP and CNN, and a one-block transformer on a synthetic token task
-(:mod:`.tokens`).
+(:mod:`.tokens`), with fixed sinusoidal positions (``tokens``) or a learned position table on its root module
+(``positions``: an ``nn.Parameter`` the capture's generic rule takes, as a dense record of layer ``""``).
 
 The setup (TRAK, Park et al. 2023; dattri):
 
@@ -242,7 +243,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="600 train samples, 64 subsets, 100 test samples, MLP")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None, help="default: mlp cnn tokens (quick: mlp)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None, help="default: all (quick: mlp)")
     parser.add_argument("--subsets", type=int, default=None, help="number of random 50%% subsets (at least 50)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", type=Path, default=RESULTS / "quality_lds.json")

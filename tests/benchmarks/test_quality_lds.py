@@ -22,6 +22,7 @@ pytest.importorskip("sklearn")
 
 from metastore_bench.quality import lds, lds_peers, tokens  # noqa: E402
 from metastore_bench.quality.digits import Capture, ModelKind, load_digits_arrays, make_model, train_model  # noqa: E402
+from metastore_bench.quality.lds_tasks import build_model  # noqa: E402
 from metastore_plugins import StoreWriter, open_store  # noqa: E402
 
 
@@ -104,7 +105,7 @@ def test_checkpoint_passes_carry_the_sum_of_the_step_learning_rates(kind: ModelK
     assert np.array_equal(store.sample_ids("epoch-0/train"), np.arange(10))
 
 
-@pytest.mark.parametrize("kind", ["mlp", "tokens"])
+@pytest.mark.parametrize("kind", ["mlp", "tokens", "positions"])
 def test_a_tiny_run_reports_every_attributor(kind: lds.Kind) -> None:
     setup = lds.Setup(
         kind=kind, train_size=100, test_samples=8, tune_samples=6, subsets=50, tune_subsets=50, epochs=2,
@@ -151,6 +152,32 @@ def test_the_token_task_is_seeded_and_follows_its_rule() -> None:
     model = tokens.make_token_model(0)
     assert model(x[:5]).shape == (5, tokens.CLASSES)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), tokens.make_token_model(0).parameters()))
+
+
+def test_the_learned_position_table_is_the_root_s_and_the_generic_rule_captures_it(tmp_path: Path) -> None:
+    """The ``positions`` task: an ``nn.Parameter`` of the root module (no ``nn.Embedding``), stored as layer ``""``
+    with each sample's dense ``(LENGTH, WIDTH)`` gradient, against torch.func's per-sample gradients."""
+    from metastore_plugins.testing import reference_per_sample_gradients
+
+    x, y, _, _ = tokens.load_token_arrays(seed=0, train_size=6)
+    model = build_model("positions", 0)
+    own = dict(model.named_parameters(recurse=False))
+    assert list(own) == ["positions"] and own["positions"].shape == (tokens.LENGTH, tokens.WIDTH)
+    assert not any(isinstance(m, torch.nn.Embedding) and m.weight is own["positions"] for m in model.modules())
+    with StoreWriter(tmp_path / "store", encoding="fp32") as writer:
+        train_model(model, x, y, epochs=1, batch_size=6, seed=0, capture=Capture(writer))
+    store = open_store(tmp_path / "store")
+    assert "" in store.layers() and "embed" in store.layers()
+    (batch,) = list(store.select("train", layers=[""]).batches())
+    (record,) = batch.records
+    fresh = build_model("positions", 0)  # the weights of the step (the run above has since taken it)
+    order = torch.randperm(6, generator=torch.Generator().manual_seed(0))  # train_model's shuffle
+    expected = reference_per_sample_gradients(
+        fresh, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), (x[order], y[order])
+    )["positions"]  # (B, LENGTH, WIDTH)
+    got = record.dense_grad(next(iter(record.params)))  # (B, LENGTH, WIDTH), in the batch's order
+    assert record.kind == "dense" and got.shape == expected.shape
+    assert torch.allclose(got.double(), expected.double(), rtol=1e-4, atol=1e-6)
 
 
 def test_kronfluence_is_skipped_when_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
