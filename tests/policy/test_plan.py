@@ -17,6 +17,7 @@ from torch import nn
 
 from metastore_plugins import CaptureSession, StoreWriter
 from metastore_plugins.core.model.sample_ids import loader_batch_size
+from metastore_plugins.core.ops.eigenbasis import basis_batch_bytes
 from metastore_plugins.core.policy.budget import RunShape, default_budget, parse_budget
 from metastore_plugins.core.policy.plan import make_plan
 from metastore_plugins.core.policy.runtime import CapturePolicy
@@ -249,8 +250,9 @@ def test_a_pass_that_no_longer_fits_is_dropped_whole_and_said() -> None:
 @pytest.mark.parametrize("on_basis", [False, True])
 def test_passes_on_the_eigenbasis_may_keep_a_larger_block_than_the_steps(tmp_path: Path, on_basis: bool) -> None:
     """Seeded step projections pair with passes only at one size; passes on the curvature eigenbasis never pair
-    with them, so a budget that holds 16x16 passes beside 8x8 steps keeps them (and stays within the budget)."""
-    budget = 560_000
+    with them, so a budget that holds 16x16 passes beside 8x8 steps keeps them (and stays within the budget). Steps
+    after the first pass go on its basis too: the plan counts their eigenvalues (half of the 100 steps here)."""
+    budget = 560_000 + (50 * 2 * int(basis_batch_bytes(8)) if on_basis else 0)
     shape = RunShape(100, BATCH, passes=2, pass_samples=2 * BATCH, snapshot_bytes=20_000, passes_on_basis=on_basis)
     policy = CapturePolicy("auto", budget, encoding="fp16")
     policy.expect(shape)

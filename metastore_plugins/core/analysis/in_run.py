@@ -11,11 +11,18 @@ last pass with the last pass. The score of training sample ``i`` for test sample
   checkpoint pass over the training set is needed).
 
 Occurrences of a sample at several steps are summed (rows are sample ids).
+
+Steps kept projected on a curvature eigenbasis (:mod:`~metastore_plugins.core.ops.eigenbasis`: a basis fitted
+at each checkpoint, which the passes there and the steps after them use) are paired by basis instead: the steps
+from pass ``c`` to the next with pass ``c`` (the steps after the last with the last; steps before the first pass,
+kept on no basis, are left out), each test record cut to the steps' block (the steps keep the top of the
+passes' block: :func:`~metastore_plugins.core.ops.eigenbasis.truncated_record`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields
 
 from metastore_plugins.core.analysis.curvature import preconditioned_scores
 from metastore_plugins.core.analysis.methods import InfluenceMethod, check_damping, check_method
@@ -23,7 +30,9 @@ from metastore_plugins.core.analysis.queries import Pair, scored_pairs, whole
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import CURVATURE_METHODS, DEFAULT_RELATIVE_DAMPING
-from metastore_plugins.core.store import StoreReader
+from metastore_plugins.core.ops.eigenbasis import truncated_record
+from metastore_plugins.core.store import Selection, StoreReader
+from metastore_plugins.core.store.selection import StoredBatch
 
 #: the methods in-run influence takes (TRAK's kernel is fitted on checkpoint passes only)
 IN_RUN_METHODS: tuple[InfluenceMethod, ...] = ("tracin", *CURVATURE_METHODS)
@@ -55,10 +64,14 @@ def step_windows(
         taken.append(at[0])
     trained = store.steps(train)
     lo_all, hi_all = steps if steps is not None else (trained[0], trained[-1]) if trained else (0, -1)
+    on_bases = bool(taken) and _blocks(store, train, (taken[0], trained[-1] if trained else taken[0])) is not None
     windows = []
     for c, (point, step) in enumerate(zip(tests, taken)):
-        lo = lo_all if c == 0 else max(lo_all, taken[c - 1])
-        hi = hi_all if c == len(tests) - 1 else min(hi_all, step - 1)
+        if on_bases:  # the steps on pass c's basis: from it to the next pass
+            lo, hi = max(lo_all, step), hi_all if c == len(tests) - 1 else min(hi_all, taken[c + 1] - 1)
+        else:
+            lo = lo_all if c == 0 else max(lo_all, taken[c - 1])
+            hi = hi_all if c == len(tests) - 1 else min(hi_all, step - 1)
         if lo <= hi:
             windows.append((point, (lo, hi)))
     return windows
@@ -109,7 +122,7 @@ def in_run_influence(
             train if single else f"{train} steps {lo}-{hi}",
             store.select(train, steps=(lo, hi), sample_ids=train_ids, layers=layers),
             point,
-            store.select(point, sample_ids=test_ids, layers=layers),
+            _cut(store.select(point, sample_ids=test_ids, layers=layers), _blocks(store, train, (lo, hi), layers)),
         )
         for point, (lo, hi) in windows
     ]
@@ -121,3 +134,34 @@ def in_run_influence(
     }
     relative = DEFAULT_RELATIVE_DAMPING if relative_damping is None else relative_damping
     return preconditioned_scores(store, pairs, fitted_on, method, damping, relative, max_bytes)  # type: ignore[arg-type]
+
+
+def _blocks(
+    store: StoreReader, train: str, steps: tuple[int, int], layers: Sequence[str] | None = None
+) -> dict[str, tuple[int, int]] | None:
+    """Each layer's eigenbasis block in the first stored training batch of ``steps`` (None: it holds no eigenbasis
+    record, or there is no such batch)."""
+    batch = next(iter(store.select(train, steps=steps, layers=layers).batches()), None)
+    if batch is None:
+        return None
+    blocks = {r.layer: tuple(r.tensors["projected"].shape[1:]) for r in batch.records if r.basis is not None}
+    return {layer: (int(block[0]), int(block[1])) for layer, block in blocks.items()} or None
+
+
+@dataclass(frozen=True)
+class _CutSelection(Selection):
+    """A test selection whose eigenbasis records are cut to the training steps' blocks (``blocks``)."""
+
+    blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def batches(self, with_records: bool = True) -> Iterator[StoredBatch]:
+        for batch in super().batches(with_records):
+            cut = [truncated_record(r, self.blocks[r.layer]) if r.layer in self.blocks else r for r in batch.records]
+            yield StoredBatch(batch.ref, batch.meta, cut)
+
+
+def _cut(selection: Selection, blocks: dict[str, tuple[int, int]] | None) -> Selection:
+    """``selection``, its eigenbasis records cut to ``blocks`` where given."""
+    if not blocks:
+        return selection
+    return _CutSelection(**{f.name: getattr(selection, f.name) for f in fields(selection)}, blocks=blocks)

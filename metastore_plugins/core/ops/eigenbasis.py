@@ -33,8 +33,9 @@ split into groups (grouped convolutions) and tied layers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -63,6 +64,31 @@ class EigenBasis:
     mean_eigenvalue: float
     step: int
     block: tuple[int, int]  # (k_out, k_in)
+
+    def truncated(self, k: int) -> EigenBasis:
+        """The same basis cut to its top ``min(k_out, k) x min(k_in, k)`` block (itself where that is all of it).
+
+        A record on the cut basis is the top-left block of the record on this one (:func:`truncated_record`):
+        Kronecker and embedding layers keep their first columns on each side; a dense layer's ``(K, K)`` block
+        keeps the vectors ``a K + b`` for ``a < k_out``, ``b < k_in``.
+        """
+        k_out, k_in = min(self.block[0], k), min(self.block[1], k)
+        if (k_out, k_in) == self.block:
+            return self
+        c = self.curvature
+        assert c.q_in is not None
+        if c.kind == "dense":
+            kept = (torch.arange(k_out)[:, None] * self.block[1] + torch.arange(k_in)[None, :]).reshape(-1)
+            cut = replace(c, q_in=c.q_in[:, kept], eigenvalues=c.eigenvalues.reshape(-1)[kept])
+        else:  # outer: (1, d, k) factors, (1, k_out, k_in) values; embedding: (V, k_v), (d, k_d), (k_v, k_d)
+            assert c.q_out is not None
+            lead = c.eigenvalues.shape[:-2]
+            values = c.eigenvalues.reshape(-1, *self.block)[:, :k_out, :k_in].reshape(*lead, k_out, k_in)
+            if c.kind == "embedding":  # the block's rows are the vocabulary side
+                cut = replace(c, q_in=c.q_in[:, :k_out], q_out=c.q_out[:, :k_in], eigenvalues=values)
+            else:
+                cut = replace(c, q_in=c.q_in[..., :k_in], q_out=c.q_out[..., :k_out], eigenvalues=values)
+        return EigenBasis(cut, self.mean_eigenvalue, self.step, (k_out, k_in))
 
 
 #: Above this size a basis's top eigenpairs come from subspace iteration, not a full ``eigh`` (``d^3``).
@@ -212,6 +238,46 @@ def represent_on_bases(
         else:  # tied layers stay exact, as represent() keeps them when it sees the whole batch
             wanted: Representation = "exact" if layer in tied else choose.get(layer, "exact")
             out.extend(represent(group, {layer: wanted}, k, k, projections))
+    return out
+
+
+def truncated_record(record: LayerRecord, block: tuple[int, int]) -> LayerRecord:
+    """An eigenbasis record cut to the top-left ``block`` of its own: the record the same sample has on
+    :meth:`EigenBasis.truncated` (the same coordinates). Any other record is returned as it is."""
+    if record.basis is None or tuple(record.tensors["projected"].shape[1:]) == tuple(block):
+        return record
+    k_out, k_in = block
+    tensors = dict(record.tensors)
+    tensors["projected"] = record.tensors["projected"][:, :k_out, :k_in].contiguous()  # (B, k_out, k_in)
+    tensors["eigenvalues"] = record.tensors["eigenvalues"][:k_out, :k_in].contiguous()  # (k_out, k_in)
+    return replace(record, tensors=tensors)
+
+
+#: Token rows per layer and micro-batch that a training step adds to the K-FAC sums of the steps' basis.
+STEP_BASIS_ROWS = 32
+
+
+def sampled_rows(records: Sequence[LayerRecord], rows: int, generator: torch.Generator) -> list[LayerRecord]:
+    """The records with at most ``rows`` token rows each (uniform, without replacement), for K-FAC sums.
+
+    Rows whose output gradient is exactly zero (padding, positions the loss never reads) are left out first.
+    The kept output gradients are scaled by ``sqrt(R / r)`` (``R`` rows, ``r`` kept), so that the sums'
+    ``C = (1/r) sum a a^T`` and ``G = (1/N) (R / r) sum d d^T`` are unbiased estimates of the whole
+    batch's (:class:`~metastore_plugins.core.ops.curvature.CurvatureSums`). Dense records are kept whole.
+    Cost of the sums that follow: ``O(r (d_in'^2 + d_out^2))`` per layer instead of ``O(R (...))``.
+    """
+    out: list[LayerRecord] = []
+    for record in records:
+        if record.kind not in ("outer", "embedding"):
+            out.append(record)
+            continue
+        live = record.tensors["suffix"].flatten(1).abs().amax(1).nonzero().squeeze(1)  # (R,) nonzero rows
+        total = live.shape[0]
+        chosen = torch.randperm(total, generator=generator)[:rows] if total > rows else torch.arange(total)
+        kept = live[chosen.sort().values]  # (r,), in sample order
+        tensors = {key: value[kept] for key, value in record.tensors.items()}  # every tensor is per row
+        tensors["suffix"] = tensors["suffix"] * math.sqrt(total / max(1, len(kept)))
+        out.append(replace(record, tensors=tensors))
     return out
 
 

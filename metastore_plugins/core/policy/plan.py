@@ -124,7 +124,6 @@ def make_plan(
     snapshots, reserved = given.snapshots(shape), given.reserved(shape)
     budget, source = given.resolved(shape)
     pass_samples = shape.passes * shape.pass_samples
-    samples = shape.train_samples + pass_samples
     files = files_bytes(shape)
     usable = usable_bytes(budget, shape)
     metadata = shape.metadata_bytes
@@ -134,19 +133,26 @@ def make_plan(
         rep, k = rung
         return samples * sum(c.bytes("exact" if layer in tied else rep, k, encoding) for layer, c in costs.items())
 
-    def on_basis(rung: tuple[Representation, int]) -> float:
-        """What the passes' records on the eigenbasis carry per batch and projected layer besides their samples."""
+    def on_basis(rung: tuple[Representation, int], batches: int | None = None) -> float:
+        """What the records on the eigenbasis carry per batch and projected layer besides their samples: the
+        passes' (``batches`` None), or the training steps' (``batches`` of them: they go on the latest basis)."""
         rep, k = rung
         if not shape.passes_on_basis or rep != "projected" or rate_only:
             return 0.0
         projected = sum(layer not in tied and c.choice(rep, k, encoding) == "projected" for layer, c in costs.items())
-        return pass_batches(shape, factor_sample_bytes(records)) * projected * basis_batch_bytes(k)
+        batches = pass_batches(shape, factor_sample_bytes(records)) if batches is None else max(0, batches)
+        return batches * projected * basis_batch_bytes(k)
+
+    def steps(rung: tuple[Representation, int]) -> float:
+        """The training steps' bytes at ``rung``."""
+        after_first = shape.train_batches * max(0, shape.passes - 1) // max(1, shape.passes)  # before: no basis yet
+        return total(rung, shape.train_samples) + on_basis(rung, after_first)
 
     if rate_only:  # no cap: the richest rung within AUTO_BYTES_PER_SAMPLE, a snapshot at every pass
-        rest, samples, pass_samples = AUTO_BYTES_PER_SAMPLE, 1, 1
+        rest, pass_samples = AUTO_BYTES_PER_SAMPLE, 1
     ladder = LADDER if policy == "auto" else LADDER[:1]
-    rung = next((r for r in ladder if total(r, samples) + on_basis(r) <= rest), ladder[-1])
-    train_bytes = total(rung, samples - pass_samples)
+    rung = next((r for r in ladder if total(r, pass_samples) + on_basis(r) + steps(r) <= rest), ladder[-1])
+    train_bytes = steps(rung)
     # seeded projections pair steps with passes only at one size: a pass then takes the steps' k; passes on the
     # curvature eigenbasis never pair with the steps' seeded projections, so they take the richest rung that fits
     same_k = [r for r in ladder if shape.passes_on_basis or not (r[0] == rung[0] == "projected" and r[1] != rung[1])]
@@ -162,7 +168,7 @@ def make_plan(
         "metadata": metadata,
         "files": files,
         "snapshots": max(0, snapshots) * shape.snapshot_bytes,
-        "training steps": total(rung, shape.train_samples),
+        "training steps": steps(rung),
         "checkpoint passes": total(pass_rung, shape.passes * shape.pass_samples) + on_basis(pass_rung),
     }
     planned["total"] = sum(planned.values())

@@ -75,6 +75,7 @@ class CapturePolicy:
         self._rungs: dict[str, int] = {}  # part -> index in LADDER it was lowered to
         self._projections = Projections()
         self.bases: dict[str, EigenBasis] = {}  # the curvature eigenbasis the passes project on (set_bases)
+        self.step_bases: dict[str, EigenBasis] = {}  # its top k x k blocks, which the training steps project on
         self._passes_seen = 0
         self.pass_dropped = False  # the pass started last keeps nothing (start_pass)
         self._pass_metadata = 0.0  # metadata bytes of the pass in progress, reserved and not yet spent
@@ -182,6 +183,12 @@ class CapturePolicy:
         lowered = rung is not None and LADDER[rung][0] == "projected"
         return lowered or "projected" in self.plan.passes.values()
 
+    def projects_steps(self) -> bool:
+        """Whether the training steps keep some layer projected (they then go on the latest eigenbasis)."""
+        rung = self._rungs.get("train")
+        lowered = rung is not None and LADDER[rung][0] == "projected"
+        return self.plan is not None and (lowered or "projected" in self.plan.train.values())
+
     def pass_k(self) -> int:
         """The projection size the checkpoint passes keep now: the plan's, or that of the rung they were lowered to."""
         assert self.plan is not None
@@ -190,8 +197,10 @@ class CapturePolicy:
         return lowered or self.plan.passes_k
 
     def set_bases(self, bases: dict[str, EigenBasis], step: int) -> None:
-        """Project the checkpoint passes from now on onto ``bases`` (fitted at ``step``); recorded in the plan."""
+        """Project the checkpoint passes from now on onto ``bases`` (fitted at ``step``), and the training steps
+        from now on onto their top ``k x k`` blocks (the steps' size); recorded in the plan."""
         self.bases = bases
+        self.step_bases = {layer: basis.truncated(self.plan.k) for layer, basis in bases.items()} if self.plan else {}
         if self.plan is not None and bases and step not in self.plan.bases:
             self.plan.bases.append(step)
             self._changed()
@@ -205,8 +214,9 @@ class CapturePolicy:
     def _kept(
         self, records: Sequence[LayerRecord], chosen: dict[str, Representation], k: int, part: str
     ) -> tuple[list[LayerRecord], int]:
-        if part != "train" and self.bases:
-            kept = represent_on_bases(records, chosen, k, self._projections, self.bases)
+        bases = self.bases if part != "train" else self.step_bases
+        if bases:
+            kept = represent_on_bases(records, chosen, k, self._projections, bases)
         else:
             kept = represent(records, chosen, k, k, self._projections)
         return kept, self._nbytes(kept, records[0].batch_size if records else 0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from metastore_plugins.core.records import LayerRecord
 
 #: Training samples (over all ranks) the eigenbasis of a checkpoint's passes is fitted on.
 BASIS_SAMPLES = 256
+#: Where a checkpoint's eigenbasis comes from: a fit on its samples, or the training steps' K-FAC sums.
+BasisSource = Literal["checkpoint", "steps"]
+BASIS_SOURCES: tuple[str, ...] = get_args(BasisSource)
 
 
 class Capturing(Protocol):
@@ -85,6 +88,14 @@ def fit_pass_bases(
     _add_over_ranks(sums)
     if run.policy.plan is not None and sums.layers:  # at the size the passes keep now (a lowered rung's)
         run.policy.set_bases(fit_bases(sums, run.policy.pass_k(), step), step)
+
+
+def fit_step_bases(policy: CapturePolicy, sums: CurvatureSums, step: int) -> None:
+    """Fit the eigenbasis of the passes at ``step`` (and of the steps after them) on the training steps' sums
+    (:class:`~metastore_plugins.core.training.step_basis.StepSums`, every rank's added) and give it to the policy."""
+    _add_over_ranks(sums)
+    if policy.plan is not None and sums.layers:
+        policy.set_bases(fit_bases(sums, policy.pass_k(), step), step)
 
 
 def _add_over_ranks(sums: CurvatureSums) -> None:

@@ -50,6 +50,7 @@ def expect_run(
             pass_samples=pass_samples,
             rank=rank,
             reports=options.reports,
-            passes_on_basis=bool(run.basis_samples and train_share),  # the basis is fitted on the passes' training side
+            # the basis is fitted on the passes' training side, or on the steps' sums
+            passes_on_basis=bool((run.basis_samples and train_share) or run.step_sums is not None),
         )
     )

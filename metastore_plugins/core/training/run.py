@@ -51,9 +51,16 @@ from metastore_plugins.core.store.plan_record import CapturePlan
 from metastore_plugins.core.store.snapshots import SnapshotInfo, SnapshotWriter
 from metastore_plugins.core.store.tags import TagBook, tag_attributes
 from metastore_plugins.core.store.writer import StoreWriter
-from metastore_plugins.core.training.basis_fit import BASIS_SAMPLES, fit_pass_bases, training_source
+from metastore_plugins.core.training.basis_fit import (
+    BASIS_SAMPLES,
+    BasisSource,
+    fit_pass_bases,
+    fit_step_bases,
+    training_source,
+)
 from metastore_plugins.core.training.pass_rates import PassRates
 from metastore_plugins.core.training.run_step import StepCapture
+from metastore_plugins.core.training.step_basis import StepSums
 
 __all__ = ["RunCapture"]
 
@@ -137,6 +144,12 @@ class RunCapture(StepCapture):
         self.seconds: dict[str, float] = {"passes": 0.0, "refinement": 0.0, "basis": 0.0}
         #: training samples the curvature eigenbasis of projected passes is fitted on (0: seeded projections)
         self.basis_samples = BASIS_SAMPLES
+        self.step_sums: StepSums | None = None  # the steps' K-FAC sums (basis_from("steps"))
+
+    def basis_from(self, source: BasisSource) -> None:
+        """Fit each checkpoint's eigenbasis on ``basis_samples`` of its samples (``"checkpoint"``) or on the K-FAC
+        sums of the training steps since the previous one (``"steps"``: :mod:`~.step_basis`)."""
+        self.step_sums = StepSums() if source == "steps" else None
 
     # -- checkpoint passes ---------------------------------------------------------------
 
@@ -218,7 +231,13 @@ class RunCapture(StepCapture):
         sources = within_memory(sources, self.policy.factor_sample_bytes)  # batches whose factors fit PASS_BATCH_BYTES
         fitted_on = training_source(sources) if self.basis_samples and self.policy.projects_passes() else None
         with large_blocks_mapped():  # the pass's temporaries leave no holes in the heap for the steps
-            if fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
+            if self.step_sums is not None:  # from the steps since the last pass: no forward or backward
+                fitting = time.perf_counter()
+                sums = self.step_sums.take()
+                if self.policy.projects_passes() or self.policy.projects_steps():
+                    fit_step_bases(self.policy, sums, step)
+                self.seconds["basis"] += time.perf_counter() - fitting
+            elif fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
                 fitting = time.perf_counter()
                 fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
                                step=step, context=context, samples=self.basis_samples)  # fmt: skip

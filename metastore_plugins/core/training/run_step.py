@@ -28,6 +28,7 @@ from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.records import BatchMeta
 from metastore_plugins.core.store.writer import StoreWriter
 from metastore_plugins.core.training.loss_scale import LossScaleError, check_loss_reduction, gradients_finite
+from metastore_plugins.core.training.step_basis import StepSums
 
 
 class StepCapture:
@@ -50,6 +51,7 @@ class StepCapture:
     _records: list[LayerRecord] | None
     _scaling: Callable[[LayerRecord], LayerRecord]
     _reduction_checked: bool
+    step_sums: StepSums | None  # the steps' K-FAC sums, where the eigenbasis is fitted from them
 
     def begin_step(
         self,
@@ -128,6 +130,8 @@ class StepCapture:
         if records is None:  # no backward happened (a skipped step)
             return
         labels, losses = self.losses(forward_output, batch)
+        if self.step_sums is not None and capture_point == "train":  # the next checkpoint's basis (basis_from)
+            self.step_sums.add(records, self._scaling, step * 1009 + micro_batch)
         kept = self.policy.apply(records, capture_point=capture_point, step=step)
         if kept is None:  # the budget is spent
             return

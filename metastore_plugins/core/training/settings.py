@@ -34,7 +34,7 @@ from metastore_plugins.core.reports.tables import (
     check_outlier_source,
 )
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
-from metastore_plugins.core.training.basis_fit import BASIS_SAMPLES
+from metastore_plugins.core.training.basis_fit import BASIS_SAMPLES, BASIS_SOURCES, BasisSource
 from metastore_plugins.core.training.run import RunCapture
 
 
@@ -53,6 +53,7 @@ class CaptureSettings(TypedDict, total=False):
     checkpoint_train_samples: int
     checkpoint_val_samples: int
     basis_samples: int
+    basis_from: BasisSource
     seed: int
     reports: bool
     report_k: int
@@ -83,6 +84,7 @@ class CallbackOptions:
     checkpoint_train_samples: int = 256
     checkpoint_val_samples: int = 256
     basis_samples: int = BASIS_SAMPLES
+    basis_from: BasisSource = "checkpoint"
     seed: int = 0
     reports: bool = True
     report_k: int = 20
@@ -117,6 +119,7 @@ class CallbackOptions:
             ("unsupported", self.unsupported, UNSUPPORTED_POLICIES),
             ("rank_outliers_by", self.rank_outliers_by, OUTLIER_RANKINGS),
             ("influence_method", self.influence_method, METHOD_CHOICES),
+            ("basis_from", self.basis_from, BASIS_SOURCES),
         ):
             if value not in choices:
                 raise ValueError(f"{self.owner}({setting}=...) must be one of {', '.join(choices)}; got {value!r}")
@@ -226,6 +229,7 @@ class CallbackOptions:
             start_step=start_step,
         )
         run.basis_samples = self.basis_samples
+        run.basis_from(self.basis_from)
         try:
             while early_tags:
                 name, options = early_tags.pop(0)

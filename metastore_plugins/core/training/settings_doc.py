@@ -31,7 +31,13 @@ checkpoint_train_samples: the most training samples in each checkpoint pass (a s
 checkpoint_val_samples: the most validation samples in each checkpoint pass (default 256).
 basis_samples: where the budget keeps checkpoint passes projected, they are projected on each
     layer's K-FAC eigenbasis, fitted at each checkpoint on this many of its training samples
-    (default 256; ``0``: seeded random projections, which K-FAC / EK-FAC cannot use).
+    (default 256; ``0``: seeded random projections, which K-FAC / EK-FAC cannot use). The training
+    steps the budget keeps projected go on the top of the latest basis too (at their own size), so
+    that in-run K-FAC / EK-FAC applies to them (steps before the first checkpoint stay seeded).
+basis_from: where each checkpoint's eigenbasis comes from: ``"checkpoint"`` (default): a forward
+    and backward of ``basis_samples`` training samples at the checkpoint's weights; ``"steps"``:
+    the K-FAC sums of the training steps since the previous checkpoint (a few rows of each step's
+    own factors: no forward or backward of its own). docs/policies.md measures both.
 seed: the seed of the training subset (default 0).
 reports: build reports at the end of training: files, and TensorBoard where the trainer
     logs to it (default True).
