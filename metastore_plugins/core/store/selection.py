@@ -50,10 +50,13 @@ def subset_record(record: LayerRecord, keep: Tensor) -> LayerRecord:
     return replace(record, batch_size=int(keep.numel()), tensors=tensors)
 
 
-def _signature(batch: StoredBatch) -> list[tuple[str, str, tuple[tuple[str, tuple[int, ...]], ...]]]:
-    """What batches must share to be joined: layers, kinds and each tensor's shape past its rows (a run whose
-    plan lowered its projection mid-way holds 16x16 and 8x8 records of one layer, which cannot be stacked)."""
-    return [(r.layer, r.kind, tuple((k, tuple(t.shape[1:])) for k, t in r.tensors.items())) for r in batch.records]
+def _signature(batch: StoredBatch) -> list[tuple[str, str, tuple[tuple[str, tuple[int, ...]], ...], int | None]]:
+    """What batches must share to be joined: layers, kinds, each tensor's shape past its rows (a run whose
+    plan lowered its projection mid-way holds 16x16 and 8x8 records of one layer, which cannot be stacked) and the
+    curvature eigenbasis (training steps go on each checkpoint's in turn)."""
+    return [
+        (r.layer, r.kind, tuple((k, tuple(t.shape[1:])) for k, t in r.tensors.items()), r.basis) for r in batch.records
+    ]
 
 
 def join_records(batches: list[list[LayerRecord]]) -> list[LayerRecord]:
