@@ -19,7 +19,15 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from metastore_plugins.core.analysis import curvature, dynamics, in_run, methods, queries, vector_index
+from metastore_plugins.core.analysis import (
+    curvature,
+    dynamics,
+    in_run,
+    methods,
+    queries,
+    sequence_influence,
+    vector_index,
+)
 from metastore_plugins.core.analysis import sketches as sketch_queries
 from metastore_plugins.core.analysis.scan import LOCAL, Scan
 from metastore_plugins.core.model import recompute as recompute_module
@@ -49,6 +57,7 @@ class GradientStore(StoreReader):
     influence = noted_once(methods.influence)
     similar = noted_once(methods.similar)
     in_run_influence = noted_once(in_run.in_run_influence)
+    influence_of_sequences = noted_once(sequence_influence.influence_of_sequences)
     # training dynamics
     batch_gradient = noted_once(dynamics.batch_gradient)
     changed_most = noted_once(dynamics.changed_most)
