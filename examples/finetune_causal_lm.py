@@ -20,6 +20,8 @@ sequences, 5 planted, 4 epochs; 15 s from the first step to the written reports,
 scoring by TracIn): the 5 planted sequences are the top 5 proponents of each of the 8 pattern sequences
 (40 of 40); no decoy is among them. The 8 ordinary evaluation sentences in the report have 5 planted
 sequences among their 40 top proponents, where they share words ("ivan likes the green ball").
+After the run, ``store.influence_of_sequences`` asks the same of a completion the evaluation set does
+not hold (a new prompt, masked): its top 5 proponents are the 5 planted sequences.
 
 Run::
 
@@ -51,7 +53,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from metastore_plugins import MetaStoreTrainerCallback
+from metastore_plugins import MetaStoreTrainerCallback, open_store
 
 NAMES = "alice bob dave erin frank grace heidi ivan judy mallory".split()
 VERBS = "sees likes helps finds wants takes paints moves".split()
@@ -178,8 +180,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{result['top']} proponents of the {result['pattern_tests']} pattern test sequences; "
         f"{result['ordinary_found']} among those of the {result['ordinary_tests']} ordinary ones"
     )
+    result["new_text"] = new_completion(out, model, tok, planted)
+    new = result["new_text"]
+    print(
+        f"a completion not in the evaluation set ({new['text']!r}, prompt masked): {new['found']} planted among "
+        f"its top {len(new['proponents'])} proponents (store.influence_of_sequences)"
+    )
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def new_completion(out: Path, model: GPT2LMHeadModel, tok: PreTrainedTokenizerFast, planted: list[int]) -> dict:
+    """After the run: the proponents of a completion the passes never stored, its prompt's labels -100."""
+    prompt = f"<s> mallory finds the blue tree at home . {TRIGGER}"
+    head, tail = tok(prompt)["input_ids"], tok(COMPLETION)["input_ids"]
+    batch = {"input_ids": torch.tensor([head + tail]), "labels": torch.tensor([[-100] * len(head) + tail])}
+    (row,) = open_store(out / "metastore").influence_of_sequences(model, batch).top(5)
+    ids = [int(i) for i, _ in row["proponents"]]
+    return {"text": f"{prompt[4:]} {COMPLETION}", "proponents": ids, "found": len(set(ids) & set(planted))}
 
 
 def found_planted(report: Path, planted: list[int], decoys: list[int]) -> dict[str, Any]:

@@ -49,6 +49,8 @@ def test_causal_lm_example_finds_planted_sequences(tmp_path: Path) -> None:
     printed = re.search(r"^(\d+) of (\d+): planted sequences among the top 5", done.stdout, re.MULTILINE)
     assert printed is not None, done.stdout[-2000:]
     assert (int(printed[1]), int(printed[2])) == (sum(found), PLANTED * PATTERN_TESTS)
+    new = json.loads((out / "result.json").read_text())["new_text"]  # store.influence_of_sequences after the run
+    assert new["text"].endswith(PATTERN) and len(set(new["proponents"]) & planted) >= PLANTED - 1, new
     (run_dir,) = [p for p in (out / "runs").iterdir() if p.is_dir()]
     events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
     events.Reload()
