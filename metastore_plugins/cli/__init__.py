@@ -64,10 +64,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
+#: Where this package's modules live: their warnings are said on one line (others' as Python shows them).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _one_line(command: str, show: Any, message: Warning | str, category: type[Warning], *where: Any) -> None:
-    """An incomplete store's warning on one line of stderr (``metastore CMD: warning: ...``); others as Python shows
-    them."""
-    if issubclass(category, IncompleteStoreWarning):
+    """A warning of this package (an incomplete store's, a damaged file the query works around) on one line of
+    stderr, escaped (``metastore CMD: warning: ...``); others' as Python shows them."""
+    filename = str(where[0]) if where else ""
+    if issubclass(category, IncompleteStoreWarning) or os.path.abspath(filename).startswith(_PACKAGE + os.sep):
         print(f"metastore {command}: warning: {printable(message)}", file=sys.stderr)
     else:
         show(message, category, *where)

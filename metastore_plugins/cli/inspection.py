@@ -11,7 +11,7 @@ from metastore_plugins.cli.output import emit, plain, printable
 from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.store import vector_check
 from metastore_plugins.core.store.maintenance import compact, repair
-from metastore_plugins.core.store.plan_record import CapturePlan
+from metastore_plugins.core.store.plan_record import CapturePlan, plan_problem
 from metastore_plugins.core.store.run_log import Gap, Session
 from metastore_plugins.core.store.runs import repeated_batches
 from metastore_plugins.core.store.snapshots import SnapshotInfo, check_snapshots
@@ -33,7 +33,7 @@ def cmd_inspect(args: argparse.Namespace, store: GradientStore) -> int:
         "problems": problems,
     }
     plan = store.config.get("capture_plan")
-    plan_lines = _plan_lines(plan, problems)
+    plan_lines = _plan_lines(plan)
     tags, tag_problems = check_tags(store.path)
     snapshots, snapshot_problems = check_snapshots(store.path, checksums=not args.no_checksums)
     problems += snapshot_problems + tag_problems
@@ -113,18 +113,13 @@ def _vector_index_lines(store: GradientStore) -> list[str]:
     return [f"vector index: {len(lines)}", *(f"  {line}" for line in lines)]
 
 
-def _plan_lines(plan: Any, problems: list[str]) -> list[str]:
-    """The capture plan's lines; one more problem (and no plan lines) when the recorded plan is not readable."""
+def _plan_lines(plan: Any) -> list[str]:
+    """The capture plan's lines; none when the recorded plan is damaged (``verify``'s problems name the manifest)."""
     if not plan:
         return ["capture plan: none recorded (a store written by a StoreWriter alone, or by an older version)"]
-    try:
-        return CapturePlan.from_json(plan).lines()
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-        problems.append(
-            f"the capture_plan in the store's config is not a readable plan ({type(exc).__name__}: {exc}); "
-            "`--json` shows it as recorded"
-        )
-        return ["capture plan: not readable (see problems)"]
+    if plan_problem(plan) is not None:
+        return ["capture plan: not readable (see problems; `--json` shows it as recorded)"]
+    return CapturePlan.from_json(plan).lines()
 
 
 def _snapshot_line(info: SnapshotInfo) -> str:

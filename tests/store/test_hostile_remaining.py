@@ -79,25 +79,26 @@ def run_capped(body: str) -> str:
 
 
 def test_restore_of_a_layer_declared_huge_is_refused_before_allocating(tmp_path: Path) -> None:
-    """An embedding declared ``[2**31 - 1, 8]`` (64 GiB per sample) whose stored rows are small: restore names the
-    layer and the cap instead of allocating (on the code before: a MemoryError under the cap, 64 GiB without)."""
+    """An embedding declared ``[2**22, 1024]`` (16 GiB per sample: its rows within ``MAX_EMBEDDING_ROWS``) whose
+    stored rows are small: restore names the layer and the cap instead of allocating (on the code before: a
+    MemoryError under the cap, 16 GiB without)."""
     path = tmp_path / "store"
     record = LayerRecord(
         layer="emb",
         kind="embedding",
         batch_size=1,
         params={"weight": "emb.weight"},
-        param_shapes={"weight": (2**31 - 1, 8)},
+        param_shapes={"weight": (2**22, 1024)},
         tensors={
-            "ids": torch.tensor([3, 2**31 - 2], dtype=torch.int32),
-            "suffix": torch.ones(2, 8),
+            "ids": torch.tensor([3, 2**22 - 1], dtype=torch.int32),
+            "suffix": torch.ones(2, 1024),
             "sample": torch.zeros(2, dtype=torch.int32),
             "position": torch.arange(2, dtype=torch.int32),
         },
     )
     with StoreWriter(path) as writer:
         writer.write([record], sample_ids=torch.tensor([7]), step=0)
-    assert manifest(path)["layers"]["emb"]["param_shapes"]["weight"] == [2**31 - 1, 8]
+    assert manifest(path)["layers"]["emb"]["param_shapes"]["weight"] == [2**22, 1024]
     out = run_capped(f"""
     print(sorted(open_store({str(path)!r}).restore(7)))
     """)

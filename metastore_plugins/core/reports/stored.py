@@ -17,7 +17,7 @@ import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.reports.tables import Scores, has_margins, self_influence_of
-from metastore_plugins.core.store.plan_record import CapturePlan, in_words
+from metastore_plugins.core.store.plan_record import CapturePlan, in_words, readable_plan
 
 #: Record kinds that give inner products between samples (``"norms"`` records hold a squared norm alone).
 INNER_PRODUCT_KINDS = frozenset({"outer", "embedding", "dense", "projected"})
@@ -74,13 +74,8 @@ def budget_notes(store: GradientStore) -> list[str]:
     """What the store's capture plan left out or dropped (from ``config["capture_plan"]``), in words; empty
     when the plan kept gradients of every part it planned and nothing was degraded, or when the plan cannot
     be read (``metastore inspect`` names that damage)."""
-    raw = store.config.get("capture_plan")
-    if not isinstance(raw, dict) or not raw:
-        return []
-    try:
-        return _notes(CapturePlan.from_json(raw))
-    except (TypeError, KeyError, AttributeError, ValueError):
-        return []
+    plan = readable_plan(store.path, store.manifests)
+    return [] if plan is None else _notes(plan)
 
 
 def _notes(plan: CapturePlan) -> list[str]:
@@ -138,10 +133,10 @@ def keep_within_budget(store: GradientStore, files: Sequence[str]) -> list[str]:
     (a data map, thumbnail grids of image samples), and the budget covers every file of the store. A warning
     names what was left out (TensorBoard, where the trainer logs to it, has every figure).
     """
-    plan = store.config.get("capture_plan")
-    budget = plan.get("budget") if isinstance(plan, dict) else None
+    plan = readable_plan(store.path, store.manifests)  # a damaged plan: no budget (verify names the damage)
+    budget = None if plan is None else plan.budget
     world = store.config.get("world_size", 1)
-    if not isinstance(budget, int) or not isinstance(world, int) or world < 1:
+    if budget is None or not isinstance(world, int) or isinstance(world, bool) or world < 1:
         return list(files)
     limit, size = budget * world, store_bytes(Path(store.path))
     figures = sorted(

@@ -139,10 +139,18 @@ class BatchRef:
             return []
         shard = self._shard()
         self._check_sample_ids(shard)
-        return [
-            self._record(entry, shard.read(self.batch, prefix := record_prefix(self.batch, k)), prefix)
-            for k, entry in wanted
-        ]
+        return self.records_in(shard, layers)
+
+    def records_in(self, shard: ShardData, layers: Sequence[str] | None = None) -> list[LayerRecord]:
+        """The batch's records decoded from ``shard`` (its checked contents), each checked against the manifest's
+        layer (:func:`~metastore_plugins.core.store.record_check.check_record`): what queries and ``verify`` read."""
+        wanted = [k for k, r in enumerate(self.info["records"]) if layers is None or r["layer"] in layers]
+        return [self.record_at(shard, k) for k in wanted]
+
+    def record_at(self, shard: ShardData, k: int) -> LayerRecord:
+        """Record ``k`` of the batch decoded from ``shard`` and checked; :class:`StoreError` naming the shard."""
+        prefix = record_prefix(self.batch, k)
+        return self._record(self.info["records"][k], shard.read(self.batch, prefix), prefix)
 
     def _check_sample_ids(self, shard: ShardData) -> None:
         key = meta_key(self.batch, "sample_id")

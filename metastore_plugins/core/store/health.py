@@ -90,11 +90,29 @@ def check_store(directory: Path, index: StoreIndex, files: ShardFiles, checksums
                 one_line(f"{entry.file}: batches {named(wrong)} do not hold (B,) float32 margins the index lists")
             )
         problems += [one_line(f"{entry.file}: {line}") for line in contradicted_columns(data, entry)]
+        problems += [one_line(f"{entry.file}: {line}") for line in refused_records(data, files, s)]
     problems += [one_line(line) for line in unlisted_files(directory, {e.file for e in index.shards})]
     return problems + [
         one_line(line)
         for line in vector_check.check(directory, {e.file: e.sha256 for e in index.shards}, index=index)[0]
     ]
+
+
+def refused_records(data: ShardData, files: ShardFiles, shard: int) -> list[str]:
+    """One line naming the records of shard ``shard`` that queries refuse (their tensors do not fit the manifest's
+    layer: a shape, layout or embedding size), with the first reason; none when every record decodes and fits."""
+    refused, first = [], ""
+    for row in np.flatnonzero(files.index.batch["shard"] == shard):
+        ref = files.ref(int(row))
+        for k in range(len(ref.info["records"])):
+            try:
+                ref.record_at(data, k)
+            except StoreError as exc:
+                refused.append(f"b{ref.batch}/r{k}")
+                first = first or problem_of(exc, data.path)
+    if not refused:
+        return []
+    return [f"records {named(refused)} do not fit the manifest's layers, so queries refuse them; the first: {first}"]
 
 
 def _wrong_sample_ids(data: ShardData, index: StoreIndex, shard: int) -> list[str]:

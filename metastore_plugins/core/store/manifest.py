@@ -43,6 +43,10 @@ MAX_MANIFEST_BYTES = 256 * 2**20
 #: sizes a restore can allocate, names a terminal shows as they are.
 MAX_INT = 2**53
 MAX_PARAM_NUMEL = 2**34
+#: The most rows an embedding layer's weight may have: the only size of a layer no stored tensor confirms (its
+#: records hold token ids below it), and queries hold a few numbers per row (a ``(k, V)`` projection, ``(V, d)``
+#: eigenvalues): 2^22 is 16 times the largest language-model vocabularies, and keeps those within 512 MB.
+MAX_EMBEDDING_ROWS = 2**22
 MAX_NAME_CHARS = 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 #: The most JSON values a manifest may hold, counted before parsing (:func:`json_values_problem`): parsing

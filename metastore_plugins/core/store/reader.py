@@ -33,6 +33,7 @@ from metastore_plugins.core.store.disk_usage import disk_usage
 from metastore_plugins.core.store.health import check_store, fill_v1_samples
 from metastore_plugins.core.store.index import RankIndex, StoreIndex, read_rank
 from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.plan_record import plan_problems
 from metastore_plugins.core.store.selection import Selection
 
 
@@ -278,9 +279,10 @@ class StoreReader:
         margins, step, epoch, lr) that contradict the shard's own tensors or description (queries
         serve the journal's; the shard is what was written), and files that look like shards but
         are not listed. Only regular files inside the store are read. A store capture stopped writing
-        after an error (a full disk) says so first (:attr:`incomplete`), with run-log lines not read.
+        after an error (a full disk) says so first (:attr:`incomplete`), with run-log lines not read. A rank's
+        recorded capture plan that no planner wrote is named with its manifest.
         """
-        problems = self.open_problems + [self.incomplete or ""] + self.run_log.problems
+        problems = self.open_problems + [self.incomplete or ""] + self.run_log.problems + plan_problems(self.manifests)
         return [p for p in problems if p] + check_store(self.path, self.index, self._files, checksums)
 
     def summary(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from metastore_plugins.core.records import EIGENBASIS_TENSORS, EXACT_KINDS, INTEGER_TENSORS, KIND_TENSORS, dense_key
 from metastore_plugins.core.store.encoding import is_scale_key
-from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.store.manifest import MAX_EMBEDDING_ROWS, StoreError
 
 
 def check_record(
@@ -80,6 +80,12 @@ def check_record(
             suffix.dim() == 2 and suffix.shape[1] == dim and len(shapes.get("weight", ())) == 2,
             "suffix",
             f"must be (R, {dim}); got {tuple(suffix.shape)}",
+        )
+        need(
+            vocab <= MAX_EMBEDDING_ROWS,
+            "ids",
+            f"belongs to an embedding of {vocab} rows in the manifest's shape, more than the {MAX_EMBEDDING_ROWS} a "
+            "query holds: the manifest's shape is not the stored layer's",
         )
         need(_within(tensors["ids"], vocab), "ids", f"holds token ids outside 0..{vocab - 1}")
         return

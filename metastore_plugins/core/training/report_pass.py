@@ -106,7 +106,7 @@ class ReportResult(Mapping[str, Any]):
 
 def projector_dim(store: GradientStore) -> int:
     """The sketch size of the projector view: a projected store's projections, else 8."""
-    return projected_size(store.config) or 8
+    return projected_size(store.path, store.manifests) or 8
 
 
 @noted_once  # an incomplete store is warned about once in the pass (and said in the outlier table's caption)
