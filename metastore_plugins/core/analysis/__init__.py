@@ -9,6 +9,7 @@ from metastore_plugins.core.analysis.gradient_store import GradientStore, open_s
 from metastore_plugins.core.analysis.results import (
     Clusters,
     Contributors,
+    DefaultScores,
     LayerComparison,
     RunComparison,
     Scores,
@@ -19,6 +20,7 @@ from metastore_plugins.core.analysis.results import (
 __all__ = [
     "Clusters",
     "Contributors",
+    "DefaultScores",
     "GradientStore",
     "LayerComparison",
     "RunComparison",

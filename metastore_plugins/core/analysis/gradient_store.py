@@ -6,6 +6,7 @@ Example::
     store.capture_points()                      # ['epoch-0/train', 'epoch-0/val', 'train']
     ids = store.sample_ids("epoch-0/val")       # aligned with every per-sample result
     scores = store.influence("epoch-0/train", "epoch-0/val")
+    every = store.influence(test=["epoch-0/val", "epoch-1/val"], method="auto")  # every training sample
     grads = store.restore(ids[0], capture_point="epoch-0/val", layer="classifier")
     records = store.recompute(model, val_set, [3, 17], snapshot="epoch-0")  # exact, at the pass's weights
     assert store.verify() == []
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.analysis import (
     curvature,
+    default_answer,
     dynamics,
     in_run,
     methods,
@@ -54,7 +56,7 @@ class GradientStore(StoreReader):
     norms = noted_once(queries.norms)
     self_influence = noted_once(methods.self_influence)
     self_influence_ids = noted_once(queries.self_influence_ids)
-    influence = noted_once(methods.influence)
+    influence = noted_once(default_answer.influence)  # methods.influence; train left out: the default answer
     similar = noted_once(methods.similar)
     in_run_influence = noted_once(in_run.in_run_influence)
     influence_of_sequences = noted_once(sequence_influence.influence_of_sequences)

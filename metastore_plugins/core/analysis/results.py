@@ -30,6 +30,23 @@ class Scores:
         return out
 
 
+@dataclass(frozen=True)
+class DefaultScores(Scores):
+    """``store.influence(test=...)`` with ``train`` left out: every training sample's row, and what scored it.
+
+    Attributes:
+        train_side: ``"passes"``, ``"steps"`` or ``"passes and steps"``: where the training side came from.
+        methods: per side (``"passes"``, ``"steps"``), the method that scored it.
+        sources: ``(N,)`` per row, ``"passes"``, ``"steps"`` or ``"none"`` (no scorable record: zeros).
+        notes: what the store chose and why (a fallback to TracIn, the steps' scale factor), in words.
+    """
+
+    train_side: str = ""
+    methods: dict[str, str] = field(default_factory=dict)
+    sources: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))  # (N,)
+    notes: list[str] = field(default_factory=list)
+
+
 class WeightChange(NamedTuple):
     """One weight entry and its aggregated ``sum_t lr_t sum_i |g_i[index]|``."""
 

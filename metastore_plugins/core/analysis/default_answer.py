@@ -1,0 +1,223 @@
+"""The default answer: ``store.influence(test=..., method="auto")`` with the training side chosen by the store.
+
+``influence(store, train, test, ...)`` is :func:`.methods.influence` when ``train`` is given (``method="auto"``
+resolved on its passes: :func:`.methods.resolve_method`). With ``train`` left out, :func:`default_influence`:
+
+- **passes**: each test point ``P/split`` paired with the training-set pass ``P/train`` where the store holds it
+  with inner products (every batch with records, none of them norms only);
+- **steps**: the training steps (``"train"``) through in-run influence against the test points
+  (:func:`.in_run.in_run_influence`: each step with its pass, or with the pass of its eigenbasis);
+- one row per training sample id the two hold: a sample the passes hold is scored from the passes (the
+  checkpoint's weights on both sides, the best LDS measured), a sample only the steps hold from its steps,
+  put on the passes' scale by one factor: the ratio of the two sides' root-mean-square scores on the samples
+  both hold (over every row of each side when none is shared). The in-run score sums a sample's steps at each
+  step's rate, the passes' at each pass's summed rate: the factor removes that difference, not the ranking;
+- a sample with no scorable record (steps kept on no basis, before the first pass, under ``"ekfac"``) gets a
+  row of zeros, counted in the notes;
+- ``method="auto"``: :data:`.methods.AUTO_METHOD` on each side that can be preconditioned, else TracIn there
+  (the notes say why); ``"trak"`` scores the passes, the steps by :data:`.methods.AUTO_METHOD` (TRAK's kernel
+  is fitted on passes only).
+
+The result is a :class:`~.results.DefaultScores`: the scores and what produced them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from metastore_plugins.core.analysis import in_run, methods
+from metastore_plugins.core.analysis.results import DefaultScores, Scores
+from metastore_plugins.core.analysis.signals import TRAINING_STEPS
+from metastore_plugins.core.store import StoreReader
+
+#: the split of the checkpoint passes over the training set (``epoch-0/train``), as the callbacks name it
+TRAIN_SPLIT = "train"
+#: the warning a query gives when its capture points hold different samples: expected here (the steps' windows)
+_DIFFERENT_SAMPLES = "the .* capture points hold different samples"
+
+
+def influence(
+    store: StoreReader,
+    train: str | Sequence[str] | None = None,
+    test: str | Sequence[str] | None = None,
+    *,
+    method: str = "tracin",
+    **options: Any,
+) -> Scores:
+    """:func:`.methods.influence` (``options``: its keyword arguments); ``method="auto"`` picks the method by the
+    store (:func:`.methods.resolve_method`). ``train`` left out: :func:`default_influence`, the default answer."""
+    if test is None:
+        raise ValueError("influence() needs test= (the capture point or points of the test samples)")
+    if train is None:
+        return default_influence(store, test, method=method, **options)
+    points = [train] if isinstance(train, str) else list(train)
+    tests = [test] if isinstance(test, str) else list(test)
+    chosen = methods.resolve_method(store, method, [*points, *tests], options.get("layers"))
+    return methods.influence(store, train, test, method=chosen.method, **options)
+
+
+def default_influence(
+    store: StoreReader,
+    test: str | Sequence[str],
+    *,
+    method: str = "auto",
+    damping: float | None = None,
+    relative_damping: float | None = None,
+    layers: Sequence[str] | None = None,
+    train_ids: Sequence[int] | None = None,
+    test_ids: Sequence[int] | None = None,
+    **options: Any,
+) -> DefaultScores:
+    """Influence of every training sample the store holds on the samples of ``test`` (module docstring).
+
+    Args:
+        test: the test capture point, or points in step order (``["epoch-0/val", "epoch-1/val"]``).
+        method: ``"auto"`` (default here), or one method for both sides (``"trak"``: the passes only).
+        damping, relative_damping, layers, train_ids, test_ids: as :func:`.methods.influence` takes them;
+            ``options``: its ``max_bytes``.
+
+    Raises:
+        ValueError: no test point, a store with neither passes nor steps paired with them, or an argument of
+            TracIn's top-k (``k=``, ``index=``, ...: take ``.top(k)`` of the result).
+    """
+    methods.check_method(method, methods.METHOD_CHOICES)
+    unknown = sorted(set(options) - {"max_bytes"})
+    if unknown:
+        raise ValueError(
+            f"{', '.join(f'{u}=' for u in unknown)} not taken with train= left out (the default answer scores "
+            "every row: take .top(k) of its result)"
+        )
+    tests = [test] if isinstance(test, str) else list(test)
+    if not tests:
+        raise ValueError("influence() needs at least one test capture point")
+    held = store.capture_points()
+    missing = [t for t in tests if t not in held or t == TRAINING_STEPS]
+    if missing:
+        raise ValueError(f"test capture points {missing} are not checkpoint passes of this store; it has {held}")
+    pairs = [(p, t) for t in tests if (p := f"{t.split('/')[0]}/{TRAIN_SPLIT}") in held and _scorable(store, p)]
+    steps = TRAINING_STEPS in held and _scorable(store, TRAINING_STEPS)
+    if not pairs and not steps:
+        raise ValueError(
+            f"no training side for {tests}: no pass 'P/{TRAIN_SPLIT}' beside them and no training steps "
+            f"{TRAINING_STEPS!r} with per-sample records; the store has {held}"
+        )
+    common = {"layers": layers, "train_ids": train_ids, "test_ids": test_ids, **options}
+    notes: list[str] = []
+    chosen: dict[str, str] = {}
+    parts: dict[str, Scores] = {}
+    if pairs:
+        trains, paired = [p for p, _ in pairs], [t for _, t in pairs]
+        resolved = methods.resolve_method(store, method, [*trains, *paired], layers)
+        if resolved.fallback:
+            notes.append(f"passes: TracIn, because K-FAC cannot precondition {resolved.fallback}")
+        chosen["passes"] = resolved.method
+        with _expected_warnings():
+            damped = _damping(resolved.method, damping, relative_damping)
+            parts["passes"] = methods.influence(store, trains, paired, method=resolved.method, **damped, **common)
+    pass_ids = set(parts["passes"].row_ids.tolist()) if "passes" in parts else set()
+    step_ids = set(store.sample_ids(TRAINING_STEPS).tolist()) if steps else set()
+    if train_ids is not None:
+        step_ids &= {int(i) for i in train_ids}
+    if step_ids - pass_ids:
+        wanted = method if method in in_run.IN_RUN_METHODS else methods.AUTO_METHOD
+        parts["steps"], chosen["steps"] = _steps(store, tests, wanted, damping, relative_damping, common, notes)
+    return _joined(parts, chosen, sorted(pass_ids | step_ids), notes)
+
+
+def _steps(
+    store: StoreReader,
+    tests: list[str],
+    method: str,
+    damping: float | None,
+    relative_damping: float | None,
+    common: dict[str, Any],
+    notes: list[str],
+) -> tuple[Scores, str]:
+    """In-run influence of the training steps by ``method``, else TracIn with the reason in ``notes``."""
+    test: str | list[str] = tests[0] if len(tests) == 1 else tests
+    if method != "tracin":
+        try:
+            with _expected_warnings():
+                scores = in_run.in_run_influence(
+                    store,
+                    test,
+                    method=method,  # type: ignore[arg-type]
+                    **_damping(method, damping, relative_damping),
+                    **common,
+                )
+            return scores, method
+        except ValueError as exc:  # the curvature refuses what the steps hold (a RepresentationError is one)
+            notes.append(f"steps: TracIn, because {method} cannot precondition them: {exc}")
+    with _expected_warnings():
+        return in_run.in_run_influence(store, test, **common), "tracin"
+
+
+def _joined(parts: dict[str, Scores], chosen: dict[str, str], ids: list[int], notes: list[str]) -> DefaultScores:
+    """One row per id of ``ids``: the passes' where they hold it, else the steps' on the passes' scale."""
+    cols = np.array(list(dict.fromkeys(int(c) for part in parts.values() for c in part.col_ids)), dtype=np.int64)
+    out = np.zeros((len(ids), len(cols)))  # (N, M)
+    sources = np.full(len(ids), "none", dtype=object)
+    where = {sid: r for r, sid in enumerate(ids)}
+    for name in ("steps", "passes"):  # the passes last: they win where both hold a sample
+        if name not in parts:
+            continue
+        part = parts[name]
+        factor = _scale(parts["passes"], part) if name == "steps" and "passes" in parts else 1.0
+        if name == "steps" and "passes" in parts:
+            notes.append(f"steps-only samples' scores x {factor:.4g}: the passes' scale (root-mean-square ratio)")
+        rows = np.array([where[int(i)] for i in part.row_ids], dtype=np.int64)
+        at = {int(c): k for k, c in enumerate(cols)}
+        out[np.ix_(rows, np.array([at[int(c)] for c in part.col_ids], dtype=np.int64))] = factor * part.scores
+        sources[rows] = name
+    empty = int((sources == "none").sum())
+    if empty:
+        notes.append(f"{empty} sample(s) with no scorable record (steps on no eigenbasis): rows of zeros")
+    side = " and ".join(name for name in ("passes", "steps") if name in parts)
+    return DefaultScores(
+        out, np.array(ids, dtype=np.int64), cols, train_side=side, methods=dict(chosen), sources=sources, notes=notes
+    )
+
+
+def _scale(passes: Scores, steps: Scores) -> float:
+    """The factor putting ``steps`` on the scale of ``passes``: the ratio of their root-mean-square scores on the
+    samples both hold (over every row of each when none is shared), columns matched by id; 1 where one is 0."""
+    cols = np.intersect1d(passes.col_ids, steps.col_ids)
+    shared = np.intersect1d(passes.row_ids, steps.row_ids)
+    rows_p = np.isin(passes.row_ids, shared) if len(shared) else np.ones(len(passes.row_ids), bool)
+    rows_s = np.isin(steps.row_ids, shared) if len(shared) else np.ones(len(steps.row_ids), bool)
+    p = passes.scores[np.ix_(rows_p, np.isin(passes.col_ids, cols))]
+    s = steps.scores[np.ix_(rows_s, np.isin(steps.col_ids, cols))]
+    rms_p, rms_s = float(np.sqrt(np.mean(p * p))) if p.size else 0.0, float(np.sqrt(np.mean(s * s))) if s.size else 0.0
+    return rms_p / rms_s if rms_p > 0 and rms_s > 0 else 1.0
+
+
+def _damping(method: str, damping: float | None, relative_damping: float | None) -> dict[str, Any]:
+    """The damping arguments ``method`` takes (TracIn none; TRAK its relative ridge only)."""
+    if method == "tracin":
+        return {}
+    return (
+        {"relative_damping": relative_damping}
+        if method == "trak"
+        else {"damping": damping, "relative_damping": relative_damping}
+    )
+
+
+def _scorable(store: StoreReader, point: str) -> bool:
+    """Whether every batch of ``point`` holds per-sample records with inner products (none norms only)."""
+    refs = store.batch_refs(point)
+    return bool(refs) and all(
+        ref.info["records"] and all(r["kind"] != "norms" for r in ref.info["records"]) for ref in refs
+    )
+
+
+@contextmanager
+def _expected_warnings() -> Iterator[None]:
+    """The queries' 'capture points hold different samples' warning silenced: the default answer expects it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_DIFFERENT_SAMPLES)
+        yield

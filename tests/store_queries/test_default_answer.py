@@ -1,0 +1,112 @@
+"""``store.influence(test=..., method=...)`` with ``train`` left out: every training sample, passes and steps.
+
+The store: two checkpoints (:mod:`kfaccases`); at each, two training steps over samples 0-11 and 12-23 (each
+its own rate), then passes over the training samples 0-7 only (``epoch-c/train``, the pass's summed rate) and the
+test samples (``epoch-c/test``), all at that checkpoint's weights. Samples 0-7 are in the passes and the steps,
+8-23 in the steps only. The reference knows nothing of the store: per-sample gradients and factors from
+``torch.func``, K-FAC / EK-FAC as explicit ``(P, P)`` matrices solved with ``torch.linalg.solve`` (fitted on the
+pass's 8 samples, or the window's 24 steps' samples), the rates by hand; the passes' rows for 0-7, the steps'
+rows times the ratio of root-mean-square scores of the two on 0-7 for 8-23.
+"""
+
+from __future__ import annotations
+
+import kfaccases
+import numpy as np
+import pytest
+import torch
+from kfaccases import blocks, damped, data, fisher, per_sample_ce, rel_err
+
+from metastore_plugins import StoreWriter, open_store
+from metastore_plugins.core.analysis import DefaultScores, GradientStore
+from metastore_plugins.core.training.passes import capture_step
+
+STEP_LRS = (0.7, 0.5, 0.2, 0.1)
+PASS_LRS = (1.2, 0.3)
+HALVES = (torch.arange(12), torch.arange(12, 24))
+IN_PASSES = torch.arange(8)
+TESTS = ["epoch-0/test", "epoch-1/test"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> GradientStore:
+    path = tmp_path_factory.mktemp("default-answer-store")
+    (x, y), (xt, yt) = data(24, 1), data(8, 2)
+    with StoreWriter(path, encoding="fp32") as writer:
+        for c, model in enumerate(kfaccases.checkpoints(model_seed=5, noise_seed=11)):
+            for half, part in enumerate(HALVES):
+                step = 2 * c + half
+                forward = (lambda m, p: lambda: m(x[p]))(model, part)
+                capture_step(model, forward, y[part], part, per_sample_ce, writer, capture_point="train",
+                             step=step, lr=STEP_LRS[step])  # fmt: skip
+            forward = (lambda m: lambda: m(x[IN_PASSES]))(model)
+            capture_step(model, forward, y[IN_PASSES], IN_PASSES, per_sample_ce, writer,
+                         capture_point=f"epoch-{c}/train", step=2 * c + 2, lr=PASS_LRS[c])  # fmt: skip
+            forward = (lambda m: lambda: m(xt))(model)
+            capture_step(model, forward, yt, torch.arange(100, 108), per_sample_ce, writer,
+                         capture_point=f"epoch-{c}/test", step=2 * c + 2, lr=1.0)  # fmt: skip
+            model.zero_grad()
+    return open_store(path)
+
+
+def _side(method: str | None, rows: torch.Tensor, rates: list[torch.Tensor]) -> torch.Tensor:
+    """``(len(rows), 8)`` ``sum_c rate_i g_i(w_c)^T P_c g_test(w_c)``, ``P_c`` fitted on ``rows`` (identity: None)."""
+    (x, y), (xt, yt) = data(24, 1), data(8, 2)
+    total = torch.zeros(len(rows), 8, dtype=torch.float64)
+    for c, model in enumerate(kfaccases.checkpoints(model_seed=5, noise_seed=11)):
+        with torch.no_grad():
+            train, test = blocks(model, x[rows], y[rows]), blocks(model, xt, yt)
+        for layer, (g, a, d) in train.items():
+            g_test = test[layer][0].T  # (P, 8)
+            preconditioned = g_test if method is None else torch.linalg.solve(damped(fisher(g, a, d, method)), g_test)
+            total += rates[c][:, None] * (g @ preconditioned)
+    return total
+
+
+def reference(method: str | None) -> np.ndarray:
+    """``(24, 8)``: the passes' scores for samples 0-7, the steps' on the passes' scale for 8-23."""
+    passes = _side(method, IN_PASSES, [torch.full((8,), r, dtype=torch.float64) for r in PASS_LRS])  # (8, 8)
+    step_rates = [torch.tensor([STEP_LRS[2 * c]] * 12 + [STEP_LRS[2 * c + 1]] * 12).double() for c in range(2)]
+    steps = _side(method, torch.arange(24), step_rates)  # (24, 8)
+    factor = passes.pow(2).mean().sqrt() / steps[IN_PASSES].pow(2).mean().sqrt()
+    out = steps * factor
+    out[IN_PASSES] = passes
+    return out.numpy()
+
+
+@pytest.mark.parametrize(("method", "ran"), [("auto", "ekfac"), ("kfac", "kfac"), ("tracin", None)])
+def test_every_training_sample_gets_a_row_from_the_passes_or_its_steps(
+    store: GradientStore, method: str, ran: str | None
+) -> None:
+    scores = store.influence(test=TESTS, method=method)
+    assert isinstance(scores, DefaultScores)
+    assert scores.row_ids.tolist() == list(range(24)) and scores.col_ids.tolist() == list(range(100, 108))
+    assert scores.train_side == "passes and steps"
+    assert scores.methods == {"passes": ran or "tracin", "steps": ran or "tracin"}
+    assert scores.sources.tolist() == ["passes"] * 8 + ["steps"] * 16
+    assert rel_err(scores.scores, reference(ran)) <= 1e-5
+    if ran is not None:  # the curvature changes the answer: the test can tell the methods apart
+        plain = reference(None)
+        assert rel_err(scores.scores / np.abs(scores.scores).max(), plain / np.abs(plain).max()) > 0.05
+
+
+def test_one_test_point_pairs_its_own_pass_and_every_step(store: GradientStore) -> None:
+    scores = store.influence(test="epoch-1/test", method="tracin")
+    assert scores.row_ids.tolist() == list(range(24))
+    assert isinstance(scores, DefaultScores) and scores.methods == {"passes": "tracin", "steps": "tracin"}
+
+
+def test_auto_with_train_given_is_ekfac_on_those_passes(store: GradientStore) -> None:
+    trains = ["epoch-0/train", "epoch-1/train"]
+    auto = store.influence(trains, TESTS, method="auto")
+    assert rel_err(auto.scores, store.influence(trains, TESTS, method="ekfac").scores) <= 1e-12
+    assert auto.row_ids.tolist() == list(range(8))
+
+
+def test_the_default_answer_refuses_what_it_cannot_take(store: GradientStore) -> None:
+    with pytest.raises(ValueError, match="k= not taken"):
+        store.influence(test=TESTS, method="auto", k=3)
+    with pytest.raises(ValueError, match="needs test="):
+        store.influence(method="auto")
+    with pytest.raises(ValueError, match="not checkpoint passes"):
+        store.influence(test=["train"], method="auto")
