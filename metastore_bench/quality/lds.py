@@ -1,11 +1,12 @@
 """LDS (linear datamodeling score) of influence from the store, next to dattri's TRAK and IF and Kronfluence.
 
-``python -m metastore_bench.quality.lds [--quick] [--kinds mlp cnn tokens positions] [--out JSON]``
+``python -m metastore_bench.quality.lds [--quick] [--kinds mlp cnn tokens positions lm] [--out JSON]``
 (default ``metastore_bench/results/quality_lds.json``)
 
 Tasks (:mod:`.lds_tasks`): the digits MLP and CNN, and a one-block transformer on a synthetic token task
 (:mod:`.tokens`), with fixed sinusoidal positions (``tokens``) or a learned position table on its root module
-(``positions``: an ``nn.Parameter`` the capture's generic rule takes, as a dense record of layer ``""``).
+(``positions``: an ``nn.Parameter`` the capture's generic rule takes, as a dense record of layer ``""``); a causal
+LM (``lm``: a 2-layer GPT-2, its measurement a held-out sequence's loss) runs in :mod:`.lds_lm`.
 
 The setup (TRAK, Park et al. 2023; dattri):
 
@@ -56,6 +57,7 @@ from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, Curva
 from ..publish import RESULTS
 from ..timing import machine, versions
 from .digits import Capture, train_model
+from .lds_lm import run_lm
 from .lds_peers import dattri_attributors, kronfluence_attributors, pick, timed
 from .lds_projected import capture_projected, projected_scores
 from .lds_setup import (
@@ -259,11 +261,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         setup = Setup.quick(kind) if args.quick else Setup.full(kind)
         if args.subsets is not None:
             setup = replace(setup, subsets=args.subsets)
-        results[kind] = run(setup)
-        print(
-            f"{TITLES[kind]}: {setup.subsets} subsets, {setup.test_samples} test samples, "
-            f"test accuracy {results[kind]['test_accuracy']:.3f}"
-        )
+        results[kind] = run_lm(setup) if kind == "lm" else run(setup)  # lm: the causal LM's own measurement
+        fit = results[kind].get("test_accuracy", results[kind].get("test_loss_per_token"))
+        print(f"{TITLES[kind]}: {setup.subsets} subsets, {setup.test_samples} test samples, held-out fit {fit:.3f}")
         print(table(results[kind]), flush=True)
     results["seconds"] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
