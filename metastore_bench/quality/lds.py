@@ -70,6 +70,7 @@ from .lds_setup import (
     subset_masks,
     subset_outputs,
 )
+from .lds_steps import steps_attributors
 from .lds_tasks import KINDS, TITLES, build_model, load_arrays
 from .lds_tasks import Kind as Kind  # lds.Kind: the task names
 
@@ -188,6 +189,8 @@ def run(setup: Setup) -> dict[str, Any]:
                 row = pick(grid, partial(projected_scores, path, setup, n, method), m, tuning)
                 row.update(seconds=cost + row["seconds"], query_seconds=row["seconds"], trainings=1)
                 attributions[f"{label} (passes projected {dim}x{dim} on the eigenbasis)"] = row
+        layers = open_store(store_dir).layers()  # the steps as a budgeted policy keeps them; the default answer
+        attributions.update(steps_attributors(setup, data, layers, Path(tmp), plain_seconds))
     peer_data = (x, y, x_test[: m + t], y_test[: m + t])
     attributions.update(dattri_attributors(setup, peer_data, checkpoints, tuning))
     if setup.kronfluence:
