@@ -124,6 +124,9 @@ def test_a_tiny_run_reports_every_attributor(kind: lds.Kind) -> None:
         "EK-FAC (checkpoint passes), default damping: what the reports use",
         "EK-FAC (passes projected 8x8 on the eigenbasis)",
         "TracIn (passes projected 8x8 on the eigenbasis)",
+        "EK-FAC in-run (steps projected 16x16 on the eigenbasis, basis_from='checkpoint')",
+        "EK-FAC in-run (steps projected 16x16 on the eigenbasis, basis_from='steps')",
+        "Default answer: influence(test=..., method='auto'), steps 16x16 + 256-sample passes",
     ):
         row = rows[name]
         assert -1 <= row["ci95"][0] <= row["lds"] <= row["ci95"][1] <= 1 and row["trainings"] == 1
