@@ -206,3 +206,31 @@ def test_snapshots_leave_the_store_healthy(tmp_path: Path) -> None:
     assert store.verify() == [] and store.steps() == [0]
     assert repair(tmp_path) == []
     _assert_bitwise(tmp_path, "rank0-000001", _state(model))
+
+
+def test_each_snapshot_operation_parses_only_the_journal_lines_appended_since(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal of 300 earlier lines: after the first read in the process, a ``write_snapshot`` (which reads the
+    journal several times) parses only its own new line (before: every line, each time), and a line changed in
+    place by another process is parsed again and named."""
+    import metastore_plugins.core.store.snapshot_check as check
+    from metastore_plugins.core.store.journal import encode_line
+    from metastore_plugins.core.store.snapshots import check_snapshots
+
+    write_snapshot(tmp_path, nn.Linear(3, 2), name="first", step=0)
+    journal = tmp_path / "snapshots-rank0.jsonl"
+    old = [
+        {"name": f"old-{i}", "file": f"old-{i}-rank0.safetensors", "step": i, "bytes": 10, "sha256": "ab" * 32}
+        for i in range(300)
+    ]
+    journal.write_bytes(b"".join(map(encode_line, old)) + journal.read_bytes())
+    assert [info.name for info in list_snapshots(tmp_path)] == ["first"]
+    parsed: list[bytes] = []
+    original = check.decode_line
+    monkeypatch.setattr(check, "decode_line", lambda line: parsed.append(line) or original(line))
+    write_snapshot(tmp_path, nn.Linear(3, 2), name="second", step=1)
+    assert len(parsed) == 1 and b'"second"' in parsed[0]
+    data = journal.read_bytes().replace(b'"old-7"', b'"old-x"', 1)  # its CRC no longer matches
+    journal.write_bytes(data)
+    assert any("line 8 is damaged" in line for line in check_snapshots(tmp_path)[1])

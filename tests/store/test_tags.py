@@ -131,7 +131,10 @@ def test_a_damaged_last_line_is_skipped_then_cut_and_a_bad_middle_line_names_the
         handle.write(_line(hostile) + _line({**hostile, "first_step": 0}))
     with pytest.raises(StoreError, match=r"tags-rank0\.jsonl: line 4 is damaged .*first_step"):
         read_tags(tmp_path)
-    with pytest.raises(StoreError, match=r"tags-rank0\.jsonl: line 4"):
+    TagBook(tmp_path)  # a training start parses only the lines it uses: the last, and those that keep something
+    with open(book.path, "ab") as handle:  # a hostile line that keeps something, followed by another
+        handle.write(_line({**hostile, "keep": "exact"}) + _line({**hostile, "first_step": 0}))
+    with pytest.raises(StoreError, match=r"tags-rank0\.jsonl: line 6 is damaged .*first_step"):
         TagBook(tmp_path)
 
 
@@ -156,3 +159,81 @@ def test_a_missing_or_tagless_store_has_no_tags(tmp_path: Path) -> None:
     assert read_tags(tmp_path / "absent") == []
     (tmp_path / "tags-rank0.jsonl.tmp").write_text("junk")  # not a tags file
     assert read_tags(tmp_path) == []
+
+
+# -- read once per process (issue 44 item 3): what is parsed, and that a change by another process is seen ---------
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, module: object) -> list[bytes]:
+    """Every line ``module`` decodes from now on (its ``decode_line``, wrapped)."""
+    parsed: list[bytes] = []
+    original = module.decode_line  # type: ignore[attr-defined]
+
+    def counting(line: bytes) -> dict:
+        parsed.append(line)
+        return original(line)
+
+    monkeypatch.setattr(module, "decode_line", counting)
+    return parsed
+
+
+def _many(path: Path, count: int) -> None:
+    """``count`` tags that keep nothing, then one that keeps ``exact`` on steps 5..6 (written as a rank writes them)."""
+    lines = [
+        _line(
+            {
+                "name": f"t{i}",
+                "first_step": i,
+                "last_step": i,
+                "keep": None,
+                "capture_point": None,
+                "attributes": {"i": i},
+                "rank": 0,
+                "seq": i,
+                "automatic": True,
+            }
+        )
+        for i in range(count)
+    ]
+    lines.append(_line({"name": "k", "first_step": 5, "last_step": 6, "keep": "exact", "capture_point": None,
+                        "attributes": {}, "rank": 0, "seq": count, "automatic": False}))  # fmt: skip
+    path.write_bytes(b"".join(lines))
+
+
+def test_a_training_start_parses_the_last_line_and_the_lines_that_keep_something(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """300 tags of which one keeps ``exact``: the book parses that one (it is also the last), keeps its order and
+    what it says (before: every line was parsed at each training start)."""
+    import metastore_plugins.core.store.tags as tags_module
+
+    _many(tmp_path / "tags-rank0.jsonl", 300)
+    parsed = _counting(monkeypatch, tags_module)
+    book = TagBook(tmp_path)
+    assert len(parsed) <= 2 and all(b'"keep":"exact"' in line for line in parsed)
+    assert book.keep_for(5, "train") == "exact" and book.keep_for(7, "train") is None
+    assert book.add("next", steps=9).seq == 301  # the order goes on from the line count
+    assert [t.seq for t in read_tags(tmp_path)][-2:] == [300, 301]
+
+
+def test_a_second_read_parses_only_what_was_appended_and_sees_every_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After one read in the process, a line another book appends is the only one parsed (before: every line
+    again); a line rewritten in place with its CRC recomputed and the size kept, or damaged, is seen."""
+    import metastore_plugins.core.store.tags as tags_module
+
+    _many(tmp_path / "tags-rank0.jsonl", 200)
+    assert len(read_tags(tmp_path)) == 201
+    parsed = _counting(monkeypatch, tags_module)
+    TagBook(tmp_path).add("appended", steps=3)  # another writer of the rank (a second process, in effect)
+    parsed.clear()
+    assert [t.name for t in read_tags(tmp_path)][-1] == "appended" and len(parsed) == 1
+    path = tmp_path / "tags-rank0.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[0] = _line({**json.loads(lines[0].rsplit(b" ", 1)[0]), "name": "t9"})  # same length, CRC recomputed
+    path.write_bytes(b"".join(lines))
+    assert read_tags(tmp_path)[0].name == "t9"
+    path.write_bytes(path.read_bytes().replace(b'"t9"', b'"t8"', 1))  # its CRC no longer matches
+    with pytest.raises(StoreError, match=r"tags-rank0\.jsonl: line 1 is damaged"):
+        read_tags(tmp_path)

@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from torch import Tensor, nn
 
 from metastore_plugins.core.analysis import (
@@ -121,13 +122,15 @@ class GradientStore(StoreReader):
         taken there (names).
         """
         snapshots = list_snapshots(self.path)
+        steps = {cp: np.asarray(self.steps(cp)) for cp in self.capture_points()}  # sorted: once, not per tag
         found = []
         for t in find_tags(read_tags(self.path), tag, **attributes):
             points = [
-                cp for cp in self.capture_points() if any(t.first_step <= s <= t.last_step for s in self.steps(cp))
+                cp
+                for cp, held in steps.items()
+                if (t.capture_point is None or cp == t.capture_point)
+                and np.searchsorted(held, t.first_step) < np.searchsorted(held, t.last_step, side="right")
             ]
-            if t.capture_point is not None:
-                points = [cp for cp in points if cp == t.capture_point]
             names = [s.name for s in snapshots if t.first_step <= s.step <= t.last_step and s.rank == t.rank]
             found.append(
                 {

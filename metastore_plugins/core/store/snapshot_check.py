@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from metastore_plugins.core.store.files import StoreDir, StoreError
-from metastore_plugins.core.store.journal import JournalError, decode_line, read_lines
+from metastore_plugins.core.store.journal import JournalError, ParsedPrefixes, decode_line, read_lines
 
 FORMAT = "metastore-snapshot/1"
 BUFFERS = "buffers/"  # key prefix of the buffers' entries
@@ -92,29 +92,40 @@ class Journal:
     good_size: int
 
 
+#: The snapshot journals this process parsed, with the line count they held: each operation parses only what
+#: was appended since (a journal changed anywhere else is parsed again whole).
+_PARSED: ParsedPrefixes[tuple[Journal, int]] = ParsedPrefixes()
+
+
 def read_journal(root: StoreDir, rank: int) -> Journal:
     """The rank's snapshot journal (empty when there is none); a torn last line is left out of ``good_size``.
+
+    Read whole every time; the lines parsed before in this process are reused while their bytes are unchanged.
 
     Raises:
         StoreError: naming the file, when it is not a regular file or too large.
     """
     name = journal_name(rank)
-    journal = Journal({}, [], 0)
     if not root.exists(name):
-        return journal
+        return Journal({}, [], 0)
     data = root.read(name, MAX_JOURNAL_BYTES, "a snapshot journal")
-    for number, line, offset in read_lines(io.BytesIO(data)):
+    key = str(root.path / name)
+    cached = _PARSED.get(key, data)
+    before, lines = cached[1] if cached is not None else (Journal({}, [], 0), 0)
+    journal = Journal(dict(before.records), list(before.problems), before.good_size)  # the cached one stays as it is
+    for _, line, offset in read_lines(io.BytesIO(data[before.good_size :])):
         if line is not None and not line.endswith(b"\n"):
             break  # torn: the writer stopped while appending; its snapshot was never renamed into place
-        journal.good_size = offset
+        journal.good_size, lines = before.good_size + offset, lines + 1
         try:
             if line is None:
                 raise JournalError("longer than any snapshot line")
             record = _record(decode_line(line), rank)
         except JournalError as exc:
-            journal.problems.append(f"{root.path / name}: line {number} is damaged ({exc}); remove it")
+            journal.problems.append(f"{root.path / name}: line {lines} is damaged ({exc}); remove it")
             continue
-        journal.records.setdefault(record.name, []).append(record)
+        journal.records[record.name] = [*journal.records.get(record.name, []), record]
+    _PARSED.put(key, data, journal.good_size, (journal, lines))
     return journal
 
 

@@ -38,7 +38,15 @@ from typing import Any
 
 from metastore_plugins.core.records import KEEP_CHOICES
 from metastore_plugins.core.store.files import StoreDir, StoreError
-from metastore_plugins.core.store.journal import JournalAppender, JournalError, decode_line, encode_line, read_lines
+from metastore_plugins.core.store.journal import (
+    MAX_LINE_BYTES,
+    JournalAppender,
+    JournalError,
+    ParsedPrefixes,
+    decode_line,
+    encode_line,
+    read_lines,
+)
 
 #: Attribute values a tag holds: JSON scalars.
 Scalar = str | int | float | bool | None
@@ -87,14 +95,20 @@ class TagBook:
     """The tags of one rank of a store: added while training runs, appended to ``tags-rank{r}.jsonl``."""
 
     def __init__(self, store_dir: str | os.PathLike[str], rank: int = 0) -> None:
-        """Read the rank's earlier tags and cut a line torn (or damaged) by a crash, so the next one starts clean.
+        """Read what the rank's earlier tags say a training run needs, and cut a line torn (or damaged) by a crash,
+        so the next one starts clean.
+
+        A training start reads the file whole but parses only its last line and the lines that keep something
+        (``"keep":"..."`` in their text): a million tags cost a fraction of a second. Each line used is checked
+        (CRC, fields) as before; :attr:`tags`, :func:`read_tags` and :func:`check_tags` check every line.
 
         Raises:
-            StoreError: naming the file and line, when a line before the last is damaged.
+            StoreError: naming the file and line, when a line before the last that keeps something is damaged.
         """
         self.path = Path(store_dir) / f"tags-rank{rank}.jsonl"
         self.rank = rank
-        self._tags: list[Tag] = []
+        self._count = 0
+        self._keeps: list[Tag] = []  # the tags keep_for looks at, in the order written
         try:
             root = StoreDir(self.path.parent)
         except StoreError:  # no store directory yet: no tags
@@ -102,7 +116,10 @@ class TagBook:
         with root:
             if not root.exists(self.path.name):
                 return
-            self._tags, good, damage = _read_file(root, self.path.name)
+            data = root.read(self.path.name, MAX_TAGS_BYTES, "a tags file")
+            good, damage = _trusted_end(data)
+            self._count = data.count(b"\n", 0, good)
+            self._keeps = _keeping_tags(self.path, data, good)
             found = root.lstat(self.path.name)
             if found is not None and found.st_size != good:
                 if damage is not None:
@@ -111,8 +128,13 @@ class TagBook:
 
     @property
     def tags(self) -> list[Tag]:
-        """This rank's tags in the order written."""
-        return list(self._tags)
+        """This rank's tags in the order written (the file read and every line checked)."""
+        try:
+            root = StoreDir(self.path.parent)
+        except StoreError:
+            return []
+        with root:
+            return _read_file(root, self.path.name)[0] if root.exists(self.path.name) else []
 
     def add(
         self,
@@ -151,9 +173,11 @@ class TagBook:
         if bad:
             raise ValueError(f"tag attributes {bad} must be JSON scalars (str, int, finite float, bool, None)")
         values = tag_attributes(attributes)
-        tag = Tag(name, first, last, keep, capture_point, values, self.rank, len(self._tags), bool(automatic))
+        tag = Tag(name, first, last, keep, capture_point, values, self.rank, self._count, bool(automatic))
         self._append(encode_line(asdict(tag)))
-        self._tags.append(tag)
+        self._count += 1
+        if keep is not None and keep != "snapshot":
+            self._keeps.append(tag)
         return tag
 
     def keep_for(self, step: int, capture_point: str) -> str | None:
@@ -161,8 +185,8 @@ class TagBook:
 
         Tags without a ``keep`` and ``keep="snapshot"`` tags say nothing about representation and are passed over.
         """
-        for tag in reversed(self._tags):
-            if tag.keep is not None and tag.keep != "snapshot" and tag.covers(step, capture_point):
+        for tag in reversed(self._keeps):
+            if tag.covers(step, capture_point):
                 return tag.keep
         return None
 
@@ -216,6 +240,47 @@ def _scalar(value: Any) -> bool:
     return value is None or kind is str or kind is int or kind is bool or (kind is float and math.isfinite(value))
 
 
+#: How a line that keeps something reads in the text ``encode_line`` writes: a training start parses only these.
+_KEEP_TEXT = b'"keep":"'
+
+
+def _trusted_end(data: bytes) -> tuple[int, str | None]:
+    """The size of a tags file's trusted part, judged by its last line alone, and what is wrong with that line."""
+    if not data:
+        return 0, None
+    start = data.rfind(b"\n", 0, len(data) - 1) + 1
+    number = data.count(b"\n", 0, start) + 1
+    try:
+        if len(data) - start > MAX_LINE_BYTES:
+            raise JournalError("longer than any tag line")
+        _tag_of(decode_line(data[start:]))
+    except JournalError as exc:
+        return start, f"line {number} is damaged ({exc})"
+    return len(data), None
+
+
+def _keeping_tags(path: Path, data: bytes, good: int) -> list[Tag]:
+    """The tags of ``data[:good]`` that keep a representation, each line checked; StoreError for a damaged one."""
+    tags = []
+    at = data.find(_KEEP_TEXT, 0, good)
+    while at >= 0:
+        start, end = data.rfind(b"\n", 0, at) + 1, data.find(b"\n", at, good) + 1 or good
+        try:
+            tag = _tag_of(decode_line(data[start:end]))
+        except JournalError as exc:
+            number = data.count(b"\n", 0, start) + 1
+            raise StoreError(f"{path}: line {number} is damaged ({exc}); remove it to read the rest") from None
+        if tag.keep is not None and tag.keep != "snapshot":
+            tags.append(tag)
+        at = data.find(_KEEP_TEXT, end, good)
+    return tags
+
+
+#: The tags files this process parsed (their tags and line count): a later read parses only the lines appended
+#: since, while the bytes parsed before are unchanged (a file changed anywhere else is parsed again whole).
+_PARSED: ParsedPrefixes[tuple[list[Tag], int]] = ParsedPrefixes()
+
+
 def _read_file(root: StoreDir, name: str) -> tuple[list[Tag], int, str | None]:
     """The tags of one file, the size of its trusted part, and what is wrong with its last line (None: nothing).
 
@@ -223,10 +288,12 @@ def _read_file(root: StoreDir, name: str) -> tuple[list[Tag], int, str | None]:
         StoreError: naming the file, when it is not a regular file, too large, or a line before the last is damaged.
     """
     data = root.read(name, MAX_TAGS_BYTES, "a tags file")
-    tags: list[Tag] = []
-    good = 0
+    key = str(root.path / name)
+    good, (before, lines) = _PARSED.get(key, data) or (0, ([], 0))
+    tags = list(before)
+    start = good
     failure: tuple[int, str] | None = None
-    for number, line, offset in read_lines(io.BytesIO(data)):
+    for number, line, offset in read_lines(io.BytesIO(data[start:])):
         if failure is not None:  # the bad line was not the last one
             raise StoreError(
                 f"{root.path / name}: line {failure[0]} is damaged ({failure[1]}); remove it to read the rest"
@@ -235,9 +302,10 @@ def _read_file(root: StoreDir, name: str) -> tuple[list[Tag], int, str | None]:
             if line is None:
                 raise JournalError("longer than any tag line")
             tags.append(_tag_of(decode_line(line)))
-            good = offset
+            good = start + offset
         except JournalError as exc:
-            failure = (number, str(exc))
+            failure = (lines + number, str(exc))
+    _PARSED.put(key, data, good, (tags, len(tags)))
     return tags, good, None if failure is None else f"line {failure[0]} is damaged ({failure[1]})"
 
 
