@@ -5,17 +5,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 from typing import Any
-
-#: Characters a terminal acts on (C0/C1 controls: ESC, BEL, CR, newlines; DEL; bidirectional overrides, line
-#: separators): printed escaped (``\\x1b``, ``\\u202e``) wherever a stored string reaches the terminal.
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 
 
 def printable(text: object) -> str:
-    """``str(text)`` with every character a terminal would act on escaped, so stored strings print as data."""
-    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+    """``str(text)`` with every character that is not printable escaped (``\\x1b``, ``\\u202e``, ``\\u200d``):
+    C0/C1 controls, DEL, bidirectional overrides, zero-width and other format characters, line and paragraph
+    separators, unassigned and private code points (``str.isprintable``; the space stays), so stored strings
+    print as data."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c == " " or c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def plain(value: Any) -> Any:

@@ -163,3 +163,73 @@ def test_restore_of_a_sample_beyond_int64_is_a_clear_error(tmp_path: Path, capsy
     store = make_store(tmp_path / "store")
     status, _, err = run(capsys, "restore", str(store), "--sample", str(2**70), "--out", str(tmp_path / "g"))
     assert status == 2 and "--sample" in err and "2^63-1" in err and "Traceback" not in err
+
+
+def model_layer(store: Path) -> str:
+    from metastore_plugins import open_store
+
+    return open_store(store).layers()[0]
+
+
+#: Characters that change what a reader sees without showing themselves (zero-width, joiners, the byte order mark).
+INVISIBLE = ("\u200b", "\u200c", "\u200d", "\u2060", "\ufeff", "\u00ad")
+
+
+def test_invisible_characters_in_layer_names_print_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 44: a layer named with a zero-width joiner printed raw, so two different names looked the same."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+    model = nn.Sequential()
+    model.add_module("fc" + "".join(INVISIBLE), nn.Linear(5, 3))
+    store = tmp_path / "store"
+    with StoreWriter(store) as writer:
+        capture_step(model, lambda: model(x), y, torch.arange(4), per_sample_ce, writer, step=0, lr=0.1)
+    for command in (["inspect", str(store)], ["query", str(store), "contributors", "--layer", model_layer(store)]):
+        status, out, err = run(capsys, *command)
+        assert status == 0, err
+        assert not any(c in out + err for c in INVISIBLE), (command, out)
+    status, out, err = run(capsys, "inspect", str(store))
+    assert "fc\\u200b\\u200c\\u200d\\u2060\\ufeff\\xad" in out, out
+
+
+def test_a_stored_plan_string_never_makes_a_line_of_its_own(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 44: a plan's string holding a newline printed a forged line under `metastore outliers`' table."""
+    store = make_store(tmp_path / "store")
+    plan = {
+        "policy": "auto",
+        "budget": 10**6,
+        "budget_source": "given",
+        "encoding": "fp32",
+        "k": 8,
+        "train": {"0": "exact", "2": "exact"},
+        "passes": {"0": "exact", "2": "exact"},
+        "snapshots": 0,
+        "planned_passes": 1,
+        "planned": {"total": 1000},
+        "exact_layers": [],
+        "degraded": [{"step": 0, "part": "training steps\nproblems: none\u2028forged", "from": "exact", "to": "norms"}],
+        "bases": [],
+        "pass_k": 0,
+    }
+    set_plan(store, plan)
+    status, out, err = run(capsys, "outliers", str(store))
+    assert status == 0, err
+    assert not any(line.startswith(("problems:", "forged")) for line in out.splitlines()), out
+    status, out, err = run(capsys, "verify", str(store))
+    assert status == 1 and "manifest-rank0.json" in out + err, out + err  # the plan is refused, and said to be
+
+
+def test_a_caption_line_holding_line_breaks_stays_one_line() -> None:
+    """The markdown tables' closing lines: a stored string with line breaks is escaped in its line (reports files
+    and the CLI alike), so it cannot add a line of its own."""
+    from metastore_plugins.core.reports.tables import outlier_markdown
+
+    caption = ["Budget: training steps\nproblems: none\r\u2028forged."]
+    text = outlier_markdown([{"rank": 1}], ["rank"], caption)
+    assert text.splitlines() == [
+        "| rank |",
+        "|---|",
+        "| 1 |",
+        "",
+        "Budget: training steps\\nproblems: none\\r\\u2028forged.  ",
+    ]

@@ -6,12 +6,21 @@ import csv
 import io
 import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from metastore_plugins.core.reports.influence_method import influence_caption
 from metastore_plugins.core.store.files import StoreDir, open_under
+
+#: Line breaks (``str.splitlines`` splits at each): a stored string holding one would start a line of its own.
+_LINE_BREAKS = re.compile("[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]")
+
+
+def one_line(text: object) -> str:
+    """``str(text)`` with its line breaks escaped (``\\n``): a stored string stays on the line it is put in."""
+    return _LINE_BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -95,7 +104,7 @@ def influence_markdown(rows: Sequence[dict[str, Any]]) -> str:
         opp = ", ".join(f"{p['sample_id']}:{p['label']}" for p in row["opponents"])
         lines.append(f"| {row['test_id']} | {row['test_label']} | {row['test_prediction']} | {pro} | {opp} |")
     if rows:
-        lines.append("\n" + "  \n".join(influence_caption(rows)))
+        lines.append("\n" + "  \n".join(map(one_line, influence_caption(rows))))
     return "\n".join(lines) + "\n"
 
 

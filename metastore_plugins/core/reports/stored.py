@@ -17,6 +17,7 @@ import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.reports.tables import Scores, has_margins, self_influence_of
+from metastore_plugins.core.store.disk_usage import disk_usage
 from metastore_plugins.core.store.plan_record import CapturePlan, in_words, readable_plan
 
 #: Record kinds that give inner products between samples (``"norms"`` records hold a squared norm alone).
@@ -120,11 +121,6 @@ def dropped_message(store: GradientStore) -> str:
     return f"{'; '.join(notes)} (give the run a larger budget=; `metastore inspect` shows the plan)"
 
 
-def store_bytes(directory: Path) -> int:
-    """The size of a store directory: the sum of ``st_size`` of every file under it (what its budget covers)."""
-    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file() and not path.is_symlink())
-
-
 def keep_within_budget(store: GradientStore, files: Sequence[str]) -> list[str]:
     """``files`` (the reports just written) less the figures (PNG) removed, largest first, while the store
     directory is larger than its budget (each rank's plan budget times the world size; none: nothing removed).
@@ -138,7 +134,7 @@ def keep_within_budget(store: GradientStore, files: Sequence[str]) -> list[str]:
     world = store.config.get("world_size", 1)
     if budget is None or not isinstance(world, int) or isinstance(world, bool) or world < 1:
         return list(files)
-    limit, size = budget * world, store_bytes(Path(store.path))
+    limit, size = budget * world, sum(disk_usage(Path(store.path), ()).values())
     figures = sorted(
         (p for p in map(Path, files) if p.suffix == ".png" and p.exists()), key=lambda p: -p.stat().st_size
     )

@@ -17,7 +17,7 @@ import torch
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS, training_signals
-from metastore_plugins.core.reports.files import markdown_table, shorten
+from metastore_plugins.core.reports.files import markdown_table, one_line, shorten
 
 
 def checkpoint_points(store: GradientStore, split: str) -> list[str]:
@@ -307,7 +307,11 @@ def outlier_markdown(rows: Sequence[dict[str, Any]], columns: Sequence[str], cap
         {**row, "text": shorten(row["text"], OUTLIER_TEXT_CHARS)} if row.get("text") is not None else row
         for row in rows
     ]
-    return markdown_table(shown, columns) + ("\n" if caption else "") + "".join(f"{line}  \n" for line in caption)
+    return (
+        markdown_table(shown, columns)
+        + ("\n" if caption else "")
+        + "".join(f"{one_line(line)}  \n" for line in caption)
+    )
 
 
 def outlier_rows(
