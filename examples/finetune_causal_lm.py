@@ -16,10 +16,10 @@ defaults. After training, the script reads the influence report the callback wro
 (``<out>/metastore/reports/influence.json``; TensorBoard: ``tensorboard --logdir <out>/runs``), whose rows
 show each sequence as text decoded by the Trainer's tokenizer, and prints how many planted sequences are
 among the top proponents of each pattern sequence. Measured (2 CPU cores, the defaults: 256 training
-sequences, 5 planted, 4 epochs; 15 s from the first step to the written reports, the callback's defaults
-scoring by TracIn): the 5 planted sequences are the top 5 proponents of each of the 8 pattern sequences
-(40 of 40); no decoy is among them. The 8 ordinary evaluation sentences in the report have 5 planted
-sequences among their 40 top proponents, where they share words ("ivan likes the green ball").
+sequences, 5 planted, 4 epochs; 13 s from the first step to the written reports, the callback's defaults
+scoring by EK-FAC over every layer but ``lm_head``, which is tied to the embedding): the 5 planted sequences
+are the top 5 proponents of each of the 8 pattern sequences (40 of 40); no decoy is among them, and none is
+among the top proponents of the 8 ordinary evaluation sentences in the report.
 After the run, ``store.influence_of_sequences`` asks the same of a completion the evaluation set does
 not hold (a new prompt, masked): its top 5 proponents are the 5 planted sequences.
 

@@ -75,8 +75,9 @@ def store_rows(store_dir: Path, setup: Setup, n: int, tuning: Tuning | None) -> 
         layers = None if left_out is None else [layer for layer in every if layer != left_out]
         resolved = resolve_method(store, "auto", trains + tests, layers)
         where = "every layer" if left_out is None else f"every layer but {left_out}"
-        name = f"auto, {where}: {resolved.method} (checkpoint passes), default damping: what the reports use"
-        rows[name] = (resolved.method, layers, (DEFAULT_RELATIVE_DAMPING,), None)
+        chose = resolved.method + "".join(f" without {layer}" for layer in resolved.left_out)
+        name = f"auto, {where}: {chose} (checkpoint passes), default damping: what the reports use"
+        rows[name] = (resolved.method, resolved.layers_or(layers), (DEFAULT_RELATIVE_DAMPING,), None)
         if resolved.fallback is not None:
             fallbacks[name] = resolved.fallback
         if left_out is not None and tuning is not None:

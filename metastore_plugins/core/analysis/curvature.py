@@ -199,6 +199,35 @@ def curvature_refusal(
     return None
 
 
+def untied_layers(
+    store: StoreReader, capture_points: Sequence[str], layers: Sequence[str] | None = None
+) -> tuple[list[str], list[str]] | None:
+    """``(kept, left_out)``: ``layers`` (every layer when ``None``, in the store's order) with each group of layers
+    that share a parameter (tied weights: an embedding and its LM head) cut to one layer (an embedding where the
+    group has one: a vocabulary-sized LM head would need a vocabulary-squared curvature factor; else the first),
+    or ``None`` when no layers are tied. Read from one stored batch of the first capture point that holds records."""
+    chosen = store.layers() if layers is None else list(layers)
+    for point in capture_points:
+        ref = next((ref for ref in store.batch_refs(point) if ref.info["records"]), None)
+        if ref is None:
+            continue
+        owners: dict[str, set[str]] = {}
+        kinds: dict[str, str] = {}
+        for record in ref.read_records(tuple(chosen)):
+            kinds[record.layer] = record.kind
+            for name in record.params.values():
+                owners.setdefault(name, set()).add(record.layer)
+
+        order = {layer: (kind != "embedding", chosen.index(layer)) for layer, kind in kinds.items()}  # embedding first
+        left_out = {
+            layer for group in owners.values() if len(group) > 1 for layer in sorted(group, key=order.__getitem__)[1:]
+        }
+        if not left_out:
+            return None
+        return [layer for layer in chosen if layer not in left_out], [layer for layer in chosen if layer in left_out]
+    return None
+
+
 def preconditionable(store: StoreReader, capture_points: Sequence[str], layers: Sequence[str] | None = None) -> bool:
     """Whether K-FAC / EK-FAC can precondition every layer of these capture points (:func:`curvature_refusal`)."""
     return curvature_refusal(store, capture_points, layers) is None

@@ -58,6 +58,7 @@ def influence(
     points = [train] if isinstance(train, str) else list(train)
     tests = [test] if isinstance(test, str) else list(test)
     chosen = methods.resolve_method(store, method, [*points, *tests], options.get("layers"))
+    options["layers"] = chosen.layers_or(options.get("layers"))
     return methods.influence(store, train, test, method=chosen.method, **options)
 
 
@@ -115,10 +116,13 @@ def default_influence(
         resolved = methods.resolve_method(store, method, [*trains, *paired], layers)
         if resolved.fallback:
             notes.append(f"passes: TracIn, because K-FAC cannot precondition {resolved.fallback}")
+        if resolved.left_out:
+            notes.append(f"passes: {methods.left_out_words(resolved.left_out)}")
         chosen["passes"] = resolved.method
         with _expected_warnings():
             damped = _damping(resolved.method, damping, relative_damping)
-            parts["passes"] = methods.influence(store, trains, paired, method=resolved.method, **damped, **common)
+            narrowed = {**common, "layers": resolved.layers_or(layers)}
+            parts["passes"] = methods.influence(store, trains, paired, method=resolved.method, **damped, **narrowed)
     pass_ids = set(parts["passes"].row_ids.tolist()) if "passes" in parts else set()
     step_ids = set(store.sample_ids(TRAINING_STEPS).tolist()) if steps else set()
     if train_ids is not None:

@@ -55,10 +55,17 @@ def check_method(method: str, choices: Sequence[str] = INFLUENCE_METHODS, name: 
 
 @dataclass(frozen=True)
 class ResolvedMethod:
-    """The method a query runs: ``method``, and ``fallback``: why ``"auto"`` could not take :data:`AUTO_METHOD`."""
+    """The method a query runs: ``method``; ``fallback``: why ``"auto"`` could not take :data:`AUTO_METHOD`;
+    ``layers``: the layers ``"auto"`` scores when it left tied layers out (``left_out``), else ``None`` (as asked)."""
 
     method: InfluenceMethod
     fallback: str | None = None
+    layers: tuple[str, ...] | None = None
+    left_out: tuple[str, ...] = ()
+
+    def layers_or(self, asked: Sequence[str] | None) -> Sequence[str] | None:
+        """The layers to score: the ones ``"auto"`` chose, else ``asked``."""
+        return asked if self.layers is None else list(self.layers)
 
 
 def resolve_method(
@@ -67,13 +74,27 @@ def resolve_method(
     """``method`` (one of :data:`METHOD_CHOICES`) as the method to run on these capture points.
 
     ``"auto"``: :data:`AUTO_METHOD` where K-FAC can precondition every layer of ``capture_points`` (the
-    train and test passes), else ``"tracin"`` with the reason (:func:`.curvature.curvature_refusal`).
+    train and test passes); where layers share a parameter (an LM head tied to its embedding: K-FAC fits one
+    block per layer), :data:`AUTO_METHOD` on every layer but the later ones of each tied group, when K-FAC can
+    precondition those (:func:`.curvature.untied_layers`: 0.273 -> 0.319 LDS on the harness's GPT-2, as
+    docs/quality.md measures); else ``"tracin"`` with the reason (:func:`.curvature.curvature_refusal`).
     """
     check_method(method, METHOD_CHOICES)
     if method != AUTO:
         return ResolvedMethod(method)  # type: ignore[arg-type]
     refusal = curvature.curvature_refusal(store, capture_points, layers)
-    return ResolvedMethod(AUTO_METHOD) if refusal is None else ResolvedMethod("tracin", refusal)
+    if refusal is None:
+        return ResolvedMethod(AUTO_METHOD)
+    untied = curvature.untied_layers(store, capture_points, layers)
+    if untied is not None and untied[0] and curvature.curvature_refusal(store, capture_points, untied[0]) is None:
+        return ResolvedMethod(AUTO_METHOD, layers=tuple(untied[0]), left_out=tuple(untied[1]))
+    return ResolvedMethod("tracin", refusal)
+
+
+def left_out_words(left_out: Sequence[str]) -> str:
+    """What ``"auto"`` left out for tied weights, in words (the reports' method line, the default answer's notes)."""
+    names = ", ".join(repr(layer) for layer in left_out)
+    return f"every layer but {names} (tied to another layer's parameter: K-FAC fits one block per layer)"
 
 
 def check_damping(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from metastore_plugins.core.analysis.methods import ResolvedMethod
+from metastore_plugins.core.analysis.methods import ResolvedMethod, left_out_words
 from metastore_plugins.core.analysis.sketches import DEFAULT_REGULARIZATION
 from metastore_plugins.core.ops.curvature import CURVATURE_METHODS, DEFAULT_RELATIVE_DAMPING
 
@@ -29,7 +29,8 @@ def method_fields(chosen: ResolvedMethod, damping: float | None, relative_dampin
         fields = {"method": method, "damping": None, "relative_damping": relative_damping or DEFAULT_REGULARIZATION}
     else:
         fields = {"method": method, "damping": None, "relative_damping": None}
-    return {**fields, **({"method_note": chosen.fallback} if chosen.fallback else {})}
+    left_out = {"method_layers": left_out_words(chosen.left_out)} if chosen.left_out else {}
+    return {**fields, **({"method_note": chosen.fallback} if chosen.fallback else {}), **left_out}
 
 
 def method_line(row: dict[str, Any]) -> str:
@@ -46,7 +47,8 @@ def method_line(row: dict[str, Any]) -> str:
         words += f" (kernel inverse on Kronecker sketches), ridge {row['relative_damping']:g} x its mean eigenvalue"
     else:
         words += " (sum over passes of lr x gradient inner products)"
-    note = row.get("method_note")
+    note, layers = row.get("method_note"), row.get("method_layers")
+    words += f", over {layers}" if layers else ""
     return words + (f"; auto chose it because K-FAC cannot precondition {note}" if note else "") + "."
 
 

@@ -80,7 +80,7 @@ def influence_rows(
             method=chosen.method,
             damping=damping,
             relative_damping=relative_damping,
-            layers=layers,
+            layers=chosen.layers_or(layers),
         )
         exact = chosen.method != "trak" and passes_exact(store)
     fields = method_fields(chosen, damping, relative_damping)
