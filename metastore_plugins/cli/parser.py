@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
             default="auto",
             help="the nearest-gradient index (docs/queries.md#top-k-at-any-scale): auto (default) scores only its "
             "candidates where one is kept, build builds it first, off scores every row"
-            + ("; TracIn only" if name == "influence" else ""),
+            + ("; every --method: its candidates are scored exactly by it" if name == "influence" else ""),
         )
     for name in PARTITIONED:
         p = sub.choices[name]

@@ -71,14 +71,14 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
         missing = sorted(set(args.test) - stored)
         if missing:
             raise not_stored(store, missing, test, f"test sample(s) {missing} are")
-    method = _checked_method(args, store, [*train, *test])
+    _checked_method(args, store, [*train, *test])
     rows = influence_rows(
         store,
         train,
         test,
         args.k,
-        index=_index_option(args) if method == "tracin" else False,
-        method=method if args.index != "auto" else args.method,  # auto's own choice keeps its note
+        index=_index_option(args),
+        method=args.method,  # auto's own choice keeps its note
         damping=args.damping,
         relative_damping=args.relative_damping,
         layers=args.layers,
@@ -91,19 +91,12 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
 
 def _checked_method(args: argparse.Namespace, store: GradientStore, points: Sequence[str]) -> str:
     """The method ``--method`` runs on these passes; a flag it does not take raises naming the flag."""
-    if args.method == "auto" and args.index != "auto":  # an --index choice is TracIn's: it asks for TracIn
-        chosen = resolve_method(store, "tracin", points, args.layers)
-    else:
-        chosen = resolve_method(store, args.method, points, args.layers)
+    chosen = resolve_method(store, args.method, points, args.layers)
     why = f"--method auto chose tracin ({chosen.fallback}): " if chosen.fallback else ""
     try:
         check_damping(chosen.method, args.damping, args.relative_damping, ("--damping", "--relative-damping"))
     except ValueError as exc:
         raise ValueError(f"{why}{exc}") from None
-    if chosen.method != "tracin" and args.index != "auto":
-        raise ValueError(
-            f"--index {args.index} is TracIn's nearest-gradient index; --method {chosen.method} scores every row"
-        )
     return chosen.method
 
 

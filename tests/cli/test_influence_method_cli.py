@@ -75,7 +75,6 @@ def test_the_text_output_says_the_method(exact: Path, projected: Path, capsys: p
             "method 'tracin' has no damping (it inverts nothing): drop --damping",
         ),
         (["--method", "trak", "--damping", "0.1"], "method 'trak' takes --relative-damping"),
-        (["--method", "ekfac", "--index", "build"], "--index build is TracIn's nearest-gradient index"),
     ],
 )
 def test_flags_a_method_does_not_take_are_named(

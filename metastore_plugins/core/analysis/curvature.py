@@ -155,16 +155,18 @@ def preconditioned_scores(
     damping: float | None,
     relative_damping: float,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    fitted: dict[str, dict[str, LayerCurvature]] | None = None,
 ) -> Scores:
     """``sum_p lr g_i^T (F_p + delta I)^-1 g_j`` over ``pairs``, ``F_p`` fitted on ``fitted_on[train label of p]``.
 
-    A train label shared by several pairs is fitted once; every process fits the same curvature.
+    A train label shared by several pairs is fitted once; every process fits the same curvature. ``fitted``: the
+    curvatures already fitted, per train label (the nearest-gradient index's top-k fits once for its search).
     """
     scan = scan_of(store)
-    curvatures = {
-        label: fit_curvature(selection, method, max_bytes, scan, f"curvature of {label!r}")
-        for label, selection in fitted_on.items()
-    }
+    curvatures = dict(fitted or {})
+    for label, selection in fitted_on.items():
+        if label not in curvatures:
+            curvatures[label] = fit_curvature(selection, method, max_bytes, scan, f"curvature of {label!r}")
 
     def preconditioned(train_label: str, cols: Selection) -> Iterator[list[ColumnBatch]]:
         return _preconditioned_chunks(cols, curvatures[train_label], damping, relative_damping, max_bytes // 2)

@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from metastore_plugins.core.analysis import curvature, curvature_self, queries, sketches, vector_index
+from metastore_plugins.core.analysis import curvature, curvature_self, index_methods, queries, sketches, vector_index
 from metastore_plugins.core.analysis.per_batch import positive_number
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.results import Scores
@@ -154,13 +154,15 @@ def influence(
             TRAK's ``regularization`` (default 1.0).
         layers, train_ids, test_ids: restrict to these layers and samples (the curvature and the kernel
             are still fitted on all of the train pass's samples).
-        k, index, candidates, recompute: TracIn's top-k through the nearest-gradient index and its exact
-            refinement (:func:`~metastore_plugins.core.analysis.vector_index.influence`); the other
-            methods score every row: take ``.top(k)`` of their result.
+        k, index, candidates: top-k through the nearest-gradient index: only each test sample's candidates are
+            scored, exactly by ``method`` (TracIn: :func:`~metastore_plugins.core.analysis.vector_index.influence`;
+            K-FAC / EK-FAC / TRAK: :func:`~metastore_plugins.core.analysis.index_methods.influence`); ``.top(k)``
+            of the result is the answer. ``train_ids`` scores those rows instead.
+        recompute: TracIn's exact refinement of estimated scores (refused by the other methods).
 
     Raises:
         ValueError: naming an unknown method, a damping the method does not take or that is not positive,
-            or a TracIn-only argument given to another method.
+            or ``recompute`` given to another method than TracIn.
     """
     check_method(method)
     check_damping(method, damping, relative_damping)
@@ -178,13 +180,15 @@ def influence(
             test_ids=test_ids,
             max_bytes=max_bytes,
         )
-    tracin_only = {"k": k, "index": index, "candidates": candidates, "recompute": recompute}
-    given = [name for name, value in tracin_only.items() if value is not None]
-    if given:
+    if recompute is not None:
         raise ValueError(
-            f"{', '.join(f'{name}=' for name in given)} belong to method='tracin' (its nearest-gradient index and "
-            f"exact TracIn refinement); method={method!r} scores every row: take .top(k) of its result"
+            f"recompute= belongs to method='tracin' (the exact TracIn refinement); method={method!r} is not refined"
         )
+    if k is not None and train_ids is None:  # the same index, searched with the preconditioned test side
+        return index_methods.influence(
+            store, train, test, method=method, k=k, index=index, candidates=candidates, damping=damping,
+            relative_damping=relative_damping, layers=layers, test_ids=test_ids, max_bytes=max_bytes,
+        )  # fmt: skip
     if method in CURVATURE_METHODS:
         relative = DEFAULT_RELATIVE_DAMPING if relative_damping is None else relative_damping
         return curvature.kfac_influence(

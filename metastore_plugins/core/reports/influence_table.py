@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis.index_methods import report_index
 from metastore_plugins.core.analysis.methods import check_damping, resolve_method
 from metastore_plugins.core.analysis.refine import RecomputeFn, RefinedScores, refine_influence
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
@@ -44,22 +45,24 @@ def influence_rows(
     ``samples``: only the test samples with the ``samples`` smallest ids (all when ``None``);
     the cost grows with train x test pairs, and a report shows a handful.
 
-    TracIn: ``index`` ``None`` (default; the reports) scores only the candidates of the store's nearest-gradient
-    index where one is kept (``RunCapture(index=True)`` builds it at the run's close), every row otherwise;
-    ``True`` builds it first, ``False`` scores every training row (the reference). The candidates are rescored
-    as ``store.influence(k=...)`` does (from the shards; from the projections where they are the records):
-    the top lists are the exhaustive scan's where the candidates hold them (docs/queries.md measures it).
-    Where the passes are kept projected its scores are estimates, unless ``recompute`` is given: then each
-    test sample's candidates are recomputed exactly
-    (:func:`~metastore_plugins.core.analysis.refine.refine_influence`). K-FAC / EK-FAC / TRAK score every
-    row and are not refined (the refinement recomputes TracIn): K-FAC / EK-FAC are exact given the fitted
-    curvature where the passes hold exact records, TRAK's sketches are estimates.
+    ``index``: ``True`` scores only each test sample's candidates from the store's nearest-gradient index (built
+    when missing), ``False`` every training row (the reference); ``None`` (default; the reports) is ``True`` from
+    :data:`~metastore_plugins.core.analysis.index_methods.INDEX_ROWS` training rows, below it a kept index for
+    TracIn (``RunCapture(index=True)`` builds it at the run's close) and every row for the other methods
+    (:func:`~metastore_plugins.core.analysis.index_methods.report_index`). The candidates are scored exactly by
+    the method, as ``store.influence(k=...)`` does: the top lists are the exhaustive scan's where the candidates
+    hold them (docs/queries.md measures it). Where the passes are kept projected TracIn's scores are estimates,
+    unless ``recompute`` is given: then each test sample's candidates are recomputed exactly
+    (:func:`~metastore_plugins.core.analysis.refine.refine_influence`). K-FAC / EK-FAC / TRAK are not refined
+    (the refinement recomputes TracIn): K-FAC / EK-FAC are exact given the fitted curvature where the passes hold
+    exact records, TRAK's sketches are estimates.
     """
     chosen = resolve_method(store, method, [*train, *test], layers)
     check_damping(chosen.method, damping, relative_damping)
     test_ids = None if samples is None else sorted(set(store.sample_ids(test[-1]).tolist()))[:samples]
+    index = report_index(store, train, chosen.method, index)
+    top_k: dict[str, Any] = {} if index is False else {"k": k, "index": index}
     if chosen.method == "tracin":
-        top_k: dict[str, Any] = {} if index is False else {"k": k, "index": index}
         scores = store.influence(list(train), list(test), test_ids=test_ids, layers=layers, **top_k)
         exact = passes_exact(store)
         if not exact:
@@ -81,6 +84,7 @@ def influence_rows(
             damping=damping,
             relative_damping=relative_damping,
             layers=chosen.layers_or(layers),
+            **top_k,
         )
         exact = chosen.method != "trak" and passes_exact(store)
     fields = method_fields(chosen, damping, relative_damping)
