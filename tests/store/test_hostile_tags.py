@@ -7,6 +7,7 @@ the store (decoys) are checked by their sha256 before and after.
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,39 @@ def test_a_garbage_last_line_is_reported_and_cut_with_a_warning(tmp_path: Path) 
     with pytest.warns(UserWarning, match=r"tags-rank0\.jsonl: line 2 is damaged.*cut"):
         TagBook(tmp_path)
     assert book.path.stat().st_size == good and check_tags(tmp_path) == (tags, [])
+
+
+def _signed(text: bytes) -> bytes:
+    """A line with its CRC recomputed (the write access a forger of the tags file has)."""
+    return text + b" " + f"{zlib.crc32(text):08x}".encode() + b"\n"
+
+
+def test_lines_that_pair_into_one_object_are_named_not_joined(tmp_path: Path) -> None:
+    """Three signed lines, none a JSON object alone, that parse as three objects once joined into an array
+    (``{"a":[{}`` + ``{}]}`` and ``{},{}``): the first is named, as when each line is parsed alone."""
+    book = TagBook(tmp_path)
+    book.add("before", steps=1)
+    with open(book.path, "ab") as handle:
+        handle.write(_signed(b'{"a":[{}') + _signed(b"{}]}") + _signed(b"{},{}"))
+    book.add("after", steps=2)
+    with pytest.raises(StoreError, match=r"tags-rank0\.jsonl: line 2 is damaged \(damaged: not JSON"):
+        read_tags(tmp_path)
+
+
+def test_a_name_lookup_checks_every_line_and_finds_an_escaped_name(tmp_path: Path) -> None:
+    """``read_tags(name=...)`` parses only lines that can hold the name, yet a line written with the name escaped
+    (``\\u0072are``) is found, and a damaged line that does not hold it still stops the read, named."""
+    book = TagBook(tmp_path)
+    for step in range(5):
+        book.add("common", steps=step)
+    book.add("rare", steps=7)
+    entry = b'{"name":"\\u0072are","first_step":9,"last_step":9,"keep":null,"capture_point":null,'
+    entry += b'"attributes":{},"rank":0,"seq":6,"automatic":false}'
+    with open(book.path, "ab") as handle:
+        handle.write(_signed(entry))
+    assert [(t.name, t.first_step) for t in read_tags(tmp_path, "rare")] == [("rare", 7), ("rare", 9)]
+    lines = book.path.read_bytes().splitlines(keepends=True)
+    lines[2] = lines[2].replace(b'"common"', b'"commoN"')  # its CRC no longer matches
+    book.path.write_bytes(b"".join(lines) + lines[0])
+    with pytest.raises(StoreError, match=r"tags-rank0\.jsonl: line 3 is damaged \(damaged: its CRC-32"):
+        read_tags(tmp_path, "rare")

@@ -226,11 +226,11 @@ def test_each_snapshot_operation_parses_only_the_journal_lines_appended_since(
     ]
     journal.write_bytes(b"".join(map(encode_line, old)) + journal.read_bytes())
     assert [info.name for info in list_snapshots(tmp_path)] == ["first"]
-    parsed: list[bytes] = []
-    original = check.decode_line
-    monkeypatch.setattr(check, "decode_line", lambda line: parsed.append(line) or original(line))
+    parsed: list[dict] = []
+    original = check._record
+    monkeypatch.setattr(check, "_record", lambda entry, rank: parsed.append(entry) or original(entry, rank))
     write_snapshot(tmp_path, nn.Linear(3, 2), name="second", step=1)
-    assert len(parsed) == 1 and b'"second"' in parsed[0]
+    assert len(parsed) == 1 and parsed[0]["name"] == "second"
     data = journal.read_bytes().replace(b'"old-7"', b'"old-x"', 1)  # its CRC no longer matches
     journal.write_bytes(data)
     assert any("line 8 is damaged" in line for line in check_snapshots(tmp_path)[1])

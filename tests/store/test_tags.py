@@ -164,16 +164,16 @@ def test_a_missing_or_tagless_store_has_no_tags(tmp_path: Path) -> None:
 # -- read once per process (issue 44 item 3): what is parsed, and that a change by another process is seen ---------
 
 
-def _counting(monkeypatch: pytest.MonkeyPatch, module: object) -> list[bytes]:
-    """Every line ``module`` decodes from now on (its ``decode_line``, wrapped)."""
-    parsed: list[bytes] = []
-    original = module.decode_line  # type: ignore[attr-defined]
+def _counting(monkeypatch: pytest.MonkeyPatch, module: object) -> list[dict]:
+    """Every line ``module`` turns into a tag from now on (the decoded objects its ``_tag_of`` is given)."""
+    parsed: list[dict] = []
+    original = module._tag_of  # type: ignore[attr-defined]
 
-    def counting(line: bytes) -> dict:
-        parsed.append(line)
-        return original(line)
+    def counting(entry: dict) -> object:
+        parsed.append(entry)
+        return original(entry)
 
-    monkeypatch.setattr(module, "decode_line", counting)
+    monkeypatch.setattr(module, "_tag_of", counting)
     return parsed
 
 
@@ -210,7 +210,7 @@ def test_a_training_start_parses_the_last_line_and_the_lines_that_keep_something
     _many(tmp_path / "tags-rank0.jsonl", 300)
     parsed = _counting(monkeypatch, tags_module)
     book = TagBook(tmp_path)
-    assert len(parsed) <= 2 and all(b'"keep":"exact"' in line for line in parsed)
+    assert len(parsed) <= 2 and all(entry["keep"] == "exact" for entry in parsed)
     assert book.keep_for(5, "train") == "exact" and book.keep_for(7, "train") is None
     assert book.add("next", steps=9).seq == 301  # the order goes on from the line count
     assert [t.seq for t in read_tags(tmp_path)][-2:] == [300, 301]

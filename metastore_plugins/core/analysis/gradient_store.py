@@ -121,17 +121,24 @@ class GradientStore(StoreReader):
         ``rank``, the ``capture_points`` holding batches at those steps, and the weight ``snapshots``
         taken there (names).
         """
+        tags = find_tags(read_tags(self.path, tag), tag, **attributes)  # only the lines naming `tag` parsed
+        first = np.fromiter((t.first_step for t in tags), np.int64, len(tags))  # (T,)
+        last = np.fromiter((t.last_step for t in tags), np.int64, len(tags))  # (T,)
+        held_at = {}  # capture point -> (T,) whether it holds batches at the tag's steps: sorted-array lookups
+        for cp in self.capture_points():
+            held = np.asarray(self.steps(cp))
+            held_at[cp] = (np.searchsorted(held, first) < np.searchsorted(held, last, side="right")).tolist()
         snapshots = list_snapshots(self.path)
-        steps = {cp: np.asarray(self.steps(cp)) for cp in self.capture_points()}  # sorted: once, not per tag
+        rank = np.fromiter((t.rank for t in tags), np.int64, len(tags))  # (T,)
+        taken: list[list[str]] = [[] for _ in tags]  # each tag's snapshots: its rank's, at its steps
+        for r in {s.rank for s in snapshots}:
+            order = sorted((i for i, s in enumerate(snapshots) if s.rank == r), key=lambda i: snapshots[i].step)
+            steps = np.array([snapshots[i].step for i in order], dtype=np.int64)  # (S_r,) sorted
+            lo, hi = np.searchsorted(steps, first), np.searchsorted(steps, last, side="right")  # (T,) each
+            for i in np.flatnonzero((rank == r) & (lo < hi)).tolist():
+                taken[i] = [snapshots[j].name for j in sorted(order[lo[i] : hi[i]])]  # in list_snapshots' order
         found = []
-        for t in find_tags(read_tags(self.path), tag, **attributes):
-            points = [
-                cp
-                for cp, held in steps.items()
-                if (t.capture_point is None or cp == t.capture_point)
-                and np.searchsorted(held, t.first_step) < np.searchsorted(held, t.last_step, side="right")
-            ]
-            names = [s.name for s in snapshots if t.first_step <= s.step <= t.last_step and s.rank == t.rank]
+        for i, t in enumerate(tags):
             found.append(
                 {
                     "name": t.name,
@@ -140,8 +147,8 @@ class GradientStore(StoreReader):
                     "attributes": dict(t.attributes),
                     "automatic": t.automatic,
                     "rank": t.rank,
-                    "capture_points": points,
-                    "snapshots": names,
+                    "capture_points": [cp for cp, hit in held_at.items() if hit[i] and t.capture_point in (None, cp)],
+                    "snapshots": taken[i],
                 }
             )
         return found

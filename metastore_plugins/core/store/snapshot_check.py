@@ -17,7 +17,6 @@ A snapshot file is trusted only as far as these checks go (issue 29):
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 import struct
@@ -30,7 +29,8 @@ import torch
 from torch import Tensor
 
 from metastore_plugins.core.store.files import StoreDir, StoreError
-from metastore_plugins.core.store.journal import JournalError, ParsedPrefixes, decode_line, read_lines
+from metastore_plugins.core.store.journal import JournalError, ParsedPrefixes
+from metastore_plugins.core.store.journal_batch import decode_lines
 
 FORMAT = "metastore-snapshot/1"
 BUFFERS = "buffers/"  # key prefix of the buffers' entries
@@ -113,14 +113,15 @@ def read_journal(root: StoreDir, rank: int) -> Journal:
     cached = _PARSED.get(key, data)
     before, lines = cached[1] if cached is not None else (Journal({}, [], 0), 0)
     journal = Journal(dict(before.records), list(before.problems), before.good_size)  # the cached one stays as it is
-    for _, line, offset in read_lines(io.BytesIO(data[before.good_size :])):
-        if line is not None and not line.endswith(b"\n"):
+    rest = data[before.good_size :]
+    for entry, offset in decode_lines(rest):  # checked and parsed many lines at once
+        if offset == len(rest) and not rest.endswith(b"\n"):
             break  # torn: the writer stopped while appending; its snapshot was never renamed into place
         journal.good_size, lines = before.good_size + offset, lines + 1
         try:
-            if line is None:
-                raise JournalError("longer than any snapshot line")
-            record = _record(decode_line(line), rank)
+            if isinstance(entry, JournalError):
+                raise entry
+            record = _record(entry, rank)  # type: ignore[arg-type]  # decode_lines parses every line here
         except JournalError as exc:
             journal.problems.append(f"{root.path / name}: line {lines} is damaged ({exc}); remove it")
             continue
@@ -137,13 +138,13 @@ def record_line(name: str, rank: int, step: int, data: bytes) -> tuple[Record, d
 
 
 def _record(entry: dict[str, Any], rank: int) -> Record:
-    name, step, size, sha = (entry.get(key) for key in ("name", "step", "bytes", "sha256"))
-    ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, size))
-    if not (isinstance(name, str) and NAME.fullmatch(name) and entry.get("file") == file_name(name, rank)):
+    name, step, size, sha = (entry.get("name"), entry.get("step"), entry.get("bytes"), entry.get("sha256"))
+    ints = type(step) is int and type(size) is int and step >= 0 and size >= 0
+    if not (type(name) is str and NAME.fullmatch(name) and entry.get("file") == file_name(name, rank)):
         raise JournalError("its name and file are not those of a snapshot of this rank")
-    if not ints or not (isinstance(sha, str) and _SHA.fullmatch(sha)):
+    if not ints or not (type(sha) is str and _SHA.fullmatch(sha)):
         raise JournalError("its step, bytes or sha256 are not a snapshot's")
-    return Record(name, int(step), int(size), sha)  # type: ignore[arg-type]  # checked above
+    return Record(name, step, size, sha)  # type: ignore[arg-type]  # checked above
 
 
 def verified_bytes(folder: StoreDir, name: str, rank: int, journal: Journal) -> tuple[bytes, Record | None]:
