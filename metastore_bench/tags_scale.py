@@ -7,8 +7,9 @@ the callbacks' automatic tags: epoch, step, learning rate, two metrics) and ``--
 each in a fresh process (what a training start or a query pays):
 
 - ``TagBook(store)``: what every training start does (then one ``add`` and one ``keep_for``);
-- ``read_tags`` and ``GradientStore.find(name)`` (one name, 1 tag in 1000) and ``find()`` (every tag), with the
-  process's peak RSS;
+- ``read_tags``; ``GradientStore.find()`` on a store without its tag cache (it parses every line and writes
+  ``tag_cache/``), then ``find(name)`` (one name, 1 tag in 1000) and ``find()`` (every tag) answered from the
+  cache, with the process's peak RSS;
 - three ``write_snapshot`` calls in one process and ``list_snapshots`` (each read the snapshot journal).
 
 The figures are printed and merged into ``metastore_bench/results/tags_scale.json`` under ``--name``. Lines are
@@ -62,6 +63,10 @@ PROBES = {
     "read_tags": """
         from metastore_plugins.core.store.tags import read_tags
         assert len(read_tags(STORE)) >= TAGS
+    """,
+    "find_all_building_cache": """
+        from metastore_plugins import open_store
+        assert len(open_store(STORE).find()) >= TAGS
     """,
     "find_one_name": """
         from metastore_plugins import open_store

@@ -225,10 +225,14 @@ def test_each_snapshot_operation_parses_only_the_journal_lines_appended_since(
         for i in range(300)
     ]
     journal.write_bytes(b"".join(map(encode_line, old)) + journal.read_bytes())
-    assert [info.name for info in list_snapshots(tmp_path)] == ["first"]
     parsed: list[dict] = []
     original = check._record
     monkeypatch.setattr(check, "_record", lambda entry, rank: parsed.append(entry) or original(entry, rank))
+    assert [info.name for info in list_snapshots(tmp_path)] == ["first"]
+    assert [entry["name"] for entry in parsed] == ["first"]  # only the line of the file there (before: all 301)
+    check_snapshots(tmp_path)  # a whole read: every line parsed (the old files are missing), kept
+    assert len(parsed) == 302
+    parsed.clear()
     write_snapshot(tmp_path, nn.Linear(3, 2), name="second", step=1)
     assert len(parsed) == 1 and parsed[0]["name"] == "second"
     data = journal.read_bytes().replace(b'"old-7"', b'"old-x"', 1)  # its CRC no longer matches

@@ -36,9 +36,10 @@ from metastore_plugins.core.analysis.scan import LOCAL, Scan
 from metastore_plugins.core.model import recompute as recompute_module
 from metastore_plugins.core.records import LayerRecord, RepresentationError
 from metastore_plugins.core.store import StoreReader, find_store_dir
+from metastore_plugins.core.store.journal_batch import gc_paused
 from metastore_plugins.core.store.run_log import noted_once
 from metastore_plugins.core.store.snapshots import list_snapshots
-from metastore_plugins.core.store.tags import find_tags, read_tags
+from metastore_plugins.core.store.tag_cache import find_columns
 
 
 class GradientStore(StoreReader):
@@ -121,16 +122,15 @@ class GradientStore(StoreReader):
         ``rank``, the ``capture_points`` holding batches at those steps, and the weight ``snapshots``
         taken there (names).
         """
-        tags = find_tags(read_tags(self.path, tag), tag, **attributes)  # only the lines naming `tag` parsed
-        first = np.fromiter((t.first_step for t in tags), np.int64, len(tags))  # (T,)
-        last = np.fromiter((t.last_step for t in tags), np.int64, len(tags))  # (T,)
+        tags = find_columns(self.path, tag, attributes)  # the tag cache's columns, the lines after them parsed
+        first, last = np.array(tags["first_step"], np.int64), np.array(tags["last_step"], np.int64)  # (T,) each
         held_at = {}  # capture point -> (T,) whether it holds batches at the tag's steps: sorted-array lookups
         for cp in self.capture_points():
             held = np.asarray(self.steps(cp))
             held_at[cp] = (np.searchsorted(held, first) < np.searchsorted(held, last, side="right")).tolist()
         snapshots = list_snapshots(self.path)
-        rank = np.fromiter((t.rank for t in tags), np.int64, len(tags))  # (T,)
-        taken: list[list[str]] = [[] for _ in tags]  # each tag's snapshots: its rank's, at its steps
+        rank = np.array(tags["rank"], np.int64)  # (T,)
+        taken: dict[int, list[str]] = {}  # each tag's snapshots (none: left out): its rank's, at its steps
         for r in {s.rank for s in snapshots}:
             order = sorted((i for i, s in enumerate(snapshots) if s.rank == r), key=lambda i: snapshots[i].step)
             steps = np.array([snapshots[i].step for i in order], dtype=np.int64)  # (S_r,) sorted
@@ -138,19 +138,22 @@ class GradientStore(StoreReader):
             for i in np.flatnonzero((rank == r) & (lo < hi)).tolist():
                 taken[i] = [snapshots[j].name for j in sorted(order[lo[i] : hi[i]])]  # in list_snapshots' order
         found = []
-        for i, t in enumerate(tags):
-            found.append(
-                {
-                    "name": t.name,
-                    "steps": (t.first_step, t.last_step),
-                    "keep": t.keep,
-                    "attributes": dict(t.attributes),
-                    "automatic": t.automatic,
-                    "rank": t.rank,
-                    "capture_points": [cp for cp, hit in held_at.items() if hit[i] and t.capture_point in (None, cp)],
-                    "snapshots": taken[i],
-                }
-            )
+        with gc_paused():  # a million dicts: the cyclic collector would walk them again and again
+            fields = zip(tags["name"], first.tolist(), last.tolist(), tags["keep"], tags["attributes"],
+                         tags["automatic"], tags["rank"], tags["capture_point"])  # fmt: skip
+            for i, (name, a, b, keep, values, automatic, r, point) in enumerate(fields):
+                found.append(
+                    {
+                        "name": name,
+                        "steps": (a, b),
+                        "keep": keep,
+                        "attributes": dict(values),
+                        "automatic": automatic,
+                        "rank": r,
+                        "capture_points": [cp for cp, hit in held_at.items() if hit[i] and point in (None, cp)],
+                        "snapshots": taken.get(i, []),
+                    }
+                )
         return found
 
 

@@ -7,7 +7,7 @@ counted nor followed, and a folder that cannot be listed is left out. The parts 
 - ``snapshots``: the weight snapshots (``snapshots/``);
 - ``index``: the other files of the store's record (manifests, journals, tags, snapshot journals, run
   logs, locks);
-- ``caches``: what queries keep and can rebuild (``sketches/``, ``vector_index/``);
+- ``caches``: what queries keep and can rebuild (``sketches/``, ``vector_index/``, ``tag_cache/``);
 - ``reports``: the report files (``reports/``);
 - ``other``: anything else (unlisted shards, temporaries, ``quarantine/``, folders of the user's).
 """
@@ -23,12 +23,19 @@ from pathlib import Path
 from metastore_plugins.core.store.file_kinds import any_temporary_target
 from metastore_plugins.core.store.sketch_cache import CACHE_DIR
 from metastore_plugins.core.store.snapshots import DIRECTORY as SNAPSHOTS_DIR
+from metastore_plugins.core.store.tag_cache import FOLDER as TAG_CACHE_DIR
 from metastore_plugins.core.store.vector_files import FOLDER as INDEX_DIR
 
 #: The parts of :func:`disk_usage`, in the order they are shown.
 PARTS = ("shards", "snapshots", "index", "caches", "reports", "other")
 #: The folders of a store directory and the part each one's files count in.
-FOLDERS = {SNAPSHOTS_DIR: "snapshots", CACHE_DIR: "caches", INDEX_DIR: "caches", "reports": "reports"}
+FOLDERS = {
+    SNAPSHOTS_DIR: "snapshots",
+    CACHE_DIR: "caches",
+    INDEX_DIR: "caches",
+    TAG_CACHE_DIR: "caches",
+    "reports": "reports",
+}
 #: Files of the store's record beside the shards (docs/format.md#files).
 _RECORD_FILE = re.compile(r"(manifest-rank\d+\.json|(index|snapshots|tags|run)-rank\d+\.jsonl|rank\d+\.lock)", re.ASCII)
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.store import manifest as mf
-from metastore_plugins.core.store import vector_check
+from metastore_plugins.core.store import tag_cache, vector_check
 from metastore_plugins.core.store.entries import ShardEntry, entry_from_json, shard_pattern
 from metastore_plugins.core.store.file_kinds import any_temporary_target
 from metastore_plugins.core.store.files import StoreDir, open_regular
@@ -109,7 +109,7 @@ def repair(directory: str | os.PathLike[str]) -> list[str]:
     for rank in sorted(ranks):
         with RankLock(directory, rank), StoreDir(directory) as files:
             done += _repair_rank(directory, files, rank, manifests.get(rank))
-    return done + vector_check.repair(directory, *_listed(directory))
+    return done + vector_check.repair(directory, *_listed(directory)) + tag_cache.repair(directory)
 
 
 def _listed(directory: Path) -> tuple[dict[str, str], StoreIndex | None]:

@@ -21,6 +21,7 @@ import json
 import re
 import struct
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from metastore_plugins.core.store.files import StoreDir, StoreError
 from metastore_plugins.core.store.journal import JournalError, ParsedPrefixes
-from metastore_plugins.core.store.journal_batch import decode_lines
+from metastore_plugins.core.store.journal_batch import decode_lines, gc_paused
 
 FORMAT = "metastore-snapshot/1"
 BUFFERS = "buffers/"  # key prefix of the buffers' entries
@@ -92,15 +93,20 @@ class Journal:
     good_size: int
 
 
+#: The most snapshot names looked for in a journal's text (each a scan of it); more: every line parsed.
+MAX_NEEDLES = 16
 #: The snapshot journals this process parsed, with the line count they held: each operation parses only what
 #: was appended since (a journal changed anywhere else is parsed again whole).
 _PARSED: ParsedPrefixes[tuple[Journal, int]] = ParsedPrefixes()
 
 
-def read_journal(root: StoreDir, rank: int) -> Journal:
+def read_journal(root: StoreDir, rank: int, names: Collection[str] | None = None) -> Journal:
     """The rank's snapshot journal (empty when there is none); a torn last line is left out of ``good_size``.
 
     Read whole every time; the lines parsed before in this process are reused while their bytes are unchanged.
+    With ``names`` (at most :data:`MAX_NEEDLES`, where the journal was not parsed before), every line's form and
+    CRC are checked but only the lines whose text can name one of these snapshots are parsed (the records of the
+    others are left out, and nothing is kept for the next read).
 
     Raises:
         StoreError: naming the file, when it is not a regular file or too large.
@@ -114,20 +120,32 @@ def read_journal(root: StoreDir, rank: int) -> Journal:
     before, lines = cached[1] if cached is not None else (Journal({}, [], 0), 0)
     journal = Journal(dict(before.records), list(before.problems), before.good_size)  # the cached one stays as it is
     rest = data[before.good_size :]
-    for entry, offset in decode_lines(rest):  # checked and parsed many lines at once
-        if offset == len(rest) and not rest.endswith(b"\n"):
-            break  # torn: the writer stopped while appending; its snapshot was never renamed into place
-        journal.good_size, lines = before.good_size + offset, lines + 1
-        try:
-            if isinstance(entry, JournalError):
-                raise entry
-            record = _record(entry, rank)  # type: ignore[arg-type]  # decode_lines parses every line here
-        except JournalError as exc:
-            journal.problems.append(f"{root.path / name}: line {lines} is damaged ({exc}); remove it")
-            continue
-        journal.records[record.name] = [*journal.records.get(record.name, []), record]
-    _PARSED.put(key, data, journal.good_size, (journal, lines))
+    picked = names is not None and cached is None and len(names) <= MAX_NEEDLES
+    needles = _needles(names, rank) if picked and names is not None else None
+    with gc_paused():  # a journal of many lines: the collector would walk the records again and again
+        for entry, offset in decode_lines(rest, needles):  # checked and parsed many lines at once
+            if offset == len(rest) and not rest.endswith(b"\n"):
+                break  # torn: the writer stopped while appending; its snapshot was never renamed into place
+            journal.good_size, lines = before.good_size + offset, lines + 1
+            if entry is None:  # holds none of the names: checked, not parsed
+                continue
+            try:
+                if isinstance(entry, JournalError):
+                    raise entry
+                record = _record(entry, rank)
+            except JournalError as exc:
+                journal.problems.append(f"{root.path / name}: line {lines} is damaged ({exc}); remove it")
+                continue
+            journal.records[record.name] = [*journal.records.get(record.name, []), record]
+    if needles is None:
+        _PARSED.put(key, data, journal.good_size, (journal, lines))
     return journal
+
+
+def _needles(names: Collection[str], rank: int) -> tuple[bytes, ...]:
+    """What the text of a line recording one of ``names`` holds: its file's JSON string, or written with escapes,
+    a backslash (a name is ASCII: :data:`NAME`)."""
+    return (*(json.dumps(file_name(name, rank)).encode("ascii") for name in names), b"\\")
 
 
 def record_line(name: str, rank: int, step: int, data: bytes) -> tuple[Record, dict[str, Any]]:

@@ -217,14 +217,12 @@ def _infos(
     root, folder = opened
     found, journals = [], {}
     with root, folder:
-        for file in sorted(folder.listdir()):
-            match = check.FILE.fullmatch(file)
-            if not match or (rank is not None and int(match.group(2)) != rank) or only not in (None, match.group(1)):
-                continue
-            name, file_rank = match.group(1), int(match.group(2))
+        files = [(m.group(1), int(m.group(2))) for m in map(check.FILE.fullmatch, sorted(folder.listdir())) if m]
+        files = [(n, r) for n, r in files if rank in (None, r) and only in (None, n)]
+        for name, file_rank in files:
             try:
-                if file_rank not in journals:
-                    journals[file_rank] = check.read_journal(root, file_rank)
+                if file_rank not in journals:  # only the lines that can record these files parsed
+                    journals[file_rank] = check.read_journal(root, file_rank, [n for n, r in files if r == file_rank])
                 found.append(_read_info(folder, name, file_rank, journals[file_rank]))
             except StoreError:
                 if strict:

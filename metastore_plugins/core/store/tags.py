@@ -46,7 +46,7 @@ from metastore_plugins.core.store.journal import (
     decode_line,
     encode_line,
 )
-from metastore_plugins.core.store.journal_batch import decode_lines
+from metastore_plugins.core.store.journal_batch import decode_lines, gc_paused
 
 #: Attribute values a tag holds: JSON scalars.
 Scalar = str | int | float | bool | None
@@ -134,7 +134,7 @@ class TagBook:
         except StoreError:
             return []
         with root:
-            return _read_file(root, self.path.name)[0] if root.exists(self.path.name) else []
+            return read_file(root, self.path.name)[0] if root.exists(self.path.name) else []
 
     def add(
         self,
@@ -303,9 +303,11 @@ def _keeping_tags(path: Path, data: bytes, good: int) -> list[Tag]:
 _PARSED: ParsedPrefixes[tuple[list[Tag], int]] = ParsedPrefixes()
 
 
-def _read_file(root: StoreDir, name: str, named: str | None = None) -> tuple[list[Tag], int, str | None]:
+def read_file(
+    root: StoreDir, name: str, named: str | None = None, data: bytes | None = None
+) -> tuple[list[Tag], int, str | None]:
     """The tags of one file (only those named ``named`` when given), the size of its trusted part, and what is
-    wrong with its last line (None: nothing).
+    wrong with its last line (None: nothing); ``data``: the file's bytes when already read.
 
     With ``named``, a line whose text can hold neither the name's JSON string nor an escape is checked (its form
     and CRC) but not parsed (the tags of other names are not kept for the next read).
@@ -313,30 +315,42 @@ def _read_file(root: StoreDir, name: str, named: str | None = None) -> tuple[lis
     Raises:
         StoreError: naming the file, when it is not a regular file, too large, or a line before the last is damaged.
     """
-    data = root.read(name, MAX_TAGS_BYTES, "a tags file")
+    data = root.read(name, MAX_TAGS_BYTES, "a tags file") if data is None else data
     key = str(root.path / name)
     good, (before, lines) = _PARSED.get(key, data) or (0, ([], 0))
     needles = None if named is None or good else _needles(named)
-    tags = list(before)
-    start = good
-    failure: tuple[int, str] | None = None
-    for number, (entry, end) in enumerate(decode_lines(data[start:], needles), start=lines + 1):
-        if failure is not None:  # the bad line was not the last one
-            raise StoreError(
-                f"{root.path / name}: line {failure[0]} is damaged ({failure[1]}); remove it to read the rest"
-            )
-        try:
-            if isinstance(entry, JournalError):
-                raise entry
-            if entry is not None:
-                tags.append(_tag_of(entry))
-            good = start + end
-        except JournalError as exc:
-            failure = (number, str(exc))
+    found, good, damage = parse_from(root.path / name, data, good, lines, needles)
+    tags = [*before, *found]
     if needles is None:
         _PARSED.put(key, data, good, (tags, len(tags)))
-    damage = None if failure is None else f"line {failure[0]} is damaged ({failure[1]})"
     return tags if named is None else [tag for tag in tags if tag.name == named], good, damage
+
+
+def parse_from(
+    path: Path, data: bytes, start: int, lines: int, needles: tuple[bytes, ...] | None = None
+) -> tuple[list[Tag], int, str | None]:
+    """The tags of the lines of ``data[start:]`` (``lines`` lines before them; with ``needles`` only the lines that
+    hold one are parsed), the end of the trusted part, and what is wrong with the last line (None: nothing).
+
+    Raises:
+        StoreError: naming ``path`` and the line, when a line before the last is damaged.
+    """
+    tags: list[Tag] = []
+    good = start
+    failure: tuple[int, str] | None = None
+    with gc_paused():  # a million tags: the collector would walk them again and again
+        for number, (entry, end) in enumerate(decode_lines(data[start:], needles), start=lines + 1):
+            if failure is not None:  # the bad line was not the last one
+                raise StoreError(f"{path}: line {failure[0]} is damaged ({failure[1]}); remove it to read the rest")
+            try:
+                if isinstance(entry, JournalError):
+                    raise entry
+                if entry is not None:
+                    tags.append(_tag_of(entry))
+                good = start + end
+            except JournalError as exc:
+                failure = (number, str(exc))
+    return tags, good, None if failure is None else f"line {failure[0]} is damaged ({failure[1]})"
 
 
 def _needles(name: str) -> tuple[bytes, ...]:
@@ -345,7 +359,7 @@ def _needles(name: str) -> tuple[bytes, ...]:
     return json.dumps(name).encode("ascii"), json.dumps(name, ensure_ascii=False).encode("utf-8", "replace"), b"\\"
 
 
-def _tag_files(store_dir: str | os.PathLike[str]) -> tuple[StoreDir | None, list[str]]:
+def tag_files(store_dir: str | os.PathLike[str]) -> tuple[StoreDir | None, list[str]]:
     """The store directory (None when missing) and its tags files, by rank."""
     try:
         root = StoreDir(Path(store_dir))
@@ -368,17 +382,17 @@ def read_tags(store_dir: str | os.PathLike[str], name: str | None = None) -> lis
         StoreError: naming the file and line, when a line before a file's last is damaged, or naming
             the file when it is a link, FIFO, device or directory, or larger than :data:`MAX_TAGS_BYTES`.
     """
-    root, names = _tag_files(store_dir)
+    root, names = tag_files(store_dir)
     if root is None:
         return []
     with root:
-        return [tag for file in names for tag in _read_file(root, file, name)[0]]
+        return [tag for file in names for tag in read_file(root, file, name)[0]]
 
 
 def check_tags(store_dir: str | os.PathLike[str]) -> tuple[list[Tag], list[str]]:
     """The readable tags of every rank and one line per problem: a damaged or torn last line, a file
     that cannot be read (its tags are left out) (``metastore inspect``)."""
-    root, names = _tag_files(store_dir)
+    root, names = tag_files(store_dir)
     if root is None:
         return [], []
     tags: list[Tag] = []
@@ -386,7 +400,7 @@ def check_tags(store_dir: str | os.PathLike[str]) -> tuple[list[Tag], list[str]]
     with root:
         for name in names:
             try:
-                found, _, damage = _read_file(root, name)
+                found, _, damage = read_file(root, name)
             except StoreError as exc:
                 problems.append(str(exc))
                 continue
