@@ -14,6 +14,7 @@ test samples. This module trains the task once more (same seed, data order and o
 from __future__ import annotations
 
 import math
+import traceback
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -105,7 +106,8 @@ def steps_attributors(
     k: int = 16,
 ) -> dict[str, dict[str, Any]]:
     """The rows of :func:`steps_scores` on a ``k x k`` capture of each basis source: ``{name: row}`` as
-    :func:`.lds.run` keeps them (scores ``(N, M)``, seconds with the capture's cost, the damping picked)."""
+    :func:`.lds.run` keeps them (scores ``(N, M)``, seconds with the capture's cost, the damping picked), or
+    ``{"error"}`` where the store refuses (one epoch: every step came before the first basis, kept seeded)."""
     n, m, rows = len(data[1]), setup.test_samples, {}
     for basis in ("checkpoint", "steps"):
         path = tmp / f"steps-{basis}"
@@ -117,7 +119,11 @@ def steps_attributors(
                 (True, f"Default answer: influence(test=..., method='auto'), steps {k}x{k} + 256-sample passes")
             )
         for default, name in wanted:
-            row = pick((DEFAULT_RELATIVE_DAMPING,), partial(steps_scores, path, setup, n, default), m, None)
+            try:
+                row = pick((DEFAULT_RELATIVE_DAMPING,), partial(steps_scores, path, setup, n, default), m, None)
+            except Exception as error:  # noqa: BLE001  (what the store refuses here is reported, as a peer's failure)
+                rows[name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc(limit=3)}
+                continue
             row.update(seconds=cost + row["seconds"], query_seconds=row["seconds"], trainings=1)
             rows[name] = row
     return rows

@@ -46,7 +46,7 @@ def test_top_k_under_torchrun_is_the_single_process_top_k(
         assert_top_ranking([(r["sample_id"], r["cosine"]) for r in got], ranking, 1e-6)
 
     influence = ["influence", str(store_dir), "--json", "-k", "3", "--index", "build" if not kept else "auto"]
-    influence += ["--method", "tracin"] if kept else []  # --index build asks for TracIn by itself
+    influence += ["--method", "tracin"]  # the reference is TracIn's scan (--index serves every method since issue 47)
     done = _torchrun(*influence)
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
