@@ -74,6 +74,11 @@ class ExistingStoreError(MetastoreError, ValueError):
     """A fresh run was given a store directory that already holds the store of an earlier run."""
 
 
+class QueryError(MetastoreError, ValueError):
+    """A query asked with arguments the store cannot answer (no test points, passes it does not hold, a batch of
+    the wrong shape); the message names the argument and what the store has."""
+
+
 class DistributedQueryError(MetastoreError, RuntimeError):
     """A partitioned query stopped because another rank died, hung or disagreed; the message names it."""
 

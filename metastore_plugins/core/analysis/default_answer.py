@@ -33,6 +33,7 @@ import numpy as np
 from metastore_plugins.core.analysis import in_run, methods
 from metastore_plugins.core.analysis.results import DefaultScores, Scores
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
+from metastore_plugins.core.errors import QueryError
 from metastore_plugins.core.store import StoreReader
 
 #: the split of the checkpoint passes over the training set (``epoch-0/train``), as the callbacks name it
@@ -52,7 +53,7 @@ def influence(
     """:func:`.methods.influence` (``options``: its keyword arguments); ``method="auto"`` picks the method by the
     store (:func:`.methods.resolve_method`). ``train`` left out: :func:`default_influence`, the default answer."""
     if test is None:
-        raise ValueError("influence() needs test= (the capture point or points of the test samples)")
+        raise QueryError("influence() needs test= (the capture point or points of the test samples)")
     if train is None:
         return default_influence(store, test, method=method, **options)
     points = [train] if isinstance(train, str) else list(train)
@@ -89,21 +90,21 @@ def default_influence(
     methods.check_method(method, methods.METHOD_CHOICES)
     unknown = sorted(set(options) - {"max_bytes"})
     if unknown:
-        raise ValueError(
+        raise QueryError(
             f"{', '.join(f'{u}=' for u in unknown)} not taken with train= left out (the default answer scores "
             "every row: take .top(k) of its result)"
         )
     tests = [test] if isinstance(test, str) else list(test)
     if not tests:
-        raise ValueError("influence() needs at least one test capture point")
+        raise QueryError("influence() needs at least one test capture point")
     held = store.capture_points()
     missing = [t for t in tests if t not in held or t == TRAINING_STEPS]
     if missing:
-        raise ValueError(f"test capture points {missing} are not checkpoint passes of this store; it has {held}")
+        raise QueryError(f"test capture points {missing} are not checkpoint passes of this store; it has {held}")
     pairs = [(p, t) for t in tests if (p := f"{t.split('/')[0]}/{TRAIN_SPLIT}") in held and _scorable(store, p)]
     steps = TRAINING_STEPS in held and _scorable(store, TRAINING_STEPS)
     if not pairs and not steps:
-        raise ValueError(
+        raise QueryError(
             f"no training side for {tests}: no pass 'P/{TRAIN_SPLIT}' beside them and no training steps "
             f"{TRAINING_STEPS!r} with per-sample records; the store has {held}"
         )

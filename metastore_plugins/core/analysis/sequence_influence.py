@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.analysis.queries import dot_blocks, summed_scores
 from metastore_plugins.core.analysis.results import Scores
+from metastore_plugins.core.errors import QueryError
 from metastore_plugins.core.model.losses import IGNORE_INDEX, LossFn, logits_of
 from metastore_plugins.core.model.recompute import recompute_batches
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
@@ -47,12 +48,12 @@ def sequence_loss(shift: bool = True) -> LossFn:
 
     def loss(model: nn.Module, batch: Any) -> Tensor:
         if not isinstance(batch, Mapping) or "labels" not in batch:
-            raise ValueError("a batch of sequences is a dict with input_ids and labels (-100 where no loss is taken)")
+            raise QueryError("a batch of sequences is a dict with input_ids and labels (-100 where no loss is taken)")
         logits = logits_of(model(**batch))
         labels = batch["labels"]
         if logits is None or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(labels.shape):
             shape = None if logits is None else tuple(logits.shape)
-            raise ValueError(f"expected (B, T, V) logits on (B, T) labels; got logits {shape}, labels {labels.shape}")
+            raise QueryError(f"expected (B, T, V) logits on (B, T) labels; got logits {shape}, labels {labels.shape}")
         if shift:
             logits, labels = logits[:, :-1], labels[:, 1:]  # (B, T - 1, V), (B, T - 1)
         flat = logits.reshape(-1, logits.shape[-1]).float()  # (B T, V)
@@ -93,7 +94,7 @@ def influence_of_sequences(
     """
     points = [cp for cp in store.capture_points() if cp.endswith(f"/{train_split}")]
     if not points:
-        raise ValueError(f"the store has no checkpoint passes '*/{train_split}'; it has {store.capture_points()}")
+        raise QueryError(f"the store has no checkpoint passes '*/{train_split}'; it has {store.capture_points()}")
     names = {s.name for s in list_snapshots(store.path) if s.rank == rank}
     missing = [cp.split("/")[0] for cp in points if cp.split("/")[0] not in names]
     if missing:

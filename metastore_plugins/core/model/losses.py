@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from metastore_plugins.core.errors import LossScaleError
+
 LABEL_KEYS = ("labels", "label", "y")
 #: The label of a token no loss is taken on (padding, a prompt, an unmasked token): PyTorch's and transformers' own.
 IGNORE_INDEX = -100
@@ -135,7 +137,7 @@ def default_per_sample_loss(output: Any, labels: Tensor, *, shift: bool | None =
     logits = logits_of(output)
     if logits is not None and token_level(logits, labels):
         if shift is None:
-            raise ValueError(
+            raise LossScaleError(
                 f"the per-sample loss of (B, T, V) logits {tuple(logits.shape)} on (B, T) token labels is the sum of "
                 "each sequence's token losses, with the labels shifted by one for a causal LM or not (masked LM, token "
                 "classification, seq2seq), as the model's own loss tells (MetaStoreTrainerCallback reads it); it was "

@@ -19,6 +19,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from metastore_plugins.core.store.run_log import append_event, error_text, event, how_of, start_event
@@ -99,8 +100,7 @@ class WriterLife:
                 stacklevel=3,
             )
 
-    def close(self, error: BaseException | None = None, *, how: str | None = None) -> None:
-        raise NotImplementedError
+    close: Callable[..., None]  # the writer's: write what is queued, end the life (StoreWriter.close)
 
 
 #: The writers this process opened and has not closed (the writer thread holds each one while it runs).
