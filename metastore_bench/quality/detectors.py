@@ -13,8 +13,8 @@ import numpy as np
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.curvature_self import kernel_self_influence, preconditioned_self_influence
 from metastore_plugins.core.analysis.signals import suspicion, training_signals
+from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.ops.curvature import CurvatureMethod
-from metastore_plugins.core.records import RepresentationError
 from metastore_plugins.core.reports.tables import TRAINING_STEPS, checkpoint_points, self_influence_of
 
 #: detectors read from the store, in table order; ``"checkpoint"`` ones need passes, the others training steps

@@ -28,15 +28,8 @@ from typing import Any
 from metastore_plugins.cli.output import printable
 from metastore_plugins.cli.parser import PARTITIONED, build_parser
 from metastore_plugins.core.analysis import open_store
-from metastore_plugins.core.distributed import (
-    DistributedQueryError,
-    init_from_env,
-    launched,
-    open_distributed_store,
-    rank_of,
-    shutdown,
-)
-from metastore_plugins.core.errors import IncompleteStoreWarning, MetastoreError
+from metastore_plugins.core.distributed import init_from_env, launched, open_distributed_store, rank_of, shutdown
+from metastore_plugins.core.errors import DistributedQueryError, IncompleteStoreWarning, MetastoreError
 from metastore_plugins.core.store import find_store_dir
 
 __all__ = ["PARTITIONED", "build_parser", "main"]

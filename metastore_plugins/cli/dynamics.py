@@ -9,8 +9,8 @@ import numpy as np
 
 from metastore_plugins.cli.output import emit, plain
 from metastore_plugins.core.analysis import GradientStore, RunComparison, open_store
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.reports import markdown_table
-from metastore_plugins.core.store import StoreError
 
 
 def cmd_query(args: argparse.Namespace, store: GradientStore) -> None:

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.reports import checkpoint_points
-from metastore_plugins.core.store import StoreError
 
 
 def train_points(store: GradientStore, given: Sequence[str] | None) -> list[str]:

@@ -14,6 +14,7 @@ from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.methods import check_damping, resolve_method
 from metastore_plugins.core.analysis.queries import nearest_occurrences
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
 from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.influence_table import influence_rows
@@ -26,7 +27,6 @@ from metastore_plugins.core.reports.stored import (
     with_gradients,
 )
 from metastore_plugins.core.reports.tables import outlier_markdown, outlier_table
-from metastore_plugins.core.store import StoreError
 from metastore_plugins.core.store.writable import writing
 
 

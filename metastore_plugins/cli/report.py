@@ -7,7 +7,7 @@ from pathlib import Path
 
 from metastore_plugins.cli.output import emit
 from metastore_plugins.core.analysis import GradientStore
-from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.errors import StoreError
 
 
 def cmd_report(args: argparse.Namespace, store: GradientStore) -> None:

@@ -1,7 +1,9 @@
 """Every error this package raises on purpose derives from :class:`MetastoreError`.
 
 Each class also derives from the built-in error it always was (``ValueError`` for a mistake in what
-was given, ``RuntimeError`` for a state the run cannot go on from), so ``except ValueError`` keeps working.
+was given, ``TypeError`` for an argument of the wrong kind, ``RuntimeError`` for a state the run cannot go on
+from, ``ImportError`` for a missing optional package), so ``except ValueError`` keeps working. No module
+raises a built-in exception class or defines an exception class elsewhere (``tests/layout/test_raises.py``).
 Catch ``MetastoreError`` to handle any of them::
 
     try:
@@ -13,23 +15,73 @@ Catch ``MetastoreError`` to handle any of them::
 from __future__ import annotations
 
 __all__ = [
+    "CompiledModelError",
+    "ConfigError",
+    "ConfigTypeError",
     "DistributedQueryError",
     "ExistingStoreError",
     "IncompleteStoreWarning",
     "JournalError",
     "LossScaleError",
     "MetastoreError",
+    "MissingDependencyError",
     "NotPerSampleError",
+    "OutOfRangeError",
+    "QueryError",
+    "ReferenceMismatchError",
     "RepresentationError",
     "SampleIdError",
+    "StateError",
     "StoreError",
     "StoreNotWritableError",
+    "UnknownNameError",
     "UnsupportedLayerError",
+    "UnsupportedPlatformError",
+    "WriterError",
 ]
 
 
 class MetastoreError(Exception):
     """Base of every error the package raises on purpose; the message names what to fix."""
+
+
+class ConfigError(MetastoreError, ValueError):
+    """A setting or argument given a value it cannot take (a callback's setting, a query's or operator's keyword,
+    a budget, a method name); the message names it and what it takes."""
+
+
+class ConfigTypeError(MetastoreError, TypeError):
+    """A setting or argument of the wrong kind (a dataset that is not map-style, a module type that is not an
+    ``nn.Module`` subclass), or one the call does not take."""
+
+
+class StateError(MetastoreError, RuntimeError):
+    """A call the object's state does not allow now (a closed writer, a second session on one model, a tag before
+    training), or a state the run cannot go on from (layers that saw different batch sizes)."""
+
+
+class WriterError(StateError):
+    """The store writer's thread failed (a disk error with ``on_error="raise"``); the cause is chained."""
+
+
+class MissingDependencyError(MetastoreError, ImportError):
+    """An optional package a feature needs (matplotlib, tensorboard, pyarrow) is not installed; names the extra."""
+
+
+class UnsupportedPlatformError(MetastoreError, NotImplementedError):
+    """A host the store format cannot be read or written on (big-endian)."""
+
+
+class UnknownNameError(MetastoreError, AttributeError):
+    """A module or object has no attribute of that name (``getattr`` and ``hasattr`` see an ``AttributeError``)."""
+
+
+class OutOfRangeError(MetastoreError, IndexError):
+    """A row index outside an array the store keeps on disk."""
+
+
+class ReferenceMismatchError(MetastoreError, AssertionError):
+    """:mod:`metastore_plugins.testing`: computed gradients that cannot be compared with the reference's."""
 
 
 class StoreError(MetastoreError, ValueError):

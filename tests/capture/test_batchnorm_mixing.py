@@ -21,8 +21,9 @@ from capturecases import TOLERANCE, assert_exact, cross_entropy, max_model_relat
 from torch import Tensor, nn
 
 from metastore_plugins.core.analysis import open_store
-from metastore_plugins.core.capture import CaptureSession, UnsupportedLayerError
+from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.core.capture.batch_mixing import BATCH_MIXED_KEY
+from metastore_plugins.core.errors import UnsupportedLayerError
 from metastore_plugins.core.reports import write_tables
 from metastore_plugins.core.training.run import RunCapture
 from metastore_plugins.testing import reference_per_sample_gradients

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from capturecases import assert_exact, cross_entropy, max_model_relative_error
 from torch import Tensor, nn
 
-from metastore_plugins.core.capture import CaptureSession, UnsupportedLayerError
+from metastore_plugins.core.capture import CaptureSession
+from metastore_plugins.core.errors import UnsupportedLayerError
 from metastore_plugins.testing import autocast_reference_per_sample_gradients, reference_per_sample_gradients
 
 TOKENS = 4  # B = 3 in most tests: no input's first dimension equals the batch size by chance

@@ -15,12 +15,12 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.capture import (
     CaptureSession,
-    UnsupportedLayerError,
     find_rule,
     register_capture,
     registered_types,
     unregister_capture,
 )
+from metastore_plugins.core.errors import UnsupportedLayerError
 from metastore_plugins.core.records import dense_record
 from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
 

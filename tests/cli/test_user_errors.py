@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from metastore_plugins import MetaStoreCallback, MetaStoreTrainerCallback, StoreWriter, open_store
 from metastore_plugins.cli import main
-from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.training.passes import capture_step, checkpoint_pass
 
 

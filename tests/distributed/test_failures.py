@@ -11,7 +11,8 @@ import pytest
 from ddp_store import run_ranks, write_ddp_store
 
 from metastore_plugins.core.analysis import queries
-from metastore_plugins.core.distributed import DistributedQueryError, open_distributed_store, partitioned_influence
+from metastore_plugins.core.distributed import open_distributed_store, partitioned_influence
+from metastore_plugins.core.errors import DistributedQueryError
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # forked gloo ranks (run_ranks)
 

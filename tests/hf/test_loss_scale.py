@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from metastore_plugins.core.capture import CaptureSession
-from metastore_plugins.core.training.loss_scale import LossScaleError, MeasuredLossScale, per_sample_weight
+from metastore_plugins.core.errors import LossScaleError
+from metastore_plugins.core.training.loss_scale import MeasuredLossScale, per_sample_weight
 from metastore_plugins.testing import reference_per_sample_gradients
 
 

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
 
 from metastore_plugins import MetaStoreTrainerCallback, open_store  # noqa: E402
-from metastore_plugins.core.store.manifest import StoreError  # noqa: E402
+from metastore_plugins.core.errors import StoreError  # noqa: E402
 from metastore_plugins.testing import reference_per_sample_gradients  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # vmap over SDPA

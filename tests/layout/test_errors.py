@@ -9,8 +9,8 @@ import pkgutil
 import pytest
 
 import metastore_plugins
-from metastore_plugins import MetastoreError
 from metastore_plugins.core import errors
+from metastore_plugins.core.errors import MetastoreError
 
 OPTIONAL = ("metastore_plugins.lightning_callback", "metastore_plugins.hf_callback")
 
@@ -56,6 +56,17 @@ def test_every_exception_class_derives_from_the_public_base() -> None:
         ("NotPerSampleError", ValueError),
         ("UnsupportedLayerError", RuntimeError),
         ("DistributedQueryError", RuntimeError),
+        ("QueryError", ValueError),
+        ("CompiledModelError", ValueError),
+        ("ConfigError", ValueError),
+        ("ConfigTypeError", TypeError),
+        ("StateError", RuntimeError),
+        ("WriterError", RuntimeError),
+        ("MissingDependencyError", ImportError),
+        ("UnsupportedPlatformError", NotImplementedError),
+        ("UnknownNameError", AttributeError),
+        ("OutOfRangeError", IndexError),
+        ("ReferenceMismatchError", AssertionError),
     ],
 )
 def test_each_error_keeps_the_builtin_base_callers_catch(name: str, builtin: type[Exception]) -> None:

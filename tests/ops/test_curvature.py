@@ -21,10 +21,11 @@ from opscases import get_case, rel_err
 from torch import Tensor, nn
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
+from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.ops import curvature as kfac
 from metastore_plugins.core.ops import represent, total_dots
 from metastore_plugins.core.ops.precondition import precondition
-from metastore_plugins.core.records import RepresentationError, to_dense
+from metastore_plugins.core.records import to_dense
 from metastore_plugins.testing import reference_per_sample_gradients
 
 

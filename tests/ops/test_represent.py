@@ -11,8 +11,8 @@ import pytest
 import torch
 from opscases import Case, reference_sketch, rel_err
 
+from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.ops import dots, sketch, sq_norms, total_dots, total_sq_norms
-from metastore_plugins.core.ops._common import RepresentationError
 from metastore_plugins.core.ops.represent import by_layer, norms_record, projected_record, represent
 from metastore_plugins.core.records import PROJECTION_SEED, LayerRecord
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import LayerRecord, dense_record
 from metastore_plugins.core.store.encoding import check_encoding
-from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.shardfile import write_shard
 from metastore_plugins.core.store.shardread import (
     ShardData,

@@ -16,7 +16,8 @@ import xxhash
 from hostilecases import build_store, check, edit_line, journal_objects, of_shard, shard
 
 from metastore_plugins import open_store
-from metastore_plugins.core.store import StoreError, readcache
+from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.store import readcache
 from metastore_plugins.core.store.maintenance import compact, repair
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

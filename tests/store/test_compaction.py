@@ -17,7 +17,7 @@ from storecases import FP32_ROUNDOFF, journal_entries, synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.cli import main as cli_main
-from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store.maintenance import compact, repair
 
 HERE = Path(__file__).resolve().parent

@@ -33,8 +33,8 @@ from hostilecases import (
 from storecases import synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.errors import IncompleteStoreWarning
-from metastore_plugins.core.store import StoreError, batches, readcache, shardread
+from metastore_plugins.core.errors import IncompleteStoreWarning, StoreError
+from metastore_plugins.core.store import batches, readcache, shardread
 from metastore_plugins.core.store import files as files_module
 from metastore_plugins.core.store import writer as writer_module
 

@@ -38,7 +38,7 @@ from hostilecases import (
 from safetensors.torch import save_file
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store import journal as journal_module
 
 MiB = 2**20

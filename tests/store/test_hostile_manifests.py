@@ -27,7 +27,7 @@ from hostilecases import (
 
 from metastore_plugins import open_store
 from metastore_plugins.cli import main
-from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.errors import StoreError
 
 
 @pytest.fixture

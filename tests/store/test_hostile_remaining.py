@@ -38,8 +38,8 @@ from safetensors.torch import load_file
 from storecases import synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import LayerRecord
-from metastore_plugins.core.store import StoreError
 
 #: Bytes of address space the capped subprocess may add after its imports (its own parsing of a valid
 #: store needs a few MB; the hostile inputs below need 3.6 GB and 64 GiB on the code before the fix).

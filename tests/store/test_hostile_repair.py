@@ -24,7 +24,7 @@ from hostilecases import (
 )
 
 from metastore_plugins import StoreWriter, open_store
-from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store.maintenance import repair
 
 FIX = "`metastore verify --repair` lists it again, or removes it when listed shards hold a copy"

@@ -36,7 +36,8 @@ from hostilecases import (
 from safetensors.torch import load_file, save_file
 
 from metastore_plugins import open_store
-from metastore_plugins.core.store import StoreError, batches
+from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.store import batches
 
 HERE = Path(__file__).resolve().parent
 

@@ -13,9 +13,9 @@ import torch
 from storecases import PooledTagger, reference_loop, tagger_batch, tagger_loss
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
+from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.ops import total_dots
 from metastore_plugins.core.ops.represent import represent
-from metastore_plugins.core.records import RepresentationError
 from metastore_plugins.core.store.encoding import ENCODINGS
 
 CHOICE = {"emb": "norms", "enc": "projected", "norm": "projected"}  # head stays exact

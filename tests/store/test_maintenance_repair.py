@@ -17,7 +17,7 @@ from safetensors import safe_open
 from storecases import FP32_ROUNDOFF
 
 from metastore_plugins import open_store
-from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store import writer as writer_module
 from metastore_plugins.core.store.maintenance import repair
 

@@ -20,7 +20,8 @@ from hostilecases import build_store, check, of_shard, shard
 
 from metastore_plugins import open_store
 from metastore_plugins.core.analysis.queries import dot_matrix
-from metastore_plugins.core.store import StoreError, batches, readcache, selection
+from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.store import batches, readcache, selection
 
 SHARDS = 6
 

@@ -19,7 +19,8 @@ import pytest
 from hostilecases import build_store, check, of_shard, shard
 
 from metastore_plugins import open_store
-from metastore_plugins.core.store import StoreError, batches, readcache
+from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.store import batches, readcache
 from metastore_plugins.core.store.shardread import ShardExpectation, expected_keys
 
 

@@ -19,7 +19,7 @@ from storecases import PooledTagger, flat, per_sample_losses, rel_err, tagger_ba
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.analysis import GradientStore
-from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.testing import max_relative_error, reference_per_sample_gradients
 
 TOL = 1e-5

@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store import files as files_module
 from metastore_plugins.core.store.file_kinds import TEMPORARY_NAME, temporary_target
-from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.store.files import StoreDir
 
 PROMPT = 5.0  # seconds: a refusal takes microseconds; a blocked open never returns
 

@@ -19,10 +19,10 @@ import torch
 from hostilecases import build_store, check, write_batches
 
 from metastore_plugins import StoreWriter, open_store
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.reports import write_tables
 from metastore_plugins.core.store import sketch_cache
 from metastore_plugins.core.store.maintenance import compact, repair
-from metastore_plugins.core.store.manifest import StoreError
 
 LINKS = ["to_file", "dangling"]
 

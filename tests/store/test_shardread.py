@@ -34,7 +34,7 @@ from shardcases import (
     no_leaked_descriptors,  # noqa: F401 - a fixture
 )
 
-from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store.shardread import (
     ShardData,
     ShardExpectation,

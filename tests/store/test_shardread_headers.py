@@ -13,8 +13,8 @@ import pytest
 import torch
 from shardcases import _assert_same, _reference, _refused, no_leaked_descriptors  # noqa: F401 - a fixture
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import dense_record
-from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.shardfile import write_shard
 from metastore_plugins.core.store.shardread import (
     ShardExpectation,

@@ -17,9 +17,9 @@ from storecases import synthetic_batch
 from torch import Tensor, nn
 
 from metastore_plugins import open_store
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store import StoreWriter
 from metastore_plugins.core.store.maintenance import repair
-from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.snapshots import (
     SnapshotWriter,
     list_snapshots,

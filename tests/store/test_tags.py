@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metastore_plugins.core.store.manifest import StoreError
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store.tags import Tag, TagBook, find_tags, read_tags
 
 

@@ -18,8 +18,8 @@ import torch
 from storecases import FP32_ROUNDOFF, journal_entries, synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import LayerRecord
-from metastore_plugins.core.store import StoreError
 from metastore_plugins.core.store import writer as writer_module
 
 HERE = Path(__file__).resolve().parent

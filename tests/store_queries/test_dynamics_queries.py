@@ -18,7 +18,7 @@ from torch import Tensor
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core import ops
-from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.training.passes import capture_step
 
 TOL = 1e-5

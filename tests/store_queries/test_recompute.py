@@ -21,10 +21,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from metastore_plugins.core.capture.session import LossReduction
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.model.recompute import recompute
 from metastore_plugins.core.ops import total_dots, total_sq_norms
 from metastore_plugins.core.records import restore_all
-from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.snapshots import SnapshotWriter, write_snapshot
 
 TOL = 1e-5

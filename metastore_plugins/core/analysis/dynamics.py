@@ -31,8 +31,9 @@ from metastore_plugins.core.analysis.per_batch import abs_sum, add_to, entry_val
 from metastore_plugins.core.analysis.results import Contributors, RunComparison, Spike, WeightChange
 from metastore_plugins.core.analysis.run_profile import compare_profiles, run_profile
 from metastore_plugins.core.analysis.scan import Scan, scan_of
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
-from metastore_plugins.core.store import Selection, StoreError, StoreReader, find_store_dir
+from metastore_plugins.core.store import Selection, StoreReader, find_store_dir
 
 Steps = int | tuple[int, int] | None
 Epochs = int | Iterable[int] | None

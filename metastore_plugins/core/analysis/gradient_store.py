@@ -33,8 +33,9 @@ from metastore_plugins.core.analysis import (
 )
 from metastore_plugins.core.analysis import sketches as sketch_queries
 from metastore_plugins.core.analysis.scan import LOCAL, Scan
+from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.model import recompute as recompute_module
-from metastore_plugins.core.records import LayerRecord, RepresentationError
+from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import StoreReader, find_store_dir
 from metastore_plugins.core.store.journal_batch import gc_paused
 from metastore_plugins.core.store.run_log import noted_once

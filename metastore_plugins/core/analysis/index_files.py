@@ -28,8 +28,9 @@ from metastore_plugins.core.analysis.vector_search import (
     choose_plan,
     load_faiss,
 )
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
-from metastore_plugins.core.store import Selection, StoreError, StoreReader
+from metastore_plugins.core.store import Selection, StoreReader
 from metastore_plugins.core.store import vector_check as vc
 from metastore_plugins.core.store import vector_files as vf
 from metastore_plugins.core.store import vector_maps as vm

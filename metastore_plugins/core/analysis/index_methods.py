@@ -38,10 +38,11 @@ from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import sketch_layers
 from metastore_plugins.core.analysis.vector_index import VectorIndex, projected_only
 from metastore_plugins.core.analysis.vector_search import largest
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, CurvatureMethod, LayerCurvature
 from metastore_plugins.core.ops.precondition import precondition
-from metastore_plugins.core.store import StoreError, StoreReader
+from metastore_plugins.core.store import StoreReader
 
 Curvature = dict[str, LayerCurvature]
 

@@ -28,8 +28,9 @@ import numpy as np
 
 from metastore_plugins.core.analysis.index_files import build_piece, default_dim, encode_part, index_head
 from metastore_plugins.core.analysis.sketches import sketch_layers
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
-from metastore_plugins.core.store import Selection, StoreError, StoreReader
+from metastore_plugins.core.store import Selection, StoreReader
 from metastore_plugins.core.store import vector_files as vf
 from metastore_plugins.core.store.entries import shard_pattern
 

@@ -29,12 +29,11 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.analysis.queries import dot_blocks, summed_scores
 from metastore_plugins.core.analysis.results import Scores
-from metastore_plugins.core.errors import QueryError
+from metastore_plugins.core.errors import QueryError, StoreError
 from metastore_plugins.core.model.losses import IGNORE_INDEX, LossFn, logits_of
 from metastore_plugins.core.model.recompute import recompute_batches
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import StoreReader
-from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.snapshots import list_snapshots, load_snapshot_state
 
 

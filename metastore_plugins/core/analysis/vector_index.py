@@ -60,9 +60,10 @@ from metastore_plugins.core.analysis.vector_search import (
     load_faiss,
     row_norms,
 )
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.records import KIND_CODES
-from metastore_plugins.core.store import StoreError, StoreReader
+from metastore_plugins.core.store import StoreReader
 
 __all__ = [
     "DEFAULT_DIM",

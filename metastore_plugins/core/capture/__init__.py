@@ -13,7 +13,8 @@ from metastore_plugins.core.capture.registry import (
     registered_types,
     unregister_capture,
 )
-from metastore_plugins.core.capture.session import CaptureSession, UnsupportedLayerError
+from metastore_plugins.core.capture.session import CaptureSession
+from metastore_plugins.core.errors import UnsupportedLayerError
 from metastore_plugins.core.records import LayerRecord, restore_all
 
 __all__ = [

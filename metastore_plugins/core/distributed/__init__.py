@@ -11,7 +11,6 @@
 See ``docs/distributed.md``.
 """
 
-from metastore_plugins.core.distributed.collectives import DistributedQueryError
 from metastore_plugins.core.distributed.launch import init_from_env, launched, shutdown
 from metastore_plugins.core.distributed.partition import assign_shards, split
 from metastore_plugins.core.distributed.queries import (
@@ -24,6 +23,7 @@ from metastore_plugins.core.distributed.queries import (
 )
 from metastore_plugins.core.distributed.scan import PartitionedScan
 from metastore_plugins.core.distributed.store import DistributedStore, open_distributed_store, rank_of
+from metastore_plugins.core.errors import DistributedQueryError
 
 __all__ = [
     "DistributedQueryError",

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from metastore_plugins.core.model.sample_ids import SAMPLE_ID_KEYS, SampleIdError, take_sample_ids, unwrap_dataset
+from metastore_plugins.core.errors import SampleIdError
+from metastore_plugins.core.model.sample_ids import SAMPLE_ID_KEYS, take_sample_ids, unwrap_dataset
 from metastore_plugins.core.ops.cost import PASS_BATCH_BYTES, pass_batch_size
 
 

@@ -27,10 +27,10 @@ from torch.utils.data import default_collate
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.capture.session import LossReduction
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.model.losses import BatchLoss, LossFn, default_labels, logits_of, unbound_loss
 from metastore_plugins.core.model.pass_sources import PassSource, indexed_batches
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
-from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.selection import join_records
 from metastore_plugins.core.store.snapshots import floating_buffers, load_snapshot_state, trainable
 

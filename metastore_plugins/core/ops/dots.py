@@ -25,9 +25,9 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
-    RepresentationError,
     chunks,
     common_params,
     outer_dims,

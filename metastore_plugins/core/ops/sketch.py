@@ -51,9 +51,9 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
-    RepresentationError,
     chunks,
     max_rows_per_sample,
     outer_dims,

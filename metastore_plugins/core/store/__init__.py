@@ -10,9 +10,10 @@ It knows bytes, not questions: queries (norms, influence, dynamics, sketches) li
 (a ``StoreReader`` with the query methods). Nothing here imports from above ``core.store``.
 """
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store.batches import BatchRef
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
-from metastore_plugins.core.store.reader import StoreError, StoreReader, find_store_dir
+from metastore_plugins.core.store.reader import StoreReader, find_store_dir
 from metastore_plugins.core.store.selection import Selection, StoredBatch
 from metastore_plugins.core.store.writer import StoreWriter, WriterStats
 

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import KIND_CODES, LayerRecord, meta_key, record_prefix
 from metastore_plugins.core.store.encoding import decode, is_scale_key
 from metastore_plugins.core.store.index import StoreIndex
-from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.readcache import SHARDS
 from metastore_plugins.core.store.record_check import check_record
 from metastore_plugins.core.store.shardread import ShardData

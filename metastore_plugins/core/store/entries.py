@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from metastore_plugins.core.errors import JournalError
 from metastore_plugins.core.records import FLOAT_SAMPLE_COLUMNS, KIND_CODES, META_BITS, PER_SAMPLE_KINDS, SAMPLE_COLUMNS
-from metastore_plugins.core.store.journal import JournalError, pack, unpack
+from metastore_plugins.core.store.journal import pack, unpack
 from metastore_plugins.core.store.manifest import ENCODING_NAMES, MAX_INT, name_problem
 
 BATCH_FIELDS = ("capture_point", "step", "epoch", "micro_batch", "size", "lr", "meta")

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import META_BITS, meta_key, meta_prefix
 from metastore_plugins.core.store import vector_check
 from metastore_plugins.core.store.batches import ShardFiles
@@ -18,7 +19,6 @@ from metastore_plugins.core.store.entries import ShardEntry, sample_columns
 from metastore_plugins.core.store.file_kinds import TEMPORARY_SUFFIX, kind_of
 from metastore_plugins.core.store.index import StoreIndex, expectation
 from metastore_plugins.core.store.journal import unpack
-from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.shardinfo import INFO_KEY
 from metastore_plugins.core.store.shardread import ShardData, read_shard
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from metastore_plugins.core.errors import JournalError, StoreError
 from metastore_plugins.core.records import FLOAT_SAMPLE_COLUMNS, KIND_CODES, SAMPLE_COLUMNS
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import (
@@ -25,8 +26,8 @@ from metastore_plugins.core.store.entries import (
     entry_from_v1,
     meta_columns,
 )
-from metastore_plugins.core.store.files import StoreError, open_regular, read_bounded
-from metastore_plugins.core.store.journal import JournalError, decode_line, journal_name, read_lines
+from metastore_plugins.core.store.files import open_regular, read_bounded
+from metastore_plugins.core.store.journal import decode_line, journal_name, read_lines
 from metastore_plugins.core.store.shardread import ShardExpectation, expected_keys
 
 

@@ -7,10 +7,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import MAX_SHARD_NUMBER, ShardEntry, shard_pattern
 from metastore_plugins.core.store.file_kinds import any_temporary_target
-from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.index import read_rank
 from metastore_plugins.core.store.journal import JournalAppender, RankLock, encode_line, journal_name
 

@@ -38,8 +38,8 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import xxhash
 
-from metastore_plugins.core.errors import JournalError
-from metastore_plugins.core.store.files import StoreDir, StoreError, atomic_write_bytes
+from metastore_plugins.core.errors import JournalError, StoreError
+from metastore_plugins.core.store.files import StoreDir, atomic_write_bytes
 from metastore_plugins.core.store.manifest import json_values_problem
 from metastore_plugins.core.store.writable import COPY_TO_WRITE, writing
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import batch_prefix
 from metastore_plugins.core.store import journal
 from metastore_plugins.core.store import manifest as mf
@@ -32,7 +33,6 @@ from metastore_plugins.core.store.health import one_line
 from metastore_plugins.core.store.index import RankIndex, expectation, join_samples, read_rank
 from metastore_plugins.core.store.index_writer import first_free_shard
 from metastore_plugins.core.store.journal import RankLock, encode_line, journal_name, rewrite
-from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.repair import JournalLine, repair, scan_journal
 from metastore_plugins.core.store.shardfile import header_bytes, tensor_layout
 from metastore_plugins.core.store.shardinfo import describe

@@ -22,11 +22,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from metastore_plugins.core.errors import StoreError
+
 # their home is records.py (the shard keys) and files.py; many modules import them from here
 from metastore_plugins.core.records import EXACT_KINDS, WEIGHT_LAYOUTS
 from metastore_plugins.core.records import meta_key as meta_key
 from metastore_plugins.core.records import record_key as record_key
-from metastore_plugins.core.store.files import StoreError as StoreError
 from metastore_plugins.core.store.files import atomic_write_bytes as atomic_write_bytes
 from metastore_plugins.core.store.files import fsync_dir as fsync_dir
 

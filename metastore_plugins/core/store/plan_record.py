@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import REPRESENTATIONS, Representation
-from metastore_plugins.core.store.manifest import StoreError, in_range, manifest_name, name_problem
+from metastore_plugins.core.store.manifest import in_range, manifest_name, name_problem
 
 #: The largest projection size ``k`` a plan may record (the planner's ladder goes up to 16; a query holds
 #: ``k * k`` numbers per sample and layer for it, so a damaged ``k`` of 10^6 would ask for terabytes).

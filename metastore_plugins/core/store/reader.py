@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import KIND_CODES, PER_SAMPLE_KINDS, restore_all
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store import run_log
@@ -32,7 +33,6 @@ from metastore_plugins.core.store.batches import BatchRef, ShardFiles
 from metastore_plugins.core.store.disk_usage import disk_usage
 from metastore_plugins.core.store.health import check_store, fill_v1_samples
 from metastore_plugins.core.store.index import RankIndex, StoreIndex, read_rank
-from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.plan_record import plan_problems
 from metastore_plugins.core.store.selection import Selection
 

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import EIGENBASIS_TENSORS, EXACT_KINDS, INTEGER_TENSORS, KIND_TENSORS, dense_key
 from metastore_plugins.core.store.encoding import is_scale_key
-from metastore_plugins.core.store.manifest import MAX_EMBEDDING_ROWS, StoreError
+from metastore_plugins.core.store.manifest import MAX_EMBEDDING_ROWS
 
 
 def check_record(

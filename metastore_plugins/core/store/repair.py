@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from metastore_plugins.core.errors import JournalError, StoreError
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store import tag_cache, vector_check
 from metastore_plugins.core.store.entries import ShardEntry, entry_from_json, shard_pattern
@@ -41,7 +42,6 @@ from metastore_plugins.core.store.health import QUARANTINE, leftover_rank
 from metastore_plugins.core.store.index import StoreIndex, expectation, read_rank
 from metastore_plugins.core.store.journal import (
     MAX_LINE_BYTES,
-    JournalError,
     RankLock,
     decode_line,
     encode_line,
@@ -49,7 +49,6 @@ from metastore_plugins.core.store.journal import (
     read_lines,
     rewrite,
 )
-from metastore_plugins.core.store.manifest import StoreError
 from metastore_plugins.core.store.shardinfo import batch_prints, entry_from_shard, read_unlisted
 from metastore_plugins.core.store.shardread import read_shard
 

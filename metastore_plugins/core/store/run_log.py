@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from metastore_plugins.core.errors import IncompleteStoreWarning, JournalError
-from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.errors import IncompleteStoreWarning, JournalError, StoreError
+from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.journal import JournalAppender, decode_line, encode_line, read_lines
 
 #: How a run ended: the trainer's end of training; an exception (``KeyboardInterrupt``: interrupted) came

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from metastore_plugins.core.store.files import StoreError
+from metastore_plugins.core.errors import StoreError
 
 _DTYPES = {
     "F64": torch.float64,

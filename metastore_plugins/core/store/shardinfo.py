@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from metastore_plugins.core.errors import JournalError, StoreError
 from metastore_plugins.core.records import meta_prefix
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.entries import (
@@ -37,9 +38,9 @@ from metastore_plugins.core.store.entries import (
     entry_from_json,
     sample_columns,
 )
-from metastore_plugins.core.store.files import StoreError, open_regular
+from metastore_plugins.core.store.files import open_regular
 from metastore_plugins.core.store.index import expectation
-from metastore_plugins.core.store.journal import JournalError, pack, unpack
+from metastore_plugins.core.store.journal import pack, unpack
 from metastore_plugins.core.store.shardread import DIGESTS, ShardData, ShardExpectation, read_shard
 
 #: The header metadata key of a shard's description, and the description's own version.

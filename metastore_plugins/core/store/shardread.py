@@ -28,6 +28,7 @@ import torch
 import xxhash
 from torch import Tensor
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import (
     EIGENBASIS_TENSORS,
     INTEGER_TENSORS,
@@ -39,7 +40,7 @@ from metastore_plugins.core.records import (
 )
 from metastore_plugins.core.store.encoding import EXACT_KEYS
 from metastore_plugins.core.store.file_kinds import not_regular, os_problem
-from metastore_plugins.core.store.files import StoreDir, StoreError, open_regular
+from metastore_plugins.core.store.files import StoreDir, open_regular
 from metastore_plugins.core.store.shard_header import Entry, parse_header
 
 _SCALED_ENCODINGS = ("fp16", "int8")  # as encoding.stored_specs: every floating tensor, zero rows included

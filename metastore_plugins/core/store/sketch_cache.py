@@ -42,7 +42,8 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 from torch import Tensor
 
-from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.store.files import StoreDir
 
 #: The folder of the cache inside a store directory.
 CACHE_DIR = "sketches"

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.store.files import StoreDir, StoreError
-from metastore_plugins.core.store.journal import JournalError, ParsedPrefixes
+from metastore_plugins.core.errors import JournalError, StoreError
+from metastore_plugins.core.store.files import StoreDir
+from metastore_plugins.core.store.journal import ParsedPrefixes
 from metastore_plugins.core.store.journal_batch import decode_lines, gc_paused
 
 FORMAT = "metastore-snapshot/1"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.store.files import StoreError
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store.snapshot_check import BUFFERS, entry_kind
 
 

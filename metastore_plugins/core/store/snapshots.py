@@ -37,8 +37,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 from torch import Tensor, nn
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store import snapshot_check as check
-from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.journal import JournalAppender, encode_line
 from metastore_plugins.core.store.snapshot_delta import apply, delta
 

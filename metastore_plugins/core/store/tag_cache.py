@@ -33,9 +33,10 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as load_bytes
 from safetensors.numpy import save as save_bytes
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import KEEP_CHOICES
 from metastore_plugins.core.store.file_kinds import any_temporary_target
-from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.tags import MAX_TAGS_BYTES, Tag, parse_from, read_file, tag_files
 
 #: The folder of the cache inside a store directory.

@@ -36,12 +36,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from metastore_plugins.core.errors import JournalError, StoreError
 from metastore_plugins.core.records import KEEP_CHOICES
-from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.journal import (
     MAX_LINE_BYTES,
     JournalAppender,
-    JournalError,
     ParsedPrefixes,
     decode_line,
     encode_line,

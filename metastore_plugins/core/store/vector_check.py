@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store.file_kinds import temporary_target
-from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.index import StoreIndex
 from metastore_plugins.core.store.vector_files import (
     FOLDER,

@@ -46,8 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store.file_kinds import temporary_target
-from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.shardfile import header_bytes, tensor_layout
 
 FOLDER = "vector_index"

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from metastore_plugins.core.store.files import StoreDir, StoreError
+from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.vector_files import FOLDER
 
 #: ``(device, inode, size, mtime_ns, ctime_ns)``: a file rewritten, cut or replaced since has another.

@@ -21,9 +21,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from metastore_plugins.core.errors import ExistingStoreError
+from metastore_plugins.core.errors import ExistingStoreError, StoreError
 from metastore_plugins.core.store.journal import RankLock, journal_name
-from metastore_plugins.core.store.manifest import StoreError, find_manifests
+from metastore_plugins.core.store.manifest import find_manifests
 from metastore_plugins.core.store.reader import StoreReader
 
 #: Rank 0's decision: (what, the place an overwritten store moved to, or why it could not move).

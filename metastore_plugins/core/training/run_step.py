@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.capture.session import LossReduction
+from metastore_plugins.core.errors import LossScaleError
 from metastore_plugins.core.model.losses import (
     DefaultPerSampleLoss,
     LabelsFn,
@@ -27,7 +28,7 @@ from metastore_plugins.core.model.losses import (
 from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.records import BatchMeta
 from metastore_plugins.core.store.writer import StoreWriter
-from metastore_plugins.core.training.loss_scale import LossScaleError, check_loss_reduction, gradients_finite
+from metastore_plugins.core.training.loss_scale import check_loss_reduction, gradients_finite
 from metastore_plugins.core.training.step_basis import StepSums
 
 
