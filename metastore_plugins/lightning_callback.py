@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from metastore_plugins.core.capture.session import LossReduction
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.model.pass_sources import dataset_size
 from metastore_plugins.core.model.sample_ids import (
     IndexedDataset,
@@ -85,7 +86,7 @@ class MetaStoreCallback(Callback):
         **settings: Unpack[CaptureSettings],
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"MetaStoreCallback(loss_reduction=...) must be 'mean' or 'sum', got {loss_reduction!r}")
+            raise ConfigError(f"MetaStoreCallback(loss_reduction=...) must be 'mean' or 'sum', got {loss_reduction!r}")
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.loss_reduction = loss_reduction
         self.options = CallbackOptions.of("MetaStoreCallback", settings)
@@ -108,14 +109,14 @@ class MetaStoreCallback(Callback):
         if stage != "fit":
             return
         if self.dirpath is None and trainer.logger is None:
-            raise ValueError(
+            raise ConfigError(
                 "MetaStoreCallback needs to know where to put the store: pass dirpath=... to MetaStoreCallback, "
                 "or give the Trainer a logger (logger=TensorBoardLogger(...))"
             )
         refuse_compiled(pl_module, False, self.options.owner, "torch.compile (fit the uncompiled LightningModule)")
         self.options.check_model(pl_module)
         if not pl_module.automatic_optimization:
-            raise ValueError(
+            raise ConfigError(
                 f"MetaStoreCallback supports automatic optimization only; {type(pl_module).__name__} sets "
                 "automatic_optimization=False"
             )
@@ -387,7 +388,7 @@ def _quiet_loss(pl_module: pl.LightningModule, batch: Any, k: int) -> Tensor:
         output = pl_module.training_step(batch, k)
     loss = output["loss"] if isinstance(output, dict) else output
     if not isinstance(loss, Tensor):
-        raise ValueError("training_step must return the loss (a tensor, or a dict with 'loss') for checkpoint passes")
+        raise ConfigError("training_step must return the loss (a tensor, or a dict with 'loss') for checkpoint passes")
     return loss
 
 

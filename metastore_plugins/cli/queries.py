@@ -14,7 +14,7 @@ from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.methods import check_damping, resolve_method
 from metastore_plugins.core.analysis.queries import nearest_occurrences
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
-from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.errors import ConfigError, StoreError
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
 from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.influence_table import influence_rows
@@ -96,7 +96,7 @@ def _checked_method(args: argparse.Namespace, store: GradientStore, points: Sequ
     try:
         check_damping(chosen.method, args.damping, args.relative_damping, ("--damping", "--relative-damping"))
     except ValueError as exc:
-        raise ValueError(f"{why}{exc}") from None
+        raise ConfigError(f"{why}{exc}") from None
     return chosen.method
 
 

@@ -28,6 +28,7 @@ from metastore_plugins.core.analysis.curvature import preconditioned_scores
 from metastore_plugins.core.analysis.methods import InfluenceMethod, check_damping, check_method
 from metastore_plugins.core.analysis.queries import Pair, scored_pairs, whole
 from metastore_plugins.core.analysis.results import Scores
+from metastore_plugins.core.errors import QueryError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import CURVATURE_METHODS, DEFAULT_RELATIVE_DAMPING
 from metastore_plugins.core.ops.eigenbasis import truncated_record
@@ -53,12 +54,12 @@ def step_windows(
     for point in tests:
         at = store.steps(point)
         if len(at) != 1:
-            raise ValueError(
+            raise QueryError(
                 f"in-run influence pairs the training steps with checkpoint passes, each taken at one step; {point!r} "
                 f"holds gradients of {len(at)} steps"
             )
         if taken and at[0] <= taken[-1]:
-            raise ValueError(
+            raise QueryError(
                 f"the test passes must be given in step order; {point!r} (step {at[0]}) comes after step {taken[-1]}"
             )
         taken.append(at[0])
@@ -115,7 +116,7 @@ def in_run_influence(
     else:
         windows = step_windows(store, train, test, window)
     if not windows:
-        raise ValueError(f"no training step of {train!r} is paired with the test passes {test!r} (steps {steps})")
+        raise QueryError(f"no training step of {train!r} is paired with the test passes {test!r} (steps {steps})")
     single = isinstance(test, str)
     pairs: list[Pair] = [
         (

@@ -28,6 +28,7 @@ from metastore_plugins.core.analysis.per_batch import positive_number
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import Scan
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import CURVATURE_METHODS, DEFAULT_RELATIVE_DAMPING, CurvatureMethod
 from metastore_plugins.core.store import StoreReader
@@ -49,7 +50,7 @@ AUTO_METHOD: InfluenceMethod = "ekfac"
 def check_method(method: str, choices: Sequence[str] = INFLUENCE_METHODS, name: str = "method") -> str:
     """``method`` when it is one of ``choices``; else a ``ValueError`` naming ``name`` and the choices."""
     if not isinstance(method, str) or method not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {method!r}")
+        raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}; got {method!r}")
     return method
 
 
@@ -108,9 +109,9 @@ def check_damping(
     positive_number(names[0], damping)
     positive_number(names[1], relative_damping)
     if method == "tracin" and (damping is not None or relative_damping is not None):
-        raise ValueError(f"method 'tracin' has no damping (it inverts nothing): drop {names[0]} and {names[1]}")
+        raise ConfigError(f"method 'tracin' has no damping (it inverts nothing): drop {names[0]} and {names[1]}")
     if method == "trak" and damping is not None:
-        raise ValueError(
+        raise ConfigError(
             f"method 'trak' takes {names[1]} (its kernel's ridge as a fraction of the mean eigenvalue), "
             f"not the absolute {names[0]}"
         )
@@ -181,7 +182,7 @@ def influence(
             max_bytes=max_bytes,
         )
     if recompute is not None:
-        raise ValueError(
+        raise ConfigError(
             f"recompute= belongs to method='tracin' (the exact TracIn refinement); method={method!r} is not refined"
         )
     if k is not None and train_ids is None:  # the same index, searched with the preconditioned test side
@@ -234,9 +235,9 @@ def self_influence(
         chosen = {} if layers is None else {"layers": layers}
         return queries.self_influence(store, capture_point, max_bytes=max_bytes, scan=scan, **chosen, **where)
     if scan is not None:
-        raise ValueError(f"scan= is TracIn's; method={method!r} reads through the store's own scan")
+        raise ConfigError(f"scan= is TracIn's; method={method!r} reads through the store's own scan")
     if capture_point is None:
-        raise ValueError(f"method={method!r} fits its curvature per pass: name the capture_point (or points)")
+        raise ConfigError(f"method={method!r} fits its curvature per pass: name the capture_point (or points)")
     if method in CURVATURE_METHODS:
         relative = DEFAULT_RELATIVE_DAMPING if relative_damping is None else relative_damping
         return curvature_self.preconditioned_self_influence(
@@ -263,7 +264,7 @@ def similar(store: StoreReader, query: str, candidates: str, *, method: str = "t
     """
     check_method(method)
     if method != "tracin":
-        raise ValueError(
+        raise ConfigError(
             f"similar() compares plain gradients (method='tracin'); method={method!r} is not supported: use "
             f"influence(..., method={method!r}) for preconditioned scores"
         )

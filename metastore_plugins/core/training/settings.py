@@ -23,6 +23,7 @@ from metastore_plugins.core.capture.session import (
     LossReduction,
     UnsupportedPolicy,
 )
+from metastore_plugins.core.errors import ConfigError, ConfigTypeError, StateError
 from metastore_plugins.core.model.losses import LabelsFn, PerSampleLossFn
 from metastore_plugins.core.model.pass_sources import CheckpointSchedule
 from metastore_plugins.core.policy.budget import POLICIES, Budget, Policy, parse_budget
@@ -102,7 +103,7 @@ class CallbackOptions:
         known = {f.name for f in fields(cls)} - {"owner"}
         unknown = sorted(set(settings) - known)
         if unknown:
-            raise TypeError(
+            raise ConfigTypeError(
                 f"{owner}() got unexpected setting(s) {', '.join(map(repr, unknown))}; "
                 f"it takes: {', '.join(sorted(known))}"
             )
@@ -110,7 +111,7 @@ class CallbackOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.modules, str):
-            raise ValueError(f"{self.owner}(modules=...) takes a list of module paths; write [{self.modules!r}]")
+            raise ConfigError(f"{self.owner}(modules=...) takes a list of module paths; write [{self.modules!r}]")
         object.__setattr__(self, "modules", None if self.modules is None else tuple(self.modules))
         object.__setattr__(self, "budget", parse_budget(self.budget, self.owner))
         for setting, value, choices in (
@@ -122,10 +123,10 @@ class CallbackOptions:
             ("basis_from", self.basis_from, BASIS_SOURCES),
         ):
             if value not in choices:
-                raise ValueError(f"{self.owner}({setting}=...) must be one of {', '.join(choices)}; got {value!r}")
+                raise ConfigError(f"{self.owner}({setting}=...) must be one of {', '.join(choices)}; got {value!r}")
         check_outlier_source(self.outliers_from, self.capture_train_steps, self.owner)
         if self.rank_outliers_by == "aum" and not self.capture_train_steps:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.owner}(rank_outliers_by='aum') ranks by the training steps' margins; keep "
                 "capture_train_steps=True"
             )
@@ -134,23 +135,23 @@ class CallbackOptions:
         self.whole_number("seed", self.seed, None)
         self.whole_number("basis_samples", self.basis_samples, 0)
         if self.sample_renderer is not None and not callable(self.sample_renderer):
-            raise ValueError(
+            raise ConfigError(
                 f"{self.owner}(sample_renderer=...) must be a function (split, sample id) -> text or image; "
                 f"got {self.sample_renderer!r}"
             )
         if not isinstance(self.per_layer_scalars, bool):
-            raise ValueError(
+            raise ConfigError(
                 f"{self.owner}(per_layer_scalars=...) must be True or False; got {self.per_layer_scalars!r}"
             )
         if not isinstance(self.index, bool):
-            raise ValueError(f"{self.owner}(index=...) must be True or False; got {self.index!r}")
+            raise ConfigError(f"{self.owner}(index=...) must be True or False; got {self.index!r}")
         if not isinstance(self.overwrite, bool):
-            raise ValueError(f"{self.owner}(overwrite=...) must be True or False; got {self.overwrite!r}")
+            raise ConfigError(f"{self.owner}(overwrite=...) must be True or False; got {self.overwrite!r}")
         seconds = self.flush_seconds
         if seconds is not None and (
             isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf")
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"{self.owner}(flush_seconds=...) must be a positive number of seconds, or None to write only full "
                 f"shards; got {seconds!r}"
             )
@@ -159,7 +160,7 @@ class CallbackOptions:
         """``value`` as an int, or a ``ValueError`` naming ``owner(setting=...)`` when it is no integer ``>= least``."""
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (least is not None and value < least):
             bound = f" >= {least}" if least is not None else ""
-            raise ValueError(f"{self.owner}({setting}=...) must be an integer{bound}; got {value!r}")
+            raise ConfigError(f"{self.owner}({setting}=...) must be an integer{bound}; got {value!r}")
         return int(value)
 
     def check_model(self, model: nn.Module, capturable: bool = False) -> None:
@@ -168,7 +169,7 @@ class CallbackOptions:
         a rule go through the generic rule, so only parameters a rule leaves out (MHA ``bias_k``) count."""
         unknown = sorted(set(self.modules or ()) - {name for name, _ in model.named_modules()})
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.owner}(modules=...) names modules that {type(model).__name__} does not have: "
                 f"{unknown}; use paths from model.named_modules()"
             )
@@ -180,7 +181,7 @@ class CallbackOptions:
         probe.close()
         trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         if trainable and set(trainable) <= set(probe.uncaptured_parameters()):
-            raise ValueError(
+            raise ConfigError(
                 f"no trainable parameter of {type(model).__name__}{' under ' + str(modules) if modules else ''} is "
                 "covered by a capture rule, so nothing would be stored: register one with "
                 "metastore_plugins.register_capture, or pass modules=[...] naming layers of the model"
@@ -247,7 +248,7 @@ class CallbackOptions:
         if run is not None:
             return run.tag(name, step=step, **options)
         if options.get("steps") is None or options.get("keep") == "snapshot":
-            raise RuntimeError(
+            raise StateError(
                 f"{self.owner}.tag() before training starts needs steps=(first, last) (or steps=one step), and is "
                 "written when training starts; a tag of the current step, or keep='snapshot' (the weights now), "
                 "must be set while training runs: call it from a hook of your model or of a callback"
