@@ -17,6 +17,7 @@ from metastore_plugins.core.analysis.per_batch import positive_number
 from metastore_plugins.core.analysis.queries import Pair, scored_pairs, selected_pairs, whole
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import LOCAL, ColumnBatch, Scan, scan_of
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import (
     CURVATURE_METHODS,
@@ -138,7 +139,7 @@ def kfac_influence(
         ValueError: for an unknown method, a non-positive damping, or a layer K-FAC cannot fit.
     """
     if method not in CURVATURE_METHODS:
-        raise ValueError(f"method must be one of {CURVATURE_METHODS}, got {method!r}")
+        raise ConfigError(f"method must be one of {CURVATURE_METHODS}, got {method!r}")
     positive_number("damping", damping)
     positive_number("relative_damping", relative_damping)
 

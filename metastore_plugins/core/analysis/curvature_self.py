@@ -27,6 +27,7 @@ from metastore_plugins.core.analysis.per_batch import positive_int, positive_num
 from metastore_plugins.core.analysis.queries import summed_by_id
 from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import DEFAULT_REGULARIZATION, check_seed, sketches
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import (
     CURVATURE_METHODS,
@@ -41,7 +42,7 @@ from metastore_plugins.core.store import Selection, StoreReader
 def _points(capture_point: str | Sequence[str]) -> list[str]:
     points = [capture_point] if isinstance(capture_point, str) else list(capture_point)
     if not points or not all(isinstance(p, str) for p in points):
-        raise ValueError(f"capture_point must be a capture point name or a list of them, got {capture_point!r}")
+        raise ConfigError(f"capture_point must be a capture point name or a list of them, got {capture_point!r}")
     return points
 
 
@@ -86,7 +87,7 @@ def preconditioned_self_influence(
         RepresentationError: for a seeded-projection or norms-only layer (leave it out with ``layers=``).
     """
     if method not in CURVATURE_METHODS:
-        raise ValueError(f"method must be one of {CURVATURE_METHODS}, got {method!r}")
+        raise ConfigError(f"method must be one of {CURVATURE_METHODS}, got {method!r}")
     damping = None if damping is None else positive_number("damping", damping)
     relative_damping = positive_number("relative_damping", relative_damping)
     scan, parts = scan_of(store), []

@@ -31,7 +31,7 @@ from metastore_plugins.core.analysis.per_batch import abs_sum, add_to, entry_val
 from metastore_plugins.core.analysis.results import Contributors, RunComparison, Spike, WeightChange
 from metastore_plugins.core.analysis.run_profile import compare_profiles, run_profile
 from metastore_plugins.core.analysis.scan import Scan, scan_of
-from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.errors import ConfigError, StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreReader, find_store_dir
 
@@ -101,9 +101,9 @@ def batch_gradient(
     Only captured parameters appear. Raises ``StoreError`` if the step is not stored.
     """
     if reduction not in ("mean", "sum", "mean_of_batches"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'mean_of_batches', got {reduction!r}")
+        raise ConfigError(f"reduction must be 'mean', 'sum' or 'mean_of_batches', got {reduction!r}")
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-        raise ValueError(f"step must be one training step (an int), got {step!r}")
+        raise ConfigError(f"step must be one training step (an int), got {step!r}")
     selection = store.select(capture_point, steps=int(step), layers=layers)
     if not selection.refs:
         shown = store.steps(capture_point)
@@ -198,7 +198,7 @@ def top_contributors(
     if flat_entries.dim() == 1:
         flat_entries = flat_entries.unsqueeze(0)  # one index tuple
     if flat_entries.dim() != 2 or flat_entries.shape[1] != len(shape) or flat_entries.is_floating_point():
-        raise ValueError(f"entries must be index tuples into {name} of shape {shape}, got {entries!r}")
+        raise ConfigError(f"entries must be index tuples into {name} of shape {shape}, got {entries!r}")
     flat_entries = flat_entries.long()
     n, part = flat_entries.shape[0], scan.part(selection, f"top_contributors of {name!r}")
     at = torch.from_numpy(part.positions)  # (n_p,) where each occurrence stands in the selection
@@ -243,10 +243,10 @@ def exceed_fractions(
     except (TypeError, ValueError):
         value = math.nan
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
+        raise ConfigError(f"threshold must be a finite number >= 0, got {threshold!r}")
     threshold = value
     if of not in ("samples", "weights"):
-        raise ValueError(f"of must be 'samples' or 'weights', got {of!r}")
+        raise ConfigError(f"of must be 'samples' or 'weights', got {of!r}")
     if of == "weights":
         at_steps = sorted({ref.step for ref in store.select(capture_point, steps=steps).refs})
         grads = (batch_gradient(store, step, capture_point, layers=layers) for step in at_steps)
@@ -283,9 +283,9 @@ def spikes(
     ``s - before .. s - 1`` (those steps that are stored; unique, in the order seen).
     """
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.number)) or not 0 <= fraction < 1:
-        raise ValueError(f"fraction must be a number in [0, 1), got {fraction!r}")
+        raise ConfigError(f"fraction must be a number in [0, 1), got {fraction!r}")
     if isinstance(before, bool) or not isinstance(before, (int, np.integer)) or before < 0:
-        raise ValueError(f"before must be an integer >= 0 (steps to look back), got {before!r}")
+        raise ConfigError(f"before must be an integer >= 0 (steps to look back), got {before!r}")
     steps, fractions = exceed_fractions(store, threshold, capture_point, layers=layers)
     out = []
     for step, frac in zip(steps.tolist(), fractions.tolist()):

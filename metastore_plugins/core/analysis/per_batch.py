@@ -11,13 +11,14 @@ import torch
 from torch import Tensor
 
 from metastore_plugins.core import ops
+from metastore_plugins.core.errors import ConfigError, QueryError
 from metastore_plugins.core.records import LayerRecord
 
 
 def positive_int(name: str, value: int) -> int:
     """``value`` as an int, or a ``ValueError`` naming the argument if it is not a positive integer."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
 
@@ -34,7 +35,7 @@ def positive_number(name: str, value: float | None) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
     return float(value)
 
 
@@ -81,7 +82,7 @@ def entry_values(records: Sequence[LayerRecord], name: str, entries: Tensor, max
         part = ops.entry_gradients(record, role, entries, max_bytes)  # (B, E)
         total = part if total is None else total + part
     if total is None:
-        raise ValueError(f"a stored batch holds no record of parameter '{name}'")
+        raise QueryError(f"a stored batch holds no record of parameter '{name}'")
     return total
 
 

@@ -22,6 +22,7 @@ from torch import Tensor
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import ColumnBatch, Part, Scan, chunked, scan_of
+from metastore_plugins.core.errors import ConfigError, StateError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import Selection, StoredBatch, StoreReader
@@ -147,7 +148,7 @@ def paired_points(train: str | Sequence[str], test: str | Sequence[str]) -> list
     trains = [train] if isinstance(train, str) else list(train)
     tests = [test] if isinstance(test, str) else list(test)
     if len(trains) != len(tests) or not trains:
-        raise ValueError(f"pair train and test capture points one to one; got {trains} and {tests}")
+        raise ConfigError(f"pair train and test capture points one to one; got {trains} and {tests}")
     return list(zip(trains, tests))
 
 
@@ -328,7 +329,7 @@ def scored_pairs(
 def whole(scores: Scores | None) -> Scores:
     """The scores of a query gathered on every process (never ``None``)."""
     if scores is None:
-        raise RuntimeError("a partitioned query gathered its scores on another rank; call it with dst=None")
+        raise StateError("a partitioned query gathered its scores on another rank; call it with dst=None")
     return scores
 
 

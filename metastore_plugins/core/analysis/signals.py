@@ -28,6 +28,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
+from metastore_plugins.core.errors import ConfigError, StoreError
 from metastore_plugins.core.store import StoreReader
 
 #: the capture point of the training steps
@@ -60,7 +61,7 @@ class TrainingSignals:
     def column(self, signal: str) -> np.ndarray:
         """The ``(N,)`` values of one signal by name (one of :data:`SIGNALS`)."""
         if signal not in SIGNALS:
-            raise ValueError(f"unknown training signal {signal!r}; choose one of {SIGNALS}")
+            raise ConfigError(f"unknown training signal {signal!r}; choose one of {SIGNALS}")
         return np.asarray(getattr(self, signal))
 
     def rows(self) -> dict[int, dict[str, Any]]:
@@ -85,7 +86,7 @@ def signals_from_metadata(meta: Mapping[str, np.ndarray]) -> TrainingSignals:
     """
     for key in ("sample_id", "step", "loss"):
         if key not in meta:
-            raise ValueError(f"training-step metadata needs a {key!r} column; it has {sorted(meta)}")
+            raise StoreError(f"training-step metadata needs a {key!r} column; it has {sorted(meta)}")
     sample_id = np.asarray(meta["sample_id"], dtype=np.int64)
     n_rows = len(sample_id)
     micro = np.asarray(meta.get("micro_batch", np.zeros(n_rows)), dtype=np.int64)
@@ -131,7 +132,7 @@ def training_signals(store: StoreReader, capture_point: str = TRAINING_STEPS, **
     :meth:`~metastore_plugins.core.store.StoreReader.metadata` (``steps=``, ``epochs=``, ...).
     """
     if capture_point not in store.capture_points():
-        raise ValueError(
+        raise StoreError(
             f"the store has no capture point {capture_point!r} (training steps captured with "
             f"capture_train_steps=True); it has {store.capture_points()}"
         )

@@ -23,7 +23,7 @@ from metastore_plugins.core.analysis.per_batch import positive_int, positive_num
 from metastore_plugins.core.analysis.queries import influence, on_device, paired_points, summed_scores
 from metastore_plugins.core.analysis.results import Clusters, Scores
 from metastore_plugins.core.analysis.scan import Scan, scan_of
-from metastore_plugins.core.errors import RepresentationError
+from metastore_plugins.core.errors import ConfigError, RepresentationError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.leverage import kernel_solve
 from metastore_plugins.core.store import Selection, StoreReader, sketch_cache
@@ -74,7 +74,7 @@ def compute_sketches(
 
 def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
     return int(seed)
 
 
@@ -146,7 +146,7 @@ def sketches(
     """
     dim, seed, scan = positive_int("dim", dim), check_seed(seed), scan or scan_of(store)
     if combine not in ("sum", "concat"):
-        raise ValueError(f"combine must be 'sum' or 'concat', got {combine!r}")
+        raise ConfigError(f"combine must be 'sum' or 'concat', got {combine!r}")
     where = {name: value for name, value in where.items() if value is not None}
     if combine == "sum" and not where:
         return _summed_sketches(store, capture_point, dim, seed, layers, cache, max_bytes, scan)[1].double().numpy()

@@ -60,7 +60,7 @@ from metastore_plugins.core.analysis.vector_search import (
     load_faiss,
     row_norms,
 )
-from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.errors import ConfigError, StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.records import KIND_CODES
 from metastore_plugins.core.store import StoreReader
@@ -137,7 +137,7 @@ def influence(
     full: Callable[..., Scores] = queries.influence
     scan = scan_of(store)
     if scan.partitioned and recompute is not None:
-        raise ValueError("recompute= is not supported by partitioned queries; refine the result with refine_influence")
+        raise ConfigError("recompute= is not supported by partitioned queries; refine the result with refine_influence")
     if k is None or index is False or train_ids is not None:
         return full(store, train, test, layers=layers, train_ids=train_ids, test_ids=test_ids, max_bytes=max_bytes)
     try:
