@@ -50,7 +50,7 @@ def bert_base_on_paper(tokens: int = 128, examples: int = 100_000, epochs: int =
 
     from metastore_plugins import CaptureSession
     from metastore_plugins.core.ops.cost import SAMPLE_METADATA_BYTES
-    from metastore_plugins.core.policy.budget import RunShape
+    from metastore_plugins.core.policy.budget import Budget, RunShape
     from metastore_plugins.core.policy.plan import LADDER, make_plan, measure
 
     torch.manual_seed(0)
@@ -70,7 +70,7 @@ def bert_base_on_paper(tokens: int = 128, examples: int = 100_000, epochs: int =
         label = f"{rep} {k}x{k}" if rep == "projected" else rep
         rows[label] = {"bytes_per_sample": per_sample, "gradients_gib": per_sample * samples / GIB}
     shape = RunShape(examples * epochs // batch, batch, passes, pass_samples, 4 * params)
-    plan = make_plan(records, shape, policy="auto", budget=None, encoding="fp16")
+    plan = make_plan(records, shape, budget=Budget("auto"), encoding="fp16")
     return {
         "parameters": params,
         "layers": len(costs),

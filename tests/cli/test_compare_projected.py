@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metastore_plugins import CaptureSession, StoreWriter
-from metastore_plugins.core.policy.budget import RunShape
+from metastore_plugins.core.policy.budget import Budget, RunShape
 from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.records import EXACT_KINDS, BatchMeta
 
@@ -38,7 +38,7 @@ class Tokens(nn.Module):
 def _write_store(directory: Path) -> dict[str, set[str]]:
     """Four training steps; the kinds of records written per layer."""
     model = Tokens()
-    policy = CapturePolicy("auto", 20_000, encoding="fp32")
+    policy = CapturePolicy(Budget("auto", 20_000), encoding="fp32")
     policy.expect(RunShape(train_batches=STEPS, train_batch_size=BATCH))
     kinds: dict[str, set[str]] = {"inp": set(), "head": set()}
     with StoreWriter(directory, encoding="fp32") as writer:

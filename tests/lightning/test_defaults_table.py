@@ -8,11 +8,11 @@ import inspect
 import json
 import re
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
 import pytest
 
-from metastore_plugins.core.training.settings import CallbackOptions, CaptureSettings
+from metastore_plugins.core.training.settings import SETTINGS
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -35,13 +35,12 @@ def defaults_table(page: Path) -> dict[str, str]:
 
 
 def expected_defaults(callback: type) -> dict[str, Any]:
-    """Every constructor argument of ``callback`` with its default, from the signature and CallbackOptions."""
+    """Every constructor argument of ``callback`` with its default, from the signature and the settings table."""
     found: dict[str, Any] = {}
     for name, parameter in inspect.signature(callback.__init__).parameters.items():
         if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and name != "self":
             found[name] = parameter.default
-    options = {name: getattr(CallbackOptions, name) for name in get_type_hints(CaptureSettings)}
-    return found | options
+    return found | {row.name: row.default for row in SETTINGS}
 
 
 def literal(value: Any) -> str | None:

@@ -18,7 +18,7 @@ from torch import nn
 from metastore_plugins import CaptureSession, StoreWriter
 from metastore_plugins.core.model.sample_ids import loader_batch_size
 from metastore_plugins.core.ops.eigenbasis import basis_batch_bytes
-from metastore_plugins.core.policy.budget import RunShape, default_budget, parse_budget
+from metastore_plugins.core.policy.budget import Budget, RunShape, default_budget, parse_budget
 from metastore_plugins.core.policy.plan import make_plan
 from metastore_plugins.core.policy.runtime import CapturePolicy
 
@@ -51,23 +51,23 @@ SHAPE = RunShape(train_batches=100, train_batch_size=BATCH, passes=2, pass_sampl
 
 def test_rungs_follow_the_budget() -> None:
     records = _records()
-    rich = make_plan(records, SHAPE, policy="auto", budget=10**9, encoding="fp16")
+    rich = make_plan(records, SHAPE, budget=Budget("auto", 10**9), encoding="fp16")
     assert set(rich.train.values()) == {"exact"} and rich.snapshots == 2
-    middle = make_plan(records, SHAPE, policy="auto", budget=2_000_000, encoding="fp16")
+    middle = make_plan(records, SHAPE, budget=Budget("auto", 2_000_000), encoding="fp16")
     assert middle.train["inp"] == "projected" and middle.k in (4, 8, 16)
     assert middle.train["head"] == "exact"  # one row of 64 + 3 values: smaller than any projection
-    poor = make_plan(records, SHAPE, policy="auto", budget=200_000, encoding="fp16")
+    poor = make_plan(records, SHAPE, budget=Budget("auto", 200_000), encoding="fp16")
     assert set(poor.train.values()) <= {"norms", "nothing"} and poor.snapshots <= 2
     for plan in (rich, middle, poor):
         assert plan.planned["total"] <= 0.95 * plan.budget  # type: ignore[operator]
-    exact = make_plan(records, SHAPE, policy="exact", budget=None, encoding="fp16")
+    exact = make_plan(records, SHAPE, budget=Budget("exact"), encoding="fp16")
     assert set(exact.train.values()) == set(exact.passes.values()) == {"exact"} and exact.snapshots == 0
 
 
 def test_default_budget_is_snapshots_plus_20_kib_per_sample() -> None:
     files = 4 * 1024 + 2 * 2 * 1024  # the manifest, and per pass a tag line, a shard header and its index line
     assert 0.95 * default_budget(SHAPE) == pytest.approx(2 * 20_000 + 20 * 1024 * (100 * BATCH + 2 * 16) + files, abs=1)
-    plan = make_plan(_records(), SHAPE, policy="auto", budget=None, encoding="fp16")
+    plan = make_plan(_records(), SHAPE, budget=Budget("auto"), encoding="fp16")
     assert plan.budget == default_budget(SHAPE) and "default" in plan.budget_source
     text = "\n".join(plan.lines())
     assert "policy 'auto'" in text and "training steps:" in text and "weight snapshots" in text
@@ -75,12 +75,12 @@ def test_default_budget_is_snapshots_plus_20_kib_per_sample() -> None:
     # refinement has the weights of each pass; large snapshots (MiniLM: 87 MiB each) make no difference
     for snapshot_bytes in (20_000, 90_000_000):
         shape = RunShape(100, BATCH, passes=3, pass_samples=16, snapshot_bytes=snapshot_bytes)
-        assert make_plan(_records(), shape, policy="auto", budget=None, encoding="fp16").snapshots == shape.passes
+        assert make_plan(_records(), shape, budget=Budget("auto"), encoding="fp16").snapshots == shape.passes
 
 
 def test_a_run_past_its_plan_degrades_and_stays_within_budget(tmp_path: Path) -> None:
     budget = 60_000
-    policy = CapturePolicy("exact", budget, encoding="fp16")  # exact until the budget runs out
+    policy = CapturePolicy(Budget("exact", budget), encoding="fp16")  # exact until the budget runs out
     policy.expect(RunShape(train_batches=4, train_batch_size=BATCH))
     with StoreWriter(tmp_path, encoding="fp16") as writer, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -111,7 +111,7 @@ def test_bad_budgets_name_the_setting(bad: object) -> None:
 
 def test_unknown_policy_is_named() -> None:
     with pytest.raises(ValueError, match=r"policy=\.\.\.\) must be one of auto, exact"):
-        CapturePolicy("cheap")  # type: ignore[arg-type]
+        CapturePolicy(Budget("cheap"))  # type: ignore[arg-type]
 
 
 # -- small budgets (issue 28, items 5-7) ---------------------------------------------------------------------------
@@ -135,24 +135,24 @@ def _metadata_only_bytes(tmp_path: Path, batches: list[int]) -> int:
 def _least(shape: RunShape) -> int:
     """The least budget the refusal of a 1-byte budget names."""
     with pytest.raises(ValueError, match="before any gradient") as caught:
-        CapturePolicy("auto", 1).expect(shape)
+        CapturePolicy(Budget("auto", 1)).expect(shape)
     return int(re.search(r"before any gradient: ([\d,]+) bytes", str(caught.value))[1].replace(",", ""))  # type: ignore[index]
 
 
 def test_a_budget_below_the_metadata_alone_is_refused_with_the_figure(tmp_path: Path) -> None:
     shape = RunShape(train_batches=100, train_batch_size=BATCH, passes=2, pass_samples=16, snapshot_bytes=20_000)
     with pytest.raises(ValueError, match=r"X\(budget=10,000 bytes\) is below what this run needs"):
-        CapturePolicy("auto", 10_000, owner="X").expect(shape)
+        CapturePolicy(Budget("auto", 10_000), owner="X").expect(shape)
     least = _least(shape)
     on_disk = _metadata_only_bytes(tmp_path, [BATCH] * (100 + 2 * 2))  # the training steps and two passes of 16
     assert on_disk <= 0.95 * least <= 1.5 * on_disk, (on_disk, least)  # an upper bound, not a wild one
-    CapturePolicy("auto", least, owner="X").expect(shape)  # the figure it names is accepted
+    CapturePolicy(Budget("auto", least), owner="X").expect(shape)  # the figure it names is accepted
 
 
 def test_a_pass_before_the_plan_knows_its_snapshot() -> None:
     """capture_train_steps=False: the plan is made during the first pass, after that pass asked for its snapshot."""
     shape = RunShape(train_batches=0, train_batch_size=BATCH, passes=2, pass_samples=16, snapshot_bytes=20_000)
-    policy = CapturePolicy("auto", 400_000)
+    policy = CapturePolicy(Budget("auto", 400_000))
     policy.expect(shape)
     first = policy.should_snapshot()  # before any batch: no plan yet
     policy.apply(_records(), capture_point="epoch-0/train", step=0)
@@ -163,7 +163,7 @@ def test_a_pass_before_the_plan_knows_its_snapshot() -> None:
 def test_the_last_pass_is_kept_when_the_run_outgrows_its_plan(tmp_path: Path) -> None:
     """The plan expects 4 training steps; 40 run. The earlier parts degrade, the last pass keeps its plan."""
     budget = 200_000
-    policy = CapturePolicy("auto", budget, encoding="fp16")
+    policy = CapturePolicy(Budget("auto", budget), encoding="fp16")
     policy.expect(RunShape(train_batches=4, train_batch_size=BATCH, passes=2, pass_samples=2 * BATCH))
     kinds: dict[str, set[str]] = {}
     with StoreWriter(tmp_path, encoding="fp16") as writer, warnings.catch_warnings():
@@ -192,7 +192,7 @@ def test_the_last_pass_is_kept_when_the_run_outgrows_its_plan(tmp_path: Path) ->
 def test_the_plan_says_small_budgets_in_words() -> None:
     shape = RunShape(train_batches=100, train_batch_size=BATCH, passes=2, pass_samples=16, snapshot_bytes=20_000)
     least = _least(shape)
-    policy = CapturePolicy("auto", least)
+    policy = CapturePolicy(Budget("auto", least))
     policy.expect(shape)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -216,8 +216,8 @@ def test_a_loader_with_a_batch_sampler_tells_its_batch_size() -> None:
     assert loader.batch_size is None and loader_batch_size(loader) == 8
     lists = [list(range(i, min(i + 10, 50))) for i in range(0, 50, 10)]  # a plain list of index lists
     assert loader_batch_size(torch.utils.data.DataLoader(data, batch_sampler=lists)) == 10
-    unknown = make_plan(_records(), RunShape(100, 0, 2, 16), policy="auto", budget=10**7, encoding="fp16")
-    told = make_plan(_records(), RunShape(100, BATCH, 2, 16), policy="auto", budget=10**7, encoding="fp16")
+    unknown = make_plan(_records(), RunShape(100, 0, 2, 16), budget=Budget("auto", 10**7), encoding="fp16")
+    told = make_plan(_records(), RunShape(100, BATCH, 2, 16), budget=Budget("auto", 10**7), encoding="fp16")
     assert unknown.planned["training steps"] == told.planned["training steps"] > 0
 
 
@@ -227,7 +227,7 @@ def test_a_pass_that_no_longer_fits_is_dropped_whole_and_said() -> None:
     pass's snapshot, kept for it, is taken. (Before issue 43 the first pass took its snapshot's skip alone and
     lost its records part way.)"""
     shape = RunShape(train_batches=4, train_batch_size=BATCH, passes=2, pass_samples=BATCH, snapshot_bytes=20_000)
-    policy = CapturePolicy("auto", 200_000)
+    policy = CapturePolicy(Budget("auto", 200_000))
     policy.expect(shape)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -254,7 +254,7 @@ def test_passes_on_the_eigenbasis_may_keep_a_larger_block_than_the_steps(tmp_pat
     after the first pass go on its basis too: the plan counts their eigenvalues (half of the 100 steps here)."""
     budget = 560_000 + (50 * 2 * int(basis_batch_bytes(8)) if on_basis else 0)
     shape = RunShape(100, BATCH, passes=2, pass_samples=2 * BATCH, snapshot_bytes=20_000, passes_on_basis=on_basis)
-    policy = CapturePolicy("auto", budget, encoding="fp16")
+    policy = CapturePolicy(Budget("auto", budget), encoding="fp16")
     policy.expect(shape)
     shapes: dict[str, tuple[int, ...]] = {}
     with StoreWriter(tmp_path, encoding="fp16") as writer:
@@ -292,7 +292,7 @@ def test_the_plan_counts_what_records_on_the_eigenbasis_carry() -> None:
     from metastore_plugins.core.ops.eigenbasis import fit_bases, fittable
 
     shape = RunShape(100, BATCH, passes=2, pass_samples=6 * BATCH, snapshot_bytes=0, passes_on_basis=True)
-    policy = CapturePolicy("auto", 600_000, encoding="fp16")
+    policy = CapturePolicy(Budget("auto", 600_000), encoding="fp16")
     policy.expect(shape)
     policy.apply(_records(0), capture_point="train", step=0)
     assert policy.plan is not None and "projected" in policy.plan.passes.values()
@@ -323,13 +323,13 @@ def test_every_rank_plans_the_same_records_though_rank_zero_alone_takes_snapshot
     records = _records()
     shapes = ranks_of(nn.Linear(1000, 400))
     assert shapes[0].snapshot_bytes == shapes[1].snapshot_bytes > 0  # the snapshot's size is every rank's to know
-    plans = [make_plan(records, shape, policy="auto", budget=budget, encoding="fp16") for shape in shapes]
+    plans = [make_plan(records, shape, budget=Budget("auto", budget), encoding="fp16") for shape in shapes]
     assert plans[0].k == plans[1].k and plans[0].pass_k == plans[1].pass_k
     assert plans[0].train == plans[1].train and plans[0].passes == plans[1].passes
     assert (plans[0].snapshots != 0) == (budget != 2_000_000)  # 1.6 MB fits beside the rest from 4 MB up
     assert plans[1].snapshots == 0 and plans[1].planned["snapshots"] == 0  # rank 0 alone takes and counts them
     for shape, plan in zip(shapes, plans):
-        policy = CapturePolicy("auto", budget)
+        policy = CapturePolicy(Budget("auto", budget))
         policy.expect(shape)
         policy.plan = plan
         taken = sum(policy.should_snapshot(step=pass_step) for pass_step in (1, 2))  # the two planned passes

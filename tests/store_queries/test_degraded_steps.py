@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
-from metastore_plugins.core.policy.budget import RunShape
+from metastore_plugins.core.policy.budget import Budget, RunShape
 from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.records import BatchMeta
 
@@ -49,7 +49,7 @@ def _reference_sq_norms(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> d
 def test_norms_over_steps_whose_projection_shrank(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Tokens()
-    policy = CapturePolicy("auto", 110_000, encoding="fp32")
+    policy = CapturePolicy(Budget("auto", 110_000), encoding="fp32")
     policy.expect(RunShape(train_batches=12, train_batch_size=BATCH))  # the plan expects 12 steps; up to 24 run
     expected: dict[str, list[torch.Tensor]] = {"inp": [], "head": []}
     stored, sizes = 0, set()

@@ -153,8 +153,8 @@ class Budget:
     given: int | None = None
 
     def per_rank(self, world_size: int) -> Budget:
-        """This budget split evenly between ``world_size`` ranks (each rank writes its own shards)."""
-        return self if self.given is None else Budget(self.policy, self.given // max(1, world_size))
+        """This budget split evenly between ``world_size`` ranks (each rank writes its own shards); itself in one."""
+        return self if self.given is None or world_size <= 1 else Budget(self.policy, self.given // world_size)
 
     def check(self, shape: RunShape, owner: str) -> None:
         """Refuse, at the start, a budget below :func:`minimum_budget` (the figures and the ways out in the message)."""

@@ -38,7 +38,6 @@ from metastore_plugins.core.ops.represent import by_layer, shared_layers
 from metastore_plugins.core.policy.budget import (
     AUTO_BYTES_PER_SAMPLE,
     Budget,
-    Policy,
     RunShape,
     files_bytes,
     usable_bytes,
@@ -110,22 +109,22 @@ def make_plan(
     records: Sequence[LayerRecord],
     shape: RunShape,
     *,
-    policy: Policy,
-    budget: int | None,
+    budget: Budget,
     encoding: str,
 ) -> CapturePlan:
-    """The plan of a run from the exact records of its first batch (see the module docstring)."""
+    """The plan of a run from the exact records of its first batch (see the module docstring), under ``budget``
+    (the run's :class:`~.budget.Budget`: its policy and the bytes given, as the settings made it)."""
     if shape.train_batches > 0 and not shape.train_batch_size and records:  # a loader that did not say its batch
         shape = replace(shape, train_batch_size=records[0].batch_size)
     costs = measure(records, encoding, shape.train_batch_size)
     tied = shared_layers(records)
-    rate_only = budget is None and policy == "auto" and not shape.known
-    given = Budget(policy, budget)  # as given: a default budget holds one snapshot per pass
-    snapshots, reserved = given.snapshots(shape), given.reserved(shape)
-    budget, source = given.resolved(shape)
+    policy = budget.policy
+    rate_only = budget.given is None and policy == "auto" and not shape.known
+    snapshots, reserved = budget.snapshots(shape), budget.reserved(shape)  # as given: a default holds one per pass
+    cap, source = budget.resolved(shape)
     pass_samples = shape.passes * shape.pass_samples
     files = files_bytes(shape)
-    usable = usable_bytes(budget, shape)
+    usable = usable_bytes(cap, shape)
     metadata = shape.metadata_bytes
     rest = usable - metadata - reserved  # the same on every rank
 
@@ -175,7 +174,7 @@ def make_plan(
     train = layer_map(rung, k)
     return CapturePlan(
         policy=policy,
-        budget=None if budget is None else int(budget),
+        budget=None if cap is None else int(cap),
         budget_source=source,
         encoding=encoding,
         k=k,

@@ -28,7 +28,7 @@ from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADAT
 from metastore_plugins.core.ops.eigenbasis import EigenBasis, represent_on_bases
 from metastore_plugins.core.ops.represent import represent
 from metastore_plugins.core.ops.sketch import Projections
-from metastore_plugins.core.policy.budget import POLICIES, Budget, Policy, RunShape, usable_bytes
+from metastore_plugins.core.policy.budget import POLICIES, Budget, RunShape, usable_bytes
 from metastore_plugins.core.policy.plan import LADDER, factor_sample_bytes, make_plan
 from metastore_plugins.core.records import REPRESENTATIONS, LayerRecord, Representation
 from metastore_plugins.core.store.encoding import Encoding, encoded_nbytes
@@ -38,14 +38,19 @@ from metastore_plugins.core.store.plan_record import CapturePlan, in_words
 KeepFor = Callable[[int, str], str | None]
 
 
+#: A plan under the default budget: ``"auto"``, no bytes given.
+DEFAULT_BUDGET = Budget("auto")
+
+
 class CapturePolicy:
     """The capture plan of one rank in action.
 
     Args:
-        policy: ``"auto"`` (plan under the budget) or ``"exact"`` (every layer exact; a budget then
-            only degrades what would overflow it).
-        budget: bytes this rank may write into the store directory (every file); ``None``: the plan's
-            default (``"auto"``) or no limit (``"exact"``).
+        budget: this rank's :class:`~.budget.Budget`, the object the settings made (kept as it is, and passed to
+            :func:`~.plan.make_plan`): its ``policy``, ``"auto"`` (plan under the budget) or ``"exact"``
+            (every layer exact; a budget then only degrades what would overflow it), and ``given``, the bytes
+            this rank may write into the store directory (every file; ``None``: the plan's default
+            (``"auto"``) or no limit (``"exact"``)).
         encoding: the store's encoding (bytes per value).
         owner: who runs the capture, for messages.
         on_change: called with the plan after it is made or changed (the manifest keeps it).
@@ -55,18 +60,17 @@ class CapturePolicy:
 
     def __init__(
         self,
-        policy: Policy = "auto",
-        budget: int | None = None,
+        budget: Budget = DEFAULT_BUDGET,
         *,
         encoding: Encoding = "fp16",
         owner: str = "RunCapture",
         on_change: Callable[[CapturePlan], None] | None = None,
         keep_for: KeepFor | None = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"{owner}(policy=...) must be one of {', '.join(POLICIES)}; got {policy!r}")
-        self.policy, self.encoding, self.owner = policy, encoding, owner
-        self.budget = Budget(policy, budget)
+        if budget.policy not in POLICIES:
+            raise ValueError(f"{owner}(policy=...) must be one of {', '.join(POLICIES)}; got {budget.policy!r}")
+        self.policy, self.encoding, self.owner = budget.policy, encoding, owner
+        self.budget = budget
         self.shape = RunShape()
         self.plan: CapturePlan | None = None
         self.spent = 0  # bytes queued for shards and written as snapshots
@@ -82,11 +86,6 @@ class CapturePolicy:
         self._said: set[str] = set()
         #: exact factor bytes a captured sample held in the batch the plan was made from (0: no plan yet)
         self.factor_sample_bytes = 0.0
-
-    @classmethod
-    def within(cls, budget: Budget, **options: Any) -> CapturePolicy:
-        """The policy of ``budget`` (its policy and bytes); ``options``: the constructor's keywords."""
-        return cls(budget.policy, budget.given, **options)
 
     def expect(self, shape: RunShape) -> None:
         """What the run will be (before its first batch; a later call before the plan replaces it).
@@ -118,9 +117,7 @@ class CapturePolicy:
         None when not even the batch's metadata fits: the batch is not stored (and no later one of its part).
         """
         if self.plan is None:
-            self.plan = make_plan(
-                records, self.shape, policy=self.policy, budget=self.budget.given, encoding=self.encoding
-            )
+            self.plan = make_plan(records, self.shape, budget=self.budget, encoding=self.encoding)
             self.factor_sample_bytes = factor_sample_bytes(records)
             self._changed()
         part = self._part(capture_point)

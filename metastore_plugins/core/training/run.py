@@ -123,7 +123,7 @@ class RunCapture(StepCapture):
         self.tags = TagBook(self.path, rank)
         self.snapshots = SnapshotWriter(self.path, rank)
         keep_for, on_change = self.tags.keep_for, self._plan_changed  # tags set what steps keep; the manifest the plan
-        self.policy = CapturePolicy.within(
+        self.policy = CapturePolicy(
             budget or Budget(), encoding=encoding, owner=owner, on_change=on_change, keep_for=keep_for
         )
         self._announce = announce

@@ -1,19 +1,23 @@
-"""The settings both callbacks take, checked where they are given: the shared half of their constructors.
+"""The settings both callbacks take, each declared once: its name, type, default, the text that says what it does,
+and its check.
 
-:class:`CaptureSettings` declares them once (names, types; :mod:`.settings_doc` says what each does); the
-callbacks take them as ``**settings: Unpack[CaptureSettings]`` and :class:`CallbackOptions` holds their
-defaults, checks them, and makes what they configure: the :class:`CheckpointSchedule` and the
-:class:`RunCapture` of a process rank (with the tags set before training).
+:class:`CallbackOptions` declares them (each field a :func:`setting`); everything else is derived from it: the
+:data:`SETTINGS` table, the callbacks' docstrings (:mod:`.settings_doc`), the checks run when a callback is made
+(:meth:`CallbackOptions.__post_init__`), and the defaults the docs tables are checked against
+(``tests/lightning/test_defaults_table.py``). :class:`CaptureSettings` is the same names and types as a
+``TypedDict``, for ``**settings: Unpack[CaptureSettings]`` (mypy cannot derive a TypedDict at runtime; a test
+checks that it equals :data:`SETTINGS`). The options also make what they configure: the
+:class:`CheckpointSchedule`, the run's :class:`~metastore_plugins.core.policy.budget.Budget` (built once, here)
+and the :class:`RunCapture` of a process rank.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, TypedDict
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple, TypedDict, TypeVar, get_type_hints
 
-import numpy as np
 from torch import nn
 
 from metastore_plugins.core.analysis.methods import METHOD_CHOICES, MethodChoice
@@ -23,10 +27,9 @@ from metastore_plugins.core.capture.session import (
     LossReduction,
     UnsupportedPolicy,
 )
-from metastore_plugins.core.errors import ConfigError, ConfigTypeError, StateError
 from metastore_plugins.core.model.losses import LabelsFn, PerSampleLossFn
 from metastore_plugins.core.model.pass_sources import CheckpointSchedule
-from metastore_plugins.core.policy.budget import POLICIES, Budget, Policy, parse_budget
+from metastore_plugins.core.policy.budget import POLICIES, Budget, Policy
 from metastore_plugins.core.reports.samples import SampleRenderer
 from metastore_plugins.core.reports.tables import (
     OUTLIER_RANKINGS,
@@ -37,10 +40,39 @@ from metastore_plugins.core.reports.tables import (
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
 from metastore_plugins.core.training.basis_fit import BASIS_SAMPLES, BASIS_SOURCES, BasisSource
 from metastore_plugins.core.training.run import RunCapture
+from metastore_plugins.core.training.setting_checks import (
+    Check,
+    byte_size,
+    flag,
+    module_paths,
+    one_of,
+    sample_function,
+    seconds,
+    whole,
+    whole_number,
+)
+
+T = TypeVar("T")
+
+
+def setting(default: T, doc: str, check: Check | None = None) -> T:
+    """One setting of :class:`CallbackOptions`: its default, what it does (``doc``, one paragraph of the callbacks'
+    docstrings) and its check (``check(owner, name, value) -> value kept``; None: any value)."""
+    return field(default=default, metadata={"doc": doc, "check": check})
+
+
+class Setting(NamedTuple):
+    """One row of :data:`SETTINGS`."""
+
+    name: str
+    type: Any
+    default: Any
+    doc: str
+    check: Check | None
 
 
 class CaptureSettings(TypedDict, total=False):
-    """The keyword settings both callbacks take (defaults in :class:`CallbackOptions`)."""
+    """The keyword settings both callbacks take: :data:`SETTINGS`' names and types (a test checks they agree)."""
 
     per_sample_loss: PerSampleLossFn | None
     labels: LabelsFn | None
@@ -69,99 +101,187 @@ class CaptureSettings(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class CallbackOptions:
-    """What :class:`MetaStoreCallback` and :class:`MetaStoreTrainerCallback` share (their docstrings
-    say what each setting does). ``owner`` is the callback's name, for the error messages."""
+    """What :class:`MetaStoreCallback`, :class:`MetaStoreTrainerCallback` and :func:`~metastore_plugins.track`
+    share, each setting declared once. ``owner`` is the adapter's name, for the error messages."""
 
     owner: str
-    per_sample_loss: PerSampleLossFn | None = None
-    labels: LabelsFn | None = None
-    encoding: Encoding = DEFAULT_ENCODING
-    policy: Policy = "auto"
-    budget: int | float | str | None = None
-    flush_seconds: float | None = 10.0
-    modules: Sequence[str] | None = None
-    unsupported: UnsupportedPolicy = "warn"
-    capture_train_steps: bool = True
-    checkpoint_train_samples: int = 256
-    checkpoint_val_samples: int = 256
-    basis_samples: int = BASIS_SAMPLES
-    basis_from: BasisSource = "checkpoint"
-    seed: int = 0
-    reports: bool = True
-    report_k: int = 20
-    outliers_from: OutlierSource = "checkpoints"
-    rank_outliers_by: OutlierRanking = "auto"
-    influence_method: MethodChoice = "auto"
-    sample_renderer: SampleRenderer | None = None
-    per_layer_scalars: bool = False
-    index: bool = False
-    overwrite: bool = False
+    per_sample_loss: PerSampleLossFn | None = setting(
+        None,
+        "``(forward output, batch) -> (B,)`` per-sample losses (recorded with the factors). Default: "
+        "cross-entropy of the model's ``(B, C)`` logits on the labels.",
+    )
+    labels: LabelsFn | None = setting(
+        None,
+        '``batch -> (B,)``; default: ``y`` of ``(x, y)`` batches, ``batch["labels"]`` of dicts.',
+    )
+    encoding: Encoding = setting(
+        DEFAULT_ENCODING,
+        '``"fp16"`` (default), ``"fp32"``, ``"bf16"`` or ``"int8"``.',
+        one_of(ENCODINGS),
+    )
+    policy: Policy = setting(
+        "auto",
+        '``"auto"`` (default): a plan made at the first step keeps each layer exact, projected (``k x k`` '
+        "numbers with its exact squared norm) or as exact norms only, whatever fits the budget, and "
+        'snapshots the weights at checkpoint passes for exact recomputation; ``"exact"``: every layer\'s '
+        "exact factors at every step (the budget, if given, still holds). See docs/policies.md.",
+        one_of(POLICIES),
+    )
+    budget: int | float | str | None = setting(
+        None,
+        'bytes the store may take (an int, or ``"250MB"``, ``"4GiB"``); default: one weight snapshot per '
+        'planned checkpoint pass plus 20 KiB per planned sample (``policy="auto"``), no limit '
+        '(``policy="exact"``). Split evenly between processes.',
+        byte_size,
+    )
+    flush_seconds: float | None = setting(
+        10.0,
+        "a crash loses at most about the last ``flush_seconds`` of captured steps: what the store writer "
+        "holds is written as a shard once its oldest step waited half of that (default 10.0; ``None``: "
+        "only full 64 MiB shards, epoch ends and checkpoint saves write).",
+        seconds,
+    )
+    modules: Sequence[str] | None = setting(
+        None,
+        "capture only these module paths of the model (all by default).",
+        module_paths,
+    )
+    unsupported: UnsupportedPolicy = setting(
+        "warn",
+        '``"warn"`` (default), ``"error"`` or ``"skip"`` for parameters no capture rule covers.',
+        one_of(UNSUPPORTED_POLICIES),
+    )
+    capture_train_steps: bool = setting(
+        True,
+        'capture every training step (capture point ``"train"``; default True).',
+    )
+    checkpoint_train_samples: int = setting(
+        256,
+        "the most training samples in each checkpoint pass (a seeded, fixed subset; default 256).",
+        whole(1),
+    )
+    checkpoint_val_samples: int = setting(
+        256,
+        "the most validation samples in each checkpoint pass (default 256).",
+        whole(1),
+    )
+    basis_samples: int = setting(
+        BASIS_SAMPLES,
+        "where the budget keeps checkpoint passes projected, they are projected on each layer's K-FAC "
+        "eigenbasis, fitted at each checkpoint on this many of its training samples (default 256; ``0``: "
+        "seeded random projections, which K-FAC / EK-FAC cannot use). The training steps the budget keeps "
+        "projected go on the top of the latest basis too (at their own size), so that in-run K-FAC / "
+        "EK-FAC applies to them (steps before the first checkpoint stay seeded).",
+        whole(0),
+    )
+    basis_from: BasisSource = setting(
+        "checkpoint",
+        'where each checkpoint\'s eigenbasis comes from: ``"checkpoint"`` (default): a forward and '
+        'backward of ``basis_samples`` training samples at the checkpoint\'s weights; ``"steps"``: the '
+        "K-FAC sums of the training steps since the previous checkpoint (a few rows of each step's own "
+        "factors: no forward or backward of its own). docs/policies.md measures both.",
+        one_of(BASIS_SOURCES),
+    )
+    seed: int = setting(
+        0,
+        "the seed of the training subset (default 0).",
+        whole(None),
+    )
+    reports: bool = setting(
+        True,
+        "build reports at the end of training: files, and TensorBoard where the trainer logs to it (default True).",
+    )
+    report_k: int = setting(
+        20,
+        "rows of the outlier table (default 20).",
+        whole(1),
+    )
+    outliers_from: OutlierSource = setting(
+        "checkpoints",
+        'where the outlier table\'s self-influence comes from: ``"checkpoints"`` (default): the training '
+        'samples of the checkpoint passes, at the passes\' weights; ``"training"``: every trained sample, '
+        "in-run ``sum_t lr_t ||g_i(w_t)||^2`` over the captured training steps (no pass over the whole "
+        "training set needed).",
+    )
+    rank_outliers_by: OutlierRanking = setting(
+        "auto",
+        '``"auto"`` (default): every trained sample by its area under the margin (AUM, the labelled logit '
+        "minus the largest other, averaged over its training steps; lowest first) where the training "
+        'steps hold margins (class logits), else by self-influence; ``"aum"``, ``"loss"`` (the loss at '
+        'the last pass: best on short fine-tunes of pretrained models) or ``"self_influence"`` to choose. '
+        "docs/quality.md measures why.",
+        one_of(OUTLIER_RANKINGS),
+    )
+    influence_method: MethodChoice = setting(
+        "auto",
+        'what scores the influence table: ``"auto"`` (default): EK-FAC (curvature-preconditioned, the '
+        "best agreement with retraining measured in docs/quality.md) where every layer of the checkpoint "
+        "passes can be preconditioned (exact factors, or passes projected on the curvature eigenbasis: "
+        '``basis_samples``), else TracIn (seeded projections: the table then says why); or ``"tracin"``, '
+        '``"kfac"``, ``"ekfac"``, ``"trak"``. The table\'s caption and ``influence.json`` say which method '
+        "and damping produced it.",
+        one_of(METHOD_CHOICES),
+    )
+    sample_renderer: SampleRenderer | None = setting(
+        None,
+        '``(split, sample id) -> text or image`` (``split`` ``"train"`` or ``"val"``): what the reports '
+        "show of a sample; a string goes into the outlier and influence tables, an image (array, tensor "
+        "or PIL image) into the figures. Default: decoded ``input_ids`` (HF, with a tokenizer), the "
+        "dataset's small images (Lightning). See docs/reports.md.",
+        sample_function,
+    )
+    per_layer_scalars: bool = setting(
+        False,
+        "a TensorBoard scalar chart of the gradient norm of every layer, besides the heatmap and the "
+        "three summary charts (default False).",
+        flag,
+    )
+    index: bool = setting(
+        False,
+        "build the nearest-gradient index of the store when training ends (after the last training step "
+        "and compaction, before the reports: no cost during the steps), so that ``k=`` queries and the "
+        "reports' TracIn proponents/opponents score only its candidates (default False: the first ``k=`` "
+        "query builds it; docs/queries.md).",
+        flag,
+    )
+    overwrite: bool = setting(
+        False,
+        "a fresh run (not resumed from a checkpoint) into a directory that already holds a store moves "
+        "that store aside (``<dirpath>.replaced-<UTC time>``, never deleted) and starts a new one; "
+        "default False: such a run stops at its start with an error naming both ways out. A resumed run "
+        "always continues its store.",
+        flag,
+    )
+    capture_budget: Budget = field(init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, owner: str, settings: CaptureSettings) -> CallbackOptions:
         """The options of ``owner``'s ``**settings``; an unknown name raises ``TypeError`` naming it."""
-        known = {f.name for f in fields(cls)} - {"owner"}
-        unknown = sorted(set(settings) - known)
+        known = [row.name for row in SETTINGS]
+        unknown = sorted(set(settings) - set(known))
         if unknown:
-            raise ConfigTypeError(
+            raise TypeError(
                 f"{owner}() got unexpected setting(s) {', '.join(map(repr, unknown))}; "
                 f"it takes: {', '.join(sorted(known))}"
             )
         return cls(owner, **settings)
 
     def __post_init__(self) -> None:
-        if isinstance(self.modules, str):
-            raise ConfigError(f"{self.owner}(modules=...) takes a list of module paths; write [{self.modules!r}]")
-        object.__setattr__(self, "modules", None if self.modules is None else tuple(self.modules))
-        object.__setattr__(self, "budget", parse_budget(self.budget, self.owner))
-        for setting, value, choices in (
-            ("policy", self.policy, POLICIES),
-            ("encoding", self.encoding, ENCODINGS),
-            ("unsupported", self.unsupported, UNSUPPORTED_POLICIES),
-            ("rank_outliers_by", self.rank_outliers_by, OUTLIER_RANKINGS),
-            ("influence_method", self.influence_method, METHOD_CHOICES),
-            ("basis_from", self.basis_from, BASIS_SOURCES),
-        ):
-            if value not in choices:
-                raise ConfigError(f"{self.owner}({setting}=...) must be one of {', '.join(choices)}; got {value!r}")
+        for row in SETTINGS:  # each setting's own check, in the order they are declared
+            if row.check is not None:
+                object.__setattr__(self, row.name, row.check(self.owner, row.name, getattr(self, row.name)))
         check_outlier_source(self.outliers_from, self.capture_train_steps, self.owner)
         if self.rank_outliers_by == "aum" and not self.capture_train_steps:
-            raise ConfigError(
+            raise ValueError(
                 f"{self.owner}(rank_outliers_by='aum') ranks by the training steps' margins; keep "
                 "capture_train_steps=True"
             )
-        for setting, least in (("report_k", 1), ("checkpoint_train_samples", 1), ("checkpoint_val_samples", 1)):
-            self.whole_number(setting, getattr(self, setting), least)
-        self.whole_number("seed", self.seed, None)
-        self.whole_number("basis_samples", self.basis_samples, 0)
-        if self.sample_renderer is not None and not callable(self.sample_renderer):
-            raise ConfigError(
-                f"{self.owner}(sample_renderer=...) must be a function (split, sample id) -> text or image; "
-                f"got {self.sample_renderer!r}"
-            )
-        if not isinstance(self.per_layer_scalars, bool):
-            raise ConfigError(
-                f"{self.owner}(per_layer_scalars=...) must be True or False; got {self.per_layer_scalars!r}"
-            )
-        if not isinstance(self.index, bool):
-            raise ConfigError(f"{self.owner}(index=...) must be True or False; got {self.index!r}")
-        if not isinstance(self.overwrite, bool):
-            raise ConfigError(f"{self.owner}(overwrite=...) must be True or False; got {self.overwrite!r}")
-        seconds = self.flush_seconds
-        if seconds is not None and (
-            isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf")
-        ):
-            raise ConfigError(
-                f"{self.owner}(flush_seconds=...) must be a positive number of seconds, or None to write only full "
-                f"shards; got {seconds!r}"
-            )
+        given = None if self.budget is None else int(self.budget)
+        object.__setattr__(self, "capture_budget", Budget(self.policy, given))  # the one Budget of the run
 
     def whole_number(self, setting: str, value: Any, least: int | None) -> int:
         """``value`` as an int, or a ``ValueError`` naming ``owner(setting=...)`` when it is no integer ``>= least``."""
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (least is not None and value < least):
-            bound = f" >= {least}" if least is not None else ""
-            raise ConfigError(f"{self.owner}({setting}=...) must be an integer{bound}; got {value!r}")
-        return int(value)
+        return whole_number(self.owner, setting, value, least)
 
     def check_model(self, model: nn.Module, capturable: bool = False) -> None:
         """Raise naming ``modules=`` when it lists paths that ``model`` does not have; with ``capturable``,
@@ -169,7 +289,7 @@ class CallbackOptions:
         a rule go through the generic rule, so only parameters a rule leaves out (MHA ``bias_k``) count."""
         unknown = sorted(set(self.modules or ()) - {name for name, _ in model.named_modules()})
         if unknown:
-            raise ConfigError(
+            raise ValueError(
                 f"{self.owner}(modules=...) names modules that {type(model).__name__} does not have: "
                 f"{unknown}; use paths from model.named_modules()"
             )
@@ -181,7 +301,7 @@ class CallbackOptions:
         probe.close()
         trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         if trainable and set(trainable) <= set(probe.uncaptured_parameters()):
-            raise ConfigError(
+            raise ValueError(
                 f"no trainable parameter of {type(model).__name__}{' under ' + str(modules) if modules else ''} is "
                 "covered by a capture rule, so nothing would be stored: register one with "
                 "metastore_plugins.register_capture, or pass modules=[...] naming layers of the model"
@@ -224,7 +344,7 @@ class CallbackOptions:
             config=config,
             session_options=session,
             owner=self.owner,
-            budget=Budget(self.policy, None if self.budget is None else int(self.budget)).per_rank(world_size),
+            budget=self.capture_budget.per_rank(world_size),
             announce=announce,
             index=self.index,
             start_step=start_step,
@@ -248,10 +368,24 @@ class CallbackOptions:
         if run is not None:
             return run.tag(name, step=step, **options)
         if options.get("steps") is None or options.get("keep") == "snapshot":
-            raise StateError(
+            raise RuntimeError(
                 f"{self.owner}.tag() before training starts needs steps=(first, last) (or steps=one step), and is "
                 "written when training starts; a tag of the current step, or keep='snapshot' (the weights now), "
                 "must be set while training runs: call it from a hook of your model or of a callback"
             )
         early.append((name, dict(options)))
         return None
+
+
+def _table() -> tuple[Setting, ...]:
+    """The settings as :class:`CallbackOptions` declares them."""
+    hints = get_type_hints(CallbackOptions)
+    return tuple(
+        Setting(f.name, hints[f.name], f.default, f.metadata["doc"], f.metadata["check"])
+        for f in fields(CallbackOptions)
+        if "doc" in f.metadata
+    )
+
+
+#: Every setting, in the order :class:`CallbackOptions` declares them: name, type, default, doc, check.
+SETTINGS: tuple[Setting, ...] = _table()
