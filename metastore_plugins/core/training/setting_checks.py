@@ -11,15 +11,16 @@ from typing import Any
 
 import numpy as np
 
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.policy.budget import parse_budget
 
 #: ``check(owner, setting, value) -> the value kept``.
 Check = Callable[[str, str, Any], Any]
 
 
-def refuse(owner: str, setting: str, must: str, value: Any) -> ValueError:
+def refuse(owner: str, setting: str, must: str, value: Any) -> ConfigError:
     """The error of a setting whose value is wrong: ``owner(setting=...) must ...; got value``."""
-    return ValueError(f"{owner}({setting}=...) must {must}; got {value!r}")
+    return ConfigError(f"{owner}({setting}=...) must {must}; got {value!r}")
 
 
 def one_of(choices: Sequence[str]) -> Check:
@@ -74,7 +75,7 @@ def seconds(owner: str, setting: str, value: Any) -> Any:
 def module_paths(owner: str, setting: str, value: Any) -> tuple[str, ...] | None:
     """A check that the value is ``None`` or a list of module paths (not one path), kept as a tuple."""
     if isinstance(value, str):
-        raise ValueError(f"{owner}({setting}=...) takes a list of module paths; write [{value!r}]")
+        raise ConfigError(f"{owner}({setting}=...) takes a list of module paths; write [{value!r}]")
     return None if value is None else tuple(value)
 
 

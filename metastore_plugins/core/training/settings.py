@@ -27,6 +27,7 @@ from metastore_plugins.core.capture.session import (
     LossReduction,
     UnsupportedPolicy,
 )
+from metastore_plugins.core.errors import ConfigError, ConfigTypeError, StateError
 from metastore_plugins.core.model.losses import LabelsFn, PerSampleLossFn
 from metastore_plugins.core.model.pass_sources import CheckpointSchedule
 from metastore_plugins.core.policy.budget import POLICIES, Budget, Policy
@@ -256,11 +257,11 @@ class CallbackOptions:
 
     @classmethod
     def of(cls, owner: str, settings: CaptureSettings) -> CallbackOptions:
-        """The options of ``owner``'s ``**settings``; an unknown name raises ``TypeError`` naming it."""
+        """The options of ``owner``'s ``**settings``; an unknown name raises ``ConfigTypeError`` naming it."""
         known = [row.name for row in SETTINGS]
         unknown = sorted(set(settings) - set(known))
         if unknown:
-            raise TypeError(
+            raise ConfigTypeError(
                 f"{owner}() got unexpected setting(s) {', '.join(map(repr, unknown))}; "
                 f"it takes: {', '.join(sorted(known))}"
             )
@@ -272,7 +273,7 @@ class CallbackOptions:
                 object.__setattr__(self, row.name, row.check(self.owner, row.name, getattr(self, row.name)))
         check_outlier_source(self.outliers_from, self.capture_train_steps, self.owner)
         if self.rank_outliers_by == "aum" and not self.capture_train_steps:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.owner}(rank_outliers_by='aum') ranks by the training steps' margins; keep "
                 "capture_train_steps=True"
             )
@@ -280,7 +281,7 @@ class CallbackOptions:
         object.__setattr__(self, "capture_budget", Budget(self.policy, given))  # the one Budget of the run
 
     def whole_number(self, setting: str, value: Any, least: int | None) -> int:
-        """``value`` as an int, or a ``ValueError`` naming ``owner(setting=...)`` when it is no integer ``>= least``."""
+        """``value`` as an int, or a ``ConfigError`` naming ``owner(setting=...)`` unless an integer ``>= least``."""
         return whole_number(self.owner, setting, value, least)
 
     def check_model(self, model: nn.Module, capturable: bool = False) -> None:
@@ -289,7 +290,7 @@ class CallbackOptions:
         a rule go through the generic rule, so only parameters a rule leaves out (MHA ``bias_k``) count."""
         unknown = sorted(set(self.modules or ()) - {name for name, _ in model.named_modules()})
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.owner}(modules=...) names modules that {type(model).__name__} does not have: "
                 f"{unknown}; use paths from model.named_modules()"
             )
@@ -301,7 +302,7 @@ class CallbackOptions:
         probe.close()
         trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         if trainable and set(trainable) <= set(probe.uncaptured_parameters()):
-            raise ValueError(
+            raise ConfigError(
                 f"no trainable parameter of {type(model).__name__}{' under ' + str(modules) if modules else ''} is "
                 "covered by a capture rule, so nothing would be stored: register one with "
                 "metastore_plugins.register_capture, or pass modules=[...] naming layers of the model"
@@ -368,7 +369,7 @@ class CallbackOptions:
         if run is not None:
             return run.tag(name, step=step, **options)
         if options.get("steps") is None or options.get("keep") == "snapshot":
-            raise RuntimeError(
+            raise StateError(
                 f"{self.owner}.tag() before training starts needs steps=(first, last) (or steps=one step), and is "
                 "written when training starts; a tag of the current step, or keep='snapshot' (the weights now), "
                 "must be set while training runs: call it from a hook of your model or of a callback"
