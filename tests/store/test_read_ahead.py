@@ -8,6 +8,7 @@ with the message it always had, and no thread outlives the scan.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,7 +129,9 @@ def test_a_shard_replaced_after_it_was_read_ahead_is_read_and_checked_again(
     def then_replaced(self: selection.ReadAhead, index: int) -> Any:
         data = read(self, index)
         if index == 2:  # another valid shard of the same size, after the read ahead checked the first
-            shard(path, 2).write_bytes(shard(path, 1).read_bytes())
+            replacement = tmp_path / "replacement"  # renamed over it: never seen half written (0 bytes)
+            replacement.write_bytes(shard(path, 1).read_bytes())
+            os.replace(replacement, shard(path, 2))
         return data
 
     monkeypatch.setattr(selection.ReadAhead, "_read", then_replaced)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from metastore_plugins.core.errors import ConfigTypeError
 from metastore_plugins.core.records import LayerRecord
 
 RecordsFn = Callable[[Tensor], list[LayerRecord]]
@@ -128,7 +129,7 @@ def register_capture(
             if not (
                 isinstance(module_type, str) or (isinstance(module_type, type) and issubclass(module_type, nn.Module))
             ):
-                raise TypeError(
+                raise ConfigTypeError(
                     f"register_capture expects nn.Module subclasses or qualified names, got {module_type!r}"
                 )
             _RULES[module_type] = CaptureRule(module_type, forward, tuple(params), covers_children)
@@ -168,4 +169,4 @@ def first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
     for value in kwargs.values():
         if isinstance(value, Tensor):
             return value
-    raise TypeError("the module was called without a tensor input")
+    raise ConfigTypeError("the module was called without a tensor input")

@@ -30,7 +30,7 @@ from metastore_plugins.core.capture.context import SessionLink
 from metastore_plugins.core.capture.layers.generic import output_tensors
 from metastore_plugins.core.capture.module_hooks import ModuleHooks
 from metastore_plugins.core.capture.registry import RecordsFn, first_input
-from metastore_plugins.core.errors import UnsupportedLayerError
+from metastore_plugins.core.errors import ConfigError, StateError, UnsupportedLayerError
 from metastore_plugins.core.records import LayerRecord, restore_all
 
 LossReduction = Literal["mean", "sum"]
@@ -82,11 +82,13 @@ class CaptureSession(ModuleHooks):
         generic: bool = True,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+            raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if unsupported not in UNSUPPORTED_POLICIES:
-            raise ValueError(f"unsupported must be 'warn', 'error' or 'skip', got {unsupported!r}")
+            raise ConfigError(f"unsupported must be 'warn', 'error' or 'skip', got {unsupported!r}")
         if isinstance(modules, str):
-            raise ValueError(f"modules must be a list of module paths, got the string {modules!r}; write [{modules!r}]")
+            raise ConfigError(
+                f"modules must be a list of module paths, got the string {modules!r}; write [{modules!r}]"
+            )
         self.model = model
         self.loss_reduction = loss_reduction
         self.loss_scale: float = 1.0
@@ -137,7 +139,7 @@ class CaptureSession(ModuleHooks):
     def attach(self) -> None:
         """Hook every covered module of the model."""
         if self._attached or self.model in _ATTACHED:
-            raise RuntimeError(
+            raise StateError(
                 f"a CaptureSession is already attached to this {type(self.model).__name__}; "
                 "close it (leave its `with` block) before starting another"
             )
@@ -145,7 +147,7 @@ class CaptureSession(ModuleHooks):
         for argument, paths in (("modules", self.modules or ()), ("batch_dims", self.batch_dims)):
             unknown = sorted(set(paths) - known)
             if unknown:
-                raise ValueError(
+                raise ConfigError(
                     f"{argument} names modules that {type(self.model).__name__} does not have: {unknown}; "
                     "use paths from model.named_modules()"
                 )
@@ -194,12 +196,12 @@ class CaptureSession(ModuleHooks):
         except (TypeError, ValueError):
             scale = math.nan
         if not math.isfinite(scale) or scale == 0:
-            raise ValueError(
+            raise ConfigError(
                 "loss_scale must be a finite non-zero number (the factor the loss was multiplied by), "
                 f"got {loss_scale!r}"
             )
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-            raise ValueError(
+            raise ConfigError(
                 f"grad_scaler must have a get_scale() method (a torch.amp.GradScaler), got {grad_scaler!r}"
             )
         self.loss_scale, self.grad_scaler = scale, grad_scaler
@@ -248,7 +250,7 @@ class CaptureSession(ModuleHooks):
         sizes = {record.batch_size for record in records}
         if len(sizes) > 1:
             by_layer = ", ".join(sorted({f"{r.layer or '<root>'}: {r.batch_size}" for r in records}))
-            raise RuntimeError(
+            raise StateError(
                 f"layers saw different batch sizes ({by_layer}); either reset() between batches or "
                 "pass batch_dims={module path: dim} for modules fed sequence-first tensors"
             )

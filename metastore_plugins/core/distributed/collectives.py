@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from metastore_plugins.core.errors import DistributedQueryError
+from metastore_plugins.core.errors import ConfigError, DistributedQueryError
 from metastore_plugins.core.process_group import group_up
 
 T = TypeVar("T")
@@ -65,7 +65,7 @@ class Comm:
         """The communicator of ``group`` (the default group), or of one process when none is initialised."""
         if not group_up():
             if group is not None:
-                raise ValueError("a process group was given but torch.distributed is not initialised")
+                raise ConfigError("a process group was given but torch.distributed is not initialised")
             return cls()
         backend = str(dist.get_backend(group)).lower()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

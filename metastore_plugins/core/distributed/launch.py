@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.process_group import group_up
 
 #: Default bound on one collective: a rank that died or hangs is reported after this long at most.
@@ -43,7 +44,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
         return True
     missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
-        raise ValueError(f"WORLD_SIZE is set but {', '.join(missing)} are not: start the processes with torchrun")
+        raise ConfigError(f"WORLD_SIZE is set but {', '.join(missing)} are not: start the processes with torchrun")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from metastore_plugins.core.analysis.scan import Part
+from metastore_plugins.core.errors import ConfigError, QueryError
 from metastore_plugins.core.store import Selection
 
 __all__ = ["Part", "Share", "assign_shards", "batch_owners", "batch_sizes", "place", "sample_owners", "split"]
@@ -31,7 +32,7 @@ def assign_shards(rows_per_shard: Mapping[str, int], world: int) -> dict[str, in
         ValueError: if ``world`` is not a positive number of ranks.
     """
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be a positive number of ranks, got {world!r}")
+        raise ConfigError(f"world must be a positive number of ranks, got {world!r}")
     load = [0] * world
     owner: dict[str, int] = {}
     for name, rows in sorted(rows_per_shard.items(), key=lambda item: (-item[1], item[0])):
@@ -101,7 +102,7 @@ def place(parts: list[np.ndarray], positions: list[np.ndarray], total: int) -> n
     out = np.zeros((total, *shape), dtype=parts[0].dtype if parts else np.float64)
     for rank, (block, where) in enumerate(zip(parts, positions)):
         if block.shape[0] != len(where):
-            raise ValueError(
+            raise QueryError(
                 f"rank {rank} sent {block.shape[0]} rows for its {len(where)} samples; every rank must open the "
                 "same store (same manifests) and run the same query"
             )

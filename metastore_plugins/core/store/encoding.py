@@ -23,6 +23,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import ConfigError
+
 Encoding = Literal["fp32", "fp16", "bf16", "int8"]
 ENCODINGS: tuple[str, ...] = get_args(Encoding)
 DEFAULT_ENCODING: Encoding = "fp16"
@@ -37,7 +39,7 @@ _PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def check_encoding(encoding: str) -> Encoding:
     """Return ``encoding`` if known, else raise a ``ValueError`` listing the choices."""
     if encoding not in ENCODINGS:
-        raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}; got {encoding!r}")
+        raise ConfigError(f"encoding must be one of {', '.join(ENCODINGS)}; got {encoding!r}")
     return encoding  # type: ignore[return-value]
 
 

@@ -38,7 +38,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import xxhash
 
-from metastore_plugins.core.errors import JournalError, StoreError
+from metastore_plugins.core.errors import ConfigError, JournalError, StoreError
 from metastore_plugins.core.store.files import StoreDir, atomic_write_bytes
 from metastore_plugins.core.store.manifest import json_values_problem
 from metastore_plugins.core.store.writable import COPY_TO_WRITE, writing
@@ -67,7 +67,7 @@ def pack(values: np.ndarray) -> list[str]:
     array = np.ascontiguousarray(values)
     code = next((c for c, d in DTYPES.items() if d == array.dtype.newbyteorder("<")), None)
     if code is None or array.ndim != 1:
-        raise ValueError(f"a journal column must be a 1-d array of {sorted(DTYPES)}; got {array.dtype} {array.shape}")
+        raise ConfigError(f"a journal column must be a 1-d array of {sorted(DTYPES)}; got {array.dtype} {array.shape}")
     return [code, base64.b64encode(array.astype(DTYPES[code], copy=False).tobytes()).decode("ascii")]
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.errors import ConfigError, StoreError
 from metastore_plugins.core.records import batch_prefix
 from metastore_plugins.core.store import journal
 from metastore_plugins.core.store import manifest as mf
@@ -73,7 +73,7 @@ def compact(
     """
     directory = Path(directory)
     if target_bytes <= 0:
-        raise ValueError(f"target_bytes must be a positive byte count; got {target_bytes!r}")
+        raise ConfigError(f"target_bytes must be a positive byte count; got {target_bytes!r}")
     report = CompactionReport()
     found = _ranks(directory)
     if not found:

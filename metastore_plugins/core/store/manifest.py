@@ -98,18 +98,18 @@ def parse_manifest(data: bytes, path: Path, rank: int) -> dict[str, Any]:
     """
     problem = json_values_problem(data, MAX_MANIFEST_VALUES)
     if problem is not None:
-        raise ValueError(f"cannot read manifest {path}: it {problem}")
+        raise StoreError(f"cannot read manifest {path}: it {problem}")
     try:
         manifest = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as exc:
-        raise ValueError(f"cannot read manifest {path}: {exc or 'out of memory while parsing it'}") from exc
+        raise StoreError(f"cannot read manifest {path}: {exc or 'out of memory while parsing it'}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f'{path} is not a metastore manifest (no "format": "{FORMAT}")')
+        raise StoreError(f'{path} is not a metastore manifest (no "format": "{FORMAT}")')
     version: Any = manifest.get("schema_version")  # JSON: checked next
     if not _is_int(version) or version < 1:
-        raise ValueError(f"{path} has an invalid schema version {version!r} (a positive integer is expected)")
+        raise StoreError(f"{path} has an invalid schema version {version!r} (a positive integer is expected)")
     if version > SCHEMA_VERSION:
-        raise ValueError(
+        raise StoreError(
             f"{path} has schema version {version}; this version of metastore_plugins reads "
             f"version {SCHEMA_VERSION} and older: upgrade metastore_plugins"
         )
@@ -139,7 +139,7 @@ def in_range(value: Any, low: int = -MAX_INT, high: int = MAX_INT) -> bool:
 
 def _need(ok: bool, path: Path, where: str, what: str) -> None:
     if not ok:
-        raise ValueError(f"malformed manifest {path}: {where} {what}")
+        raise StoreError(f"malformed manifest {path}: {where} {what}")
 
 
 def name_problem(name: Any, empty_ok: bool = False) -> str | None:

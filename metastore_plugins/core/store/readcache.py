@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.store.files import open_regular
 from metastore_plugins.core.store.shardread import (
     ShardData,
@@ -57,7 +58,7 @@ def allowance() -> int:
         try:
             return max(0, int(value))
         except ValueError:
-            raise ValueError(
+            raise ConfigError(
                 f"{ENV_VAR}={value!r} is not a number of bytes; set it to an integer (0: no cache)"
             ) from None
     return min(_physical_memory() // 4, DEFAULT_MAX_BYTES)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.errors import MissingDependencyError, StoreError
 from metastore_plugins.core.records import KIND_CODES, PER_SAMPLE_KINDS, restore_all
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store import run_log
@@ -154,7 +154,7 @@ class StoreReader:
         try:
             import pyarrow
         except ImportError as exc:
-            raise ImportError("store.table() needs pyarrow: pip install 'metastore_plugins[table]'") from exc
+            raise MissingDependencyError("store.table() needs pyarrow: pip install 'metastore_plugins[table]'") from exc
         columns = self.metadata(capture_point, **where)
         columns["capture_point"] = columns["capture_point"].astype(str)
         return pyarrow.table(columns)

@@ -48,7 +48,7 @@ def header_cap(keys: Collection[str]) -> int:
 def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
-        raise ValueError("a key appears twice in one object")
+        raise StoreError("a key appears twice in one object")
     return out
 
 

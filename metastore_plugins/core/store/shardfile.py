@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, NamedTuple
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import ConfigError, UnsupportedPlatformError
 from metastore_plugins.core.records import LayerRecord, meta_key, record_key
 from metastore_plugins.core.store.encoding import EXACT_KEYS, Encoding, encode_into, stored_specs
 from metastore_plugins.core.store.files import StoreDir
@@ -87,7 +88,9 @@ def write_shard(
     bytes and its checksums, computed on the buffer in memory.
     """
     if sys.byteorder != "little":
-        raise NotImplementedError("shards are written on little-endian hosts only (safetensors stores little-endian)")
+        raise UnsupportedPlatformError(
+            "shards are written on little-endian hosts only (safetensors stores little-endian)"
+        )
     tensors = [
         (record_key(index, k, name), name, tensor)
         for index, (batch_records, _) in enumerate(batches)
@@ -165,7 +168,7 @@ def tensor_layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> t
     by_size: dict[int, list[str]] = {8: [], 4: [], 2: [], 1: []}
     for key, (dtype, _) in specs.items():
         if dtype not in _DTYPE_NAMES:
-            raise ValueError(
+            raise ConfigError(
                 f"{key}: dtype {dtype} cannot be stored in a shard; use one of {sorted(map(str, _DTYPE_NAMES))}"
             )
         by_size[_ITEMSIZE[dtype]].append(key)

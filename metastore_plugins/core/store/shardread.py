@@ -28,7 +28,7 @@ import torch
 import xxhash
 from torch import Tensor
 
-from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.errors import StoreError, UnsupportedPlatformError
 from metastore_plugins.core.records import (
     EIGENBASIS_TENSORS,
     INTEGER_TENSORS,
@@ -250,7 +250,7 @@ def read_shard(path: Path, directory: Path, expect: ShardExpectation) -> ShardDa
 def read_opened(fd: int, opened: os.stat_result, path: Path, expect: ShardExpectation) -> ShardData:
     """:func:`read_shard` of a file already opened (``fd``, its ``fstat`` ``opened``); the caller closes ``fd``."""
     if sys.byteorder != "little":
-        raise NotImplementedError("shards are read on little-endian hosts only (safetensors stores little-endian)")
+        raise UnsupportedPlatformError("shards are read on little-endian hosts only (safetensors stores little-endian)")
     size_problem(path, opened, expect)
     buffer = shard_buffer(expect.bytes)  # (bytes,), filled by readinto
     view, done = buffer.numpy().data, 0

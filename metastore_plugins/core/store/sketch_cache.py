@@ -42,7 +42,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 from torch import Tensor
 
-from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.errors import ConfigError, StoreError
 from metastore_plugins.core.store.files import StoreDir
 
 #: The folder of the cache inside a store directory.
@@ -149,7 +149,7 @@ def save(store_dir: Path, key: SketchKey, sample_ids: np.ndarray, sketch: Tensor
     ids = torch.as_tensor(np.asarray(sample_ids, dtype=np.int64))  # (N,)
     sketch = sketch.detach().to("cpu", torch.float32).contiguous()  # (N, dim^2)
     if tuple(sketch.shape) != (key.samples, key.dim * key.dim) or math.prod(ids.shape) != key.samples:
-        raise ValueError(f"sketch {tuple(sketch.shape)} and ids {tuple(ids.shape)} do not fit {key}")
+        raise ConfigError(f"sketch {tuple(sketch.shape)} and ids {tuple(ids.shape)} do not fit {key}")
     metadata = {**key.metadata(), "checksum": _checksum(ids, sketch)}
     try:
         data = save_bytes({"sketch": sketch, "sample_id": ids}, metadata=metadata)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.errors import JournalError, StoreError
+from metastore_plugins.core.errors import ConfigError, JournalError, StoreError
 from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.journal import ParsedPrefixes
 from metastore_plugins.core.store.journal_batch import decode_lines, gc_paused
@@ -62,9 +62,9 @@ _unverified: set[Path] = set()  # snapshots without a checksum already said once
 def check_name(name: str, rank: int) -> None:
     """Refuse (``ValueError``) a snapshot name that is not :data:`NAME`, or a rank that is not an int >= 0."""
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ValueError(f"a snapshot name must be 1-100 letters, digits, '_', '.' or '-'; got {name!r}")
+        raise ConfigError(f"a snapshot name must be 1-100 letters, digits, '_', '.' or '-'; got {name!r}")
     if not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"a snapshot rank must be an int >= 0; got {rank!r}")
+        raise ConfigError(f"a snapshot rank must be an int >= 0; got {rank!r}")
 
 
 def journal_name(rank: int) -> str:

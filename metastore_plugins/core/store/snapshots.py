@@ -37,7 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 from torch import Tensor, nn
 
-from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.errors import ConfigError, StoreError
 from metastore_plugins.core.store import snapshot_check as check
 from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.journal import JournalAppender, encode_line
@@ -124,7 +124,7 @@ class SnapshotWriter:
         buffers = {key: b.detach().to("cpu", copy=True).contiguous() for key, b in floating_buffers(model).items()}
         bad = [key for key, value in (params | buffers).items() if not bool(torch.isfinite(value).all())]
         if bad:
-            raise ValueError(
+            raise ConfigError(
                 f"snapshot {name!r} at step {step}: {bad[:5]} hold NaN or inf values, which no recomputation can use; "
                 "the run diverged (lower the learning rate) or take the snapshot earlier"
             )

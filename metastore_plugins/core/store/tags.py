@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metastore_plugins.core.errors import JournalError, StoreError
+from metastore_plugins.core.errors import ConfigError, JournalError, StoreError
 from metastore_plugins.core.records import KEEP_CHOICES
 from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.journal import (
@@ -157,21 +157,21 @@ class TagBook:
             ValueError: naming the argument, for a bad name, range, ``keep``, capture point or attribute.
         """
         if not isinstance(name, str) or not name.strip() or _CONTROL.search(name):
-            raise ValueError(f"tag(name=...) must be a non-empty string without control characters; got {name!r}")
+            raise ConfigError(f"tag(name=...) must be a non-empty string without control characters; got {name!r}")
         first, last = _steps(steps if steps is not None else current_step)
         if keep is not None and keep not in KEEP_CHOICES:
-            raise ValueError(f"tag(keep=...) must be one of {', '.join(KEEP_CHOICES)} or None; got {keep!r}")
+            raise ConfigError(f"tag(keep=...) must be one of {', '.join(KEEP_CHOICES)} or None; got {keep!r}")
         if capture_point is not None and (not isinstance(capture_point, str) or not capture_point):
-            raise ValueError(
+            raise ConfigError(
                 f"tag(capture_point=...) must be a capture point name, or None for all; got {capture_point!r}"
             )
         attributes = {**(attributes or {}), **more}
         clash = sorted(set(attributes) & set(_FIELDS))
         if clash:
-            raise ValueError(f"tag attributes {clash} clash with the tag's own fields; rename them")
+            raise ConfigError(f"tag attributes {clash} clash with the tag's own fields; rename them")
         bad = sorted(str(key) for key, value in attributes.items() if str(key) not in tag_attributes({key: value}))
         if bad:
-            raise ValueError(f"tag attributes {bad} must be JSON scalars (str, int, finite float, bool, None)")
+            raise ConfigError(f"tag attributes {bad} must be JSON scalars (str, int, finite float, bool, None)")
         values = tag_attributes(attributes)
         tag = Tag(name, first, last, keep, capture_point, values, self.rank, self._count, bool(automatic))
         self._append(encode_line(asdict(tag)))
@@ -200,14 +200,11 @@ class TagBook:
 
 def _steps(steps: Any) -> tuple[int, int]:
     pair = steps if isinstance(steps, tuple) and len(steps) == 2 else (steps, steps)
-    try:
-        if any(isinstance(s, bool) for s in pair):
-            raise TypeError
-        first, last = (operator.index(s) for s in pair)  # ints, numpy integers
-    except TypeError:
-        raise ValueError(f"tag(steps=...) must be a step or a (first, last) pair of steps; got {steps!r}") from None
+    if any(isinstance(s, bool) or not hasattr(type(s), "__index__") for s in pair):  # ints, numpy integers pass
+        raise ConfigError(f"tag(steps=...) must be a step or a (first, last) pair of steps; got {steps!r}")
+    first, last = (operator.index(s) for s in pair)
     if first < 0 or last < first:
-        raise ValueError(f"tag(steps=...) must satisfy 0 <= first <= last; got {steps!r}")
+        raise ConfigError(f"tag(steps=...) must satisfy 0 <= first <= last; got {steps!r}")
     return first, last
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.errors import OutOfRangeError, StoreError
 from metastore_plugins.core.store.files import StoreDir
 from metastore_plugins.core.store.vector_files import FOLDER
 
@@ -147,7 +147,7 @@ def part_layout(
     try:
         length = int.from_bytes(head[:8], "little")
         if length > MAX_HEADER_BYTES or 8 + length > len(head):
-            raise ValueError(f"a header of {length} bytes")
+            raise StoreError(f"a header of {length} bytes")
         header = json.loads(head[8 : 8 + length])
         layout = {}
         for key, spec in header.items():
@@ -156,9 +156,9 @@ def part_layout(
             begin, end = (8 + length + int(o) for o in spec["data_offsets"])
             dtype, shape = np.dtype(_NUMPY_DTYPES[spec["dtype"]]), tuple(int(n) for n in spec["shape"])
             if any(n < 0 for n in shape) or not 8 + length <= begin <= end <= size:
-                raise ValueError(f"{key} lies outside the file")
+                raise StoreError(f"{key} lies outside the file")
             if end - begin != dtype.itemsize * int(np.prod(shape, dtype=object)):
-                raise ValueError(f"{key}'s bytes are not its shape's")
+                raise StoreError(f"{key}'s bytes are not its shape's")
             layout[str(key)] = (begin, end, dtype, shape)
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise StoreError(f"{path}: not a part file ({exc})") from None
@@ -182,7 +182,7 @@ class PartRows:
         rows = np.arange(*key.indices(len(self))) if isinstance(key, slice) else np.asarray(key, dtype=np.int64)
         rows = rows.reshape(-1)
         if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
-            raise IndexError(f"rows out of 0..{len(self) - 1}")
+            raise OutOfRangeError(f"rows out of 0..{len(self) - 1}")
         step, out = 4 * self.shape[1], np.empty((len(rows), self.shape[1]), np.float32)  # (n, D)
         starts = np.flatnonzero(np.diff(rows, prepend=-2) != 1)  # runs of consecutive rows: one read each
         ends = np.append(starts[1:], len(rows)) - 1

@@ -26,6 +26,7 @@ from typing import Any, BinaryIO, Literal
 
 import torch
 
+from metastore_plugins.core.errors import ConfigError, ConfigTypeError, StateError, StoreError, WriterError
 from metastore_plugins.core.records import BatchMeta, LayerRecord
 from metastore_plugins.core.store import manifest as mf
 from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding, check_encoding, encoded_nbytes
@@ -90,15 +91,15 @@ class StoreWriter(WriterLife):
         run_start: int | None = None,
     ) -> None:
         if queue_bytes <= 0 or shard_bytes <= 0:
-            raise ValueError("queue_bytes and shard_bytes must be positive byte counts")
+            raise ConfigError("queue_bytes and shard_bytes must be positive byte counts")
         seconds = isinstance(flush_seconds, (int, float)) and not isinstance(flush_seconds, bool)
         if flush_seconds is not None and not (seconds and 0 < flush_seconds < float("inf")):
-            raise ValueError(
+            raise ConfigError(
                 f"flush_seconds must be a positive, finite number of seconds, or None; got {flush_seconds!r}"
             )
         self.flush_seconds = None if flush_seconds is None else float(flush_seconds)
         if on_error not in ("warn", "raise"):
-            raise ValueError(f"on_error must be 'warn' or 'raise'; got {on_error!r}")
+            raise ConfigError(f"on_error must be 'warn' or 'raise'; got {on_error!r}")
         self.on_error = on_error
         self.on_shard = on_shard
         self.on_shard_error: Exception | None = None
@@ -153,15 +154,17 @@ class StoreWriter(WriterLife):
         if meta is None:
             meta = BatchMeta(**fields)
         elif fields:
-            raise TypeError(f"write() takes a BatchMeta or its fields as keywords, not both; got {sorted(fields)}")
+            raise ConfigTypeError(
+                f"write() takes a BatchMeta or its fields as keywords, not both; got {sorted(fields)}"
+            )
         self._raise_if_failed()
         if self._closed:
-            raise RuntimeError("this StoreWriter is closed; open a new one to write more")
+            raise StateError("this StoreWriter is closed; open a new one to write more")
         if self.stopped is not None:
             self._lose(int(meta.step), int(torch.as_tensor(meta.sample_ids).numel()))
             return
         if not isinstance(meta.capture_point, str) or not meta.capture_point.strip():
-            raise ValueError(f"capture_point must be a non-empty name such as 'train'; got {meta.capture_point!r}")
+            raise ConfigError(f"capture_point must be a non-empty name such as 'train'; got {meta.capture_point!r}")
         columns = meta.columns()
         size = columns["sample_id"].shape[0]
         records = list(records)
@@ -229,7 +232,7 @@ class StoreWriter(WriterLife):
         new: dict[str, dict[str, Any]] = {}
         for record in records:
             if record.batch_size != size:
-                raise ValueError(
+                raise ConfigError(
                     f"record of layer '{record.layer}' holds {record.batch_size} samples but {size} sample ids "
                     "were given; pass one id per sample of the batch"
                 )
@@ -240,7 +243,7 @@ class StoreWriter(WriterLife):
             }
             known = self._index.layers.get(record.layer) or new.setdefault(record.layer, layer)
             if known != layer:
-                raise ValueError(
+                raise StoreError(
                     f"layer '{record.layer}' changed since it was first stored ({known} vs {layer}); "
                     "write a changed model to a new store directory"
                 )
@@ -280,7 +283,7 @@ class StoreWriter(WriterLife):
                 stacklevel=3,
             )
         if self._error is not None:
-            raise RuntimeError(f"the gradient store writer for {self.path} failed: {self._error!r}") from self._error
+            raise WriterError(f"the gradient store writer for {self.path} failed: {self._error!r}") from self._error
 
     # -- writer thread -------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from metastore_plugins.core.capture.build import as_computed
 from metastore_plugins.core.capture.layers.embedding import embedding_rows_record
 from metastore_plugins.core.capture.registry import LayerContext, first_input, register_capture
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.records import LayerRecord
 
 _MODES = {"sum": 0, "mean": 1, "max": 2}
@@ -40,7 +41,7 @@ def flat_bags(ids: Tensor, offsets: Tensor | None, include_last_offset: bool) ->
     if ids.dim() == 2:
         return ids.reshape(-1), torch.arange(ids.shape[0], device=ids.device) * ids.shape[1], False
     if offsets is None:
-        raise ValueError("nn.EmbeddingBag was called with 1-D input and no offsets")
+        raise ConfigError("nn.EmbeddingBag was called with 1-D input and no offsets")
     return ids, offsets, include_last_offset
 
 
