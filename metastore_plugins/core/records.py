@@ -63,7 +63,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.errors import RepresentationError
+from metastore_plugins.core.errors import ConfigError, RepresentationError
 
 # -- record kinds and their tensors ------------------------------------------------------------
 
@@ -385,8 +385,10 @@ class BatchMeta:
             if name in FLOAT_SAMPLE_COLUMNS:
                 column = column.float()
             if column.dim() == 0 or column.shape[0] != size:
-                raise ValueError(f"{argument} must have one entry per sample ({size}); got shape {tuple(column.shape)}")
+                raise ConfigError(
+                    f"{argument} must have one entry per sample ({size}); got shape {tuple(column.shape)}"
+                )
             if name == "margin" and column.dim() != 1:
-                raise ValueError(f"margins must hold one value per sample, shape ({size},); got {tuple(column.shape)}")
+                raise ConfigError(f"margins must hold one value per sample, shape ({size},); got {tuple(column.shape)}")
             columns[name] = column.contiguous().clone()  # the caller may reuse its buffer before the shard is written
         return columns

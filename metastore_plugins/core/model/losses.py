@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from metastore_plugins.core.errors import LossScaleError
+from metastore_plugins.core.errors import ConfigError, LossScaleError
 
 LABEL_KEYS = ("labels", "label", "y")
 #: The label of a token no loss is taken on (padding, a prompt, an unmasked token): PyTorch's and transformers' own.
@@ -79,12 +79,12 @@ def default_labels(batch: Any) -> Tensor:
         for key in LABEL_KEYS:
             if key in batch:
                 return batch[key]
-        raise ValueError(
+        raise ConfigError(
             f"the dict batch has no labels under {LABEL_KEYS} (keys: {list(batch)}); pass labels=callable(batch)"
         )
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[1]
-    raise ValueError(
+    raise ConfigError(
         f"cannot tell the labels of a {type(batch).__name__} batch"
         + (f" of {len(batch)} elements" if isinstance(batch, (tuple, list)) else "")
         + "; the defaults read (x, y) batches and dicts with 'labels'. Pass labels=callable(batch)"
@@ -148,7 +148,7 @@ def default_per_sample_loss(output: Any, labels: Tensor, *, shift: bool | None =
         return token_losses(logits, labels, shift=shift)[0]
     if logits is None or logits.dim() != 2 or labels.dim() != 1 or labels.is_floating_point():
         shape = None if logits is None else tuple(logits.shape)
-        raise ValueError(
+        raise ConfigError(
             "the default per-sample loss is cross-entropy of (B, C) logits on (B,) class labels, or of (B, T, V) "
             f"logits on (B, T) token labels; got logits of shape {shape} and labels of shape {tuple(labels.shape)}. "
             "Pass per_sample_loss=callable(output, batch) -> (B,)"

@@ -27,7 +27,7 @@ from torch.utils.data import default_collate
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.capture.session import LossReduction
-from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.errors import ConfigError, QueryError, StoreError
 from metastore_plugins.core.model.losses import BatchLoss, LossFn, default_labels, logits_of, unbound_loss
 from metastore_plugins.core.model.pass_sources import PassSource, indexed_batches
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
@@ -49,7 +49,7 @@ def default_loss(model: nn.Module, batch: Any, reduction: LossReduction = "mean"
     if not isinstance(loss, Tensor):
         logits = logits_of(output)
         if logits is None:
-            raise ValueError("the model's output holds no logits; pass loss_fn=callable(model, batch) -> batch loss")
+            raise ConfigError("the model's output holds no logits; pass loss_fn=callable(model, batch) -> batch loss")
         loss = F.cross_entropy(logits, default_labels(batch).long())
     return loss * len(default_labels(batch)) if reduction == "sum" else loss
 
@@ -95,11 +95,11 @@ def recompute(
     """
     ids = [int(i) for i in sample_ids]
     if not ids:
-        raise ValueError("recompute needs at least one sample id")
+        raise ConfigError("recompute needs at least one sample id")
     if batch_size < 1:
-        raise ValueError(f"recompute(batch_size=...) must be >= 1; got {batch_size}")
+        raise ConfigError(f"recompute(batch_size=...) must be >= 1; got {batch_size}")
     if snapshot is not None and store_dir is None:
-        raise ValueError(f"recompute(snapshot={snapshot!r}) needs store_dir=, the store that holds the snapshot")
+        raise ConfigError(f"recompute(snapshot={snapshot!r}) needs store_dir=, the store that holds the snapshot")
     weights, buffers = (None, None) if snapshot is None else load_snapshot_state(store_dir or ".", snapshot, rank)
     collate = collate_fn or default_collate
     device = next(model.parameters()).device
@@ -156,12 +156,12 @@ def recompute_batches(
             parts.append(session.factors())
             model.zero_grad(set_to_none=True)
     if not parts:
-        raise ValueError("recompute needs at least one batch")
+        raise ConfigError("recompute needs at least one batch")
     # backward hooks of parallel branches (a BERT's three embeddings) fire in any order: align by layer
     aligned = [sorted(part, key=lambda record: record.layer) for part in parts]  # stable: calls stay in order
     signatures = {tuple((r.layer, r.kind) for r in part) for part in aligned}
     if len(signatures) > 1:
-        raise ValueError("the recomputed batches captured different layers (a layer without gradient in some)")
+        raise ConfigError("the recomputed batches captured different layers (a layer without gradient in some)")
     return join_records(aligned)
 
 
@@ -229,7 +229,7 @@ def pass_recomputer(
 
     def run(split: str, sample_ids: Sequence[int], checkpoint: str) -> list[LayerRecord]:
         if split not in by_split:
-            raise ValueError(f"no map-style dataset of split {split!r} to recompute from; it has {sorted(by_split)}")
+            raise QueryError(f"no map-style dataset of split {split!r} to recompute from; it has {sorted(by_split)}")
         source = by_split[split]
         batches = indexed_batches(source.dataset, [int(i) for i in sample_ids], source.batch_size, source.collate_fn)
         weights, buffers = load_snapshot_state(store_dir, checkpoint, rank)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from metastore_plugins.core.errors import SampleIdError
+from metastore_plugins.core.errors import ConfigTypeError, SampleIdError, UnknownNameError
 
 SAMPLE_ID_KEYS = ("sample_id", "idx")
 INDEX_KEY = "sample_id"
@@ -35,7 +35,7 @@ class IndexedDataset(Dataset):
 
     def __init__(self, dataset: Any) -> None:
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"IndexedDataset needs a map-style dataset (__getitem__ and __len__); got {type(dataset).__name__}"
             )
         self.dataset = dataset
@@ -118,7 +118,7 @@ class RecordingBatchSampler:
 
     def __getattr__(self, name: str) -> Any:  # sampler, batch_size, drop_last, ... of the wrapped sampler
         if name == "inner":
-            raise AttributeError(name)
+            raise UnknownNameError(name)
         return getattr(self.inner, name)
 
     def next_ids(self, batch_size: int | None) -> Tensor:

@@ -18,6 +18,7 @@ tensors derived from them; the store streams records chunk by chunk into them.
 - :func:`restore_chunk` (per-sample gradients of a range of samples), :func:`chunks` (the ranges).
 """
 
+from metastore_plugins.core.errors import UnknownNameError
 from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, chunks, restore_chunk
 from metastore_plugins.core.ops.cluster import KMeansResult, kmeans
 from metastore_plugins.core.ops.cost import (
@@ -105,4 +106,4 @@ def __getattr__(name: str) -> object:
             stacklevel=2,
         )
         return BatchContributors
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise UnknownNameError(f"module {__name__!r} has no attribute {name!r}")

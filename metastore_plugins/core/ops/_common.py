@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.errors import RepresentationError
+from metastore_plugins.core.errors import ConfigError, RepresentationError
 from metastore_plugins.core.records import KIND_CODES, RECOMPUTE_HINT, SUMMARY_KINDS, LayerRecord
 
 #: Default memory budget, in bytes, of one operator call (largest intermediate it builds) and of
@@ -26,7 +26,7 @@ DEFAULT_MAX_BYTES = 512 * 2**20
 def check_kind(record: LayerRecord) -> None:
     """Raise a ``ValueError`` naming the record if its kind is unknown."""
     if record.kind not in KIND_CODES:
-        raise ValueError(f"record of layer '{record.layer}' has unknown kind {record.kind!r}")
+        raise ConfigError(f"record of layer '{record.layer}' has unknown kind {record.kind!r}")
 
 
 def unsupported(record: LayerRecord, what: str) -> RepresentationError:
@@ -77,13 +77,13 @@ def common_params(a: LayerRecord, b: LayerRecord, params: Collection[str] | None
     shape_b = {name: b.param_shapes[role] for role, name in names_b.items()}
     common = [name for name in shape_a if name in shape_b]
     if not common:
-        raise ValueError(
+        raise ConfigError(
             f"records of layers '{a.layer}' and '{b.layer}' share no parameter "
             f"({sorted(shape_a)} vs {sorted(shape_b)}); pair records of the same layer"
         )
     for name in common:
         if tuple(shape_a[name]) != tuple(shape_b[name]):
-            raise ValueError(
+            raise ConfigError(
                 f"parameter '{name}' has shape {tuple(shape_a[name])} in one record and "
                 f"{tuple(shape_b[name])} in the other; pair records taken from the same model"
             )

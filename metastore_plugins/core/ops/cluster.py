@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class KMeansResult:
@@ -65,10 +67,10 @@ def kmeans(x: Tensor, k: int, seed: int = 0, iters: int = 50, tol: float = 1e-7)
         ValueError: if ``x`` is not 2-D or ``k`` is out of range.
     """
     if x.dim() != 2:
-        raise ValueError(f"kmeans expects points as a 2-D (N, dim) tensor, got shape {tuple(x.shape)}")
+        raise ConfigError(f"kmeans expects points as a 2-D (N, dim) tensor, got shape {tuple(x.shape)}")
     n = x.shape[0]
     if not 1 <= k <= n:
-        raise ValueError(f"k must be between 1 and the number of points ({n}), got {k}")
+        raise ConfigError(f"k must be between 1 and the number of points ({n}), got {k}")
     generator = torch.Generator().manual_seed(int(seed))
     centroids = _plus_plus(x, k, generator)  # (k, dim)
     scale = float(x.pow(2).sum(1).mean().sqrt()) or 1.0

@@ -32,6 +32,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.ops._common import (
     common_params,
     max_rows_per_sample,
@@ -132,7 +133,7 @@ def _factored_pair(a: LayerRecord, b: LayerRecord, names: Collection[str]) -> Wo
 
 def _check_method(method: str) -> None:
     if method not in ("auto", "factored", "dense"):
-        raise ValueError(f"method must be 'auto', 'factored' or 'dense', got {method!r}")
+        raise ConfigError(f"method must be 'auto', 'factored' or 'dense', got {method!r}")
 
 
 def _decide(factored: Work, dense: Work, method: Method) -> Plan:

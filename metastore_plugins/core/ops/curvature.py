@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import ConfigError, RepresentationError
 from metastore_plugins.core.ops import curvature_eigen as eigen
 from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops._common import (
@@ -162,12 +163,12 @@ def layer_groups(records: Sequence[LayerRecord]) -> dict[str, list[LayerRecord]]
             continue  # projected on a curvature eigenbasis: K-FAC is diagonal there (.curvature_eigen)
         need_gradients(record, "K-FAC curvature")
         if record.layer in tied:
-            raise ValueError(
+            raise ConfigError(
                 f"layer '{record.layer}' shares a parameter with another layer (tied weights: {sorted(tied)}); "
                 "K-FAC fits one block per layer: leave one of them out with layers="
             )
         if record.kind not in ("outer", "embedding", "dense"):
-            raise ValueError(
+            raise RepresentationError(
                 f"layer '{record.layer}' is kept as {record.kind!r} records, which K-FAC does not fit yet; "
                 "leave it out with layers="
             )
@@ -248,7 +249,7 @@ class CurvatureSums:
             first = group[0]
             sums = self.layers.setdefault(layer, LayerSums(dict(first.params)))
             if sums.params != first.params:
-                raise ValueError(f"layer '{layer}' has records of two parameter sets; fit records of one model")
+                raise ConfigError(f"layer '{layer}' has records of two parameter sets; fit records of one model")
             if all(r.kind == "embedding" for r in group):
                 _add_embedding(sums, group, layer, self.token_basis)
                 continue
@@ -327,7 +328,7 @@ def _added(total: Tensor | None, part: Tensor, layer: str) -> Tensor:
     if total is None:
         return part
     if total.shape != part.shape:
-        raise ValueError(f"layer '{layer}' has records of two shapes ({tuple(total.shape)}, {tuple(part.shape)})")
+        raise ConfigError(f"layer '{layer}' has records of two shapes ({tuple(total.shape)}, {tuple(part.shape)})")
     return total + part
 
 

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.ops._common import (
     DEFAULT_MAX_BYTES,
     chunks,
@@ -72,10 +73,10 @@ def batch_gradient(
         ValueError: on an unknown reduction or records of different batch sizes.
     """
     if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        raise ConfigError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     sizes = {r.batch_size for r in records}
     if len(sizes) > 1:
-        raise ValueError(f"records of one batch are expected, got batch sizes {sorted(sizes)}")
+        raise ConfigError(f"records of one batch are expected, got batch sizes {sorted(sizes)}")
     total: dict[str, Tensor] = {}
     for record in records:
         for name, grad in _summed_gradient(record, selected_roles(record, params)).items():
@@ -121,10 +122,10 @@ def _flat_entries(entries: Entries, shape: tuple[int, ...]) -> Tensor:
     if index.dim() == 1:
         index = index.unsqueeze(0)  # (1, ndim)
     if index.dim() != 2 or index.shape[1] != len(shape):
-        raise ValueError(f"entries must index a parameter of shape {shape} with {len(shape)} numbers each")
+        raise ConfigError(f"entries must index a parameter of shape {shape} with {len(shape)} numbers each")
     bounds = torch.tensor(shape, dtype=torch.long)
     if bool(((index < 0) | (index >= bounds)).any()):
-        raise ValueError(f"an entry is out of range for a parameter of shape {shape}")
+        raise ConfigError(f"an entry is out of range for a parameter of shape {shape}")
     strides = torch.tensor([math.prod(shape[k + 1 :]) for k in range(len(shape))], dtype=torch.long)
     return (index * strides).sum(1)  # (E,)
 
@@ -139,7 +140,7 @@ def entry_gradients(record: LayerRecord, role: str, entries: Entries, max_bytes:
             Linear weight, ``(c_out, c_in, kh, kw)`` for a convolution.
     """
     if role not in record.params:
-        raise ValueError(
+        raise ConfigError(
             f"layer '{record.layer}' has no captured parameter role {role!r}; it has {sorted(record.params)}"
         )
     need_gradients(record, "per-weight gradients")

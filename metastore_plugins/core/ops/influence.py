@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.errors import RepresentationError
+from metastore_plugins.core.errors import ConfigError, RepresentationError
 from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, record_pairs, selected_roles
 from metastore_plugins.core.ops.cost import Method
 from metastore_plugins.core.ops.dots import dots
@@ -35,7 +35,7 @@ def _batch_size(records: Sequence[LayerRecord], what: str) -> int:
             "ids, labels and losses); ask the query of capture points that hold gradients (`metastore inspect`)"
         )
     if len(sizes) != 1:
-        raise ValueError(f"{what} records must describe one batch (one batch size), got sizes {sorted(sizes)}")
+        raise ConfigError(f"{what} records must describe one batch (one batch size), got sizes {sorted(sizes)}")
     return sizes.pop()
 
 
@@ -53,7 +53,7 @@ def total_dots(
         part = dots(a, b, params, method, max_bytes)  # (B_a, B_b)
         total = part if total is None else total + part
     if total is None:
-        raise ValueError("the two sets of records share no parameter; pair records of the same model")
+        raise ConfigError("the two sets of records share no parameter; pair records of the same model")
     return total
 
 
@@ -77,7 +77,7 @@ def total_sq_norms(
                 part = part + 2.0 * torch.diagonal(dots(a, b, params, method, max_bytes))
         total = part if total is None else total + part
     if total is None:
-        raise ValueError("total_sq_norms needs at least one record")
+        raise ConfigError("total_sq_norms needs at least one record")
     return total
 
 
@@ -111,7 +111,7 @@ def influence_scores(
         ValueError: if the three sequences differ in length.
     """
     if not len(train_records_by_checkpoint) == len(test_records_by_checkpoint) == len(learning_rates):
-        raise ValueError(
+        raise ConfigError(
             f"got {len(train_records_by_checkpoint)} train checkpoints, {len(test_records_by_checkpoint)} "
             f"test checkpoints and {len(learning_rates)} learning rates; pass one of each per checkpoint"
         )
@@ -120,7 +120,7 @@ def influence_scores(
         scores = float(lr) * total_dots(train, test, params, method, max_bytes)  # (N_train, N_test)
         total = scores if total is None else total + scores
     if total is None:
-        raise ValueError("influence_scores needs at least one checkpoint")
+        raise ConfigError("influence_scores needs at least one checkpoint")
     return total
 
 
@@ -133,7 +133,7 @@ def self_influence(
 ) -> Tensor:
     """TracIn self-influence ``(N,)``: ``sum_c lr_c ||g_i(w_c)||^2`` (high values: suspicious samples)."""
     if len(records_by_checkpoint) != len(learning_rates) or not learning_rates:
-        raise ValueError(
+        raise ConfigError(
             f"got {len(records_by_checkpoint)} checkpoints and {len(learning_rates)} learning rates; "
             "pass one learning rate per checkpoint (at least one)"
         )
@@ -170,7 +170,7 @@ def topk(scores: Tensor, k: int, dim: int = 0) -> TopK:
         dim: the dimension to rank over (0: rows are candidates, one ranking per column).
     """
     if scores.dim() != 2:
-        raise ValueError(f"scores must be a 2-D matrix, got shape {tuple(scores.shape)}")
+        raise ConfigError(f"scores must be a 2-D matrix, got shape {tuple(scores.shape)}")
     ranked = scores if dim == 1 else scores.T  # (M, N)
     k = max(0, min(int(k), ranked.shape[1]))
     top = torch.topk(ranked, k, dim=1, largest=True, sorted=True)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, chunks
 from metastore_plugins.core.ops.curvature import (
@@ -51,7 +52,7 @@ def preconditioned_sq_norms(
     for layer, group in layer_groups(records).items():
         c = curvature.get(layer)
         if c is None:
-            raise ValueError(f"layer '{layer}' has no fitted curvature; fit on records holding it, or leave it out")
+            raise ConfigError(f"layer '{layer}' has no fitted curvature; fit on records holding it, or leave it out")
         delta = c.damping(damping, relative_damping)
         if c.kind == "embedding" and c.q_in is None:  # sparse: one row per distinct (sample, token), no (V, d) gradient
             assert c.q_out is not None
@@ -66,7 +67,7 @@ def preconditioned_sq_norms(
         part = torch.cat(parts)  # (B,)
         total = part if total is None else total + part
     if total is None:
-        raise ValueError("preconditioned_sq_norms needs at least one record")
+        raise ConfigError("preconditioned_sq_norms needs at least one record")
     return total
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import ConfigError
+
 
 def zscore_by_class(values: Tensor, labels: Tensor, eps: float = 1e-12) -> Tensor:
     """Per-class z-scores ``(N,)`` of ``values`` ``(N,)`` (e.g. gradient norms) given ``labels`` ``(N,)``.
@@ -24,7 +26,7 @@ def zscore_by_class(values: Tensor, labels: Tensor, eps: float = 1e-12) -> Tenso
         ValueError: if ``values`` and ``labels`` are not 1-D of one length.
     """
     if values.dim() != 1 or labels.shape != values.shape:
-        raise ValueError(
+        raise ConfigError(
             f"values and labels must be 1-D of one length, got shapes {tuple(values.shape)} and {tuple(labels.shape)}"
         )
     classes, inverse = torch.unique(labels, return_inverse=True)  # (C,), (N,)
@@ -51,7 +53,7 @@ def rank_outliers(scores: Tensor, k: int | None = None, largest: bool = True) ->
     Equal scores keep their original order, so rankings are reproducible.
     """
     if scores.dim() != 1:
-        raise ValueError(f"scores must be 1-D, got shape {tuple(scores.shape)}")
+        raise ConfigError(f"scores must be 1-D, got shape {tuple(scores.shape)}")
     k = scores.numel() if k is None else max(0, min(int(k), scores.numel()))
     order = torch.sort(scores, descending=largest, stable=True).indices[:k]  # (k,)
     return Ranking(order, scores[order])

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.ops import curvature_eigen as eigen
 from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, chunks
@@ -75,7 +76,7 @@ def precondition(
     for layer, group in layer_groups(records).items():
         c = curvature.get(layer)
         if c is None:
-            raise ValueError(f"layer '{layer}' has no fitted curvature; fit on records holding it, or leave it out")
+            raise ConfigError(f"layer '{layer}' has no fitted curvature; fit on records holding it, or leave it out")
         delta = c.damping(damping, relative_damping)
         if c.kind == "embedding" and c.q_in is None:  # sparse: the diagonal token factor
             assert c.q_out is not None

@@ -18,6 +18,7 @@ from typing import Literal
 
 from torch import nn
 
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADATA_BYTES
 from metastore_plugins.core.store.plan_record import size_text
 
@@ -162,7 +163,7 @@ class Budget:
         if budget is None or not shape.known or budget >= (least := minimum_budget(shape)):
             return
         passes = f" and {shape.passes} checkpoint passes of {shape.pass_samples:,} samples" if shape.passes else ""
-        raise ValueError(
+        raise ConfigError(
             f"{owner}(budget={budget:,} bytes) is below what this run needs before any gradient: {least:,} bytes "
             f"({size_text(least)}). Its metadata alone (sample ids, labels, losses, predictions, margins, in the "
             f"shards and the index) takes {shape.metadata_bytes:,} bytes for {shape.train_samples:,} training "
@@ -230,7 +231,7 @@ def parse_budget(budget: int | float | str | None, owner: str) -> int | None:
     elif isinstance(budget, (int, float)) and not isinstance(budget, bool):
         value = float(budget)
     if value is None or not 0 < value < float("inf"):
-        raise ValueError(
+        raise ConfigError(
             f"{owner}(budget=...) must be a positive number of bytes or a size such as '250MB' or '4GiB'; "
             f"got {budget!r}"
         )

@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADATA_BYTES, TENSOR_OVERHEAD_BYTES
 from metastore_plugins.core.ops.eigenbasis import EigenBasis, represent_on_bases
 from metastore_plugins.core.ops.represent import represent
@@ -68,7 +69,7 @@ class CapturePolicy:
         keep_for: KeepFor | None = None,
     ) -> None:
         if budget.policy not in POLICIES:
-            raise ValueError(f"{owner}(policy=...) must be one of {', '.join(POLICIES)}; got {budget.policy!r}")
+            raise ConfigError(f"{owner}(policy=...) must be one of {', '.join(POLICIES)}; got {budget.policy!r}")
         self.policy, self.encoding, self.owner = budget.policy, encoding, owner
         self.budget = budget
         self.shape = RunShape()
