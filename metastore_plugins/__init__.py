@@ -7,6 +7,7 @@ from metastore_plugins.core.capture import CaptureSession, register_capture
 from metastore_plugins.core.errors import MetastoreError
 from metastore_plugins.core.model.sample_ids import IndexedDataset
 from metastore_plugins.core.store import StoreWriter
+from metastore_plugins.loop import TrackedRun, track
 
 __version__ = "0.1.0"
 __all__ = [
@@ -17,9 +18,11 @@ __all__ = [
     "MetaStoreCallback",
     "MetaStoreTrainerCallback",
     "StoreWriter",
+    "TrackedRun",
     "__version__",
     "open_store",
     "register_capture",
+    "track",
 ]
 
 

@@ -1,10 +1,9 @@
 """``MetaStoreTrainerCallback``: exact per-sample gradients of a Hugging Face ``Trainer`` run, and reports on them.
 
-A thin adapter: it maps ``transformers.TrainerCallback`` events onto
-:mod:`metastore_plugins.core.training.run` (capture, checkpoint passes), the sample ids the train
-loader's sampler draws (:mod:`metastore_plugins.core.model.sample_ids`), the loss scale measured
-in ``backward`` (:mod:`metastore_plugins.core.training.loss_scale`) and
-:mod:`metastore_plugins.core.reports`.
+A thin adapter: it maps ``transformers.TrainerCallback`` events onto the run facade,
+:class:`~metastore_plugins.core.training.facade.RunFacade` (open, steps, checkpoint passes, end, reports),
+with the sample ids the train loader's sampler draws and the loss scale measured in ``backward``
+(:mod:`metastore_plugins.core.training.loss_scale`).
 
 Example::
 
@@ -26,6 +25,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,31 +36,22 @@ from transformers.utils import logging as hf_logging
 from typing_extensions import Unpack, override
 
 from metastore_plugins.core.errors import SampleIdError
-from metastore_plugins.core.model.pass_sources import dataset_size
 from metastore_plugins.core.model.sample_ids import RecordingBatchSampler, batch_size_of
-from metastore_plugins.core.reports.files import DecodeFn, text_renderer
 from metastore_plugins.core.training.adapter_support import (
     PendingStep,
     barrier,
-    end_reports,
     first_lr,
     from_rank_zero,
     loader_datasets,
     model_loss,
     newest_event_dir,
-    open_run,
-    refuse_compiled,
     resumed_batches,
-    run_end,
     sampler_recorder,
     to_device,
 )
-from metastore_plugins.core.training.expectations import expect_run
-from metastore_plugins.core.training.lines import end_line, start_line
+from metastore_plugins.core.training.facade import FacadeHolder, RunFacade
 from metastore_plugins.core.training.loss_scale import MeasuredLossScale, batch_weight
-from metastore_plugins.core.training.report_pass import ReportResult
-from metastore_plugins.core.training.run import RunCapture
-from metastore_plugins.core.training.settings import CallbackOptions, CaptureSettings
+from metastore_plugins.core.training.settings import CaptureSettings
 from metastore_plugins.core.training.settings_doc import with_settings_doc
 
 #: Under transformers' own logger, whose handler and level TrainingArguments(log_level=...) sets, as for the Trainer's
@@ -69,7 +60,7 @@ logger = hf_logging.get_logger(f"transformers.{__name__}")
 
 
 @with_settings_doc
-class MetaStoreTrainerCallback(TrainerCallback):
+class MetaStoreTrainerCallback(TrainerCallback, FacadeHolder):
     """Stores per-sample gradient factors of every training micro-batch, checkpoint passes, and reports.
 
     Args:
@@ -98,12 +89,11 @@ class MetaStoreTrainerCallback(TrainerCallback):
         **settings: Unpack[CaptureSettings],
     ) -> None:
         self.dirpath = None if dirpath is None else Path(dirpath)
-        self.options = CallbackOptions.of("MetaStoreTrainerCallback", settings)
-        self.schedule = self.options.schedule(checkpoint_every_n_evals, "checkpoint_every_n_evals")
+        self.facade = RunFacade(
+            "MetaStoreTrainerCallback", settings, every_n=checkpoint_every_n_evals,
+            every_n_setting="checkpoint_every_n_evals",
+        )  # fmt: skip
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
-        self.run: RunCapture | None = None
-        self.report_result: ReportResult | None = None
-        self.seconds: dict[str, float] = {}  # the run's passes and refinement (RunCapture.seconds)
         self.passes: list[str] = []
         self._val_passes = 0
         self._scale = MeasuredLossScale()
@@ -115,7 +105,6 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self._epoch = self._micro = self._evals = self._skip = 0
         self._started = 0.0
         self._say = logging.INFO  # the level of the start and end lines (see on_train_begin)
-        self._early_tags: list[tuple[str, dict[str, Any]]] = []  # tag(steps=...) before train()
 
     # -- start ---------------------------------------------------------------------------
 
@@ -124,7 +113,9 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         model: nn.Module = kwargs["model"]
-        if self.run is not None:  # an earlier train() of this callback raised (the Trainer has no exception event)
+        if (
+            self.facade.run is not None
+        ):  # an earlier train() of this callback raised (the Trainer has no exception event)
             self._close(how="unfinished")
         if self.dirpath is None:
             self.dirpath = Path(args.output_dir or ".") / "metastore"
@@ -132,8 +123,8 @@ class MetaStoreTrainerCallback(TrainerCallback):
         # transformers at warning level) they are logged at warning level, so a default run says where its store went
         self._say = logging.INFO if getattr(args, "log_level", "passive") != "passive" else logging.WARNING
         compiled = bool(getattr(args, "torch_compile", False))  # the Trainer compiles the model after this event
-        refuse_compiled(model, compiled, self.options.owner, "TrainingArguments(torch_compile=True)")
-        self.options.check_model(model, capturable=True)
+        self.facade.prepare(model, compiled=compiled, compile_setting="TrainingArguments(torch_compile=True)",
+                            capturable=True)  # fmt: skip
         if self.options.capture_train_steps:
             loader = kwargs.get("train_dataloader")  # accelerate's DataLoaderShard iterates the DataLoader it wraps
             self._sampler = sampler_recorder(getattr(loader, "base_dataloader", loader), self.options.owner)
@@ -147,9 +138,9 @@ class MetaStoreTrainerCallback(TrainerCallback):
             "seed": self.schedule.seed,
             "loss_scale": "measured from the gradient reaching the model's loss",
         }
-        self.run, moved = open_run(
-            self.options,
+        moved = self.facade.open(
             self.dirpath,
+            model,
             setting="MetaStoreTrainerCallback(dirpath=...) or TrainingArguments(output_dir=...)",
             resume="trainer.train(resume_from_checkpoint=...)",
             continuing=state.global_step > 0,  # resume_from_checkpoint: the saved state is loaded before this event
@@ -160,36 +151,23 @@ class MetaStoreTrainerCallback(TrainerCallback):
             loss_reduction="mean",
             config=config,
             announce=logger.info if state.is_world_process_zero else None,
-            early_tags=self._early_tags,
+            train_loader=kwargs.get("train_dataloader"),
+            val_loader=kwargs.get("eval_dataloader"),
+            train_batches=int(state.max_steps) * max(1, int(args.gradient_accumulation_steps)),
+            train_batch_size=args.per_device_train_batch_size,
+            periods=_evaluations(args, state, kwargs.get("train_dataloader")),
+            pass_at_end=True,  # on_train_end runs one when no evaluation made one
         )
         if moved is not None and state.is_world_process_zero:
             logger.log(self._say, f"MetaStoreTrainerCallback: overwrite=True: the earlier store moved to {moved}")
-        self._expect(args, state, model, kwargs)
         if state.is_world_process_zero:
-            logger.log(self._say, start_line(self.options, self.dirpath, self.schedule, "evaluation(s)"))
+            logger.log(self._say, self.facade.start_line(self.dirpath, "evaluation(s)"))
         self._state, self._optimizer, self._started = state, kwargs.get("optimizer"), time.time()
         self._epoch, self._evals, self.passes = int(state.epoch or 0), 0, []
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
-
-    def _expect(self, args: TrainingArguments, state: TrainerState, model: nn.Module, kwargs: dict[str, Any]) -> None:
-        """The run's planned micro-batches, evaluations and set sizes, for the capture plan."""
-        datasets = loader_datasets(kwargs.get("train_dataloader"), kwargs.get("eval_dataloader"))
-        expect_run(
-            self.options,
-            self.run,  # type: ignore[arg-type]
-            model,
-            self.schedule,
-            train_batches=int(state.max_steps) * max(1, int(args.gradient_accumulation_steps)),
-            train_batch_size=args.per_device_train_batch_size,
-            periods=_evaluations(args, state, kwargs.get("train_dataloader")),
-            sizes=(dataset_size(datasets["train"]), dataset_size(datasets["val"])),
-            rank=args.process_index,
-            world_size=args.world_size,
-            pass_at_end=True,  # on_train_end runs one when no evaluation made one
-        )
 
     @override
     def on_epoch_begin(
@@ -206,7 +184,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
     # -- one micro-batch: forward hooks, then the event after its backward -----------------
 
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.run is None or self._sampler is None or not module.training or not torch.is_grad_enabled():
+        if self.facade.run is None or self._sampler is None or not module.training or not torch.is_grad_enabled():
             return  # evaluation, prediction and checkpoint passes run in eval mode or without grad
         if self._pending is not None:
             raise SampleIdError(
@@ -222,11 +200,11 @@ class MetaStoreTrainerCallback(TrainerCallback):
         step = self._state.global_step if self._state else 0
         self._pending = PendingStep(batch, ids, step, self._micro, self._epoch, first_lr(self._optimizer))
         self._micro += 1
-        self.run.begin_step(module, grad_scaler=self._scale)
+        self.facade.begin_step(module, grad_scaler=self._scale)
 
     def _after_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        pending = self._pending
-        if pending is None or pending.watched or self.run is None:
+        pending, run = self._pending, self.facade.run
+        if pending is None or pending.watched or run is None:
             return
         pending.watched = True
         loss = model_loss(
@@ -236,7 +214,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
             "'labels'), and do not set label_smoothing_factor or compute_loss_func (the Trainer then takes the "
             "labels away from the model)",
         )
-        weight, size = batch_weight(self.run, output, pending.batch, loss, pending.batch.get("num_items_in_batch"))
+        weight, size = batch_weight(run, output, pending.batch, loss, pending.batch.get("num_items_in_batch"))
         self._scale.watch(loss, weight, size)
 
     @override
@@ -250,53 +228,46 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._finish()
-        if self.run is not None:
-            self.run.optimizer_step(first_lr(self._optimizer))  # the next checkpoint pass stands for this step
+        self.facade.optimizer_step(first_lr(self._optimizer))  # the next checkpoint pass stands for this step
 
     def _finish(self) -> None:
         pending, self._pending = self._pending, None
-        if pending is not None and self.run is not None:
-            pending.finish(self.run)
+        if pending is not None and self.facade.run is not None:
+            pending.finish(self.facade.run)
 
     @override
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.run is not None:
-            self.run.epoch_ended()  # the epoch's steps go to disk without waiting for them
+        self.facade.epoch_ended()  # the epoch's steps go to disk without waiting for them
 
     @override
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if self.run is not None:
-            self.run.checkpoint_saved()  # the store holds every step the checkpoint saw
+        self.facade.checkpoint_saved()  # the store holds every step the checkpoint saw
 
     # -- checkpoint passes ---------------------------------------------------------------
 
     @override
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if self.run is None:  # an evaluation outside training
+        if self.facade.run is None:  # an evaluation outside training
             return
         self._evals += 1
-        if self.schedule.due(self._evals - 1):
+        if self.facade.due(self._evals - 1):
             self._checkpoint_pass(args, state, kwargs)
 
     def _checkpoint_pass(self, args: TrainingArguments, state: TrainerState, kwargs: dict[str, Any]) -> None:
         model: nn.Module = kwargs["model"]
         by_epoch = str(getattr(args.eval_strategy, "value", args.eval_strategy)) == "epoch"
         name = f"epoch-{max(0, math.ceil(state.epoch or 0) - 1)}" if by_epoch else f"step-{state.global_step}"
-        sources = self.schedule.sources(
+        device = next(model.parameters()).device
+        self._pending = None
+        sources = self.facade.checkpoint_passes(
+            model,
             kwargs.get("train_dataloader"),
             kwargs.get("eval_dataloader"),
+            functools.partial(self._pass_loss, model),
             train_batch_size=args.per_device_train_batch_size,
             val_batch_size=args.per_device_eval_batch_size,
-        )
-        device, run = next(model.parameters()).device, self.run
-        assert run is not None  # on_evaluate and on_train_end check
-        self._pending = None
-        run.checkpoint_passes(
-            model,
-            sources,
-            functools.partial(self._pass_loss, model, run),
             name=name,
             rank=args.process_index,
             world_size=args.world_size,
@@ -309,12 +280,14 @@ class MetaStoreTrainerCallback(TrainerCallback):
         self.passes.append(name)
         self._val_passes += any(source.split == "val" for source in sources)
 
-    def _pass_loss(self, model: nn.Module, run: RunCapture, batch: Any, k: int) -> Tensor:
+    def _pass_loss(self, model: nn.Module, batch: Any, k: int) -> Tensor:
         """The model's loss of a checkpoint-pass batch, rescaled to the mean of its per-sample losses."""
         output = model(**batch)
         loss = model_loss(
             output, f"{type(model).__name__} returned no loss for a checkpoint-pass batch; the batches need `labels`"
         )
+        run = self.facade.run
+        assert run is not None  # a pass runs while the run is open
         weight, size = batch_weight(run, output, batch, loss)  # a pass's model loss: no num_items_in_batch
         return loss / (weight * size)
 
@@ -323,7 +296,7 @@ class MetaStoreTrainerCallback(TrainerCallback):
         keep (see :meth:`MetaStoreCallback.tag <metastore_plugins.MetaStoreCallback.tag>`, docs/policies.md).
         Before ``train()``, a tag needs ``steps=`` and is written when training starts (it returns None then)."""
         step = self._state.global_step if self._state else 0
-        return self.options.tag(self.run, name, step, self._early_tags, **options)
+        return self.facade.tag(name, step, **options)
 
     # -- end of training -----------------------------------------------------------------
 
@@ -331,10 +304,10 @@ class MetaStoreTrainerCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        no_pass = self.run is not None and not self.passes and self.schedule.every_n_epochs > 0
+        no_pass = self.facade.run is not None and not self.passes and self.schedule.every_n_epochs > 0
         if no_pass and kwargs.get("train_dataloader") is not None:
             self._checkpoint_pass(args, state, kwargs)  # no evaluation ran during training
-        recompute, self.seconds = run_end(self.run)
+        recompute = self.facade.end()
         self._close()
         barrier()
         if self.dirpath is None:
@@ -347,35 +320,24 @@ class MetaStoreTrainerCallback(TrainerCallback):
                 "'steps') with an eval_dataset to get one"
             )
         logdirs = _report_logdirs(args, self.tensorboard_dir, self._started) if zero and self.options.reports else []
-        if self.options.reports:
-            from metastore_plugins.core.reports.tensorboard import summary_writer
-
-            writers = [summary_writer(logdir) for logdir in logdirs]
-            datasets = loader_datasets(kwargs.get("train_dataloader"), kwargs.get("eval_dataloader"))
-            try:
-                self.report_result = end_reports(
-                    self.options,
-                    self.dirpath,
-                    writers,
-                    step=state.global_step,
-                    rank=args.process_index,
-                    datasets=datasets,
-                    recompute=recompute,
-                    render=text_renderer(_decoder(kwargs.get("processing_class")), datasets),  # decoded input_ids
-                )
-            finally:
-                for writer in writers:
-                    writer.close()
+        datasets = loader_datasets(kwargs.get("train_dataloader"), kwargs.get("eval_dataloader"))
+        self.facade.reports(
+            self.dirpath,
+            step=state.global_step,
+            rank=args.process_index,
+            datasets=datasets,
+            recompute=recompute,
+            logdirs=logdirs,
+            decode=_decoder(kwargs.get("processing_class")),  # the tables show decoded input_ids
+        )
         if zero:
-            logger.log(self._say, end_line(self.options, self.dirpath, self.report_result, logdirs, self.seconds))
+            logger.log(self._say, self.facade.end_line(self.dirpath, logdirs))
 
     def _close(self, how: str | None = None) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks, self._pending = [], None
-        run, self.run = self.run, None
-        if run is not None:
-            run.close(how=how)
+        self.facade.close(how=how)
 
 
 def _evaluations(args: TrainingArguments, state: TrainerState, loader: Any) -> int:
@@ -410,7 +372,7 @@ def _evaluations(args: TrainingArguments, state: TrainerState, loader: Any) -> i
     return count
 
 
-def _decoder(tokenizer: Any) -> DecodeFn | None:
+def _decoder(tokenizer: Any) -> Callable[[Sequence[int]], str] | None:
     """A HF tokenizer's ``decode`` without special tokens (``None`` without a tokenizer)."""
     decode = getattr(tokenizer, "decode", None)
     return functools.partial(decode, skip_special_tokens=True) if callable(decode) else None

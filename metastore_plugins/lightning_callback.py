@@ -1,7 +1,7 @@
 """``MetaStoreCallback``: capture exact per-sample gradients of a Lightning run and report on them.
 
-A thin adapter: it maps Lightning's events onto :mod:`metastore_plugins.core.training.run`
-(capture, sample ids, checkpoint passes) and :mod:`metastore_plugins.core.reports`.
+A thin adapter: it maps Lightning's events onto the run facade,
+:class:`~metastore_plugins.core.training.facade.RunFacade` (open, steps, checkpoint passes, end, reports).
 
 Example::
 
@@ -34,7 +34,6 @@ from typing_extensions import Unpack, override
 
 from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.errors import ConfigError
-from metastore_plugins.core.model.pass_sources import dataset_size
 from metastore_plugins.core.model.sample_ids import (
     IndexedDataset,
     RecordingBatchSampler,
@@ -44,27 +43,20 @@ from metastore_plugins.core.model.sample_ids import (
 from metastore_plugins.core.training.adapter_support import (
     batch_ids,
     check_item_ids,
-    end_reports,
     first_loader,
     first_lr,
     loader_datasets,
-    open_run,
     patch_attribute,
-    refuse_compiled,
-    run_end,
     silenced,
     strip_index,
 )
-from metastore_plugins.core.training.expectations import expect_run
-from metastore_plugins.core.training.lines import end_line, start_line
-from metastore_plugins.core.training.report_pass import ReportResult
-from metastore_plugins.core.training.run import RunCapture
-from metastore_plugins.core.training.settings import CallbackOptions, CaptureSettings
+from metastore_plugins.core.training.facade import FacadeHolder, RunFacade
+from metastore_plugins.core.training.settings import CaptureSettings
 from metastore_plugins.core.training.settings_doc import with_settings_doc
 
 
 @with_settings_doc
-class MetaStoreCallback(Callback):
+class MetaStoreCallback(Callback, FacadeHolder):
     """Stores per-sample gradient factors of every training step, checkpoint passes, and reports.
 
     Args:
@@ -89,18 +81,18 @@ class MetaStoreCallback(Callback):
             raise ConfigError(f"MetaStoreCallback(loss_reduction=...) must be 'mean' or 'sum', got {loss_reduction!r}")
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.loss_reduction = loss_reduction
-        self.options = CallbackOptions.of("MetaStoreCallback", settings)
-        self.schedule = self.options.schedule(checkpoint_every_n_epochs, "checkpoint_every_n_epochs")
-        self.run: RunCapture | None = None
-        self.report_result: ReportResult | None = None
-        self.seconds: dict[str, float] = {}  # the run's passes and refinement (RunCapture.seconds)
+        self.facade = RunFacade(
+            "MetaStoreCallback",
+            settings,
+            every_n=checkpoint_every_n_epochs,
+            every_n_setting="checkpoint_every_n_epochs",
+        )
         self._ids: Tensor | None = None
         self._sampler: RecordingBatchSampler | None = None
         self._unwatch: Callable[[], None] | None = None  # puts the strategy's process_dataloader back
         self._step = 0
         self._step_lr: float | None = None
         self._restored = False  # load_state_dict ran: this fit resumes from a checkpoint
-        self._early_tags: list[tuple[str, dict[str, Any]]] = []  # tag(steps=...) before fit
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -113,8 +105,7 @@ class MetaStoreCallback(Callback):
                 "MetaStoreCallback needs to know where to put the store: pass dirpath=... to MetaStoreCallback, "
                 "or give the Trainer a logger (logger=TensorBoardLogger(...))"
             )
-        refuse_compiled(pl_module, False, self.options.owner, "torch.compile (fit the uncompiled LightningModule)")
-        self.options.check_model(pl_module)
+        self.facade.prepare(pl_module, compile_setting="torch.compile (fit the uncompiled LightningModule)")
         if not pl_module.automatic_optimization:
             raise ConfigError(
                 f"MetaStoreCallback supports automatic optimization only; {type(pl_module).__name__} sets "
@@ -136,9 +127,15 @@ class MetaStoreCallback(Callback):
             "module": type(pl_module).__name__,
             "seed": self.schedule.seed,
         }
-        self.run, moved = open_run(
-            self.options,
+        stepping = trainer.estimated_stepping_batches
+        batches = int(stepping * trainer.accumulate_grad_batches) if math.isfinite(stepping) else 0
+        per_epoch = trainer.num_training_batches
+        epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 0
+        if not epochs and math.isfinite(per_epoch) and per_epoch:
+            epochs = -(-batches // int(per_epoch))
+        moved = self.facade.open(
             self.dirpath,
+            pl_module,
             setting="MetaStoreCallback(dirpath=...)",
             resume="trainer.fit(model, ..., ckpt_path=...)",
             continuing=restored or trainer.global_step > 0,
@@ -149,40 +146,18 @@ class MetaStoreCallback(Callback):
             loss_reduction=self.loss_reduction,
             config=config,
             announce=rank_zero_info,
-            early_tags=self._early_tags,
+            train_loader=trainer.train_dataloader,
+            val_loader=first_loader(trainer.val_dataloaders),
+            train_batches=batches,
+            train_batch_size=loader_batch_size(trainer.train_dataloader) or 0,
+            periods=epochs,
         )
         if moved is not None:
             rank_zero_info(f"MetaStoreCallback: overwrite=True: the earlier store in {self.dirpath} moved to {moved}")
-        self._expect(trainer, pl_module, self.run)
         self._record_sampler(trainer)
-        rank_zero_info(start_line(self.options, self.dirpath, self.schedule, "epoch(s)"))
+        rank_zero_info(self.facade.start_line(self.dirpath, "epoch(s)"))
         if self._sampler is None:  # fail before training when no id can come
             check_item_ids(getattr(trainer.train_dataloader, "dataset", None))
-
-    def _expect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: RunCapture) -> None:
-        """The run's planned micro-batches, epochs and set sizes, for the capture plan."""
-        stepping = trainer.estimated_stepping_batches
-        batches = int(stepping * trainer.accumulate_grad_batches) if math.isfinite(stepping) else 0
-        per_epoch = trainer.num_training_batches
-        epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 0
-        if not epochs and math.isfinite(per_epoch) and per_epoch:
-            epochs = -(-batches // int(per_epoch))
-        loader = trainer.train_dataloader
-        expect_run(
-            self.options,
-            run,
-            pl_module,
-            self.schedule,
-            train_batches=batches,
-            train_batch_size=loader_batch_size(loader) or 0,
-            periods=epochs,
-            sizes=(
-                dataset_size(getattr(loader, "dataset", None)),
-                dataset_size(getattr(first_loader(trainer.val_dataloaders), "dataset", None)),
-            ),
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
-        )
 
     # -- training steps ------------------------------------------------------------------
 
@@ -197,31 +172,28 @@ class MetaStoreCallback(Callback):
         indexed = isinstance(getattr(trainer.train_dataloader, "dataset", None), IndexedDataset)
         self._ids = batch_ids(batch, self._sampler, strip=indexed)
         self._step, self._step_lr = trainer.global_step, _lr(trainer)  # the step this (micro-)batch contributes to
-        if self.run is not None and self.options.capture_train_steps:
-            scaler = getattr(trainer.precision_plugin, "scaler", None)
-            self.run.begin_step(pl_module, loss_scale=1.0 / trainer.accumulate_grad_batches, grad_scaler=scaler)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.facade.begin_step(pl_module, loss_scale=1.0 / trainer.accumulate_grad_batches, grad_scaler=scaler)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.run is not None:
-            self.run.end_backward()
+        self.facade.end_backward()
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        if self.run is not None:
-            self.run.optimizer_step(first_lr(optimizer))  # the next checkpoint pass stands for it
+        self.facade.optimizer_step(first_lr(optimizer))  # the next checkpoint pass stands for it
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.run is None or not self.options.capture_train_steps or self._ids is None:
+        if self._ids is None:
             return
         accumulate = trainer.accumulate_grad_batches
         loss = outputs.get("loss") if isinstance(outputs, dict) else None  # divided by accumulate for backward
-        self.run.finish_step(
+        self.facade.finish_step(
             batch,
             self._ids,
             step=self._step,
@@ -254,25 +226,25 @@ class MetaStoreCallback(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.run is not None:
-            if self.schedule.due(trainer.current_epoch):
-                self._checkpoint_passes(trainer, pl_module, self.run)
-            self.run.epoch_ended()  # the epoch's steps (and the pass) go to disk without waiting for them
+        if self.facade.due(trainer.current_epoch):
+            self._checkpoint_passes(trainer, pl_module)
+        self.facade.epoch_ended()  # the epoch's steps (and the pass) go to disk without waiting for them
 
     @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if self.run is not None:
-            self.run.checkpoint_saved()  # the store holds every step the checkpoint saw
+        self.facade.checkpoint_saved()  # the store holds every step the checkpoint saw
 
-    def _checkpoint_passes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: RunCapture) -> None:
+    def _checkpoint_passes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch, loaders = trainer.current_epoch, (trainer.train_dataloader, first_loader(trainer.val_dataloaders))
         sizes = [loader_batch_size(loader) or 32 for loader in loaders]
-        run.checkpoint_passes(
+        self.facade.checkpoint_passes(
             pl_module,
-            self.schedule.sources(*loaders, train_batch_size=sizes[0], val_batch_size=sizes[1]),
+            *loaders,
             lambda batch, k: _quiet_loss(pl_module, batch, k),
+            train_batch_size=sizes[0],
+            val_batch_size=sizes[1],
             name=f"epoch-{epoch}",
             rank=trainer.global_rank,
             world_size=trainer.world_size,
@@ -288,20 +260,18 @@ class MetaStoreCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        recompute, self.seconds = run_end(self.run)
+        recompute = self.facade.end()
         self._close()
         trainer.strategy.barrier("metastore-reports")
-        if self.options.reports and self.dirpath is not None:  # every rank: under DDP each scores its share
+        if self.dirpath is not None:  # every rank: under DDP each scores its share
             zero = trainer.is_global_zero  # writes; the others' loggers and datasets are not read
             experiments = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)] if zero else []
             datasets = loader_datasets(trainer.train_dataloader, first_loader(trainer.val_dataloaders))
-            step, rank = trainer.global_step, trainer.global_rank
-            self.report_result = end_reports(
-                self.options, self.dirpath, experiments, step=step, rank=rank, datasets=datasets, recompute=recompute
-            )
+            self.facade.reports(self.dirpath, step=trainer.global_step, rank=trainer.global_rank, datasets=datasets,
+                                recompute=recompute, experiments=experiments)  # fmt: skip
         if trainer.is_global_zero and self.dirpath is not None:
             logdirs = [Path(lg.log_dir) for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-            rank_zero_info(end_line(self.options, self.dirpath, self.report_result, logdirs, self.seconds))
+            rank_zero_info(self.facade.end_line(self.dirpath, logdirs))
 
     def tag(self, name: str, **options: Any) -> Any:
         """Tag the current step (or ``steps=(first, last)``) with ``name`` and attributes while training runs;
@@ -310,7 +280,7 @@ class MetaStoreCallback(Callback):
 
         Example: ``callback.tag("lr-drop", steps=(a, b), keep="exact", reason="plateau")``; see docs/policies.md.
         """
-        return self.options.tag(self.run, name, getattr(self, "_step", 0), self._early_tags, **options)
+        return self.facade.tag(name, getattr(self, "_step", 0), **options)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -377,9 +347,7 @@ class MetaStoreCallback(Callback):
 
     def _close(self, error: BaseException | None = None) -> None:
         self._unwatch_train_loaders()
-        run, self.run = self.run, None
-        if run is not None:
-            run.close(error)
+        self.facade.close(error)
 
 
 def _quiet_loss(pl_module: pl.LightningModule, batch: Any, k: int) -> Tensor:

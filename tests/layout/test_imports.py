@@ -123,7 +123,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("core.reports",),
     ("core.training",),
     # the adapters, the CLI, the package root, and the old paths kept for one release
-    ("lightning_callback", "hf_callback", "cli", "testing", "", *DEPRECATED_PATHS),
+    ("lightning_callback", "hf_callback", "loop", "cli", "testing", "", *DEPRECATED_PATHS),
 ]
 
 
@@ -178,7 +178,7 @@ def test_each_layer_imports_only_below_it() -> None:
 
 
 def test_core_imports_no_framework_adapter() -> None:
-    adapters = (f"{PACKAGE}.lightning_callback", f"{PACKAGE}.hf_callback", f"{PACKAGE}.cli")
+    adapters = (f"{PACKAGE}.lightning_callback", f"{PACKAGE}.hf_callback", f"{PACKAGE}.loop", f"{PACKAGE}.cli")
 
     def is_adapter(name: str) -> bool:  # a module of an adapter, the cli package's submodules included
         return any(name == adapter or name.startswith(adapter + ".") for adapter in adapters)
@@ -198,7 +198,7 @@ def test_a_renamed_operator_result_keeps_its_old_name_for_one_release() -> None:
 def drawn_layers() -> dict[str, int]:
     """docs/design.md's picture of the layers: each package or module it names, with the layer it is drawn in."""
     picture = (ROOT.parent / "docs" / "design.md").read_text().split("```")[1]
-    top_level = {"lightning_callback", "hf_callback", "cli", "testing"}
+    top_level = {"lightning_callback", "hf_callback", "loop", "cli", "testing"}
     drawn: dict[str, int] = {}
     layer = -1
     for line in picture.splitlines():
@@ -231,3 +231,17 @@ def test_the_design_page_draws_every_layer_where_the_code_has_it() -> None:
         if package and package not in aliases
     }
     assert {name: drawn.get(name) for name in expected} == expected
+
+
+def test_the_training_adapters_reach_the_run_through_the_facade() -> None:
+    """The Lightning, HF and plain-loop adapters drive a run through core/training/facade.py: none reaches into
+    the reports, the store, or the pieces of a run the facade composes (issue 48)."""
+    edges = graph()
+    composed = ("run", "run_step", "run_start", "expectations", "lines", "passes")
+    behind = [f"{PACKAGE}.core.reports", f"{PACKAGE}.core.store", f"{PACKAGE}.core.analysis", f"{PACKAGE}.core.policy"]
+    behind += [f"{PACKAGE}.core.training.{name}" for name in composed]
+    for adapter in ("lightning_callback", "hf_callback", "loop"):
+        targets = edges[f"{PACKAGE}.{adapter}"]
+        assert f"{PACKAGE}.core.training.facade" in targets
+        reached = sorted(t for t in targets if any(t == b or t.startswith(b + ".") for b in behind))
+        assert reached == [], adapter

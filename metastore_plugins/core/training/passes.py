@@ -1,4 +1,9 @@
-"""Capture one batch into a store, and checkpoint passes: the loop pieces every adapter shares.
+"""Capture one batch into a store, and checkpoint passes, at the lowest level: no capture policy, no budget, no
+loss check, no reports.
+
+Deprecated for training loops (issue 48): :func:`metastore_plugins.track` captures a plain PyTorch loop with
+the callbacks' policy, budget, loss check, checkpoint passes and reports (docs/loop.md). These stay for tests
+and benchmarks that write a store of exact factors directly.
 
 Example::
 
