@@ -4,7 +4,7 @@ from typing import Any
 
 from metastore_plugins.core.analysis import GradientStore, open_store
 from metastore_plugins.core.capture import CaptureSession, register_capture
-from metastore_plugins.core.errors import MetastoreError
+from metastore_plugins.core.errors import MetastoreError, UnknownNameError
 from metastore_plugins.core.model.sample_ids import IndexedDataset
 from metastore_plugins.core.store import StoreWriter
 from metastore_plugins.loop import TrackedRun, track
@@ -36,4 +36,4 @@ def __getattr__(name: str) -> Any:
         from metastore_plugins.hf_callback import MetaStoreTrainerCallback
 
         return MetaStoreTrainerCallback
-    raise AttributeError(f"module 'metastore_plugins' has no attribute {name!r}")
+    raise UnknownNameError(f"module 'metastore_plugins' has no attribute {name!r}")

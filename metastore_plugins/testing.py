@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
+from metastore_plugins.core.errors import ReferenceMismatchError
 from metastore_plugins.core.model.losses import LossFn
 
 
@@ -114,12 +115,12 @@ def max_relative_error(actual: Mapping[str, Tensor], expected: Mapping[str, Tens
     """Largest ``max|a - e| / max|e|`` over parameters; raises if the names differ."""
     if set(actual) != set(expected):
         missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
-        raise AssertionError(f"parameter names differ: missing {missing}, unexpected {extra}")
+        raise ReferenceMismatchError(f"parameter names differ: missing {missing}, unexpected {extra}")
     worst = 0.0
     for name, exp in expected.items():
         act = actual[name].to(exp.dtype)
         if act.shape != exp.shape:
-            raise AssertionError(f"{name}: shape {tuple(act.shape)} != expected {tuple(exp.shape)}")
+            raise ReferenceMismatchError(f"{name}: shape {tuple(act.shape)} != expected {tuple(exp.shape)}")
         scale = exp.abs().max().clamp_min(torch.finfo(exp.dtype).tiny)
         worst = max(worst, ((act - exp).abs().max() / scale).item())
     return worst

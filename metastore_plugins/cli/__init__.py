@@ -10,8 +10,10 @@ Example::
     metastore verify runs/text-classifier --repair  # mend what a killed run left behind
     torchrun --nproc-per-node 4 -m metastore_plugins.cli influence runs/text-classifier  # partitioned
 
-User mistakes (unknown run, sample, layer, step) and a store that cannot be written by a command that writes
-into it (compact, verify --repair, report into ``STORE/reports``) print one line and exit with status 2.
+Every error of the package (a :class:`~metastore_plugins.core.errors.MetastoreError`: user mistakes such as an unknown
+run, sample, layer or step, a damaged store, a store that cannot be written by a command that writes into it) and a
+path that is not there print one line and exit with status 2; a partitioned query stopped by another rank
+(``DistributedQueryError``) prints one line and exits with status 1.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except DistributedQueryError as exc:
         print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)
         return 1
-    except (MetastoreError, ValueError, FileNotFoundError) as exc:  # a read-only store too: StoreNotWritableError
+    except (MetastoreError, FileNotFoundError) as exc:  # any error of the package; a store path that is not there
         print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

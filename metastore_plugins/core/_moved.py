@@ -6,6 +6,8 @@ import importlib
 import warnings
 from collections.abc import Callable, Sequence
 
+from metastore_plugins.core.errors import UnknownNameError
+
 #: The release that drops the old paths (CHANGELOG.md lists them).
 REMOVAL = "0.3"
 
@@ -23,6 +25,6 @@ def moved_module(old: str, homes: Sequence[str]) -> Callable[[str], object]:
                     stacklevel=2,
                 )
                 return getattr(module, name)
-        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        raise UnknownNameError(f"module {old!r} has no attribute {name!r}")
 
     return __getattr__

@@ -13,6 +13,7 @@ from metastore_plugins.core.analysis.methods import AUTO
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_note
+from metastore_plugins.core.errors import QueryError
 from metastore_plugins.core.reports.files import (
     REPORTS_ELSEWHERE,
     RenderFn,
@@ -106,7 +107,7 @@ def report_tables(
     """
     train, test = checkpoint_points(store, train_split), checkpoint_points(store, test_split)
     if not train and TRAINING_STEPS not in store.capture_points():
-        raise ValueError(
+        raise QueryError(
             f"the store has no checkpoint passes 'epoch-*/{train_split}' or 'step-*/{train_split}' and no training "
             f"steps; it has {store.capture_points()}" + (f": {dropped_message(store)}" if budget_notes(store) else "")
         )

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from metastore_plugins.core.errors import MissingDependencyError
 from metastore_plugins.core.store.files import StoreDir
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def new_figure(width: float, height: float, *, layout: Literal["constrained"] | 
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError(MISSING_MATPLOTLIB) from exc
+        raise MissingDependencyError(MISSING_MATPLOTLIB) from exc
     figure = Figure(figsize=(width, height), dpi=DPI, layout=layout)
     FigureCanvasAgg(figure)
     return figure

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.errors import QueryError
 from metastore_plugins.core.reports.tables import Scores, has_margins, self_influence_of
 from metastore_plugins.core.store.disk_usage import disk_usage
 from metastore_plugins.core.store.plan_record import CapturePlan, in_words, readable_plan
@@ -67,7 +68,7 @@ def outlier_ranking(store: GradientStore, points: Sequence[str], rank_by: str) -
         return rank_by
     if rank_by == "self_influence":
         why = dropped_message(store) or "they hold metadata only"
-        raise ValueError(f"self-influence needs gradients of the checkpoint passes and the store holds none: {why}")
+        raise QueryError(f"self-influence needs gradients of the checkpoint passes and the store holds none: {why}")
     return ("aum" if has_margins(store) else "loss") if rank_by == "auto" else rank_by
 
 

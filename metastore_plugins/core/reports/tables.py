@@ -17,6 +17,7 @@ import torch
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS, training_signals
+from metastore_plugins.core.errors import ConfigError, QueryError
 from metastore_plugins.core.reports.files import markdown_table, one_line, shorten
 
 
@@ -58,9 +59,9 @@ OUTLIER_SOURCES: tuple[str, ...] = get_args(OutlierSource)
 def check_outlier_source(outliers_from: str, training_steps: bool, owner: str) -> None:
     """Raise naming ``owner``'s setting when ``outliers_from`` is unknown or has no training steps to rank."""
     if outliers_from not in OUTLIER_SOURCES:
-        raise ValueError(f"{owner}(outliers_from=...) must be one of {OUTLIER_SOURCES}, got {outliers_from!r}")
+        raise ConfigError(f"{owner}(outliers_from=...) must be one of {OUTLIER_SOURCES}, got {outliers_from!r}")
     if outliers_from == "training" and not training_steps:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}(outliers_from='training') ranks the captured training steps; keep capture_train_steps=True"
         )
 
@@ -74,11 +75,11 @@ def outlier_points(store: GradientStore, checkpoints: Sequence[str], outliers_fr
     no pass needed).
     """
     if outliers_from not in OUTLIER_SOURCES:
-        raise ValueError(f"outliers_from must be one of {OUTLIER_SOURCES}, got {outliers_from!r}")
+        raise ConfigError(f"outliers_from must be one of {OUTLIER_SOURCES}, got {outliers_from!r}")
     if outliers_from == "checkpoints":
         return list(checkpoints)
     if TRAINING_STEPS not in store.capture_points():
-        raise ValueError(
+        raise QueryError(
             f"outliers_from='training' needs the training steps (capture point {TRAINING_STEPS!r}), and the store "
             f"holds {store.capture_points()}; keep capture_train_steps=True or use outliers_from='checkpoints'"
         )
@@ -158,10 +159,10 @@ def outlier_scores(
     self-influence. ``self_influence``: :func:`self_influence_of` over ``points`` when at hand.
     """
     if rank_by not in OUTLIER_RANKINGS:
-        raise ValueError(f"rank_outliers_by must be one of {OUTLIER_RANKINGS}, got {rank_by!r}")
+        raise ConfigError(f"rank_outliers_by must be one of {OUTLIER_RANKINGS}, got {rank_by!r}")
     margins = has_margins(store)
     if rank_by == "aum" and not margins:
-        raise ValueError(
+        raise QueryError(
             "rank_outliers_by='aum' needs the training steps with their margins (capture_train_steps=True and "
             "class logits); use 'self_influence' or 'auto'"
         )
@@ -174,7 +175,7 @@ def outlier_scores(
         elif signals is not None:
             ids, score = signals.sample_ids, signals.last_loss
         else:
-            raise ValueError("rank_outliers_by='loss' needs checkpoint passes or training steps in the store")
+            raise QueryError("rank_outliers_by='loss' needs checkpoint passes or training steps in the store")
     elif rank_by == "self_influence" or not margins:
         ids, score, rank_by = si_ids, si_values, "self_influence"
     else:

@@ -30,6 +30,7 @@ import numpy as np
 
 from metastore_plugins.core._moved import moved_module
 from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.errors import MissingDependencyError
 from metastore_plugins.core.reports import OUTLIER_COLUMNS
 from metastore_plugins.core.reports.datamap import data_map_figure, map_signals
 from metastore_plugins.core.reports.dynamics import GradientMap, heatmap_figure
@@ -65,7 +66,7 @@ def summary_writer(log_dir: str | os.PathLike[str]) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
-        raise ImportError(
+        raise MissingDependencyError(
             "TensorBoard reports need the tensorboard package: pip install 'metastore_plugins[lightning]' "
             "(or pip install tensorboard); file reports need nothing more"
         ) from exc

@@ -24,7 +24,7 @@ from typing_extensions import Unpack
 
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.capture.session import LossReduction
-from metastore_plugins.core.errors import CompiledModelError, SampleIdError
+from metastore_plugins.core.errors import CompiledModelError, ConfigError, SampleIdError
 from metastore_plugins.core.model.rng import preserved_rng
 from metastore_plugins.core.model.sample_ids import (
     SAMPLE_ID_KEYS,
@@ -244,7 +244,7 @@ def model_loss(output: Any, missing: str) -> Tensor:
     (what the model needs to compute one) when it holds none."""
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if not isinstance(loss, Tensor):
-        raise ValueError(missing)
+        raise ConfigError(missing)
     return loss
 
 

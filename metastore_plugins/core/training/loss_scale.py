@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from metastore_plugins.core.errors import LossScaleError
+from metastore_plugins.core.errors import ConfigError, LossScaleError
 from metastore_plugins.core.model.losses import (
     IGNORE_INDEX,
     DefaultPerSampleLoss,
@@ -160,7 +160,7 @@ def check_loss_reduction(loss: Tensor | float, per_sample_losses: Tensor, loss_r
     else:
         measured = "sum" if weight == 1.0 else "mean"
     if measured != loss_reduction:
-        raise ValueError(
+        raise ConfigError(
             f"the training loss {float(loss):.6g} is the {measured} of the batch's {size} per-sample losses, but "
             f"{owner}(loss_reduction={loss_reduction!r}) says {loss_reduction}: every stored gradient would be "
             f"{size}x too {'large' if measured == 'sum' else 'small'}. Pass {owner}(loss_reduction={measured!r})"

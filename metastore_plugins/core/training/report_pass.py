@@ -89,10 +89,7 @@ class ReportResult(Mapping[str, Any]):
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     def __getitem__(self, key: str) -> Any:
-        set_ = self._set()
-        if key not in set_:
-            raise KeyError(key)
-        return set_[key]
+        return self._set()[key]  # a KeyError naming an option not set
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._set())

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from metastore_plugins.core.errors import ExistingStoreError, StoreError
+from metastore_plugins.core.errors import ExistingStoreError, StoreError, StoreNotWritableError
 from metastore_plugins.core.store.journal import RankLock, journal_name
 from metastore_plugins.core.store.manifest import find_manifests
 from metastore_plugins.core.store.reader import StoreReader
@@ -91,11 +91,13 @@ def check_writable(path: str | os.PathLike[str], setting: str) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(
+        raise StoreNotWritableError(
             f"cannot create the store directory {path} ({exc}); set {setting} to a writable directory"
         ) from exc
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"the store directory {path} is not writable; set {setting} to a writable directory")
+        raise StoreNotWritableError(
+            f"the store directory {path} is not writable; set {setting} to a writable directory"
+        )
     return path
 
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.capture.session import LossReduction
-from metastore_plugins.core.errors import LossScaleError
+from metastore_plugins.core.errors import ConfigError, LossScaleError
 from metastore_plugins.core.model.losses import (
     DefaultPerSampleLoss,
     LabelsFn,
@@ -159,7 +159,7 @@ class StepCapture:
         if self.per_sample_loss is not None:
             losses = self.per_sample_loss(output, batch)
         elif output is None:
-            raise ValueError(
+            raise ConfigError(
                 "no forward output was seen for this batch (the step did not call the module itself), so the default "
                 "per-sample loss cannot be computed; pass per_sample_loss=callable(output, batch) -> (B,)"
             )
@@ -167,7 +167,7 @@ class StepCapture:
             losses = self.default_loss(output, labels)
         losses = torch.as_tensor(losses).detach().float().reshape(-1)
         if losses.shape[0] != labels.reshape(len(labels), -1).shape[0]:
-            raise ValueError(
+            raise ConfigError(
                 f"per_sample_loss returned {losses.shape[0]} values for {len(labels)} samples; return one per sample"
             )
         return labels.cpu(), losses.cpu()
