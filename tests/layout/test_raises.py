@@ -4,6 +4,7 @@ Two rules over every module's syntax tree: no ``raise`` of a built-in exception 
 ``raise builtins.KeyError``), and no exception class defined anywhere but ``core/errors.py`` (a class whose base
 is a built-in exception, one of that module's classes, or a name ending in ``Error``, ``Exception`` or
 ``Warning``). A bare ``raise`` and ``raise exc`` of a caught object pass: they re-raise what was raised.
+A third keeps one home: an error class is imported from ``core/errors.py``, never from a module that re-exports it.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def offences(source: str, where: str, *, is_home: bool = False) -> list[str]:
             found.append((node.lineno, f"raise {_name(node.exc)}"))
         elif isinstance(node, ast.ClassDef) and not is_home and any(map(_is_error_base, node.bases)):
             found.append((node.lineno, f"class {node.name}"))
+        elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("metastore_plugins")):
+            names = sorted(alias.name for alias in node.names if alias.name in errors.__all__)
+            if names and (node.level or node.module != errors.__name__):
+                found.append((node.lineno, f"import {', '.join(names)} from {'.' * node.level}{node.module or ''}"))
     return [f"{where}:{line}: {what}" for line, what in sorted(found)]
 
 
@@ -75,6 +80,7 @@ def package_offences() -> list[str]:
 PLANTED = """
 import builtins
 from metastore_plugins.core.errors import StoreError
+from metastore_plugins.core.store import Selection, StoreError as Again
 
 
 class Half(ValueError):
@@ -112,11 +118,15 @@ def f(x):
 
 def test_the_checker_finds_each_planted_offence() -> None:
     assert offences(PLANTED, "planted.py") == [
-        "planted.py:6: class Half",
-        "planted.py:10: class Own",
-        "planted.py:20: raise ValueError",
-        "planted.py:22: raise KeyError",
-        "planted.py:26: raise RuntimeError",
+        "planted.py:4: import StoreError from metastore_plugins.core.store",
+        "planted.py:7: class Half",
+        "planted.py:11: class Own",
+        "planted.py:21: raise ValueError",
+        "planted.py:23: raise KeyError",
+        "planted.py:27: raise RuntimeError",
+    ]
+    assert offences("from .store import StoreError\n", "relative.py") == [
+        "relative.py:1: import StoreError from .store"
     ]
 
 
