@@ -18,7 +18,8 @@ from metastore_plugins.cli.dynamics import cmd_query
 from metastore_plugins.cli.inspection import cmd_compact, cmd_inspect, cmd_verify
 from metastore_plugins.cli.queries import cmd_influence, cmd_outliers, cmd_restore, cmd_similar
 from metastore_plugins.cli.report import cmd_report
-from metastore_plugins.core.analysis.methods import AUTO, METHOD_CHOICES
+from metastore_plugins.core.analysis.method_table import AUTO
+from metastore_plugins.core.analysis.methods import method_choices
 from metastore_plugins.core.distributed.launch import DEFAULT_TIMEOUT_S
 from metastore_plugins.core.reports.tables import OUTLIER_RANKINGS
 
@@ -61,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logdir", help="also write the reports as TensorBoard events into this directory")
     p.add_argument(
         "--method",
-        choices=METHOD_CHOICES,
+        choices=method_choices(),
         default=AUTO,
         help="what scores the influence table: auto (default: ekfac where the passes can be preconditioned, else "
-        "tracin), tracin, kfac, ekfac, trak",
+        f"tracin), {', '.join(method_choices(auto=False))}",
     )
     p = add("outliers", cmd_outliers, "the training samples most likely mislabelled (lowest AUM, or self-influence)")
     p.add_argument("-k", type=positive, default=20, help="rows (default 20)")
@@ -84,10 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", type=positive, default=10, help="rows (default 10)")
     p.add_argument(
         "--method",
-        choices=METHOD_CHOICES,
+        choices=method_choices(),
         default=AUTO,
         help="what scores: auto (default: ekfac where every layer of the passes can be preconditioned, else "
-        "tracin), tracin, kfac, ekfac, trak (docs/queries.md#choosing-a-method)",
+        f"tracin), {', '.join(method_choices(auto=False))} (docs/queries.md#choosing-a-method)",
     )
     p.add_argument(
         "--damping",

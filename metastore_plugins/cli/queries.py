@@ -11,7 +11,8 @@ import numpy as np
 from metastore_plugins.cli.hints import not_stored, store_damage, train_points
 from metastore_plugins.cli.output import emit
 from metastore_plugins.core.analysis import GradientStore
-from metastore_plugins.core.analysis.methods import check_damping, resolve_method
+from metastore_plugins.core.analysis.method_table import MethodArgs, check_arguments
+from metastore_plugins.core.analysis.methods import ResolvedMethod, resolve_method
 from metastore_plugins.core.analysis.queries import nearest_occurrences
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import ConfigError, StoreError
@@ -71,14 +72,13 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
         missing = sorted(set(args.test) - stored)
         if missing:
             raise not_stored(store, missing, test, f"test sample(s) {missing} are")
-    _checked_method(args, store, [*train, *test])
     rows = influence_rows(
         store,
         train,
         test,
         args.k,
         index=_index_option(args),
-        method=args.method,  # auto's own choice keeps its note
+        method=_checked_method(args, store, [*train, *test]),  # auto's own choice keeps its note
         damping=args.damping,
         relative_damping=args.relative_damping,
         layers=args.layers,
@@ -89,15 +89,18 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
     emit(args, rows, "".join(f"{line}\n" for line in notes) + influence_markdown(rows))
 
 
-def _checked_method(args: argparse.Namespace, store: GradientStore, points: Sequence[str]) -> str:
-    """The method ``--method`` runs on these passes; a flag it does not take raises naming the flag."""
+def _checked_method(args: argparse.Namespace, store: GradientStore, points: Sequence[str]) -> ResolvedMethod:
+    """The method ``--method`` runs on these passes, resolved once for the call; a flag it does not take raises
+    naming the flag."""
     chosen = resolve_method(store, args.method, points, args.layers)
-    why = f"--method auto chose tracin ({chosen.fallback}): " if chosen.fallback else ""
+    why = f"--method auto chose {chosen.method} ({chosen.fallback}): " if chosen.fallback else ""
     try:
-        check_damping(chosen.method, args.damping, args.relative_damping, ("--damping", "--relative-damping"))
-    except ValueError as exc:
+        check_arguments(
+            chosen.entry, MethodArgs(args.damping, args.relative_damping), ("--damping", "--relative-damping")
+        )
+    except ConfigError as exc:
         raise ConfigError(f"{why}{exc}") from None
-    return chosen.method
+    return chosen
 
 
 def _occurrence_notes(store: GradientStore, test: Sequence[str], test_ids: Sequence[int]) -> list[str]:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from pairedcases import LRS, N_TEST, N_TRAIN, TEST, TRAIN, checkpoints, data, write_paired
 from torch import Tensor, nn
 from torch.func import grad, vmap
 
@@ -27,54 +28,13 @@ from metastore_plugins.core.analysis.curvature import curvature_refusal, precond
 from metastore_plugins.core.analysis.methods import INFLUENCE_METHODS, METHOD_CHOICES, resolve_method
 from metastore_plugins.core.ops.curvature import CURVATURE_METHODS
 from metastore_plugins.core.ops.represent import represent
-from metastore_plugins.core.training.passes import capture_step
 from metastore_plugins.testing import reference_per_sample_gradients
-
-LRS = (0.6, 0.3)
-TRAIN, TEST = ["epoch-0/train", "epoch-1/train"], ["epoch-0/val", "epoch-1/val"]
-N_TRAIN, N_TEST = 20, 6
-
-
-def make_model(perturb: int | None = None) -> nn.Sequential:
-    torch.manual_seed(4)
-    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
-    if perturb is not None:
-        g = torch.Generator().manual_seed(perturb)
-        with torch.no_grad():
-            for p in model.parameters():
-                p += 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype)
-    return model
-
-
-def checkpoints() -> list[nn.Sequential]:
-    return [make_model(), make_model(perturb=11)]
-
-
-def data(n: int, seed: int) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
-
-
-def per_sample_ce(outputs: Tensor, labels: Tensor) -> Tensor:
-    return F.cross_entropy(outputs, labels, reduction="none")
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> GradientStore:
     """Two paired passes (train in two batches, val in one) at two weights, exact fp32 factors."""
-    path = tmp_path_factory.mktemp("methods-store")
-    (x, y), (xt, yt) = data(N_TRAIN, 1), data(N_TEST, 2)
-    with torch.random.fork_rng(devices=[]), StoreWriter(path, encoding="fp32") as writer:
-        for c, model in enumerate(checkpoints()):
-            options = {"step": c, "lr": LRS[c]}
-            for part in torch.arange(N_TRAIN).split(10):
-                forward = (lambda m, p: lambda: m(x[p]))(model, part)
-                capture_step(model, forward, y[part], part, per_sample_ce, writer, capture_point=TRAIN[c], **options)
-            forward = (lambda m: lambda: m(xt))(model)
-            ids = torch.arange(100, 100 + N_TEST)
-            capture_step(model, forward, yt, ids, per_sample_ce, writer, capture_point=TEST[c], **options)
-            model.zero_grad()
-    return open_store(path)
+    return open_store(write_paired(tmp_path_factory.mktemp("methods-store")))
 
 
 def layer_blocks(model: nn.Sequential, x: Tensor, y: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:

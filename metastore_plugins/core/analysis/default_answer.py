@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.analysis import in_run, methods
+from metastore_plugins.core.analysis.method_table import AUTO, TRACIN
 from metastore_plugins.core.analysis.results import DefaultScores, Scores
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import QueryError
@@ -47,7 +48,7 @@ def influence(
     train: str | Sequence[str] | None = None,
     test: str | Sequence[str] | None = None,
     *,
-    method: str = "tracin",
+    method: str = TRACIN,
     **options: Any,
 ) -> Scores:
     """:func:`.methods.influence` (``options``: its keyword arguments); ``method="auto"`` picks the method by the
@@ -67,7 +68,7 @@ def default_influence(
     store: StoreReader,
     test: str | Sequence[str],
     *,
-    method: str = "auto",
+    method: str = AUTO,
     damping: float | None = None,
     relative_damping: float | None = None,
     layers: Sequence[str] | None = None,
@@ -87,7 +88,7 @@ def default_influence(
         ValueError: no test point, a store with neither passes nor steps paired with them, or an argument of
             TracIn's top-k (``k=``, ``index=``, ...: take ``.top(k)`` of the result).
     """
-    methods.check_method(method, methods.METHOD_CHOICES)
+    methods.check_method(method, methods.method_choices())
     unknown = sorted(set(options) - {"max_bytes"})
     if unknown:
         raise QueryError(
@@ -121,7 +122,7 @@ def default_influence(
             notes.append(f"passes: {methods.left_out_words(resolved.left_out)}")
         chosen["passes"] = resolved.method
         with _expected_warnings():
-            damped = _damping(resolved.method, damping, relative_damping)
+            damped = resolved.entry.damping_options(damping, relative_damping)
             narrowed = {**common, "layers": resolved.layers_or(layers)}
             parts["passes"] = methods.influence(store, trains, paired, method=resolved.method, **damped, **narrowed)
     pass_ids = set(parts["passes"].row_ids.tolist()) if "passes" in parts else set()
@@ -129,7 +130,7 @@ def default_influence(
     if train_ids is not None:
         step_ids &= {int(i) for i in train_ids}
     if step_ids - pass_ids:
-        wanted = method if method in in_run.IN_RUN_METHODS else methods.AUTO_METHOD
+        wanted = method if method in in_run.in_run_methods() else methods.AUTO_METHOD
         parts["steps"], chosen["steps"] = _steps(store, tests, wanted, damping, relative_damping, common, notes)
     return _joined(parts, chosen, sorted(pass_ids | step_ids), notes)
 
@@ -145,21 +146,16 @@ def _steps(
 ) -> tuple[Scores, str]:
     """In-run influence of the training steps by ``method``, else TracIn with the reason in ``notes``."""
     test: str | list[str] = tests[0] if len(tests) == 1 else tests
-    if method != "tracin":
+    if method != TRACIN:
         try:
             with _expected_warnings():
-                scores = in_run.in_run_influence(
-                    store,
-                    test,
-                    method=method,  # type: ignore[arg-type]
-                    **_damping(method, damping, relative_damping),
-                    **common,
-                )
+                damped = methods.method_entry(method).damping_options(damping, relative_damping)
+                scores = in_run.in_run_influence(store, test, method=method, **damped, **common)
             return scores, method
         except ValueError as exc:  # the curvature refuses what the steps hold (a RepresentationError is one)
             notes.append(f"steps: TracIn, because {method} cannot precondition them: {exc}")
     with _expected_warnings():
-        return in_run.in_run_influence(store, test, **common), "tracin"
+        return in_run.in_run_influence(store, test, **common), TRACIN
 
 
 def _joined(parts: dict[str, Scores], chosen: dict[str, str], ids: list[int], notes: list[str]) -> DefaultScores:
@@ -199,17 +195,6 @@ def _scale(passes: Scores, steps: Scores) -> float:
     s = steps.scores[np.ix_(rows_s, np.isin(steps.col_ids, cols))]
     rms_p, rms_s = float(np.sqrt(np.mean(p * p))) if p.size else 0.0, float(np.sqrt(np.mean(s * s))) if s.size else 0.0
     return rms_p / rms_s if rms_p > 0 and rms_s > 0 else 1.0
-
-
-def _damping(method: str, damping: float | None, relative_damping: float | None) -> dict[str, Any]:
-    """The damping arguments ``method`` takes (TracIn none; TRAK its relative ridge only)."""
-    if method == "tracin":
-        return {}
-    return (
-        {"relative_damping": relative_damping}
-        if method == "trak"
-        else {"damping": damping, "relative_damping": relative_damping}
-    )
 
 
 def _scorable(store: StoreReader, point: str) -> bool:

@@ -4,7 +4,7 @@ Each training step ``t`` is paired with one test pass ``c`` (:func:`step_windows
 taken after it (``t < s_c``, the pass's step ``s_c`` counting the steps done before it), steps after the
 last pass with the last pass. The score of training sample ``i`` for test sample ``j``:
 
-- ``"tracin"``: ``sum_t lr_t <g_i(w_t), g_j(w_c(t))>`` (Pruthi et al.'s in-run TracIn; the train
+- TracIn: ``sum_t lr_t <g_i(w_t), g_j(w_c(t))>`` (Pruthi et al.'s in-run TracIn; the train
   gradients were taken at the weights of each step, the test ones at the weights of its pass);
 - ``"kfac"``, ``"ekfac"``: ``sum_t lr_t g_i(w_t)^T (F_c + delta I)^-1 g_j(w_c)`` with ``F_c`` the K-FAC /
   EK-FAC curvature fitted on the training steps paired with pass ``c`` (their stored factors: no
@@ -24,19 +24,25 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 
-from metastore_plugins.core.analysis.curvature import preconditioned_scores
-from metastore_plugins.core.analysis.methods import InfluenceMethod, check_damping, check_method
-from metastore_plugins.core.analysis.queries import Pair, scored_pairs, whole
+from metastore_plugins.core.analysis.method_table import TRACIN, MethodArgs, check_arguments
+from metastore_plugins.core.analysis.methods import METHODS, method_entry
+from metastore_plugins.core.analysis.queries import Pair
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.errors import QueryError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
-from metastore_plugins.core.ops.curvature import CURVATURE_METHODS, DEFAULT_RELATIVE_DAMPING
 from metastore_plugins.core.ops.eigenbasis import truncated_record
 from metastore_plugins.core.store import Selection, StoreReader
 from metastore_plugins.core.store.selection import StoredBatch
 
-#: the methods in-run influence takes (TRAK's kernel is fitted on checkpoint passes only)
-IN_RUN_METHODS: tuple[InfluenceMethod, ...] = ("tracin", *CURVATURE_METHODS)
+
+def in_run_methods() -> tuple[str, ...]:
+    """The methods in-run influence takes: those scoring paired selections (TRAK's kernel is fitted on checkpoint
+    passes only)."""
+    return tuple(name for name, entry in METHODS.items() if entry.pairs is not None)
+
+
+#: the built-in methods in-run influence takes (:func:`in_run_methods`: with the registered ones)
+IN_RUN_METHODS: tuple[str, ...] = in_run_methods()
 
 
 def step_windows(
@@ -83,7 +89,7 @@ def in_run_influence(
     test: str | Sequence[str],
     *,
     train: str = "train",
-    method: InfluenceMethod = "tracin",
+    method: str = TRACIN,
     damping: float | None = None,
     relative_damping: float | None = None,
     steps: int | tuple[int, int] | None = None,
@@ -98,8 +104,8 @@ def in_run_influence(
         test: one test capture point (every training step is scored against it, whatever its step), or
             several checkpoint passes in step order (each step against the pass it is paired with).
         train: the capture point of the training steps.
-        method: ``"tracin"`` (default), ``"kfac"`` or ``"ekfac"``; ``damping``, ``relative_damping`` as
-            :func:`~metastore_plugins.core.analysis.methods.influence` takes them.
+        method: one of :func:`in_run_methods`: TracIn (default), ``"kfac"`` or ``"ekfac"``; ``damping``,
+            ``relative_damping`` as :func:`~metastore_plugins.core.analysis.methods.influence` takes them.
         steps: only the training steps in this inclusive range (or this one step).
         layers, train_ids, test_ids: restrict to these layers and samples (the curvature is still fitted on
             every sample of each step window).
@@ -107,8 +113,9 @@ def in_run_influence(
     Raises:
         ValueError: naming an unknown method or a damping it does not take, a test point of several steps.
     """
-    check_method(method, IN_RUN_METHODS)
-    check_damping(method, damping, relative_damping)
+    entry = method_entry(method, in_run_methods())
+    args = MethodArgs(damping, relative_damping, layers, train_ids, test_ids, max_bytes)
+    check_arguments(entry, args)
     window = (steps, steps) if isinstance(steps, int) else steps
     if isinstance(test, str):
         trained = store.steps(train)
@@ -127,14 +134,12 @@ def in_run_influence(
         )
         for point, (lo, hi) in windows
     ]
-    if method == "tracin":
-        return whole(scored_pairs(store, pairs, max_bytes=max_bytes))
     fitted_on = {
         label: store.select(train, steps=(lo, hi), layers=layers)
         for (label, _, _, _), (_, (lo, hi)) in zip(pairs, windows)
     }
-    relative = DEFAULT_RELATIVE_DAMPING if relative_damping is None else relative_damping
-    return preconditioned_scores(store, pairs, fitted_on, method, damping, relative, max_bytes)  # type: ignore[arg-type]
+    assert entry.pairs is not None  # in_run_methods() holds only such entries
+    return entry.pairs(store, pairs, fitted_on, args)
 
 
 def _blocks(

@@ -33,6 +33,7 @@ import torch
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import curvature, queries, sketches
 from metastore_plugins.core.analysis.index_files import open_index
+from metastore_plugins.core.analysis.method_table import TRACIN
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import sketch_layers
@@ -58,7 +59,7 @@ def report_index(store: StoreReader, train: Sequence[str], method: str, index: b
         return index
     if max((sum(ref.size for ref in store.batch_refs(cp)) for cp in train), default=0) >= INDEX_ROWS:
         return True
-    return None if method == "tracin" else False
+    return None if method == TRACIN else False
 
 
 #: The preconditioned methods search this many times TracIn's candidates (``max(4 k, 50)``): on exact layers the

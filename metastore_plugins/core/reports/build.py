@@ -9,7 +9,7 @@ from typing import Any, TypedDict
 from typing_extensions import Unpack
 
 from metastore_plugins.core.analysis import GradientStore
-from metastore_plugins.core.analysis.methods import AUTO
+from metastore_plugins.core.analysis.method_table import AUTO
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_note
@@ -99,7 +99,7 @@ def report_tables(
     (:func:`~.tables.outlier_scores`).
     ``recompute``: refines estimated TracIn scores exactly (:func:`~.influence_table.influence_rows`).
     ``influence_method``: what scores the influence table, one of
-    :data:`~metastore_plugins.core.analysis.methods.METHOD_CHOICES`; ``"auto"`` (default) is EK-FAC where
+    :func:`~metastore_plugins.core.analysis.methods.method_choices`; ``"auto"`` (default) is EK-FAC where
     every layer of the passes can be preconditioned (the best LDS measured, docs/quality.md), else TracIn.
 
     Its store queries are those a partitioned report pass makes on every rank, in this order:

@@ -3,7 +3,7 @@
 Each influence row carries ``method``, ``damping`` (absolute, or None), ``relative_damping`` (a fraction of
 the mean eigenvalue, or None) and, where ``"auto"`` could not precondition the passes, ``method_note``
 (why it fell back to TracIn); :func:`influence_caption` turns them and the rows' ``exact`` flags into the
-lines under the markdown table.
+lines under the markdown table, in the words of the method's entry (:class:`~.method_table.MethodWords`).
 """
 
 from __future__ import annotations
@@ -11,42 +11,33 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from metastore_plugins.core.analysis.methods import ResolvedMethod, left_out_words
-from metastore_plugins.core.analysis.sketches import DEFAULT_REGULARIZATION
-from metastore_plugins.core.ops.curvature import CURVATURE_METHODS, DEFAULT_RELATIVE_DAMPING
+from metastore_plugins.core.analysis.method_table import TRACIN, Method
+from metastore_plugins.core.analysis.methods import METHODS, ResolvedMethod, left_out_words
 
-#: how each method is named in the caption
-METHOD_NAMES = {"tracin": "TracIn", "kfac": "K-FAC", "ekfac": "EK-FAC", "trak": "TRAK"}
+
+def method_label(name: str) -> str:
+    """How the reports name method ``name`` (``"EK-FAC"``): its entry's label, else the name itself."""
+    entry = METHODS.get(name)
+    return name if entry is None else entry.label
 
 
 def method_fields(chosen: ResolvedMethod, damping: float | None, relative_damping: float | None) -> dict[str, Any]:
     """The row fields that say what produced the scores: the damping the method ran with (defaults filled in)."""
-    method = chosen.method
-    if method in CURVATURE_METHODS:
-        relative = None if damping is not None else (relative_damping or DEFAULT_RELATIVE_DAMPING)
-        fields: dict[str, Any] = {"method": method, "damping": damping, "relative_damping": relative}
-    elif method == "trak":
-        fields = {"method": method, "damping": None, "relative_damping": relative_damping or DEFAULT_REGULARIZATION}
-    else:
-        fields = {"method": method, "damping": None, "relative_damping": None}
+    ran_with, relative = chosen.entry.ran_with(damping, relative_damping)
+    fields: dict[str, Any] = {"method": chosen.method, "damping": ran_with, "relative_damping": relative}
     left_out = {"method_layers": left_out_words(chosen.left_out)} if chosen.left_out else {}
     return {**fields, **({"method_note": chosen.fallback} if chosen.fallback else {}), **left_out}
 
 
 def method_line(row: dict[str, Any]) -> str:
     """``Method: EK-FAC, damping 0.1 x each layer's mean eigenvalue`` (and why ``auto`` fell back, if it did)."""
-    method = row.get("method", "tracin")
-    words = f"Method: {METHOD_NAMES.get(method, method)}"
-    if method in CURVATURE_METHODS:
-        words += (
-            f", damping {row['damping']:g} (absolute, every layer)"
-            if row.get("damping") is not None
-            else f", damping {row['relative_damping']:g} x each layer's mean curvature eigenvalue"
-        )
-    elif method == "trak":
-        words += f" (kernel inverse on Kronecker sketches), ridge {row['relative_damping']:g} x its mean eigenvalue"
-    else:
-        words += " (sum over passes of lr x gradient inner products)"
+    method = row.get("method", TRACIN)
+    entry: Method | None = METHODS.get(method)
+    words = f"Method: {method_label(method)}{'' if entry is None else entry.words.formula}"
+    if row.get("damping") is not None:
+        words += f", damping {row['damping']:g} (absolute, every layer)"
+    elif row.get("relative_damping") is not None and entry is not None:
+        words += entry.words.ridge.format(row["relative_damping"])
     note, layers = row.get("method_note"), row.get("method_layers")
     words += f", over {layers}" if layers else ""
     return words + (f"; auto chose it because K-FAC cannot precondition {note}" if note else "") + "."
@@ -54,24 +45,8 @@ def method_line(row: dict[str, Any]) -> str:
 
 def exactness_line(rows: Sequence[dict[str, Any]]) -> str:
     """Whether the rows' scores are exact or estimates, in the words of their method."""
-    method = rows[0].get("method", "tracin")
-    exact = all(row.get("exact", True) for row in rows)
-    not_refined = "the exact refinement (recompute) recomputes TracIn and is not applied to them"
-    if method == "trak":
-        return f"Scores are estimates (random Kronecker sketches); {not_refined}."
-    if method in CURVATURE_METHODS:
-        if exact:
-            return (
-                "Scores are exact given the fitted curvature (the passes hold exact factors; K-FAC / EK-FAC "
-                "approximate the Fisher, which stands in for the Hessian)."
-            )
-        return f"Scores are estimates from projected gradients; {not_refined}."
-    if exact:
-        return "Scores are exact TracIn scores."
-    return (
-        "Scores are estimates from projected gradients (the capture policy); rows recomputed exactly say so "
-        "in influence.json (`exact`)."
-    )
+    entry = METHODS.get(rows[0].get("method", TRACIN), METHODS[TRACIN])
+    return entry.exactness(all(row.get("exact", True) for row in rows))
 
 
 def influence_caption(rows: Sequence[dict[str, Any]]) -> list[str]:

@@ -12,8 +12,10 @@ from typing import Any
 
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.index_methods import report_index
-from metastore_plugins.core.analysis.methods import check_damping, resolve_method
+from metastore_plugins.core.analysis.method_table import TRACIN, MethodArgs, check_arguments
+from metastore_plugins.core.analysis.methods import ResolvedMethod, resolve_method
 from metastore_plugins.core.analysis.refine import RecomputeFn, RefinedScores, refine_influence
+from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.records import EXACT_KINDS
 from metastore_plugins.core.reports.influence_method import method_fields
@@ -28,17 +30,17 @@ def influence_rows(
     samples: int | None = None,
     recompute: RecomputeFn | None = None,
     index: bool | None = None,
-    method: str = "tracin",
+    method: str | ResolvedMethod = TRACIN,
     damping: float | None = None,
     relative_damping: float | None = None,
     layers: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Per test sample: its label/prediction and the ``k`` strongest proponents and opponents by ``method``.
 
-    ``method``: one of :data:`~metastore_plugins.core.analysis.methods.METHOD_CHOICES` (``"auto"``: EK-FAC
-    where every layer of the passes can be preconditioned, else TracIn; ``resolve_method``), with its
-    ``damping`` and ``relative_damping`` (``store.influence``'s). Each row says what produced it
-    (:func:`~.influence_method.method_fields`) and whether its scores are ``"exact"``.
+    ``method``: one of :func:`~metastore_plugins.core.analysis.methods.method_choices` (``"auto"``: EK-FAC
+    where every layer of the passes can be preconditioned, else TracIn; ``resolve_method``), or the method a
+    caller resolved already, with its ``damping`` and ``relative_damping`` (``store.influence``'s). Each row says
+    what produced it (:func:`~.influence_method.method_fields`) and whether its scores are ``"exact"``.
 
     ``layers``: score on these layers only (every layer when ``None``), as ``store.influence(layers=...)``.
 
@@ -51,42 +53,26 @@ def influence_rows(
     TracIn (``RunCapture(index=True)`` builds it at the run's close) and every row for the other methods
     (:func:`~metastore_plugins.core.analysis.index_methods.report_index`). The candidates are scored exactly by
     the method, as ``store.influence(k=...)`` does: the top lists are the exhaustive scan's where the candidates
-    hold them (docs/queries.md measures it). Where the passes are kept projected TracIn's scores are estimates,
-    unless ``recompute`` is given: then each test sample's candidates are recomputed exactly
-    (:func:`~metastore_plugins.core.analysis.refine.refine_influence`). K-FAC / EK-FAC / TRAK are not refined
-    (the refinement recomputes TracIn): K-FAC / EK-FAC are exact given the fitted curvature where the passes hold
-    exact records, TRAK's sketches are estimates.
+    hold them (docs/queries.md measures it). A method's scores are exact where its entry says so and the passes
+    hold exact records (K-FAC / EK-FAC: given the fitted curvature; TRAK's sketches are estimates). Estimates of a
+    method that takes ``recompute`` (TracIn) are refined when it is given: each test sample's candidates are
+    recomputed exactly (:func:`~metastore_plugins.core.analysis.refine.refine_influence`); the other methods are
+    not refined (the refinement recomputes TracIn).
     """
-    chosen = resolve_method(store, method, [*train, *test], layers)
-    check_damping(chosen.method, damping, relative_damping)
+    chosen = method if isinstance(method, ResolvedMethod) else resolve_method(store, method, [*train, *test], layers)
+    method_of = chosen.entry
+    check_arguments(method_of, MethodArgs(damping, relative_damping))
     test_ids = None if samples is None else sorted(set(store.sample_ids(test[-1]).tolist()))[:samples]
     index = report_index(store, train, chosen.method, index)
     top_k: dict[str, Any] = {} if index is False else {"k": k, "index": index}
-    if chosen.method == "tracin":
-        scores = store.influence(list(train), list(test), test_ids=test_ids, layers=layers, **top_k)
-        exact = passes_exact(store)
-        if not exact:
-            refined = None
-            if recompute is not None and layers is None:  # the refinement recomputes every layer
-                try:
-                    refined = refine_influence(store, scores, list(train), list(test), recompute)
-                except Exception as exc:  # the user's model, data or a missing snapshot: keep the estimates
-                    warnings.warn(
-                        f"influence scores stay estimates: recomputing them exactly failed ({exc!r})", stacklevel=2
-                    )
-            scores = refined or RefinedScores(scores.scores, scores.row_ids, scores.col_ids, None)
-    else:
-        scores = store.influence(
-            list(train),
-            list(test),
-            test_ids=test_ids,
-            method=chosen.method,
-            damping=damping,
-            relative_damping=relative_damping,
-            layers=chosen.layers_or(layers),
-            **top_k,
-        )
-        exact = chosen.method != "trak" and passes_exact(store)
+    damped = method_of.damping_options(damping, relative_damping)
+    scores = store.influence(
+        list(train), list(test), test_ids=test_ids, method=chosen.method, layers=chosen.layers_or(layers),
+        **damped, **top_k,
+    )  # fmt: skip
+    exact = method_of.exact and passes_exact(store)
+    if not exact and "recompute" in method_of.takes:
+        scores = _refined(store, scores, train, test, recompute if layers is None else None)
     fields = method_fields(chosen, damping, relative_damping)
     train_meta, test_meta = last_metadata(store, train), last_metadata(store, test)
     rows = []
@@ -107,6 +93,19 @@ def influence_rows(
             }
         )
     return rows
+
+
+def _refined(
+    store: GradientStore, scores: Scores, train: Sequence[str], test: Sequence[str], recompute: RecomputeFn | None
+) -> RefinedScores:
+    """``scores`` recomputed exactly on each test sample's candidates where ``recompute`` is given (the refinement
+    recomputes every layer), else as they are; estimates still where recomputing fails."""
+    if recompute is not None:
+        try:
+            return refine_influence(store, scores, list(train), list(test), recompute)
+        except Exception as exc:  # the user's model, data or a missing snapshot: keep the estimates
+            warnings.warn(f"influence scores stay estimates: recomputing them exactly failed ({exc!r})", stacklevel=3)
+    return RefinedScores(scores.scores, scores.row_ids, scores.col_ids, None)
 
 
 def passes_exact(store: GradientStore) -> bool:

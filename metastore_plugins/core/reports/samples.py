@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from metastore_plugins.core.reports.influence_method import METHOD_NAMES
+from metastore_plugins.core.analysis.method_table import TRACIN
+from metastore_plugins.core.reports.influence_method import method_label
 from metastore_plugins.core.reports.render import SampleLookup, lookup_image, short_label
 from metastore_plugins.core.reports.thumbnails import thumbnail_grid
 
@@ -37,7 +38,7 @@ TextRenderer = Callable[[str, int], "str | None"]
 
 def score_words(row: Mapping[str, Any]) -> str:
     """How an influence row's scores were computed, in the reports' words: its method, and whether exact."""
-    method = METHOD_NAMES.get(row.get("method", "tracin"), str(row.get("method")))
+    method = method_label(str(row.get("method", TRACIN)))
     return f"{'exact' if row.get('exact', True) else 'estimated (projected gradients)'} {method}"
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from metastore_plugins.core.analysis import GradientStore, open_store
-from metastore_plugins.core.analysis.methods import AUTO
+from metastore_plugins.core.analysis.method_table import AUTO
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import DistributedQueryError
