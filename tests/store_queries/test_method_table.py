@@ -26,6 +26,7 @@ from metastore_plugins.cli import main
 from metastore_plugins.core.analysis.method_table import Method
 from metastore_plugins.core.analysis.methods import METHODS, influence, method_choices, register_method
 from metastore_plugins.core.errors import ConfigError
+from metastore_plugins.core.training.settings import CallbackOptions
 from metastore_plugins.testing import reference_per_sample_gradients
 
 #: docs/design.md's worked example, run as written
@@ -142,3 +143,20 @@ def test_a_name_is_registered_once(registered: Method) -> None:
         register_method(registered)
     with pytest.raises(ConfigError, match="already registered"):
         register_method(METHODS["ekfac"])
+
+
+def test_the_reports_and_the_callbacks_settings_take_it(
+    path: Path, registered: Method, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    options = CallbackOptions.of("MetaStoreCallback", {"influence_method": registered.name})
+    assert options.influence_method == registered.name
+    out = tmp_path / "reports"
+    assert main(["report", str(path), "--out", str(out), "--method", registered.name]) == 0
+    capsys.readouterr()
+    rows = json.loads((out / "influence.json").read_text())
+    assert rows and {row["method"] for row in rows} == {registered.name}
+    expected = reference()
+    for row in rows:
+        column = expected[:, TEST_IDS.index(row["test_id"])]
+        assert row["proponents"][0]["sample_id"] == int(np.argmax(column))
+    assert "Method: TracIn at the last pass" in (out / "influence.md").read_text()

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, TypedDict, TypeVar, get_type_hints
 
 from torch import nn
 
-from metastore_plugins.core.analysis.methods import METHOD_CHOICES, MethodChoice
+from metastore_plugins.core.analysis.methods import MethodChoice, method_choices
 from metastore_plugins.core.capture.session import (
     UNSUPPORTED_POLICIES,
     CaptureSession,
@@ -221,7 +221,7 @@ class CallbackOptions:
         '``basis_samples``), else TracIn (seeded projections: the table then says why); or ``"tracin"``, '
         '``"kfac"``, ``"ekfac"``, ``"trak"``. The table\'s caption and ``influence.json`` say which method '
         "and damping produced it.",
-        one_of(METHOD_CHOICES),
+        lambda owner, name, value: one_of(method_choices())(owner, name, value),  # a registered method too
     )
     sample_renderer: SampleRenderer | None = setting(
         None,
