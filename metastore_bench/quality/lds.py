@@ -57,6 +57,7 @@ from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, Curva
 from ..publish import RESULTS
 from ..timing import machine, versions
 from .digits import Capture, train_model
+from .lds_defaults import defaults_attributors
 from .lds_lm import run_lm
 from .lds_peers import dattri_attributors, kronfluence_attributors, pick, timed
 from .lds_projected import capture_projected, projected_scores
@@ -191,6 +192,9 @@ def run(setup: Setup) -> dict[str, Any]:
                 attributions[f"{label} (passes projected {dim}x{dim} on the eigenbasis)"] = row
         layers = open_store(store_dir).layers()  # the steps as a budgeted policy keeps them; the default answer
         attributions.update(steps_attributors(setup, data, layers, Path(tmp), plain_seconds))
+        attributions.update(
+            defaults_attributors(setup, data, Path(tmp), plain_seconds)
+        )  # the one line, as users add it
     peer_data = (x, y, x_test[: m + t], y_test[: m + t])
     attributions.update(dattri_attributors(setup, peer_data, checkpoints, tuning))
     if setup.kronfluence:

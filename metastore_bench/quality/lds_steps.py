@@ -46,15 +46,19 @@ def capture_steps(
     k: int,
     path: Path,
     basis_from: Literal["checkpoint", "steps"],
+    exact: bool = False,
 ) -> None:
-    """Train as :func:`.lds.run` does with every step captured ``k x k`` on the eigenbasis, and epoch-end passes
-    ``epoch-e/train`` (the default 256 training samples) and ``epoch-e/test`` into a store at ``path``."""
+    """Train as :func:`.lds.run` does with every step captured ``k x k`` on the eigenbasis (``exact``: every layer
+    exact, as a budget that fits them keeps them), and epoch-end passes ``epoch-e/train`` (the default 256 training
+    samples) and ``epoch-e/test`` into a store at ``path``."""
     x, y, x_test, y_test = data
     run = RunCapture(path, encoding="fp32", budget=Budget("auto", None))
     run.basis_from(basis_from)
     model = build_model(setup.kind, setup.seed)
     size = {name: sum(p.numel() for p in m.parameters(recurse=False)) for name, m in model.named_modules()}
-    plan = {layer: "exact" if size[layer] <= k * k else "projected" for layer in layers}  # as the plan keeps them
+    plan = {
+        layer: "exact" if exact or size[layer] <= k * k else "projected" for layer in layers
+    }  # as a plan keeps them
     run.policy.plan = CapturePlan("auto", None, "benchmark", "fp32", k, dict(plan), dict(plan), 0, setup.epochs, {})
     subset = CheckpointSchedule().train_subset(len(y))
     sources = [
@@ -109,15 +113,16 @@ def steps_attributors(
     :func:`.lds.run` keeps them (scores ``(N, M)``, seconds with the capture's cost, the damping picked), or
     ``{"error"}`` where the store refuses (one epoch: every step came before the first basis, kept seeded)."""
     n, m, rows = len(data[1]), setup.test_samples, {}
-    for basis in ("checkpoint", "steps"):
-        path = tmp / f"steps-{basis}"
-        _, seconds = timed(partial(capture_steps, setup, data, layers, k, path, basis))
+    for basis, exact in (("checkpoint", False), ("steps", False), ("checkpoint", True)):
+        path = tmp / f"steps-{basis}-{exact}"
+        _, seconds = timed(partial(capture_steps, setup, data, layers, k, path, basis, exact))
         cost = seconds - plain_seconds
-        wanted = [(False, f"EK-FAC in-run (steps projected {k}x{k} on the eigenbasis, basis_from={basis!r})")]
-        if basis == "checkpoint":
-            wanted.append(
-                (True, f"Default answer: influence(test=..., method='auto'), steps {k}x{k} + 256-sample passes")
-            )
+        answer = "Default answer: influence(test=..., method='auto'), "
+        wanted = [(True, f"{answer}exact steps + 256-sample passes")]
+        if not exact:
+            wanted = [(False, f"EK-FAC in-run (steps projected {k}x{k} on the eigenbasis, basis_from={basis!r})")]
+        if basis == "checkpoint" and not exact:
+            wanted.append((True, f"{answer}steps {k}x{k} + 256-sample passes"))
         for default, name in wanted:
             try:
                 row = pick((DEFAULT_RELATIVE_DAMPING,), partial(steps_scores, path, setup, n, default), m, None)

@@ -20,7 +20,7 @@ if str(REPO) not in sys.path:
 
 pytest.importorskip("sklearn")
 
-from metastore_bench.quality import lds, lds_peers, tokens  # noqa: E402
+from metastore_bench.quality import lds, lds_defaults, lds_peers, tokens  # noqa: E402
 from metastore_bench.quality.digits import Capture, ModelKind, load_digits_arrays, make_model, train_model  # noqa: E402
 from metastore_bench.quality.lds_tasks import build_model  # noqa: E402
 from metastore_plugins import StoreWriter, open_store  # noqa: E402
@@ -127,10 +127,13 @@ def test_a_tiny_run_reports_every_attributor(kind: lds.Kind) -> None:
         "EK-FAC in-run (steps projected 16x16 on the eigenbasis, basis_from='checkpoint')",
         "EK-FAC in-run (steps projected 16x16 on the eigenbasis, basis_from='steps')",
         "Default answer: influence(test=..., method='auto'), steps 16x16 + 256-sample passes",
+        "Default answer: influence(test=..., method='auto'), exact steps + 256-sample passes",
+        lds_defaults.ROW,
     ):
         row = rows[name]
         assert -1 <= row["ci95"][0] <= row["lds"] <= row["ci95"][1] <= 1 and row["trainings"] == 1
     assert rows["TracIn exact (checkpoint passes)"]["minus_exact_tracin"] == 0.0
+    assert rows[lds_defaults.ROW]["samples_scored"] == 100  # the one line's answer covers every training sample
     assert result["subset_trainings"] == 100
     assert "| TracIn exact (checkpoint passes) |" in lds.table(result)
     assert not any(name.startswith("Kronfluence") for name in rows)

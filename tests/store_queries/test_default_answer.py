@@ -1,12 +1,13 @@
 """``store.influence(test=..., method=...)`` with ``train`` left out: every training sample, passes and steps.
 
-The store: two checkpoints (:mod:`kfaccases`); at each, two training steps over samples 0-11 and 12-23 (each
-its own rate), then passes over the training samples 0-7 only (``epoch-c/train``, the pass's summed rate) and the
-test samples (``epoch-c/test``), all at that checkpoint's weights. Samples 0-7 are in the passes and the steps,
+The store: two checkpoints (:mod:`kfaccases`); at each, passes over the training samples 0-7 only
+(``epoch-c/train``, the pass's summed rate) and the test samples (``epoch-c/test``), then two training steps over
+samples 0-11 and 12-23 (each its own rate), all at that checkpoint's weights (the pass at the start of its steps'
+window, as the callbacks take them). Samples 0-7 are in the passes and the steps,
 8-23 in the steps only. The reference knows nothing of the store: per-sample gradients and factors from
 ``torch.func``, K-FAC / EK-FAC as explicit ``(P, P)`` matrices solved with ``torch.linalg.solve`` (fitted on the
 pass's 8 samples, or the window's 24 steps' samples), the rates by hand; the passes' rows for 0-7, the steps'
-rows times the ratio of root-mean-square scores of the two on 0-7 for 8-23.
+rows times the ratio of root-mean-square scores of the two on 0-7 for 8-23, the mean of the two for 0-7.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> GradientStore:
                              step=step, lr=STEP_LRS[step])  # fmt: skip
             forward = (lambda m: lambda: m(x[IN_PASSES]))(model)
             capture_step(model, forward, y[IN_PASSES], IN_PASSES, per_sample_ce, writer,
-                         capture_point=f"epoch-{c}/train", step=2 * c + 2, lr=PASS_LRS[c])  # fmt: skip
+                         capture_point=f"epoch-{c}/train", step=2 * c, lr=PASS_LRS[c])  # fmt: skip
             forward = (lambda m: lambda: m(xt))(model)
             capture_step(model, forward, yt, torch.arange(100, 108), per_sample_ce, writer,
-                         capture_point=f"epoch-{c}/test", step=2 * c + 2, lr=1.0)  # fmt: skip
+                         capture_point=f"epoch-{c}/test", step=2 * c, lr=1.0)  # fmt: skip
             model.zero_grad()
     return open_store(path)
 
@@ -64,13 +65,13 @@ def _side(method: str | None, rows: torch.Tensor, rates: list[torch.Tensor]) -> 
 
 
 def reference(method: str | None) -> np.ndarray:
-    """``(24, 8)``: the passes' scores for samples 0-7, the steps' on the passes' scale for 8-23."""
+    """``(24, 8)``: the steps' on the passes' scale, for samples 0-7 the mean of that and the passes' scores."""
     passes = _side(method, IN_PASSES, [torch.full((8,), r, dtype=torch.float64) for r in PASS_LRS])  # (8, 8)
     step_rates = [torch.tensor([STEP_LRS[2 * c]] * 12 + [STEP_LRS[2 * c + 1]] * 12).double() for c in range(2)]
     steps = _side(method, torch.arange(24), step_rates)  # (24, 8)
     factor = passes.pow(2).mean().sqrt() / steps[IN_PASSES].pow(2).mean().sqrt()
     out = steps * factor
-    out[IN_PASSES] = passes
+    out[IN_PASSES] = (passes + out[IN_PASSES]) / 2
     return out.numpy()
 
 
@@ -83,7 +84,7 @@ def test_every_training_sample_gets_a_row_from_the_passes_or_its_steps(
     assert scores.row_ids.tolist() == list(range(24)) and scores.col_ids.tolist() == list(range(100, 108))
     assert scores.train_side == "passes and steps"
     assert scores.methods == {"passes": ran or "tracin", "steps": ran or "tracin"}
-    assert scores.sources.tolist() == ["passes"] * 8 + ["steps"] * 16
+    assert scores.sources.tolist() == ["passes and steps"] * 8 + ["steps"] * 16
     assert rel_err(scores.scores, reference(ran)) <= 1e-5
     if ran is not None:  # the curvature changes the answer: the test can tell the methods apart
         plain = reference(None)

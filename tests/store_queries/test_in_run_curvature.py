@@ -1,7 +1,8 @@
 """``store.in_run_influence(tests, method=...)``: training steps paired with checkpoint passes, against dense inverses.
 
 The training steps of window ``c`` (steps 2c and 2c+1, samples 0-11 then 12-23, each step its own rate)
-were taken at the weights of checkpoint ``c``; test pass ``c`` at the end of the window (step 2c + 2).
+were taken at the weights of checkpoint ``c``; test pass ``c`` at the start of the window (step 2c: taken before
+the window's steps, at the weights they start from, as the callbacks' ``start`` and epoch-end passes are).
 The reference knows nothing of the store: per-sample gradients and factors from ``torch.func``
 (:mod:`kfaccases`), K-FAC / EK-FAC of each window's 24 samples as explicit ``(P, P)`` matrices inverted
 with ``torch.linalg.solve``, the step rates applied by hand, a sample's two occurrences summed.
@@ -44,7 +45,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> GradientStore:
             forward = (lambda m: lambda: m(xt))(model)
             ids = torch.arange(100, 108)
             capture_step(model, forward, yt, ids, per_sample_ce, writer, capture_point=f"epoch-{c}/test",
-                         step=2 * c + 2, lr=1.0)  # fmt: skip
+                         step=2 * c, lr=1.0)  # fmt: skip
             model.zero_grad()
     return open_store(path)
 
@@ -79,13 +80,14 @@ def test_in_run_tracin_pairs_each_window_with_its_pass(store: GradientStore) -> 
     assert rel_err(scores.scores, reference(None)) <= 1e-5
 
 
-def test_step_windows_pair_steps_with_the_next_pass(store: GradientStore) -> None:
+def test_step_windows_pair_steps_with_the_pass_before_them(store: GradientStore) -> None:
     assert step_windows(store, "train", ["epoch-0/test", "epoch-1/test"]) == [
         ("epoch-0/test", (0, 1)),
         ("epoch-1/test", (2, 3)),
     ]
-    # steps after the last pass go with it; a range given cuts each window
+    # steps after the last pass go with it, steps before the first pass with the first; a range cuts each window
     assert step_windows(store, "train", ["epoch-0/test"]) == [("epoch-0/test", (0, 3))]
+    assert step_windows(store, "train", ["epoch-1/test"]) == [("epoch-1/test", (0, 3))]
     assert step_windows(store, "train", ["epoch-0/test", "epoch-1/test"], (1, 2)) == [
         ("epoch-0/test", (1, 1)),
         ("epoch-1/test", (2, 2)),

@@ -6,12 +6,14 @@ resolved on its passes: :func:`.methods.resolve_method`). With ``train`` left ou
 - **passes**: each test point ``P/split`` paired with the training-set pass ``P/train`` where the store holds it
   with inner products (every batch with records, none of them norms only);
 - **steps**: the training steps (``"train"``) through in-run influence against the test points
-  (:func:`.in_run.in_run_influence`: each step with its pass, or with the pass of its eigenbasis);
-- one row per training sample id the two hold: a sample the passes hold is scored from the passes (the
-  checkpoint's weights on both sides, the best LDS measured), a sample only the steps hold from its steps,
-  put on the passes' scale by one factor: the ratio of the two sides' root-mean-square scores on the samples
-  both hold (over every row of each side when none is shared). The in-run score sums a sample's steps at each
-  step's rate, the passes' at each pass's summed rate: the factor removes that difference, not the ranking;
+  (:func:`.in_run.in_run_influence`: each step with the last pass taken before it);
+- one row per training sample id the two hold: a sample both hold gets the mean of its two scores (the
+  checkpoint's weights on both sides, and the weights of its steps: two estimates of one influence; the mean
+  scored level with or above the passes alone on every LDS task measured, docs/quality.md), a sample only
+  the steps hold its steps' score, both put on the passes' scale by one factor: the ratio of the two
+  sides' root-mean-square scores on the samples both hold (over every row of each side when none is
+  shared). The in-run score sums a sample's steps at each step's rate, the passes' at each pass's summed
+  rate: the factor removes that difference, not the ranking;
 - a sample with no scorable record (steps kept on no basis, before the first pass, under ``"ekfac"``) gets a
   row of zeros, counted in the notes;
 - ``method="auto"``: :data:`.methods.AUTO_METHOD` on each side that can be preconditioned, else TracIn there
@@ -35,10 +37,9 @@ from metastore_plugins.core.analysis.method_table import AUTO, TRACIN
 from metastore_plugins.core.analysis.results import DefaultScores, Scores
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import QueryError
+from metastore_plugins.core.model.pass_sources import TRAIN_SPLIT
 from metastore_plugins.core.store import StoreReader
 
-#: the split of the checkpoint passes over the training set (``epoch-0/train``), as the callbacks name it
-TRAIN_SPLIT = "train"
 #: the warning a query gives when its capture points hold different samples: expected here (the steps' windows)
 _DIFFERENT_SAMPLES = "the .* capture points hold different samples"
 
@@ -159,22 +160,24 @@ def _steps(
 
 
 def _joined(parts: dict[str, Scores], chosen: dict[str, str], ids: list[int], notes: list[str]) -> DefaultScores:
-    """One row per id of ``ids``: the passes' where they hold it, else the steps' on the passes' scale."""
+    """One row per id of ``ids``: the steps' on the passes' scale, the passes', or the mean of the two."""
     cols = np.array(list(dict.fromkeys(int(c) for part in parts.values() for c in part.col_ids)), dtype=np.int64)
     out = np.zeros((len(ids), len(cols)))  # (N, M)
+    held = np.zeros(len(ids))  # (N,) how many sides score each row
     sources = np.full(len(ids), "none", dtype=object)
-    where = {sid: r for r, sid in enumerate(ids)}
-    for name in ("steps", "passes"):  # the passes last: they win where both hold a sample
+    where, at = {sid: r for r, sid in enumerate(ids)}, {int(c): k for k, c in enumerate(cols)}
+    for name in ("passes", "steps"):
         if name not in parts:
             continue
         part = parts[name]
         factor = _scale(parts["passes"], part) if name == "steps" and "passes" in parts else 1.0
         if name == "steps" and "passes" in parts:
-            notes.append(f"steps-only samples' scores x {factor:.4g}: the passes' scale (root-mean-square ratio)")
+            notes.append(f"steps' scores x {factor:.4g}: the passes' scale (root-mean-square ratio)")
         rows = np.array([where[int(i)] for i in part.row_ids], dtype=np.int64)
-        at = {int(c): k for k, c in enumerate(cols)}
-        out[np.ix_(rows, np.array([at[int(c)] for c in part.col_ids], dtype=np.int64))] = factor * part.scores
-        sources[rows] = name
+        out[np.ix_(rows, np.array([at[int(c)] for c in part.col_ids], dtype=np.int64))] += factor * part.scores
+        held[rows] += 1
+        sources[rows] = np.where(sources[rows] == "none", name, "passes and steps")
+    out /= np.maximum(held, 1)[:, None]  # the mean where both sides score a sample
     empty = int((sources == "none").sum())
     if empty:
         notes.append(f"{empty} sample(s) with no scorable record (steps on no eigenbasis): rows of zeros")

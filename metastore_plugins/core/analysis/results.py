@@ -37,7 +37,8 @@ class DefaultScores(Scores):
     Attributes:
         train_side: ``"passes"``, ``"steps"`` or ``"passes and steps"``: where the training side came from.
         methods: per side (``"passes"``, ``"steps"``), the method that scored it.
-        sources: ``(N,)`` per row, ``"passes"``, ``"steps"`` or ``"none"`` (no scorable record: zeros).
+        sources: ``(N,)`` per row, ``"passes"``, ``"steps"``, ``"passes and steps"`` (the mean of the two) or
+            ``"none"`` (no scorable record: zeros).
         notes: what the store chose and why (a fallback to TracIn, the steps' scale factor), in words.
     """
 

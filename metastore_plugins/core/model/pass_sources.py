@@ -23,6 +23,9 @@ from metastore_plugins.core.errors import SampleIdError
 from metastore_plugins.core.model.sample_ids import SAMPLE_ID_KEYS, take_sample_ids, unwrap_dataset
 from metastore_plugins.core.ops.cost import PASS_BATCH_BYTES, pass_batch_size
 
+#: the split of a pass over the training set, and its capture point's suffix (``epoch-0/train``)
+TRAIN_SPLIT = "train"
+
 
 @dataclass(frozen=True)
 class PassSource:

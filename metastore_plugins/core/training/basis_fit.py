@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from metastore_plugins.core.model.losses import BatchLoss
-from metastore_plugins.core.model.pass_sources import PassSource
+from metastore_plugins.core.model.pass_sources import TRAIN_SPLIT, PassSource
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
 from metastore_plugins.core.ops.curvature import CurvatureSums, LayerSums
 from metastore_plugins.core.ops.eigenbasis import fit_bases, fittable
@@ -54,7 +54,7 @@ class Capturing(Protocol):
 
 def training_source(sources: Sequence[PassSource]) -> PassSource | None:
     """The pass source the basis is fitted on: the ``"train"`` split, else the first."""
-    return next((s for s in sources if s.split == "train"), sources[0] if sources else None)
+    return next((s for s in sources if s.split == TRAIN_SPLIT), sources[0] if sources else None)
 
 
 def fit_pass_bases(
