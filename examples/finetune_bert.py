@@ -48,9 +48,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from metastore_plugins import MetaStoreTrainerCallback, open_store  # noqa: E402
-from metastore_plugins.core.reports.tables import checkpoint_points  # noqa: E402
-from metastore_plugins.core.training.lines import phase_seconds  # noqa: E402
+from metastore_plugins import MetaStoreTrainerCallback, open_store, phase_seconds  # noqa: E402
 
 SUBJECTS = (
     "the film",
@@ -285,7 +283,8 @@ def flagged_precision(store_dir: Path, flipped: set[int], top: int, size: int) -
     outliers = json.loads((store_dir / "reports" / "outliers.json").read_text())
     found, precision = precision_at(np.array([row["sample_id"] for row in outliers]), flipped, top)
     store = open_store(store_dir)
-    last = checkpoint_points(store, "train")[-1]  # the pass at the end of training
+    passes = [cp for cp in store.capture_points() if cp.endswith("/train")]  # the checkpoint passes' training sets
+    last = max(passes, key=lambda cp: store.steps(cp)[-1])  # the pass at the end of training
     meta = store.metadata(last)
     loss_found, loss_precision = precision_at(meta["sample_id"][np.argsort(-meta["loss"], kind="stable")], flipped, top)
     return {

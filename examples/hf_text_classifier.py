@@ -38,8 +38,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from metastore_plugins import MetaStoreTrainerCallback
-from metastore_plugins.core.training.lines import phase_seconds
+from metastore_plugins import MetaStoreTrainerCallback, phase_seconds
 
 TOPICS = (
     "goal match team score coach league player season striker keeper referee stadium".split(),

@@ -42,8 +42,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from metastore_plugins import MetaStoreCallback
-from metastore_plugins.core.training.lines import phase_seconds
+from metastore_plugins import MetaStoreCallback, phase_seconds
 
 
 def load_digits_split(train_size: int, seed: int, flip: float) -> tuple[TensorDataset, TensorDataset, np.ndarray]:

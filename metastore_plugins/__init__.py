@@ -7,6 +7,7 @@ from metastore_plugins.core.capture import CaptureSession, register_capture
 from metastore_plugins.core.errors import MetastoreError, UnknownNameError
 from metastore_plugins.core.model.sample_ids import IndexedDataset
 from metastore_plugins.core.store import StoreWriter
+from metastore_plugins.core.training.lines import phase_seconds
 from metastore_plugins.loop import TrackedRun, track
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "TrackedRun",
     "__version__",
     "open_store",
+    "phase_seconds",
     "register_capture",
     "track",
 ]

@@ -157,7 +157,7 @@ def test_user_mistakes_are_one_line_errors(run_dir: Path, tmp_path: Path, args: 
 
 def test_a_damaged_shard_is_reported(run_dir: Path, tmp_path: Path) -> None:
     copy = tmp_path / "damaged"
-    shutil.copytree(run_dir / "store", copy)
+    shutil.copytree(run_dir / "metastore", copy)
     shard = sorted(copy.glob("*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0xFF
@@ -169,8 +169,8 @@ def test_a_damaged_shard_is_reported(run_dir: Path, tmp_path: Path) -> None:
 
 def test_query_changed_and_contributors_match_the_python_api(run_dir: Path) -> None:
     store = open_store(run_dir)
-    rows = json_of("query", str(run_dir), "changed", "--layer", "head", "-k", "3")
-    every = store.changed_most("head", 10**6)  # every entry of every parameter of the layer, ranked
+    rows = json_of("query", str(run_dir), "changed", "--layer", "classifier", "-k", "3")
+    every = store.changed_most("classifier", 10**6)  # every entry of every parameter of the layer, ranked
     params = list(dict.fromkeys(c.param for c in every))
     assert list(dict.fromkeys(r["param"] for r in rows)) == params  # grouped by parameter, in the API's order
     for param in params:
@@ -178,16 +178,16 @@ def test_query_changed_and_contributors_match_the_python_api(run_dir: Path) -> N
         got = [(tuple(r["index"]), r["value"]) for r in rows if r["param"] == param]
         assert len(got) == min(3, len(ranking))
         assert_top_ranking(got, ranking, tolerance([v for _, v in ranking]))
-    rows = json_of("query", str(run_dir), "contributors", "--layer", "head", "-k", "2", "--steps", "0:5")
+    rows = json_of("query", str(run_dir), "contributors", "--layer", "classifier", "-k", "2", "--steps", "0:5")
     # the entries: the 10 weight entries that changed most over steps 0..5
-    changed = store.changed_most("head", 10**6, steps=(0, 5))
-    changes = {tuple(c.index): c.value for c in changed if c.param == "head.weight"}
+    changed = store.changed_most("classifier", 10**6, steps=(0, 5))
+    changes = {tuple(c.index): c.value for c in changed if c.param == "classifier.weight"}
     entries = [tuple(r["entry"]) for r in rows]
     assert len(entries) == min(10, len(changes))
     got = sorted(((e, changes[e]) for e in entries), key=lambda pair: -pair[1])
     assert_top_ranking(got, list(changes.items()), tolerance(list(changes.values())))
     for row in rows:  # each entry's contributors: the occurrences with the largest |g_i[entry]|
-        every_one = store.top_contributors("head", 10**6, steps=(0, 5), entries=[tuple(row["entry"])]).rows()[0]
+        every_one = store.top_contributors("classifier", 10**6, steps=(0, 5), entries=[tuple(row["entry"])]).rows()[0]
         signed = {(sid, step): value for sid, step, value in every_one["contributors"]}
         tol = tolerance(list(signed.values()))
         got = [((sid, step), abs(value)) for sid, step, value in row["contributors"]]

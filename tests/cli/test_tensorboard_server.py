@@ -74,7 +74,7 @@ def test_reports_render_in_a_real_tensorboard(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "reading store" not in done.stderr  # stderr is a pipe: no progress bar
-    scatter_file = run / "store" / "reports" / "loss_vs_self_influence.png"
+    scatter_file = run / "metastore" / "reports" / "loss_vs_self_influence.png"
     assert str(scatter_file) in done.stdout and scatter_file.read_bytes()[:8] == PNG_SIGNATURE
     port = _free_port()
     server = subprocess.Popen(

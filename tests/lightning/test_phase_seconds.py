@@ -12,8 +12,7 @@ import torch
 from lightning_cases import CLASSES, D_IN, Classifier, fit, loaders
 from torch import nn
 
-from metastore_plugins import MetaStoreCallback
-from metastore_plugins.core.training.lines import phase_seconds
+from metastore_plugins import MetaStoreCallback, phase_seconds
 
 
 class Wide(Classifier):
