@@ -155,8 +155,9 @@ def reference_scores(kind: str, method: str, full_limit: int) -> tuple[Tensor, f
     return total, kappa
 
 
-def store_scores(kind: str, method: str) -> Tensor:
-    """The code under test: sums over two train batches, fit, precondition the test batch, factored dots."""
+def store_scores(kind: str, method: str, power: float = 1.0) -> Tensor:
+    """The code under test: sums over two train batches, fit, precondition the test batch, factored dots; with
+    ``power = 0.5`` both sides are multiplied by the square root instead (``<S g_i, S g_j>``)."""
     model, train, test = build(kind), make_batch(kind, 24, 1), make_batch(kind, 7, 2)
     halves = [{key: value[lo : lo + 12] for key, value in train.items()} for lo in (0, 12)]
     sums = kfac.CurvatureSums()
@@ -169,7 +170,9 @@ def store_scores(kind: str, method: str) -> Tensor:
         for records in train_records:
             correction.add(records)
         curvature = correction.fit()
-    preconditioned = precondition(capture(model, test), curvature)
+    preconditioned = precondition(capture(model, test), curvature, power=power)
+    if power != 1.0:
+        train_records = [precondition(records, curvature, power=power) for records in train_records]
     return torch.cat([total_dots(records, preconditioned) for records in train_records]).double()  # (N, M)
 
 
@@ -194,6 +197,14 @@ def test_preconditioned_influence_is_the_dense_inverse(kind: str, method: str) -
     expected, kappa = reference_scores(kind, method, kfac.FULL_FISHER_MAX_PARAMS)
     assert kappa < 2000  # the tolerance below assumes it
     assert rel_err(store_scores(kind, method), expected) <= 1e-7 * kappa
+
+
+@pytest.mark.parametrize("kind", ["mlp", "tokens"])
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_the_square_root_on_both_sides_is_the_dense_inverse(kind: str, method: str) -> None:
+    """``<S g_i, S g_j>`` with ``S = (F + delta I)^-1/2`` (``power=0.5``): what the preconditioned index sketches."""
+    expected, kappa = reference_scores(kind, method, kfac.FULL_FISHER_MAX_PARAMS)
+    assert rel_err(store_scores(kind, method, power=0.5), expected) <= 1e-7 * kappa
 
 
 def test_large_dense_layers_get_a_diagonal_fisher(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -195,6 +195,18 @@ def test_preconditioned_influence_is_the_dense_inverse(method: str, basis: str) 
 
 
 @pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_the_square_root_on_both_sides_is_the_dense_inverse(method: str, basis: str) -> None:
+    """``<S W_i, S W_j>`` with ``S = (F + delta I)^-1/2`` (``power=0.5``), sparse rows or the full token basis."""
+    model = build()
+    halves = train_halves(model)
+    curvature = fitted(method, halves)
+    test_records = precondition(capture(model, make_batch(7, 2, 9)), curvature, power=0.5)
+    parts = [total_dots(precondition(records, curvature, power=0.5), test_records) for records in halves]
+    expected, kappa = reference_scores(method, basis)
+    assert rel_err(torch.cat(parts).double(), expected) <= 1e-7 * kappa
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
 def test_self_products_sparse_and_dense_rotated(method: str) -> None:
     """``g_i^T (F + delta I)^-1 g_i`` from the sparse rows, and from the dense ``W_i Q_D`` of :func:`rotated`."""
     model = build()

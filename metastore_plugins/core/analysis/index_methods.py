@@ -1,20 +1,22 @@
-"""Top-k by the preconditioned methods (K-FAC, EK-FAC, TRAK) through the nearest-gradient index.
+"""Top-k by the preconditioned methods (K-FAC, EK-FAC, TRAK) through a nearest-gradient index.
 
-Their score is an inner product after a transform of the test side: ``sum_c lr_c g_i^T P_c g_j`` with ``P_c`` the
-damped inverse K-FAC / EK-FAC curvature of pass ``c``, or TRAK's kernel inverse on sketches. So the training rows
-indexed once for TracIn (:mod:`.vector_index`: ``lr_i`` times the per-layer Kronecker sketches of ``g_i``) answer
-them too, searched with the sketch of the preconditioned test gradient:
+Their score is an inner product after a transform: ``sum_c lr_c g_i^T P_c g_j`` with ``P_c`` the damped inverse
+K-FAC / EK-FAC curvature of pass ``c``, or TRAK's kernel inverse on sketches. With ``S_c = P_c^(1/2)`` it is
+``lr_c <S_c g_i, S_c g_j>``, so the training rows are indexed whitened (:mod:`.index_preconditioned`):
 
 1. **Curvature.** ``F_c`` fitted on the train pass as :func:`.curvature.kfac_influence` fits it (kept in this
-   process while the pass's shards are unchanged: :func:`fitted_curvature`).
-2. **Candidates.** Each test gradient preconditioned per layer (``(F_c + delta I)^-1 g_j``:
-   :func:`~metastore_plugins.core.ops.precondition.precondition`), sketched in the index's space (the same
-   projections, side by side in its layer order), and the index searched with ``+q`` and ``-q``: the
-   ``candidates`` rows (default :func:`candidate_count`) of largest ``<lr_i v_i, +-q_j>`` per pass, their union kept.
+   process while the pass's shards are unchanged: :func:`~.index_preconditioned.fitted_curvature`).
+2. **Candidates.** The pass's preconditioned index (``lr_i`` times the sketches of ``S_c g_i``, built once and kept
+   in this process) searched with the sketch of ``S_c g_j`` (``+q`` and ``-q``): the ``candidates`` rows (default
+   :func:`candidate_count`) of largest ``<lr_i v_i, +-q_j>`` per pass, their union kept.
 3. **Exact scores.** The chosen method on the union only (:func:`.curvature.preconditioned_scores` with the
    curvature of step 1), or, where every record of the layers is projected (on a curvature eigenbasis the
-   index's vectors are the records, and ``q_j`` the divided record), ``<lr_i v_i, q_j>`` itself: the same
-   numbers, without reading a shard.
+   index's vectors are the whitened records, and ``q_j`` the whitened test record), ``<lr_i v_i, q_j>`` itself:
+   the same numbers, without reading a shard.
+
+Before, the TracIn index's rows (raw ``g_i``) were searched with the sketch of ``P_c g_j``: on exact layers of a
+captured MLP (metastore_bench/index_methods_bench.py) a single test sample's query found 46% of the exhaustive
+top-10 at 200 candidates (the preconditioned index: see :data:`PRECONDITIONED_FACTOR`).
 
 TRAK's kernel lives on its own ``32 x 32`` summed sketches (:func:`.sketches.kernel_influence`), which the sketch
 cache keeps: that matrix is its index, and one product over it scores every row; ``k=`` keeps each test sample's
@@ -28,11 +30,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
-from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import curvature, queries, sketches
-from metastore_plugins.core.analysis.index_files import open_index
+from metastore_plugins.core.analysis.index_files import default_dim, index_head
+from metastore_plugins.core.analysis.index_preconditioned import (
+    fitted_curvature,
+    preconditioned_index,
+    query_sketches,
+)
 from metastore_plugins.core.analysis.method_table import TRACIN
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import scan_of
@@ -42,8 +47,8 @@ from metastore_plugins.core.analysis.vector_search import largest
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, CurvatureMethod, LayerCurvature
-from metastore_plugins.core.ops.precondition import precondition
 from metastore_plugins.core.store import StoreReader
+from metastore_plugins.core.store import vector_files as vf
 
 Curvature = dict[str, LayerCurvature]
 
@@ -152,74 +157,22 @@ def _candidates(
     fitted: dict[str, Curvature] = {}
     passes: Passes = []
     for train_cp, test_cp in queries.paired_points(train, test):
-        opened = open_index(store, train_cp, layers=order, build=bool(index), max_bytes=max_bytes)
-        if opened is None:
+        if index is None and not _kept(store, train_cp, order):
             return None
         if train_cp not in fitted:
             fitted[train_cp] = fitted_curvature(store, train_cp, method, options["layers"], max_bytes)
-        tested, query = preconditioned_sketches(
-            store, test_cp, test_ids, opened, order, fitted[train_cp], options, max_bytes
-        )
+        opened = preconditioned_index(store, train_cp, method, fitted[train_cp], options, order, max_bytes)
+        tested, query = query_sketches(store, test_cp, test_ids, fitted[train_cp], options, order, opened.dim)
         rows = opened.search(np.concatenate([query, -query]), count)  # (2M, c)
         found.update(opened.sample_ids[rows[rows >= 0]].tolist())
         passes.append((opened, tested, query))
     return sorted(found), fitted, passes
 
 
-def preconditioned_sketches(
-    store: StoreReader,
-    capture_point: str,
-    ids: Sequence[int] | None,
-    opened: VectorIndex,
-    order: Sequence[str],
-    fitted: Curvature,
-    options: dict[str, Any],
-    max_bytes: int = DEFAULT_MAX_BYTES,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(sample ids (M,), q (M, D))``: each test gradient preconditioned per layer, ``(F + delta I)^-1 g_j``, then
-    sketched as the index's vectors are (``opened.dim``, seed 0, the layers side by side in ``order``)."""
-    selection = store.select(capture_point, sample_ids=ids, layers=list(order))
-    dim, draw, width = opened.dim, ops.Projections(), opened.dim * opened.dim
-    found, parts = [], []
-    for batch in selection.batches():
-        records = precondition(batch.records, fitted, options["damping"], options["relative_damping"], max_bytes)
-        block = torch.zeros(batch.size, len(order), width)  # (B, L, dim^2)
-        for record in records:
-            block[:, order.index(record.layer)] += ops.sketch(
-                record, dim, dim, 0, max_bytes=max_bytes, projections=draw
-            )
-        parts.append(block.reshape(batch.size, -1).numpy())
-        found.append(batch.meta["sample_id"].numpy())
-    if not parts:
-        return np.zeros(0, np.int64), np.zeros((0, len(order) * width), np.float32)
-    return np.concatenate(found), np.concatenate(parts).astype(np.float32)
-
-
-def fitted_curvature(
-    store: StoreReader,
-    capture_point: str,
-    method: CurvatureMethod,
-    layers: Sequence[str] | None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-) -> Curvature:
-    """The K-FAC / EK-FAC curvature of a train pass (:func:`.curvature.fit_curvature` on all of its samples), kept in
-    this process while its batches and their shards' sha256 are unchanged: a query per test sample fits once."""
-    refs = store.batch_refs(capture_point)
-    binding = tuple((ref.file.name, ref.batch, store.shard_sha256(ref.file.name)) for ref in refs)
-    key = (str(store.path), capture_point, method, None if layers is None else tuple(layers), max_bytes, binding)
-    kept = _FITTED.get(key)
-    if kept is None:
-        selection = store.select(capture_point, layers=layers)
-        kept = curvature.fit_curvature(selection, method, max_bytes, what=f"curvature of {capture_point!r}")
-        _FITTED[key] = kept
-        while len(_FITTED) > MAX_FITTED:
-            _FITTED.pop(next(iter(_FITTED)))
-    return kept
-
-
-#: Curvatures fitted in this process (:func:`fitted_curvature`), the oldest dropped beyond :data:`MAX_FITTED`.
-_FITTED: dict[tuple[Any, ...], Curvature] = {}
-MAX_FITTED = 2
+def _kept(store: StoreReader, capture_point: str, order: list[str]) -> bool:
+    """Whether the pass's TracIn index is kept on disk (the store was indexed: ``index=None`` goes through one)."""
+    key = index_head(capture_point, default_dim(store, capture_point, order), 0, order)[0]
+    return vf.read_manifest(store.path, key) is not None
 
 
 def strongest(scores: Scores, count: int) -> Scores:

@@ -159,14 +159,16 @@ def add_squared_rotated(total: Tensor, group: Sequence[LayerRecord], q_out: Tens
     return total.index_add_(0, ids, rotated.square())  # (V, d)
 
 
-def preconditioned_rows(group: Sequence[LayerRecord], q_out: Tensor, eigenvalues: Tensor, delta: float) -> LayerRecord:
-    """``(F + delta I)^-1 W_j`` of every sample of one batch as an ``"embedding"`` record, in the records' dtype.
+def preconditioned_rows(
+    group: Sequence[LayerRecord], q_out: Tensor, eigenvalues: Tensor, delta: float, power: float = 1.0
+) -> LayerRecord:
+    """``(F + delta I)^-power W_j`` of every sample of one batch as an ``"embedding"`` record, in the records' dtype.
 
-    Row ``v`` of sample ``j``: ``((W_j Q_D)[v] / (Lambda[v] + delta)) Q_D^T``, one row per distinct ``(j, v)``.
+    Row ``v`` of sample ``j``: ``((W_j Q_D)[v] / (Lambda[v] + delta)^power) Q_D^T``, one row per distinct ``(j, v)``.
     """
     first = group[0]
     sample, ids, rotated = rotated_rows(group, q_out)  # (U,), (U,), (U, d)
-    scaled = rotated / (eigenvalues[ids] + delta) @ q_out.T  # (U, d)
+    scaled = rotated / (eigenvalues[ids] + delta) ** power @ q_out.T  # (U, d)
     dtype = first.tensors["suffix"].dtype if first.kind == "embedding" else first.dense_grad("weight").dtype
     return _rows_record(first, sample, ids, scaled.to(dtype).contiguous())
 

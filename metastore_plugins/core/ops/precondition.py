@@ -4,7 +4,8 @@ In a layer's eigenbasis ``F = Q diag(Lambda) Q^T``, so ``(F + delta I)^-1 g = Q 
 for a factored layer ``Q_D [(Q_D^T [W | b] Q_A) / (Lambda + delta)] Q_A^T``, built from the rotated factors
 (no ``(d_out d_in)^2`` matrix). An embedding layer stays sparse (:mod:`.curvature_embedding`), except one with a
 full token basis: ``Q_A [(Q_A^T W Q_D) / (Lambda + delta)] Q_D^T``, dense; records on a curvature eigenbasis are
-divided where they are (:mod:`.curvature_eigen`).
+divided where they are (:mod:`.curvature_eigen`). ``power = 1/2`` gives the symmetric square root,
+``Q [(Q^T g) / sqrt(Lambda + delta)]``: ``<S g_i, S g_j> = g_i^T (F + delta I)^-1 g_j``.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def precondition(
     damping: float | None = None,
     relative_damping: float = DEFAULT_RELATIVE_DAMPING,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    power: float = 1.0,
 ) -> list[LayerRecord]:
-    """``(F_l + delta_l I)^-1 g_i`` for every layer ``l`` of one batch: one ``"dense"`` record per layer (an
-    embedding layer: one ``"embedding"`` record, a row per distinct token of each sample).
+    """``(F_l + delta_l I)^-power g_i`` (default ``power = 1``: the inverse) for every layer ``l`` of one batch: one
+    ``"dense"`` record per layer (an embedding layer: one ``"embedding"`` record, a row per distinct token of each
+    sample).
 
     ``<g_j, (F + delta I)^-1 g_i>`` is then :func:`~metastore_plugins.core.ops.total_dots` of other
     records against these (factored x dense, nothing rebuilt on that side). The result holds the
@@ -80,9 +83,9 @@ def precondition(
         delta = c.damping(damping, relative_damping)
         if c.kind == "embedding" and c.q_in is None:  # sparse: the diagonal token factor
             assert c.q_out is not None
-            out.append(embedding.preconditioned_rows(group, c.q_out, c.eigenvalues, delta))
+            out.append(embedding.preconditioned_rows(group, c.q_out, c.eigenvalues, delta, power))
             continue
-        denominator = c.eigenvalues + delta  # (G, d_out, d_in') or (P,)
+        denominator = (c.eigenvalues + delta) ** power  # (G, d_out, d_in') or (P,)
         parts = []
         for lo, hi in chunks(group[0].batch_size, sample_chunk(c, max_bytes)):
             scaled = rotated(group, c, lo, hi) / denominator  # (n, G, d_out, d_in') or (n, P)
