@@ -120,7 +120,7 @@ def test_indexed_top_k_equals_the_exhaustive_query_of_the_method(
 
 def test_auto_top_k_is_ekfac_through_the_index(store: GradientStore) -> None:
     full = store.influence(TRAIN, TEST, method="ekfac")
-    fast = store.influence(TRAIN, TEST, method="auto", k=K, index=True, candidates=50)  # the default: 800, all rows
+    fast = store.influence(TRAIN, TEST, method="auto", k=K, index=True, candidates=50)  # the default: 1,600, all rows
     assert len(fast.row_ids) < TRAIN_N
     assert assert_same_where_held(fast, full) >= 1
 
