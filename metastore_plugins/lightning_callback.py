@@ -158,6 +158,7 @@ class MetaStoreCallback(Callback, FacadeHolder):
         rank_zero_info(self.facade.start_line(self.dirpath, "epoch(s)"))
         if self._sampler is None:  # fail before training when no id can come
             check_item_ids(getattr(trainer.train_dataloader, "dataset", None))
+        self._checkpoint_passes(trainer, pl_module, start=True)  # when the schedule makes one: a new run's step 0
 
     # -- training steps ------------------------------------------------------------------
 
@@ -236,16 +237,13 @@ class MetaStoreCallback(Callback, FacadeHolder):
     ) -> None:
         self.facade.checkpoint_saved()  # the store holds every step the checkpoint saw
 
-    def _checkpoint_passes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _checkpoint_passes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: bool = False) -> None:
+        """The epoch-end pass, or (``start``) the pass before the first step."""
         epoch, loaders = trainer.current_epoch, (trainer.train_dataloader, first_loader(trainer.val_dataloaders))
         sizes = [loader_batch_size(loader) or 32 for loader in loaders]
-        self.facade.checkpoint_passes(
-            pl_module,
-            *loaders,
-            lambda batch, k: _quiet_loss(pl_module, batch, k),
+        where: dict[str, Any] = dict(
             train_batch_size=sizes[0],
             val_batch_size=sizes[1],
-            name=f"epoch-{epoch}",
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             to_device=lambda batch: move_data_to_device(batch, pl_module.device),
@@ -255,6 +253,14 @@ class MetaStoreCallback(Callback, FacadeHolder):
             context=trainer.precision_plugin.train_step_context,
             attributes={key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1},
         )
+
+        def loss_of(batch: Any, k: int) -> Tensor:
+            return _quiet_loss(pl_module, batch, k)
+
+        if start:
+            self.facade.start_pass(pl_module, *loaders, loss_of, **where)
+        else:
+            self.facade.checkpoint_passes(pl_module, *loaders, loss_of, name=f"epoch-{epoch}", **where)
 
     # -- end of fit ----------------------------------------------------------------------
 

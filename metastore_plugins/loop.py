@@ -155,6 +155,7 @@ class TrackedRun(FacadeHolder):
         if moved is not None:
             logger.info(f"track: overwrite=True: the earlier store in {self.store_dir} moved to {moved}")
         logger.info(self.facade.start_line(self.store_dir, "epoch(s)"))
+        self._passes(start=True)  # the pass before the first step (validation samples)
         return self
 
     def batches(self) -> Iterator[Any]:
@@ -191,16 +192,24 @@ class TrackedRun(FacadeHolder):
         at the weights now; weights, ``.grad`` and random generators left as they were), then the epoch's steps
         are written (without waiting)."""
         if self.facade.due(self.epoch):
-            device = next(self.model.parameters()).device
-            self.facade.checkpoint_passes(
-                self.model, self.train_loader, self.val_loader, self._pass_loss,
-                train_batch_size=loader_batch_size(self.train_loader) or 32,
-                val_batch_size=loader_batch_size(self.val_loader) or 32, name=f"epoch-{self.epoch}", rank=0,
-                world_size=1, to_device=lambda batch: _to_device(batch, device), step=self.global_step,
-                epoch=self.epoch, lr=first_lr(self.optimizer),
-            )  # fmt: skip
+            self._passes()
         self.facade.epoch_ended()
         self.epoch += 1
+
+    def _passes(self, start: bool = False) -> None:
+        """The epoch's checkpoint pass, or (``start``) the pass before the first step when the schedule makes one."""
+        device = next(self.model.parameters()).device
+        where: dict[str, Any] = dict(
+            train_batch_size=loader_batch_size(self.train_loader) or 32,
+            val_batch_size=loader_batch_size(self.val_loader) or 32, rank=0, world_size=1,
+            to_device=lambda batch: _to_device(batch, device), step=self.global_step, epoch=self.epoch,
+            lr=first_lr(self.optimizer),
+        )  # fmt: skip
+        loaders = (self.train_loader, self.val_loader)
+        if start:
+            self.facade.start_pass(self.model, *loaders, self._pass_loss, **where)
+        else:
+            self.facade.checkpoint_passes(self.model, *loaders, self._pass_loss, name=f"epoch-{self.epoch}", **where)
 
     def tag(self, name: str, **options: Any) -> Any:
         """Tag the current step (or ``steps=(first, last)``) with ``name`` and attributes; ``keep=`` sets what those

@@ -41,7 +41,14 @@ def accumulated_run(tmp_path_factory: pytest.TempPathFactory):
 def test_store_goes_under_the_log_dir_and_reports_are_written(accumulated_run) -> None:
     trainer, _, _, callback, store = accumulated_run
     assert callback.dirpath == Path(trainer.log_dir) / "metastore"
-    assert store.capture_points() == ["epoch-0/train", "epoch-0/val", "epoch-1/train", "epoch-1/val", "train"]
+    assert store.capture_points() == [
+        "epoch-0/train",
+        "epoch-0/val",
+        "epoch-1/train",
+        "epoch-1/val",
+        "start/val",
+        "train",
+    ]
     assert store.verify() == []
     for name in ("outliers.json", "outliers.csv", "outliers.md", "influence.json", "influence.md", "summary.json"):
         assert (callback.dirpath / "reports" / name).is_file()
@@ -131,7 +138,7 @@ def test_bf16_mixed_runs_and_stores_gradients(tmp_path: Path) -> None:
         for name, want in expected.items():
             scale = want[sid].abs().max()
             assert (got[name] - want[sid]).abs().max() <= 5e-2 * scale + 1e-3, name
-    assert set(store.capture_points()) == {"epoch-0/train", "epoch-0/val", "train"}
+    assert set(store.capture_points()) == {"epoch-0/train", "epoch-0/val", "start/val", "train"}
     assert (callback.dirpath / "reports" / "outliers.md").is_file()
 
 
@@ -158,7 +165,7 @@ def test_bf16_mixed_conv2d_run_stores_the_autocast_per_sample_gradients(tmp_path
     fit(tmp_path, module, train, val, [callback], precision="bf16-mixed", max_epochs=1)
     store = open_store(callback.dirpath)
     assert store.verify() == []
-    assert set(store.capture_points()) == {"epoch-0/train", "epoch-0/val", "train"}
+    assert set(store.capture_points()) == {"epoch-0/train", "epoch-0/val", "start/val", "train"}
     assert store.steps("train") == list(range(N_TRAIN // BATCH + 1))
     for step in store.steps("train"):  # lr=0: the weights of every step
         ids = torch.as_tensor(store.sample_ids("train", steps=step))  # the step's batch, in the loader's order

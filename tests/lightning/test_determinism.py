@@ -82,7 +82,14 @@ def test_the_callback_does_not_change_the_run(tmp_path: Path, data: str) -> None
     assert np.array_equal(rng[1][1], plain_rng[1][1]) and rng[1][2:] == plain_rng[1][2:]  # numpy's key and position
     assert rng[2] == plain_rng[2]
     store = open_store(tmp_path / "with" / "store")  # and it did observe: every step, both passes, the reports
-    assert store.capture_points() == ["epoch-0/train", "epoch-0/val", "epoch-1/train", "epoch-1/val", "train"]
+    assert store.capture_points() == [
+        "epoch-0/train",
+        "epoch-0/val",
+        "epoch-1/train",
+        "epoch-1/val",
+        "start/val",
+        "train",
+    ]
     meta = store.metadata("train")
     for epoch in (0, 1):
         assert sorted(meta["sample_id"][meta["epoch"] == epoch].tolist()) == list(range(40))

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("lightning")
 pytest.importorskip("resource")  # POSIX only: the worker sets RLIMIT_FSIZE
@@ -31,6 +30,7 @@ from metastore_plugins.core.errors import IncompleteStoreWarning  # noqa: E402
 
 WORKER = Path(__file__).parent / "disk_limit_worker.py"
 STEPS, BATCH, PASS_SAMPLES = 24, 32, 256 + 64  # 3 epochs of 8 steps; the pass: every train and val sample
+START = 64  # the pass before the first step: the validation samples, in 2 batches (the shard's first)
 
 
 def _run(out: Path, limit: int) -> str:
@@ -54,17 +54,20 @@ def test_a_full_disk_mid_run_is_recorded_and_said_everywhere(tmp_path: Path, cap
     shards = sorted(p.name for p in store_dir.glob("*.safetensors"))
     assert shards == ["rank0-000000.safetensors"]  # epoch 0's; epoch 1's was refused
     on_disk = load_file(str(store_dir / shards[0]))
-    stored_ids = torch.cat([on_disk[f"b{j}/meta/sample_id"] for j in range(8)]).tolist()
-    assert stored_ids == [row for step in fed[:8] for row in step]
+    batches = [on_disk[f"b{j}/meta/sample_id"].tolist() for j in range(2 + 8)]  # in the order the writer took them
+    starts = [list(range(0, START // 2)), list(range(START // 2, START))]
+    assert sorted(batches) == sorted([*starts, *fed[:8]])  # the start pass's 2 batches and the 8 steps: nothing else
+    stored_ids = [row for step in fed[:8] for row in step]
     lost = (STEPS - 8) * BATCH + PASS_SAMPLES
     line = (
         "INCOMPLETE store: capture stopped at step 8 after an error writing the store (OSError: [Errno 27] File too "
         f"large): nothing from step 8 on was stored, {lost} sample(s) lost"
     )
     store = open_store(store_dir)
-    assert store.steps("train") == list(range(8)) and store.capture_points() == ["train"]
+    assert store.steps("train") == list(range(8)) and store.capture_points() == ["start/val", "train"]
     assert store.verify() == [line]
     assert store.sample_ids("train", steps=(0, 7)).tolist() == stored_ids  # before the stop: no warning
+    assert store.sample_ids("start/val").tolist() == list(range(START))
     with pytest.warns(IncompleteStoreWarning, match="capture stopped at step 8") as said:
         store.norms("train")
     assert len(said) == 1  # once per query, however many batches it reads
@@ -87,7 +90,7 @@ def test_a_full_disk_before_the_first_shard_gives_the_disk_error_as_the_reason(t
     assert not list(store_dir.glob("*.safetensors")) and (store_dir / "index-rank0.jsonl").stat().st_size == 0
     line = (
         "INCOMPLETE store: capture stopped at step 0 after an error writing the store (OSError: [Errno 27] File too "
-        f"large): nothing from step 0 on was stored, {STEPS * BATCH + PASS_SAMPLES:,} sample(s) lost"
+        f"large): nothing from step 0 on was stored, {STEPS * BATCH + PASS_SAMPLES + START:,} sample(s) lost"
     )
     assert open_store(store_dir).verify() == [line]
     assert f"no reports: the store {store_dir} holds no checkpoint passes 'epoch-*/train' ({line})" in stderr

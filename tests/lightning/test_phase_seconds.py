@@ -27,7 +27,7 @@ class Wide(Classifier):
 def test_pass_and_report_seconds(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     train, val = loaders()
     # projected passes, TracIn: the reports refine exactly (EK-FAC, auto's choice there, is not refined)
-    callback = MetaStoreCallback(tmp_path / "store", budget="320KB", influence_method="tracin")
+    callback = MetaStoreCallback(tmp_path / "store", budget="360KB", influence_method="tracin")
     with caplog.at_level(logging.INFO):
         fit(tmp_path, Wide(), train, val, [callback], max_epochs=2)
     end = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MetaStoreCallback: store")][-1]

@@ -81,7 +81,7 @@ def loop_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_every_step_and_both_passes_are_stored_with_reports(loop_run: dict[str, Any]) -> None:
     store, run = loop_run["store"], loop_run["run"]
-    assert store.capture_points() == ["epoch-0/train", "epoch-0/val", "epoch-1/train", "epoch-1/val", "train"]
+    assert store.capture_points() == ["epoch-0/train", "epoch-0/val", "epoch-1/train", "epoch-1/val", "start/val", "train"]
     assert sorted(set(store.metadata("train")["step"].tolist())) == list(range(8))
     assert store.verify() == []
     for name in ("outliers.json", "outliers.md", "influence.json", "summary.json"):
@@ -174,7 +174,7 @@ def test_the_readme_quick_start_and_docs_loop_run_as_written(
     (example,) = _python_blocks(ROOT / "docs" / "loop.md")
     exec(compile(example, "docs/loop.md", "exec"), {})  # noqa: S102 - our own documentation
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0] == "['epoch-0/train', 'epoch-0/val', 'epoch-1/train', 'epoch-1/val', 'train']"
+    assert printed[0] == "['epoch-0/train', 'epoch-0/val', 'epoch-1/train', 'epoch-1/val', 'start/val', 'train']"
     assert 0 <= int(printed[1]) < 64
     quick_start = next(block for block in _python_blocks(ROOT / "README.md") if "track(" in block)
     model = _model()

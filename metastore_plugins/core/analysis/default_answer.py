@@ -6,7 +6,8 @@ resolved on its passes: :func:`.methods.resolve_method`). With ``train`` left ou
 - **passes**: each test point ``P/split`` paired with the training-set pass ``P/train`` where the store holds it
   with inner products (every batch with records, none of them norms only);
 - **steps**: the training steps (``"train"``) through in-run influence against the test points
-  (:func:`.in_run.in_run_influence`: each step with the last pass taken before it);
+  (:func:`.in_run.in_run_influence`: each step with the last pass taken before it), the start pass of their
+  split first (``start/val``, the pass before the first step) where the store holds it;
 - one row per training sample id the two hold: a sample both hold gets the mean of its two scores (the
   checkpoint's weights on both sides, and the weights of its steps: two estimates of one influence; the mean
   scored level with or above the passes alone on every LDS task measured, docs/quality.md), a sample only
@@ -37,7 +38,7 @@ from metastore_plugins.core.analysis.method_table import AUTO, TRACIN
 from metastore_plugins.core.analysis.results import DefaultScores, Scores
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import QueryError
-from metastore_plugins.core.model.pass_sources import TRAIN_SPLIT
+from metastore_plugins.core.model.pass_sources import START_PASS, TRAIN_SPLIT
 from metastore_plugins.core.store import StoreReader
 
 #: the warning a query gives when its capture points hold different samples: expected here (the steps' windows)
@@ -132,8 +133,17 @@ def default_influence(
         step_ids &= {int(i) for i in train_ids}
     if step_ids - pass_ids:
         wanted = method if method in in_run.in_run_methods() else methods.AUTO_METHOD
-        parts["steps"], chosen["steps"] = _steps(store, tests, wanted, damping, relative_damping, common, notes)
+        step_tests = _with_start(tests, held)
+        parts["steps"], chosen["steps"] = _steps(store, step_tests, wanted, damping, relative_damping, common, notes)
     return _joined(parts, chosen, sorted(pass_ids | step_ids), notes)
+
+
+def _with_start(tests: list[str], held: Sequence[str]) -> list[str]:
+    """``tests`` with the start pass of their split first (``start/val``: the test side of the steps before the
+    first epoch-end pass) where the store holds it and they do not name it."""
+    splits = {t.split("/", 1)[-1] for t in tests}
+    start = f"{START_PASS}/{next(iter(splits))}" if len(splits) == 1 else None
+    return [start, *tests] if start is not None and start in held and start not in tests else tests
 
 
 def _steps(

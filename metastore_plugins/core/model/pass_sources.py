@@ -25,6 +25,8 @@ from metastore_plugins.core.ops.cost import PASS_BATCH_BYTES, pass_batch_size
 
 #: the split of a pass over the training set, and its capture point's suffix (``epoch-0/train``)
 TRAIN_SPLIT = "train"
+#: the name of the checkpoint pass before the first training step (:meth:`CheckpointSchedule.at_start`)
+START_PASS = "start"
 
 
 @dataclass(frozen=True)
@@ -56,16 +58,25 @@ class CheckpointSchedule:
         train_samples: the most training samples in each pass (drawn once, seeded, then fixed).
         seed: the seed of that draw.
         val_samples: the most validation samples in each pass (the first ones).
+        start_pass: a pass over the validation samples before the first training step (:meth:`at_start`).
     """
 
     every_n_epochs: int = 1
     train_samples: int = 256
     seed: int = 0
     val_samples: int = 256
+    start_pass: bool = True
     train_indices: list[int] | None = field(default=None)
 
     def due(self, epoch: int) -> bool:
         return self.every_n_epochs > 0 and (epoch + 1) % self.every_n_epochs == 0
+
+    def at_start(self, step: int) -> bool:
+        """Whether a pass runs before training step ``step`` (:data:`START_PASS`): before the first step of a run
+        whose schedule makes passes (not on a resumed run). It holds the validation samples only, the test side of
+        the steps before the first epoch-end pass in in-run influence (the weights they started from: the pairing
+        of :func:`~metastore_plugins.core.analysis.in_run.step_windows`)."""
+        return self.start_pass and self.every_n_epochs > 0 and step == 0
 
     def train_subset(self, dataset_size: int) -> list[int]:
         """The sorted dataset indices of the training subset (the same in every pass, and after resuming)."""

@@ -54,15 +54,26 @@ class RunShape:
     reports: bool = False  # this rank writes the end-of-training reports into the store
     passes_on_basis: bool = False  # projected passes go on each checkpoint's curvature eigenbasis (a basis fit)
     takes_snapshots: bool = True  # this rank writes the snapshots (rank 0); every rank plans around their bytes
+    start_samples: int = 0  # validation samples of the pass before the first step (0: none), not one of `passes`
 
     @property
     def train_samples(self) -> int:
         return max(0, self.train_batches) * self.train_batch_size
 
     @property
+    def all_pass_samples(self) -> int:
+        """Planned samples of every pass of this rank, the start pass's included."""
+        return self.passes * self.pass_samples + self.start_samples
+
+    @property
+    def start_batches(self) -> int:
+        """Batches of the start pass (batched like training), at most."""
+        return -(-self.start_samples // (self.train_batch_size or 32)) + 1 if self.start_samples else 0
+
+    @property
     def samples(self) -> int:
         """Planned samples of this rank: training steps' and every pass's."""
-        return self.train_samples + self.passes * self.pass_samples
+        return self.train_samples + self.all_pass_samples
 
     @property
     def pass_batches(self) -> int:
@@ -72,13 +83,13 @@ class RunShape:
     @property
     def metadata_bytes(self) -> int:
         """Bytes of the metadata of every planned sample and batch (shards and index lines)."""
-        batches = max(0, self.train_batches) + self.passes * self.pass_batches
+        batches = max(0, self.train_batches) + self.passes * self.pass_batches + self.start_batches
         return SAMPLE_METADATA_BYTES * self.samples + BATCH_METADATA_BYTES * batches
 
     @property
     def known(self) -> bool:
         """Whether the run's length is known (``train_batches = -1``: training steps of unknown number)."""
-        return self.train_batches >= 0 and self.train_samples + self.passes * self.pass_samples > 0
+        return self.train_batches >= 0 and self.samples > 0
 
     @classmethod
     def of(
@@ -92,6 +103,7 @@ class RunShape:
         rank: int,
         reports: bool = False,
         passes_on_basis: bool = False,
+        start_samples: int = 0,
     ) -> RunShape:
         """The shape of a run of ``model``; rank 0 alone takes snapshots (the weights are the same on every rank)
         and writes the reports (``reports``: they are on); ``passes_on_basis``: see the field. Every rank knows
@@ -110,13 +122,15 @@ class RunShape:
             reports and zero,
             passes_on_basis,
             zero,
+            start_samples,
         )
 
 
 def files_bytes(shape: RunShape) -> int:
     """Bytes reserved for the store's files besides shards and snapshots: manifest, tags, shard headers and index
     lines of the passes, and the reports (:data:`MANIFEST_BYTES` and the constants after it)."""
-    return MANIFEST_BYTES + LAYER_BYTES * shape.layers + PASS_BYTES * shape.passes + REPORT_BYTES * shape.reports
+    passes = shape.passes + bool(shape.start_samples)
+    return MANIFEST_BYTES + LAYER_BYTES * shape.layers + PASS_BYTES * passes + REPORT_BYTES * shape.reports
 
 
 def usable_bytes(budget: int | None, shape: RunShape) -> float:

@@ -102,7 +102,8 @@ def pass_batches(shape: RunShape, sample_bytes: float) -> int:
     factors would exceed :data:`~metastore_plugins.core.ops.cost.PASS_BATCH_BYTES`, a partial batch per
     split (training and validation)."""
     size = pass_batch_size(shape.train_batch_size or 32, sample_bytes)
-    return shape.passes * (-(-shape.pass_samples // size) + 2)
+    start = -(-shape.start_samples // size) + 1 if shape.start_samples else 0  # one split
+    return shape.passes * (-(-shape.pass_samples // size) + 2) + start
 
 
 def make_plan(
@@ -122,7 +123,7 @@ def make_plan(
     rate_only = budget.given is None and policy == "auto" and not shape.known
     snapshots, reserved = budget.snapshots(shape), budget.reserved(shape)  # as given: a default holds one per pass
     cap, source = budget.resolved(shape)
-    pass_samples = shape.passes * shape.pass_samples
+    pass_samples = shape.all_pass_samples
     files = files_bytes(shape)
     usable = usable_bytes(cap, shape)
     metadata = shape.metadata_bytes
@@ -144,7 +145,11 @@ def make_plan(
 
     def steps(rung: tuple[Representation, int]) -> float:
         """The training steps' bytes at ``rung``."""
-        after_first = shape.train_batches * max(0, shape.passes - 1) // max(1, shape.passes)  # before: no basis yet
+        after_first = (  # before the first basis: none (a start pass fits one before the first step)
+            shape.train_batches
+            if shape.start_samples
+            else shape.train_batches * max(0, shape.passes - 1) // max(1, shape.passes)
+        )
         return total(rung, shape.train_samples) + on_basis(rung, after_first)
 
     if rate_only:  # no cap: the richest rung within AUTO_BYTES_PER_SAMPLE, a snapshot at every pass
@@ -168,7 +173,7 @@ def make_plan(
         "files": files,
         "snapshots": max(0, snapshots) * shape.snapshot_bytes,
         "training steps": steps(rung),
-        "checkpoint passes": total(pass_rung, shape.passes * shape.pass_samples) + on_basis(pass_rung),
+        "checkpoint passes": total(pass_rung, shape.all_pass_samples) + on_basis(pass_rung),
     }
     planned["total"] = sum(planned.values())
     train = layer_map(rung, k)

@@ -112,20 +112,25 @@ class CapturePolicy:
         metadata = SAMPLE_METADATA_BYTES * self.shape.pass_samples + BATCH_METADATA_BYTES * self.shape.pass_batches
         return plan.planned.get("checkpoint passes", 0) / plan.planned_passes + metadata + snapshot
 
+    def plan_for(self, records: Sequence[LayerRecord]) -> CapturePlan:
+        """The plan, made from ``records`` (a batch's exact records) when none is made yet."""
+        if self.plan is None:
+            self.plan = make_plan(records, self.shape, budget=self.budget, encoding=self.encoding)
+            self.factor_sample_bytes = factor_sample_bytes(records)
+            self._changed()
+        return self.plan
+
     def apply(self, records: Sequence[LayerRecord], *, capture_point: str, step: int) -> list[LayerRecord] | None:
         """The batch's records as the plan (and any tag) says, lowered if they would exceed the budget.
 
         None when not even the batch's metadata fits: the batch is not stored (and no later one of its part).
         """
-        if self.plan is None:
-            self.plan = make_plan(records, self.shape, budget=self.budget, encoding=self.encoding)
-            self.factor_sample_bytes = factor_sample_bytes(records)
-            self._changed()
+        plan = self.plan_for(records)
         part = self._part(capture_point)
         if part != "train" and self.pass_dropped:
             return None  # said once when the pass started
-        planned = self.plan.part(capture_point)
-        planned_k = self.plan.k if part == "train" else self.plan.passes_k
+        planned = plan.part(capture_point)
+        planned_k = plan.k if part == "train" else plan.passes_k
         held = 0.0 if part == "train" else max(0.0, self._pass_metadata - self._metadata_nbytes(records))
         limit = self.limit - self._reserved(part) - held  # the rest of the pass's metadata stays reserved
         keep = self.keep_for(step, capture_point)
@@ -135,7 +140,7 @@ class CapturePolicy:
                 return self._spend(kept, size, held, part)
             self._say_once(
                 f"{self.owner}: a tag asks to keep step {step} ({capture_point}) as {keep!r}, which does not fit the "
-                f"budget ({self.plan.budget:,} bytes); those steps are kept as planned"
+                f"budget ({plan.budget:,} bytes); those steps are kept as planned"
             )
         while True:
             rung = self._rungs.get(part)

@@ -69,8 +69,12 @@ def fit_pass_bases(
     step: int,
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     samples: int = BASIS_SAMPLES,
+    planning: bool = False,
 ) -> None:
-    """Fit the eigenbasis of the passes at ``step`` on ``source``'s first ``samples`` and give it to the policy."""
+    """Fit the eigenbasis of the passes at ``step`` on ``source``'s first ``samples`` and give it to the policy.
+
+    ``planning``: the run may have no plan yet (the pass before the first step): the first batch makes it, and
+    nothing more is fitted unless it projects a layer of the passes or the steps."""
     sums, seen, share = CurvatureSums(torch.float32), 0, -(-samples // max(1, world))  # top eigenvectors only
     with weights_untouched(model), preserved_rng():
         try:
@@ -81,13 +85,22 @@ def fit_pass_bases(
                 with torch.enable_grad(), context():
                     loss = loss_of(to_device(batch), k)
                 run.backward(loss)
-                sums.add(fittable(run.factors_read()))  # the batch's factors are let go before the next forward
+                records = run.factors_read()
+                if planning and not seen and not projects(run.policy, records):
+                    return  # every layer exact: no basis to fit
+                sums.add(fittable(records))  # the batch's factors are let go before the next forward
                 seen += len(ids)
         finally:
             run.abort_step()
     _add_over_ranks(sums)
     if run.policy.plan is not None and sums.layers:  # at the size the passes keep now (a lowered rung's)
         run.policy.set_bases(fit_bases(sums, run.policy.pass_k(), step), step)
+
+
+def projects(policy: CapturePolicy, records: Sequence[LayerRecord]) -> bool:
+    """Whether the plan (made from ``records`` when none is yet) projects a layer of the passes or the steps."""
+    policy.plan_for(records)
+    return policy.projects_passes() or policy.projects_steps()
 
 
 def fit_step_bases(policy: CapturePolicy, sums: CurvatureSums, step: int) -> None:

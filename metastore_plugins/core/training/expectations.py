@@ -27,20 +27,24 @@ def expect_run(
     rank: int,
     world_size: int,
     pass_at_end: bool = False,
+    start_pass: bool = False,
 ) -> None:
     """Tell the run's capture policy what the run will be, for its plan.
 
     ``train_batches``: training micro-batches this rank will capture (0: unknown); ``periods``: epochs (or
     evaluations) the trainer will run, each one the schedule may make a pass at; ``sizes``: the training and
     validation set sizes (None: unknown); ``pass_at_end``: the adapter runs one pass at the end of training
-    when the schedule made none (the HF callback), so that one is planned too.
+    when the schedule made none (the HF callback), so that one is planned too; ``start_pass``: the adapter makes
+    the pass before the first step (:meth:`~metastore_plugins.core.training.run.RunCapture.start_pass`: its
+    validation samples are planned besides the passes).
     """
     passes = periods // schedule.every_n_epochs if schedule.every_n_epochs else 0
     passes = max(passes, 1) if pass_at_end and schedule.every_n_epochs else passes
     train_size, val_size = sizes
     share = lambda most, size: -(-min(most, most if size is None else size) // max(1, world_size))  # noqa: E731
     train_share = share(schedule.train_samples, train_size)
-    pass_samples = train_share + (share(schedule.val_samples, val_size) if val_size else 0)
+    val_share = share(schedule.val_samples, val_size) if val_size else 0
+    pass_samples = train_share + val_share
     run.policy.expect(
         RunShape.of(
             model,
@@ -52,5 +56,6 @@ def expect_run(
             reports=options.reports,
             # the basis is fitted on the passes' training side, or on the steps' sums
             passes_on_basis=bool((run.basis_samples and train_share) or run.step_sums is not None),
+            start_samples=val_share if start_pass and passes else 0,
         )
     )

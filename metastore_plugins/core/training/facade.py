@@ -14,6 +14,7 @@ Example (the order of the calls; a plain loop's adapter, :mod:`metastore_plugins
     facade = RunFacade("MyAdapter", settings, every_n=1, every_n_setting="checkpoint_every_n_epochs")
     facade.prepare(model)
     facade.open(store_dir, model, ..., train_loader=loader, val_loader=val_loader, train_batches=..., periods=3)
+    facade.start_pass(model, loader, val_loader, loss_of, ..., step=0)  # the pass before the first step
     facade.begin_step(model); loss.backward(); facade.end_backward(); facade.finish_step(batch, ids, step=s)
     facade.optimizer_step(lr); optimizer.step()
     if facade.due(epoch): facade.checkpoint_passes(model, loader, val_loader, loss_of, name=f"epoch-{epoch}", ...)
@@ -123,7 +124,7 @@ class RunFacade:
         try:
             expect_run(self.options, self.run, model, self.schedule, train_batches=train_batches, sizes=sizes,
                        train_batch_size=train_batch_size, periods=periods, rank=rank, world_size=world_size,
-                       pass_at_end=pass_at_end)  # fmt: skip
+                       pass_at_end=pass_at_end, start_pass=self.schedule.at_start(step))  # fmt: skip
         except BaseException as error:
             self.close(error)  # a budget below the run's needs: the run's lock and writer thread go with it
             raise
@@ -196,6 +197,28 @@ class RunFacade:
         )
         self.run.checkpoint_passes(model, sources, loss_of, name=name, rank=rank, world_size=world_size, **where)
         return sources
+
+    def start_pass(
+        self,
+        model: nn.Module,
+        train_loader: Any,
+        val_loader: Any,
+        loss_of: BatchLoss,
+        *,
+        train_batch_size: int,
+        val_batch_size: int,
+        rank: int,
+        world_size: int,
+        **where: Any,
+    ) -> None:
+        """The pass before the first step (:meth:`RunCapture.start_pass`), when the schedule makes one at ``step``
+        (``where``: :meth:`checkpoint_passes`'s, ``step`` among them); call it right after :meth:`open`."""
+        if self.run is None or not self.schedule.at_start(where["step"]):
+            return
+        sources = self.schedule.sources(
+            train_loader, val_loader, train_batch_size=train_batch_size, val_batch_size=val_batch_size
+        )
+        self.run.start_pass(model, sources, loss_of, rank=rank, world_size=world_size, **where)
 
     def tag(self, name: str, step: int, **options: Any) -> Any:
         """Tag ``step`` (or ``steps=``) with ``name`` (:meth:`~.settings.CallbackOptions.tag`: before the run opens,

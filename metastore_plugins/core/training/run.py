@@ -40,7 +40,7 @@ from metastore_plugins.core.model.losses import (
     PerSampleLossFn,
     default_labels,
 )
-from metastore_plugins.core.model.pass_sources import PassSource, within_memory
+from metastore_plugins.core.model.pass_sources import START_PASS, TRAIN_SPLIT, PassSource, within_memory
 from metastore_plugins.core.model.recompute import pass_recomputer
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
 from metastore_plugins.core.policy.budget import Budget
@@ -243,18 +243,79 @@ class RunCapture(StepCapture):
                                step=step, context=context, samples=self.basis_samples)  # fmt: skip
                 self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
             for source in sources:
-                batches = source.batches(rank, world_size)
-                self.checkpoint_pass(
-                    model,
-                    ((ids, to_device(batch)) for ids, batch in batches),
-                    loss_of,
-                    capture_point=f"{name}/{source.split}",
-                    step=step,
-                    epoch=epoch,
-                    lr=weight,
-                    context=context,
+                self._capture_split(
+                    model, source, loss_of, name, rank, world_size, to_device, step, epoch, weight, context
                 )
         self.seconds["passes"] += time.perf_counter() - started
+
+    def start_pass(
+        self,
+        model: nn.Module,
+        sources: Sequence[PassSource],
+        loss_of: BatchLoss,
+        *,
+        rank: int,
+        world_size: int,
+        to_device: Callable[[Any], Any],
+        step: int,
+        epoch: int,
+        lr: float | None,
+        context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        """The pass before the first training step (:data:`~metastore_plugins.core.model.pass_sources.START_PASS`):
+        the validation samples of ``sources`` (``start/val``), the test side in in-run influence of the steps
+        before the first epoch-end pass (:func:`~metastore_plugins.core.analysis.in_run.step_windows` pairs each
+        step with the pass before it). Where the plan projects a layer, the curvature eigenbasis is fitted first on
+        the training source (the steps after it go on that basis, as after any pass). No training split, no
+        snapshot, not one of the plan's ``planned_passes`` (its samples are planned beside them). Nothing without a
+        validation split. Keywords: :meth:`checkpoint_passes`'s."""
+        kept = [source for source in sources if source.split != TRAIN_SPLIT]
+        if not kept:
+            return
+        started = time.perf_counter()
+        weight, trained_at = self.rates.start_pass(lr)
+        attributes = {"epoch": epoch, "lr": trained_at, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
+        self.tags.add(START_PASS, steps=step, automatic=True, attributes=tag_attributes(attributes))
+        fitted_on = training_source(sources) if self.basis_samples else None
+        with large_blocks_mapped():
+            if fitted_on is not None and fitted_on.split == TRAIN_SPLIT:
+                fitting = time.perf_counter()
+                fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
+                               step=step, context=context, samples=self.basis_samples, planning=True)  # fmt: skip
+                self.seconds["basis"] += time.perf_counter() - fitting
+            for source in within_memory(kept, self.policy.factor_sample_bytes):
+                self._capture_split(
+                    model, source, loss_of, START_PASS, rank, world_size, to_device, step, epoch, weight, context
+                )
+        self.seconds["passes"] += time.perf_counter() - started
+
+    def _capture_split(
+        self,
+        model: nn.Module,
+        source: PassSource,
+        loss_of: BatchLoss,
+        name: str,
+        rank: int,
+        world_size: int,
+        to_device: Callable[[Any], Any],
+        step: int,
+        epoch: int,
+        weight: float | None,
+        context: Callable[[], AbstractContextManager[Any]],
+    ) -> None:
+        """One split of pass ``name``: this rank's share of ``source`` as capture point ``name/split``."""
+        batches = source.batches(rank, world_size)
+        self.checkpoint_pass(
+            model,
+            ((ids, to_device(batch)) for ids, batch in batches),
+            loss_of,
+            capture_point=f"{name}/{source.split}",
+            step=step,
+            epoch=epoch,
+            lr=weight,
+            context=context,
+        )
 
     # -- plan, tags and snapshots ----------------------------------------------------------
 

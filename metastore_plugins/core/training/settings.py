@@ -314,7 +314,9 @@ class CallbackOptions:
         ``setting`` names ``every_n`` in the callback's signature, for the error message.
         """
         every_n = self.whole_number(setting, every_n, 0)
-        return CheckpointSchedule(every_n, self.checkpoint_train_samples, self.seed, self.checkpoint_val_samples)
+        return CheckpointSchedule(  # the start pass serves the training steps' influence: only when they are captured
+            every_n, self.checkpoint_train_samples, self.seed, self.checkpoint_val_samples, self.capture_train_steps
+        )
 
     def run_capture(
         self,
