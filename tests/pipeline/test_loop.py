@@ -81,7 +81,14 @@ def loop_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_every_step_and_both_passes_are_stored_with_reports(loop_run: dict[str, Any]) -> None:
     store, run = loop_run["store"], loop_run["run"]
-    assert store.capture_points() == ["epoch-0/train", "epoch-0/val", "epoch-1/train", "epoch-1/val", "start/val", "train"]
+    assert store.capture_points() == [
+        "epoch-0/train",
+        "epoch-0/val",
+        "epoch-1/train",
+        "epoch-1/val",
+        "start/val",
+        "train",
+    ]
     assert sorted(set(store.metadata("train")["step"].tolist())) == list(range(8))
     assert store.verify() == []
     for name in ("outliers.json", "outliers.md", "influence.json", "summary.json"):
