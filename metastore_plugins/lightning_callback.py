@@ -34,6 +34,7 @@ from typing_extensions import Unpack, override
 
 from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.errors import ConfigError
+from metastore_plugins.core.model.pass_sources import START_PASS
 from metastore_plugins.core.model.sample_ids import (
     IndexedDataset,
     RecordingBatchSampler,
@@ -257,10 +258,8 @@ class MetaStoreCallback(Callback, FacadeHolder):
         def loss_of(batch: Any, k: int) -> Tensor:
             return _quiet_loss(pl_module, batch, k)
 
-        if start:
-            self.facade.start_pass(pl_module, *loaders, loss_of, **where)
-        else:
-            self.facade.checkpoint_passes(pl_module, *loaders, loss_of, name=f"epoch-{epoch}", **where)
+        name = START_PASS if start else f"epoch-{epoch}"
+        self.facade.checkpoint_passes(pl_module, *loaders, loss_of, name=name, **where)
 
     # -- end of fit ----------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from typing_extensions import Unpack
 from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.errors import ConfigError, StateError
 from metastore_plugins.core.model.losses import LossFn, default_labels, logits_of
+from metastore_plugins.core.model.pass_sources import START_PASS
 from metastore_plugins.core.model.sample_ids import IndexedDataset, RecordingBatchSampler, loader_batch_size
 from metastore_plugins.core.process_group import group_up
 from metastore_plugins.core.training.adapter_support import batch_ids, first_lr, loader_datasets, sampler_recorder
@@ -205,11 +206,10 @@ class TrackedRun(FacadeHolder):
             to_device=lambda batch: _to_device(batch, device), step=self.global_step, epoch=self.epoch,
             lr=first_lr(self.optimizer),
         )  # fmt: skip
-        loaders = (self.train_loader, self.val_loader)
-        if start:
-            self.facade.start_pass(self.model, *loaders, self._pass_loss, **where)
-        else:
-            self.facade.checkpoint_passes(self.model, *loaders, self._pass_loss, name=f"epoch-{self.epoch}", **where)
+        name = START_PASS if start else f"epoch-{self.epoch}"
+        self.facade.checkpoint_passes(
+            self.model, self.train_loader, self.val_loader, self._pass_loss, name=name, **where
+        )
 
     def tag(self, name: str, **options: Any) -> Any:
         """Tag the current step (or ``steps=(first, last)``) with ``name`` and attributes; ``keep=`` sets what those

@@ -14,7 +14,7 @@ Example (the order of the calls; a plain loop's adapter, :mod:`metastore_plugins
     facade = RunFacade("MyAdapter", settings, every_n=1, every_n_setting="checkpoint_every_n_epochs")
     facade.prepare(model)
     facade.open(store_dir, model, ..., train_loader=loader, val_loader=val_loader, train_batches=..., periods=3)
-    facade.start_pass(model, loader, val_loader, loss_of, ..., step=0)  # the pass before the first step
+    facade.checkpoint_passes(model, loader, val_loader, loss_of, name=START_PASS, ..., step=0)  # before step 0
     facade.begin_step(model); loss.backward(); facade.end_backward(); facade.finish_step(batch, ids, step=s)
     facade.optimizer_step(lr); optimizer.step()
     if facade.due(epoch): facade.checkpoint_passes(model, loader, val_loader, loss_of, name=f"epoch-{epoch}", ...)
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.model.losses import BatchLoss
-from metastore_plugins.core.model.pass_sources import CheckpointSchedule, PassSource, dataset_size
+from metastore_plugins.core.model.pass_sources import START_PASS, CheckpointSchedule, PassSource, dataset_size
 from metastore_plugins.core.reports.files import DecodeFn, RenderFn, text_renderer
 from metastore_plugins.core.reports.tensorboard import summary_writer
 from metastore_plugins.core.training.adapter_support import end_reports, open_run, refuse_compiled, run_end
@@ -189,36 +189,16 @@ class RunFacade:
     ) -> list[PassSource]:
         """One checkpoint pass ``name`` over the schedule's samples of the two loaders' datasets; ``where``: the
         rest of :meth:`RunCapture.checkpoint_passes`'s keywords (``to_device``, ``step``, ``epoch``, ``lr``,
-        ``context``, ``attributes``). Returns its sources (none when the run is not open)."""
-        if self.run is None:
+        ``context``, ``attributes``). ``name`` :data:`START_PASS`: the pass before the first step, made when the
+        schedule makes one at ``step`` (call it right after :meth:`open`; :meth:`RunCapture.checkpoint_passes`).
+        Returns its sources (none when the run is not open or no pass is made)."""
+        if self.run is None or (name == START_PASS and not self.schedule.at_start(where["step"])):
             return []
         sources = self.schedule.sources(
             train_loader, val_loader, train_batch_size=train_batch_size, val_batch_size=val_batch_size
         )
         self.run.checkpoint_passes(model, sources, loss_of, name=name, rank=rank, world_size=world_size, **where)
         return sources
-
-    def start_pass(
-        self,
-        model: nn.Module,
-        train_loader: Any,
-        val_loader: Any,
-        loss_of: BatchLoss,
-        *,
-        train_batch_size: int,
-        val_batch_size: int,
-        rank: int,
-        world_size: int,
-        **where: Any,
-    ) -> None:
-        """The pass before the first step (:meth:`RunCapture.start_pass`), when the schedule makes one at ``step``
-        (``where``: :meth:`checkpoint_passes`'s, ``step`` among them); call it right after :meth:`open`."""
-        if self.run is None or not self.schedule.at_start(where["step"]):
-            return
-        sources = self.schedule.sources(
-            train_loader, val_loader, train_batch_size=train_batch_size, val_batch_size=val_batch_size
-        )
-        self.run.start_pass(model, sources, loss_of, rank=rank, world_size=world_size, **where)
 
     def tag(self, name: str, step: int, **options: Any) -> Any:
         """Tag ``step`` (or ``steps=``) with ``name`` (:meth:`~.settings.CallbackOptions.tag`: before the run opens,

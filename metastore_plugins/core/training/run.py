@@ -218,20 +218,37 @@ class RunCapture(StepCapture):
         ``attributes``: the metrics the trainer logged), and takes a weight snapshot when the capture
         plan has one for it. Its records carry the summed rate of the steps since the previous pass
         (:meth:`~metastore_plugins.core.training.pass_rates.PassRates.start_pass`).
+
+        ``name`` :data:`~metastore_plugins.core.model.pass_sources.START_PASS` is the pass before the first
+        training step: the validation samples only
+        (``start/val``), the test side in in-run influence of the steps before the first epoch-end pass
+        (:func:`~metastore_plugins.core.analysis.in_run.step_windows` pairs each step with the pass before it).
+        Where the plan (made there when none is yet) projects a layer, the curvature eigenbasis is fitted first on
+        the training source (the steps after it go on that basis, as after any pass). No training split, no
+        snapshot, not one of the plan's ``planned_passes`` (its samples are planned beside them); nothing without
+        a validation split.
         """
+        start = name == START_PASS
+        captured = [source for source in sources if source.split != TRAIN_SPLIT] if start else list(sources)
+        if not captured:
+            return
         started = time.perf_counter()
-        self.last_pass = (model, sources, loss_of, to_device, context)
+        if not start:
+            self.last_pass = (model, sources, loss_of, to_device, context)
         weight, trained_at = self.rates.start_pass(lr)
         attributes = {"epoch": epoch, "lr": trained_at, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
-        if self.policy.should_snapshot(step):
+        if not start and self.policy.should_snapshot(step):
             self.snapshot(model, name=name, step=step, attributes=attributes)
-        if self.policy.pass_dropped:
+        if not start and self.policy.pass_dropped:
             return  # the budget keeps no part of this pass (said, and recorded in the plan): no tag, no records
         self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
-        sources = within_memory(sources, self.policy.factor_sample_bytes)  # batches whose factors fit PASS_BATCH_BYTES
-        fitted_on = training_source(sources) if self.basis_samples and self.policy.projects_passes() else None
+        captured = within_memory(
+            captured, self.policy.factor_sample_bytes
+        )  # batches whose factors fit PASS_BATCH_BYTES
+        projecting = start or self.policy.projects_passes()  # the start pass: known once the plan is made
+        fitted_on = training_source(sources) if self.basis_samples and projecting else None
         with large_blocks_mapped():  # the pass's temporaries leave no holes in the heap for the steps
-            if self.step_sums is not None:  # from the steps since the last pass: no forward or backward
+            if self.step_sums is not None and not start:  # from the steps since the last pass: no forward or backward
                 fitting = time.perf_counter()
                 sums = self.step_sums.take()
                 if self.policy.projects_passes() or self.policy.projects_steps():
@@ -240,53 +257,11 @@ class RunCapture(StepCapture):
             elif fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
                 fitting = time.perf_counter()
                 fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
-                               step=step, context=context, samples=self.basis_samples)  # fmt: skip
+                               step=step, context=context, samples=self.basis_samples, planning=start)  # fmt: skip
                 self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
-            for source in sources:
+            for source in captured:
                 self._capture_split(
                     model, source, loss_of, name, rank, world_size, to_device, step, epoch, weight, context
-                )
-        self.seconds["passes"] += time.perf_counter() - started
-
-    def start_pass(
-        self,
-        model: nn.Module,
-        sources: Sequence[PassSource],
-        loss_of: BatchLoss,
-        *,
-        rank: int,
-        world_size: int,
-        to_device: Callable[[Any], Any],
-        step: int,
-        epoch: int,
-        lr: float | None,
-        context: Callable[[], AbstractContextManager[Any]] = nullcontext,
-        attributes: Mapping[str, Any] | None = None,
-    ) -> None:
-        """The pass before the first training step (:data:`~metastore_plugins.core.model.pass_sources.START_PASS`):
-        the validation samples of ``sources`` (``start/val``), the test side in in-run influence of the steps
-        before the first epoch-end pass (:func:`~metastore_plugins.core.analysis.in_run.step_windows` pairs each
-        step with the pass before it). Where the plan projects a layer, the curvature eigenbasis is fitted first on
-        the training source (the steps after it go on that basis, as after any pass). No training split, no
-        snapshot, not one of the plan's ``planned_passes`` (its samples are planned beside them). Nothing without a
-        validation split. Keywords: :meth:`checkpoint_passes`'s."""
-        kept = [source for source in sources if source.split != TRAIN_SPLIT]
-        if not kept:
-            return
-        started = time.perf_counter()
-        weight, trained_at = self.rates.start_pass(lr)
-        attributes = {"epoch": epoch, "lr": trained_at, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
-        self.tags.add(START_PASS, steps=step, automatic=True, attributes=tag_attributes(attributes))
-        fitted_on = training_source(sources) if self.basis_samples else None
-        with large_blocks_mapped():
-            if fitted_on is not None and fitted_on.split == TRAIN_SPLIT:
-                fitting = time.perf_counter()
-                fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
-                               step=step, context=context, samples=self.basis_samples, planning=True)  # fmt: skip
-                self.seconds["basis"] += time.perf_counter() - fitting
-            for source in within_memory(kept, self.policy.factor_sample_bytes):
-                self._capture_split(
-                    model, source, loss_of, START_PASS, rank, world_size, to_device, step, epoch, weight, context
                 )
         self.seconds["passes"] += time.perf_counter() - started
 
