@@ -7,7 +7,8 @@ own candidates, as a user asking about one prediction) and its indexed top-10 (p
 with the exhaustive query of the same method: recall@10 (the fraction of the exhaustive top-10 found), the share of
 test samples whose whole top-10 matches, and the median wall time of one query (the curvature and the
 preconditioned index already built in the process, as for the second and later queries; the exhaustive query
-fits its curvature each call, as the user's does). For EK-FAC, the rule before the preconditioned index (the
+fits its curvature each call, as the user's does; ``exhaustive_scan_s_median``: every row scored with the
+curvature already fitted). For EK-FAC, the rule before the preconditioned index (the
 TracIn index searched with the preconditioned test sketch) is measured on the same store.
 
     python -m metastore_bench.index_methods_bench --rows 100000 --out metastore_bench/results/index_methods_100k.json
@@ -30,8 +31,10 @@ from torch import nn
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core import ops
+from metastore_plugins.core.analysis.curvature import preconditioned_scores
 from metastore_plugins.core.analysis.index_files import open_index
 from metastore_plugins.core.analysis.index_preconditioned import fitted_curvature
+from metastore_plugins.core.analysis.queries import selected_pairs
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.sketches import sketch_layers
 from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING
@@ -139,14 +142,20 @@ def measure(store: Any, method: str, counts: list[int], timed: int, k: int = 10)
             fast = store.influence(train, test, method=method, k=k, candidates=count, test_ids=[sid], index=True)
             got[sid] = top_sets(fast, k)[sid]
             rows.append(len(fast.row_ids))
-        indexed, exhaustive = [], []
-        for sid in test_ids[:timed]:  # A/B in alternation
+        indexed, exhaustive, scan = [], [], []
+        for sid in test_ids[:timed]:  # A/B(/C) in alternation
             t0 = time.perf_counter()
             store.influence(train, test, method=method, k=k, candidates=count, test_ids=[sid], index=True)
             indexed.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             store.influence(train, test, method=method, test_ids=[sid])
             exhaustive.append(time.perf_counter() - t0)
+            if method in ("kfac", "ekfac"):  # every row scored, the curvature already fitted
+                t0 = time.perf_counter()
+                pairs = selected_pairs(store, train, test, test_ids=[sid])
+                fitted = {train: fitted_curvature(store, train, method, None)}
+                preconditioned_scores(store, pairs, {}, method, None, DEFAULT_RELATIVE_DAMPING, fitted=fitted)
+                scan.append(time.perf_counter() - t0)
         r, whole = recall(got, want)
         found["candidates"][count] = {
             "recall_at_10": r,
@@ -154,6 +163,7 @@ def measure(store: Any, method: str, counts: list[int], timed: int, k: int = 10)
             "rows_scored_median": float(np.median(rows)),
             "indexed_query_s_median": float(np.median(indexed)),
             "exhaustive_query_s_median": float(np.median(exhaustive)),
+            "exhaustive_scan_s_median": float(np.median(scan)) if scan else None,
         }
         print(method, count, found["candidates"][count], flush=True)
     if method == "ekfac":
