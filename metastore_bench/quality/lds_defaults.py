@@ -87,10 +87,15 @@ def train_with_defaults(setup: Setup, data: tuple[Tensor, Tensor, Tensor, Tensor
         num_sanity_val_steps=0,
     )
     started = time.perf_counter()
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    level = lightning_logger.level
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's few-workers and log-dir notices
-        logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-        trainer.fit(module, train, val)
+        lightning_logger.setLevel(logging.ERROR)
+        try:
+            trainer.fit(module, train, val)
+        finally:
+            lightning_logger.setLevel(level)  # the process's later Lightning runs log as before (tests share it)
     return store_dir, time.perf_counter() - started
 
 
