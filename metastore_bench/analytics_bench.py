@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from metastore_plugins.core.analysis import open_store
-from metastore_plugins.core.store import readcache
-from metastore_plugins.core.store.batches import BatchRef
-from metastore_plugins.core.store.selection import ReadAhead
+from metastore_plugins.core.store.reading import readcache
+from metastore_plugins.core.store.reading.batches import BatchRef
+from metastore_plugins.core.store.reading.selection import ReadAhead
 
 from .capture_bench import func_per_sample_grads
 from .influence_profile import Matmul, influence_memory, plan_flops

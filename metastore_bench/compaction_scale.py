@@ -28,10 +28,10 @@ import torch
 from safetensors.torch import save
 
 from metastore_plugins import open_store
-from metastore_plugins.core.store import manifest as mf
-from metastore_plugins.core.store.entries import new_entry
-from metastore_plugins.core.store.journal import MAX_LINE_BYTES, encode_line
-from metastore_plugins.core.store.maintenance import compact
+from metastore_plugins.core.store.maintenance.compaction import compact
+from metastore_plugins.core.store.shards import manifest as mf
+from metastore_plugins.core.store.shards.entries import new_entry
+from metastore_plugins.core.store.shards.journal import MAX_LINE_BYTES, encode_line
 
 BATCHES, SIZE = 100, 100  # per shard: 10^4 samples
 RESULTS = Path(__file__).resolve().parent / "results" / "compaction_scale.json"

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from metastore_plugins.core.analysis.index_parts import build_rank_parts
 from metastore_plugins.core.store import StoreReader
-from metastore_plugins.core.store import vector_files as vf
+from metastore_plugins.core.store.vectors import vector_files as vf
 from metastore_plugins.core.training.run import RunCapture
 
 from .models import Workload, bert_workload, cnn_workload, minilm_reviews_workload

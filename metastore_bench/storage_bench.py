@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import ENCODINGS, StoreWriter
-from metastore_plugins.core.store.encoding import encode
+from metastore_plugins.core.store.shards.encoding import encode
 
 from .models import Workload
 

@@ -194,9 +194,11 @@ def read_back(store_dir: Path, steps: int, rows: int, repeats: int) -> dict[str,
 
 
 def compact_and_reopen(store_dir: Path, repeats: int) -> dict[str, Any] | None:
-    """Time ``core.store.maintenance.compact`` and ``open_store`` after it; ``None`` when the store has none."""
+    """Time ``compact`` (``core.store.maintenance.compaction``) and ``open_store`` after it; ``None`` without one."""
     try:
-        from metastore_plugins.core.store.maintenance import compact  # type: ignore[import-not-found,unused-ignore]
+        from metastore_plugins.core.store.maintenance.compaction import (  # type: ignore[import-not-found,unused-ignore]
+            compact,
+        )
     except ImportError:
         return None
     try:

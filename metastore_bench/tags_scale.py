@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from metastore_plugins import StoreWriter
-from metastore_plugins.core.store.journal import encode_line
+from metastore_plugins.core.store.shards.journal import encode_line
 
 from .publish import RESULTS
 from .timing import machine, versions
@@ -55,13 +55,13 @@ print(json.dumps({{"seconds": end - start, "after_imports": end - imported,
 
 PROBES = {
     "training_start_tagbook": """
-        from metastore_plugins.core.store.tags import TagBook
+        from metastore_plugins.core.store.tags.book import TagBook
         book = TagBook(STORE)
         book.add("start", steps=0)
         book.keep_for(5, "train")
     """,
     "read_tags": """
-        from metastore_plugins.core.store.tags import read_tags
+        from metastore_plugins.core.store.tags.book import read_tags
         assert len(read_tags(STORE)) >= TAGS
     """,
     "find_all_building_cache": """
@@ -78,13 +78,13 @@ PROBES = {
     """,
     "three_write_snapshot": """
         import torch
-        from metastore_plugins.core.store.snapshots import write_snapshot
+        from metastore_plugins.core.store.snapshots.weights import write_snapshot
         model = torch.nn.Linear(4, 3)
         for i in range(3):
             write_snapshot(STORE, model, name=f"extra-{i}", step=100 + i)
     """,
     "list_snapshots": """
-        from metastore_plugins.core.store.snapshots import list_snapshots
+        from metastore_plugins.core.store.snapshots.weights import list_snapshots
         assert len(list_snapshots(STORE)) >= 1
     """,
 }
@@ -113,7 +113,7 @@ def snapshot_line(i: int) -> bytes:
 
 
 def build(path: Path, tags: int, snapshot_lines: int) -> dict[str, int]:
-    from metastore_plugins.core.store.snapshots import write_snapshot
+    from metastore_plugins.core.store.snapshots.weights import write_snapshot
 
     with StoreWriter(path) as writer:  # a store of one outer record: find() needs capture points and steps
         from metastore_plugins.core.records import LayerRecord

@@ -25,7 +25,7 @@ from metastore_plugins import open_store
 from metastore_plugins.core.model.pass_sources import PassSource
 from metastore_plugins.core.ops.curvature import CurvatureMethod
 from metastore_plugins.core.policy.budget import Budget
-from metastore_plugins.core.store.plan_record import CapturePlan
+from metastore_plugins.core.policy.plan_record import CapturePlan
 from metastore_plugins.core.training.run import RunCapture
 
 from .digits import train_model

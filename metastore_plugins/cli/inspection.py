@@ -9,13 +9,14 @@ from typing import Any
 
 from metastore_plugins.cli.output import emit, plain, printable
 from metastore_plugins.core.analysis import GradientStore, open_store
-from metastore_plugins.core.store import vector_check
-from metastore_plugins.core.store.maintenance import compact, repair
-from metastore_plugins.core.store.plan_record import CapturePlan, plan_problem
-from metastore_plugins.core.store.run_log import Gap, Session
-from metastore_plugins.core.store.runs import repeated_batches
-from metastore_plugins.core.store.snapshots import SnapshotInfo, check_snapshots
-from metastore_plugins.core.store.tags import Tag, check_tags
+from metastore_plugins.core.policy.plan_record import CapturePlan
+from metastore_plugins.core.store.maintenance.compaction import compact, repair
+from metastore_plugins.core.store.reading.plan_check import plan_problem
+from metastore_plugins.core.store.reading.runs import repeated_batches
+from metastore_plugins.core.store.snapshots.weights import SnapshotInfo, check_snapshots
+from metastore_plugins.core.store.tags.book import Tag, check_tags
+from metastore_plugins.core.store.vectors import vector_check
+from metastore_plugins.core.store.writing.run_log import Gap, Session
 
 #: Text lines of tags ``metastore inspect`` prints at most (``--json`` lists them all).
 TAG_LINES = 50

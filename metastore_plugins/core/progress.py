@@ -1,7 +1,8 @@
 """A tqdm progress bar on stderr for long store scans, only when stderr is a terminal.
 
-Every scan of stored batches (:meth:`Selection.batches <metastore_plugins.core.store.selection.Selection.batches>`:
-influence, self-influence, sketches, the reports, the ``metastore`` subcommands) goes through
+Every scan of stored batches
+(:meth:`Selection.batches <metastore_plugins.core.store.reading.selection.Selection.batches>`: influence,
+self-influence, sketches, the reports, the ``metastore`` subcommands) goes through
 :func:`progress`. The bar shows for scans of :data:`MIN_BATCHES` batches or more, when the
 stream is a terminal: in tests (stderr captured) and when stderr is redirected or piped
 (``metastore ... 2>&1 | cat``) nothing is written. It is cleared when the scan ends

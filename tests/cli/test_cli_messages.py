@@ -177,7 +177,7 @@ def test_restore_of_a_projected_layer_names_the_store_method_that_recomputes_it(
     """Item 9: the way out is ``store.recompute`` (it exists), with the snapshot of the sample's pass."""
     from metastore_plugins import CaptureSession, open_store
     from metastore_plugins.core.ops.represent import represent
-    from metastore_plugins.core.store.snapshots import write_snapshot
+    from metastore_plugins.core.store.snapshots.weights import write_snapshot
 
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
     x, y = torch.randn(4, 5, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 0])

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from metastore_plugins import open_store
-from metastore_plugins.core.store.snapshots import write_snapshot
+from metastore_plugins.core.store.snapshots.weights import write_snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 

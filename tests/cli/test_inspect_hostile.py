@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from metastore_plugins import StoreWriter
 from metastore_plugins.cli import main
-from metastore_plugins.core.store.snapshots import write_snapshot
-from metastore_plugins.core.store.tags import TagBook
+from metastore_plugins.core.store.snapshots.weights import write_snapshot
+from metastore_plugins.core.store.tags.book import TagBook
 from metastore_plugins.core.training.passes import capture_step
 
 #: What a terminal acts on: none of it may reach stdout or stderr raw.

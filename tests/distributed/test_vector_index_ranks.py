@@ -16,7 +16,7 @@ from ddp_store import run_ranks, write_ddp_store
 
 from metastore_plugins import open_store
 from metastore_plugins.core.distributed import open_distributed_store
-from metastore_plugins.core.store import vector_files
+from metastore_plugins.core.store.vectors import vector_files
 
 TRAIN = ["epoch-0/train", "epoch-1/train"]
 VAL = ["epoch-0/val", "epoch-1/val"]

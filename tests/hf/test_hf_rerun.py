@@ -125,7 +125,7 @@ def test_under_ddp_every_rank_refuses_or_follows_rank_zero(tmp_path: Path) -> No
 
 def test_the_automatic_epoch_tag_records_the_rate_the_epochs_last_step_trained_at(tmp_path: Path) -> None:
     """The Trainer's linear decay over 8 steps (4 per epoch) applies 0.1 * (8 - t) / 8 at step t."""
-    from metastore_plugins.core.store.tags import read_tags
+    from metastore_plugins.core.store.tags.book import read_tags
 
     callback = MetaStoreTrainerCallback(reports=False)
     _run(tmp_path, callback, num_train_epochs=2, learning_rate=0.1, lr_scheduler_type="linear")

@@ -154,7 +154,7 @@ def layering_breaches(edges: dict[str, set[str]]) -> list[str]:
 
 
 def test_every_module_has_a_home_in_the_layers() -> None:
-    assert home_of(f"{PACKAGE}.core.store.writer") == (2, "core.store")
+    assert home_of(f"{PACKAGE}.core.store.writing.writer") == (2, "core.store")
     assert home_of(f"{PACKAGE}.core.training.run") == (8, "core.training")
     assert home_of(f"{PACKAGE}.cli") == (9, "cli")
     unplaced = [name for name in graph() if name.startswith(f"{PACKAGE}.core.") and home_of(name)[1] == ""]
@@ -163,13 +163,13 @@ def test_every_module_has_a_home_in_the_layers() -> None:
 
 def test_the_breach_finder_finds_upward_and_sideways_imports() -> None:
     edges = {
-        f"{PACKAGE}.core.store.writer": {f"{PACKAGE}.core.capture.session", f"{PACKAGE}.core.errors"},
+        f"{PACKAGE}.core.store.writing.writer": {f"{PACKAGE}.core.capture.session", f"{PACKAGE}.core.errors"},
         f"{PACKAGE}.core.ops.norms": {f"{PACKAGE}.core.analysis.queries"},
         f"{PACKAGE}.core.training.run": {f"{PACKAGE}.core.analysis.refine"},
     }
     assert layering_breaches(edges) == [
         f"{PACKAGE}.core.ops.norms -> {PACKAGE}.core.analysis.queries",
-        f"{PACKAGE}.core.store.writer -> {PACKAGE}.core.capture.session",
+        f"{PACKAGE}.core.store.writing.writer -> {PACKAGE}.core.capture.session",
     ]
 
 

@@ -26,7 +26,7 @@ from netcases import NetModule  # noqa: E402
 
 from metastore_plugins import IndexedDataset, MetaStoreCallback, open_store  # noqa: E402
 from metastore_plugins.cli import main as cli_main  # noqa: E402
-from metastore_plugins.core.store.plan_record import CapturePlan  # noqa: E402
+from metastore_plugins.core.policy.plan_record import CapturePlan  # noqa: E402
 
 D_IN, HIDDEN, N_TRAIN, N_VAL, BATCH, EPOCHS = 64, 256, 160, 48, 16, 3
 BUDGETS = {"50KB": 50_000, "300KB": 300_000, "1MB": 1_000_000, "6MB": 6_000_000}

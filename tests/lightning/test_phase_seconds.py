@@ -44,7 +44,7 @@ def test_pass_and_report_seconds(tmp_path: Path, caplog: pytest.LogCaptureFixtur
 
 def test_the_reports_leave_no_shard_bytes_in_the_trainers_process(tmp_path: Path) -> None:
     """The reports read every shard through the process-wide cache; after them the cache holds nothing."""
-    from metastore_plugins.core.store.readcache import SHARDS
+    from metastore_plugins.core.store.reading.readcache import SHARDS
 
     train, val = loaders()
     callback = MetaStoreCallback(tmp_path / "store")

@@ -21,8 +21,8 @@ from reruncases import stored_counts as _counts  # noqa: E402
 from metastore_plugins import CaptureSession, MetaStoreCallback, StoreWriter, open_store  # noqa: E402
 from metastore_plugins.cli import main  # noqa: E402
 from metastore_plugins.core.errors import ExistingStoreError  # noqa: E402
-from metastore_plugins.core.store.runs import repeated_batches  # noqa: E402
-from metastore_plugins.core.store.tags import read_tags  # noqa: E402
+from metastore_plugins.core.store.reading.runs import repeated_batches  # noqa: E402
+from metastore_plugins.core.store.tags.book import read_tags  # noqa: E402
 from metastore_plugins.core.training.run_start import claim_store_dir  # noqa: E402
 
 N_TRAIN = 24

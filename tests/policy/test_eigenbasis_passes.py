@@ -27,7 +27,7 @@ from metastore_plugins.core.model.pass_sources import PassSource
 from metastore_plugins.core.ops.sketch import projection
 from metastore_plugins.core.policy.budget import Budget
 from metastore_plugins.core.policy.plan import LADDER
-from metastore_plugins.core.store.plan_record import CapturePlan
+from metastore_plugins.core.policy.plan_record import CapturePlan
 from metastore_plugins.core.training.report_pass import report_run
 from metastore_plugins.core.training.run import RunCapture
 

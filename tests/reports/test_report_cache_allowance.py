@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from methodcases import write_passes
 
-from metastore_plugins.core.store import batches, readcache
+from metastore_plugins.core.store.reading import batches, readcache
 from metastore_plugins.core.training import report_pass
 from metastore_plugins.core.training.settings import CallbackOptions
 

@@ -22,7 +22,7 @@ import xxhash
 from storecases import FP32_ROUNDOFF, synthetic_batch
 
 from metastore_plugins import StoreWriter
-from metastore_plugins.core.store.journal import encode_line
+from metastore_plugins.core.store.shards.journal import encode_line
 
 GOLDEN_V1 = Path(__file__).resolve().parent / "golden" / "store"
 #: Seconds a refusal may take at most: generous, so that a loaded machine does not fail; a hang never returns.

@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from metastore_plugins.core.store import manifest as mf
-from metastore_plugins.core.store.entries import new_entry
-from metastore_plugins.core.store.journal import encode_line
+from metastore_plugins.core.store.shards import manifest as mf
+from metastore_plugins.core.store.shards.entries import new_entry
+from metastore_plugins.core.store.shards.journal import encode_line
 
 
 def tree(root: Path) -> dict[str, str]:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metastore_plugins import CaptureSession, StoreWriter
-from metastore_plugins.core.store.manifest import SCHEMA_VERSION
+from metastore_plugins.core.store.shards.manifest import SCHEMA_VERSION
 from metastore_plugins.testing import reference_per_sample_gradients
 
 HERE = Path(__file__).resolve().parent

@@ -15,9 +15,9 @@ from safetensors import safe_open
 
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import LayerRecord, dense_record
-from metastore_plugins.core.store.encoding import check_encoding
-from metastore_plugins.core.store.shardfile import write_shard
-from metastore_plugins.core.store.shardread import (
+from metastore_plugins.core.store.shards.encoding import check_encoding
+from metastore_plugins.core.store.shards.shardfile import write_shard
+from metastore_plugins.core.store.shards.shardread import (
     ShardData,
     ShardExpectation,
     expected_keys,

@@ -17,8 +17,8 @@ from hostilecases import build_store, check, edit_line, journal_objects, of_shar
 
 from metastore_plugins import open_store
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store import readcache
-from metastore_plugins.core.store.maintenance import compact, repair
+from metastore_plugins.core.store.maintenance.compaction import compact, repair
+from metastore_plugins.core.store.reading import readcache
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 

@@ -18,7 +18,7 @@ from storecases import FP32_ROUNDOFF, journal_entries, synthetic_batch
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.cli import main as cli_main
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store.maintenance import compact, repair
+from metastore_plugins.core.store.maintenance.compaction import compact, repair
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -120,7 +120,7 @@ def test_compaction_refuses_a_rank_in_use(tmp_path: Path) -> None:
 KILL = textwrap.dedent(
     """
     import os, signal, sys
-    from metastore_plugins.core.store import maintenance
+    from metastore_plugins.core.store.maintenance import compaction as maintenance
     real = maintenance.rewrite
     def rewrite(path, lines):
         if {after}:

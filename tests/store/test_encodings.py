@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.records import LayerRecord, dense_record
 from metastore_plugins.core.store import DEFAULT_ENCODING, ENCODINGS
-from metastore_plugins.core.store.encoding import encoded_nbytes
+from metastore_plugins.core.store.shards.encoding import encoded_nbytes
 
 pytest.importorskip("transformers")
 
@@ -214,8 +214,8 @@ def test_a_shard_file_holds_each_encoded_tensor_and_its_checksum(tmp_path: Path,
     import xxhash
     from safetensors import safe_open
 
-    from metastore_plugins.core.store import manifest as mf
-    from metastore_plugins.core.store.shardfile import write_shard
+    from metastore_plugins.core.store.shards import manifest as mf
+    from metastore_plugins.core.store.shards.shardfile import write_shard
 
     torch.manual_seed(0)
     first = LayerRecord(

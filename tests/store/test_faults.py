@@ -34,9 +34,10 @@ from storecases import synthetic_batch
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.errors import IncompleteStoreWarning, StoreError
-from metastore_plugins.core.store import batches, readcache, shardread
 from metastore_plugins.core.store import files as files_module
-from metastore_plugins.core.store import writer as writer_module
+from metastore_plugins.core.store.reading import batches, readcache
+from metastore_plugins.core.store.shards import shardread
+from metastore_plugins.core.store.writing import writer as writer_module
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from storecases import journal_entries
 
 from metastore_plugins import open_store
-from metastore_plugins.core.store import manifest as mf
+from metastore_plugins.core.store.shards import manifest as mf
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 STORE = GOLDEN / "store"  # version 1

@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store import journal as journal_module
+from metastore_plugins.core.store.shards import journal as journal_module
 
 MiB = 2**20
 

@@ -25,7 +25,7 @@ from hostilecases import (
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store.maintenance import repair
+from metastore_plugins.core.store.maintenance.compaction import repair
 
 FIX = "`metastore verify --repair` lists it again, or removes it when listed shards hold a copy"
 UNLISTED = "a file not listed in the index (a shard in flight when the run stopped, or one replaced by compaction)"

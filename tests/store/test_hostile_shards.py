@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from metastore_plugins import open_store
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store import batches
+from metastore_plugins.core.store.reading import batches
 
 HERE = Path(__file__).resolve().parent
 
@@ -270,7 +270,8 @@ import os, sys, threading
 from pathlib import Path
 import torch
 from metastore_plugins import open_store
-from metastore_plugins.core.store import StoreError, batches
+from metastore_plugins.core.store import StoreError
+from metastore_plugins.core.store.reading import batches
 path = Path(sys.argv[1])
 victim = path / "rank0-000001.safetensors"
 data = victim.read_bytes()

@@ -26,7 +26,7 @@ from metastore_plugins import open_store
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.model.recompute import recompute
 from metastore_plugins.core.store import StoreWriter
-from metastore_plugins.core.store.snapshots import (
+from metastore_plugins.core.store.snapshots.weights import (
     SnapshotWriter,
     list_snapshots,
     load_snapshot,

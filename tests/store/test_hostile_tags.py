@@ -14,7 +14,7 @@ import pytest
 from hostilecases import PROMPT, sha256, within
 
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store.tags import MAX_TAGS_BYTES, TagBook, check_tags, read_tags
+from metastore_plugins.core.store.tags.book import MAX_TAGS_BYTES, TagBook, check_tags, read_tags
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*cut, so the next tag starts clean")
 

@@ -16,7 +16,7 @@ from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.ops import total_dots
 from metastore_plugins.core.ops.represent import represent
-from metastore_plugins.core.store.encoding import ENCODINGS
+from metastore_plugins.core.store.shards.encoding import ENCODINGS
 
 CHOICE = {"emb": "norms", "enc": "projected", "norm": "projected"}  # head stays exact
 ROUNDING = {"fp32": 1e-6, "fp16": 2e-3, "bf16": 1e-2, "int8": 2e-2}

@@ -14,10 +14,10 @@ from hostilecases import build_store, column, edit_line, journal
 from maintenancecases import bulk_store, changed, shard_ids, tree
 
 from metastore_plugins import open_store
-from metastore_plugins.core.store import journal as journal_module
-from metastore_plugins.core.store import maintenance
-from metastore_plugins.core.store.entries import MAX_NAMES
-from metastore_plugins.core.store.maintenance import compact
+from metastore_plugins.core.store.maintenance import compaction as maintenance
+from metastore_plugins.core.store.maintenance.compaction import compact
+from metastore_plugins.core.store.shards import journal as journal_module
+from metastore_plugins.core.store.shards.entries import MAX_NAMES
 
 
 def _ids_on_disk(path: Path) -> list[int]:

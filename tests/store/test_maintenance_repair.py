@@ -18,8 +18,8 @@ from storecases import FP32_ROUNDOFF
 
 from metastore_plugins import open_store
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store import writer as writer_module
-from metastore_plugins.core.store.maintenance import repair
+from metastore_plugins.core.store.maintenance.compaction import repair
+from metastore_plugins.core.store.writing import writer as writer_module
 
 SHARDS = 6
 RELISTED = "listed again (its journal line rebuilt from the shard's own description)"

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.model.losses import margins_of
-from metastore_plugins.core.store.maintenance import compact
+from metastore_plugins.core.store.maintenance.compaction import compact
 from metastore_plugins.core.training.passes import capture_step
 
 HERE = Path(__file__).resolve().parent

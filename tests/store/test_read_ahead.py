@@ -1,4 +1,4 @@
-"""Shards read ahead on a background thread while the caller computes (``core/store/selection.py``, issue 35).
+"""Shards read ahead on a background thread while the caller computes (``core/store/reading/selection.py``, issue 35).
 
 The scores are compared with an explicit dense matmul of the gradients the test wrote (``hostilecases``,
 by einsum); the read ahead must change nothing the safe read path promises: the bytes used are the bytes
@@ -22,7 +22,7 @@ from hostilecases import build_store, check, of_shard, shard
 from metastore_plugins import open_store
 from metastore_plugins.core.analysis.queries import dot_matrix
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store import batches, readcache, selection
+from metastore_plugins.core.store.reading import batches, readcache, selection
 
 SHARDS = 6
 

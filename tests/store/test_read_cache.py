@@ -1,4 +1,4 @@
-"""The process's cache of checked shards (``core/store/readcache.py``): reused unread while a file's identity
+"""The process's cache of checked shards (``core/store/reading/readcache.py``): reused unread while a file's identity
 holds, read and checked again when it changes, never serving bytes that differ from the ones checked.
 
 References are the gradients the test wrote (``hostilecases.build_store``), restored through a fresh,
@@ -20,8 +20,8 @@ from hostilecases import build_store, check, of_shard, shard
 
 from metastore_plugins import open_store
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store import batches, readcache
-from metastore_plugins.core.store.shardread import ShardExpectation, expected_keys
+from metastore_plugins.core.store.reading import batches, readcache
+from metastore_plugins.core.store.shards.shardread import ShardExpectation, expected_keys
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from hostilecases import build_store, check, write_batches
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.reports import write_tables
-from metastore_plugins.core.store import sketch_cache
-from metastore_plugins.core.store.maintenance import compact, repair
+from metastore_plugins.core.store.maintenance.compaction import compact, repair
+from metastore_plugins.core.store.vectors import sketch_cache
 
 LINKS = ["to_file", "dangling"]
 

@@ -1,4 +1,4 @@
-"""Reading one shard safely (``core/store/shardread.py``): the exact key set, a header parsed by hand
+"""Reading one shard safely (``core/store/shards/shardread.py``): the exact key set, a header parsed by hand
 within a bound, bytes checked and held in memory, and files that are not regular never opened.
 
 Real shards come from ``shardfile.write_shard``; every tensor read is compared with what
@@ -35,7 +35,7 @@ from shardcases import (
 )
 
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store.shardread import (
+from metastore_plugins.core.store.shards.shardread import (
     ShardData,
     ShardExpectation,
     expected_keys,

@@ -1,4 +1,4 @@
-"""Shard headers built byte by byte (``core/store/shardread.py``): malformed, overlapping, past the file
+"""Shard headers built byte by byte (``core/store/shards/shardread.py``): malformed, overlapping, past the file
 or past the bound derived from the index are refused before any JSON is parsed; edge tensors read right."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from shardcases import _assert_same, _reference, _refused, no_leaked_descriptors
 
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import dense_record
-from metastore_plugins.core.store.shardfile import write_shard
-from metastore_plugins.core.store.shardread import (
+from metastore_plugins.core.store.shards.shardfile import write_shard
+from metastore_plugins.core.store.shards.shardread import (
     ShardExpectation,
     expected_keys,
     read_shard,

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from metastore_plugins import open_store
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store import StoreWriter
-from metastore_plugins.core.store.maintenance import repair
-from metastore_plugins.core.store.snapshots import (
+from metastore_plugins.core.store.maintenance.compaction import repair
+from metastore_plugins.core.store.snapshots.weights import (
     SnapshotWriter,
     list_snapshots,
     load_snapshot,
@@ -214,9 +214,9 @@ def test_each_snapshot_operation_parses_only_the_journal_lines_appended_since(
     """A journal of 300 earlier lines: after the first read in the process, a ``write_snapshot`` (which reads the
     journal several times) parses only its own new line (before: every line, each time), and a line changed in
     place by another process is parsed again and named."""
-    import metastore_plugins.core.store.snapshot_check as check
-    from metastore_plugins.core.store.journal import encode_line
-    from metastore_plugins.core.store.snapshots import check_snapshots
+    import metastore_plugins.core.store.snapshots.snapshot_check as check
+    from metastore_plugins.core.store.shards.journal import encode_line
+    from metastore_plugins.core.store.snapshots.weights import check_snapshots
 
     write_snapshot(tmp_path, nn.Linear(3, 2), name="first", step=0)
     journal = tmp_path / "snapshots-rank0.jsonl"

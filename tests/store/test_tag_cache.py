@@ -17,7 +17,7 @@ import torch
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.records import LayerRecord
-from metastore_plugins.core.store.repair import repair
+from metastore_plugins.core.store.maintenance.repair import repair
 
 CACHE = Path("tag_cache") / "tags-rank0.safetensors"
 
@@ -69,8 +69,8 @@ def _answer(path: Path, tag: str | None = None, **attributes: object) -> list[tu
 @pytest.fixture
 def parses(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Each line turned into a tag from now on; every test starts as a fresh process would (nothing parsed)."""
-    import metastore_plugins.core.store.tags as tags_module
-    from metastore_plugins.core.store.journal import ParsedPrefixes
+    import metastore_plugins.core.store.tags.book as tags_module
+    from metastore_plugins.core.store.shards.journal import ParsedPrefixes
 
     parsed: list[dict] = []
     original = tags_module._tag_of
@@ -81,8 +81,8 @@ def parses(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
 def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget what this process parsed of tags files (as a new process would start)."""
-    import metastore_plugins.core.store.tags as tags_module
-    from metastore_plugins.core.store.journal import ParsedPrefixes
+    import metastore_plugins.core.store.tags.book as tags_module
+    from metastore_plugins.core.store.shards.journal import ParsedPrefixes
 
     monkeypatch.setattr(tags_module, "_PARSED", ParsedPrefixes())
 

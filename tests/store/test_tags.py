@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store.tags import Tag, TagBook, find_tags, read_tags
+from metastore_plugins.core.store.tags.book import Tag, TagBook, find_tags, read_tags
 
 
 def test_tags_round_trip_and_later_tags_win(tmp_path: Path) -> None:
@@ -205,7 +205,7 @@ def test_a_training_start_parses_the_last_line_and_the_lines_that_keep_something
 ) -> None:
     """300 tags of which one keeps ``exact``: the book parses that one (it is also the last), keeps its order and
     what it says (before: every line was parsed at each training start)."""
-    import metastore_plugins.core.store.tags as tags_module
+    import metastore_plugins.core.store.tags.book as tags_module
 
     _many(tmp_path / "tags-rank0.jsonl", 300)
     parsed = _counting(monkeypatch, tags_module)
@@ -221,7 +221,7 @@ def test_a_second_read_parses_only_what_was_appended_and_sees_every_change(
 ) -> None:
     """After one read in the process, a line another book appends is the only one parsed (before: every line
     again); a line rewritten in place with its CRC recomputed and the size kept, or damaged, is seen."""
-    import metastore_plugins.core.store.tags as tags_module
+    import metastore_plugins.core.store.tags.book as tags_module
 
     _many(tmp_path / "tags-rank0.jsonl", 200)
     assert len(read_tags(tmp_path)) == 201

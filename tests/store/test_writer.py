@@ -20,7 +20,7 @@ from storecases import FP32_ROUNDOFF, journal_entries, synthetic_batch
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import LayerRecord
-from metastore_plugins.core.store import writer as writer_module
+from metastore_plugins.core.store.writing import writer as writer_module
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -324,7 +324,7 @@ def test_errors_in_the_writer_thread_reach_the_caller(tmp_path: Path, monkeypatc
 
 def test_new_layers_while_the_manifest_is_being_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The training thread registers layers while the writer thread serializes the manifest."""
-    from metastore_plugins.core.store import manifest as mf
+    from metastore_plugins.core.store.shards import manifest as mf
 
     write_manifest = mf.write_manifest
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from runcases import Run
 
-from metastore_plugins.core.store import selection as selection_module
+from metastore_plugins.core.store.reading import selection as selection_module
 
 
 class LiveRecordBytes:

@@ -25,7 +25,7 @@ from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.model.recompute import recompute
 from metastore_plugins.core.ops import total_dots, total_sq_norms
 from metastore_plugins.core.records import restore_all
-from metastore_plugins.core.store.snapshots import SnapshotWriter, write_snapshot
+from metastore_plugins.core.store.snapshots.weights import SnapshotWriter, write_snapshot
 
 TOL = 1e-5
 VOCAB, PAD = 30, 0

@@ -23,7 +23,7 @@ from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
 from metastore_plugins.core.records import LayerRecord
-from metastore_plugins.core.store import vector_files
+from metastore_plugins.core.store.vectors import vector_files
 
 TRAIN, TEST, K = "final/train", "final/test", 5
 

@@ -32,7 +32,7 @@ from test_vector_index_repair import rewrite_manifest
 from metastore_plugins import open_store
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
-from metastore_plugins.core.store import vector_files
+from metastore_plugins.core.store.vectors import vector_files
 
 __all__ = ["base", "store"]  # the fixtures: a copy of a module-scoped store per test
 

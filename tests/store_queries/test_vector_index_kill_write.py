@@ -28,8 +28,8 @@ from metastore_plugins import open_store
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
-from metastore_plugins.core.store import vector_files
 from metastore_plugins.core.store.file_kinds import temporary_target
+from metastore_plugins.core.store.vectors import vector_files
 from metastore_plugins.core.training.run import RunCapture
 
 __all__ = ["base", "store"]  # the fixtures: a copy of a module-scoped store per test
@@ -43,7 +43,7 @@ TEST_IDS, ALL = torch.arange(360, 400), torch.arange(360)
 TORN_WRITE = """
 import os, signal, sys
 from pathlib import Path
-from metastore_plugins.core.store import vector_files
+from metastore_plugins.core.store.vectors import vector_files
 from metastore_plugins.core.store.file_kinds import temporary_target
 from metastore_plugins.core.store.files import StoreDir
 

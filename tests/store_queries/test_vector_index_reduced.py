@@ -17,7 +17,7 @@ from test_vector_index import TEST, TRAIN, K, assert_same_top, base, damage, sto
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
-from metastore_plugins.core.store import vector_files
+from metastore_plugins.core.store.vectors import vector_files
 
 __all__ = ["base", "store"]  # the fixtures: a copy of a module-scoped store per test
 

@@ -23,8 +23,8 @@ from metastore_plugins import open_store
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
-from metastore_plugins.core.store import vector_files
-from metastore_plugins.core.store.maintenance import compact
+from metastore_plugins.core.store.maintenance.compaction import compact
+from metastore_plugins.core.store.vectors import vector_files
 
 __all__ = ["base", "store"]  # the fixtures: a copy of a module-scoped store per test
 

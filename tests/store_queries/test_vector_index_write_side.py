@@ -19,8 +19,8 @@ from test_vector_index import TEST, TRAIN, K, assert_same_top, damage, make_mode
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.analysis import vector_index as vi
 from metastore_plugins.core.analysis.index_parts import build_rank_parts
-from metastore_plugins.core.store import vector_files
-from metastore_plugins.core.store.maintenance import compact
+from metastore_plugins.core.store.maintenance.compaction import compact
+from metastore_plugins.core.store.vectors import vector_files
 from metastore_plugins.core.training.run import RunCapture
 
 FOLDER = vector_files.FOLDER
@@ -205,7 +205,7 @@ def test_run_capture_writes_no_part_by_default_nor_when_closed_by_an_exception(t
 ADDER = """
 import sys
 from pathlib import Path
-from metastore_plugins.core.store import vector_files as vf
+from metastore_plugins.core.store.vectors import vector_files as vf
 
 path, rank = Path(sys.argv[1]), sys.argv[2]
 head = {"format": vf.FORMAT, "version": vf.VERSION, "capture_point": "cp", "dim": 2, "seed": 0, "layers": ["a"]}

@@ -37,10 +37,10 @@ from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.model import recompute as recompute_module
 from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import StoreReader, find_store_dir
-from metastore_plugins.core.store.journal_batch import gc_paused
-from metastore_plugins.core.store.run_log import noted_once
-from metastore_plugins.core.store.snapshots import list_snapshots
-from metastore_plugins.core.store.tag_cache import find_columns
+from metastore_plugins.core.store.shards.journal_batch import gc_paused
+from metastore_plugins.core.store.snapshots.weights import list_snapshots
+from metastore_plugins.core.store.tags.tag_cache import find_columns
+from metastore_plugins.core.store.writing.run_log import noted_once
 
 
 class GradientStore(StoreReader):

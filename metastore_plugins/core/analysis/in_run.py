@@ -33,7 +33,7 @@ from metastore_plugins.core.errors import QueryError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.eigenbasis import truncated_record
 from metastore_plugins.core.store import Selection, StoreReader
-from metastore_plugins.core.store.selection import StoredBatch
+from metastore_plugins.core.store.reading.selection import StoredBatch
 
 
 def in_run_methods() -> tuple[str, ...]:

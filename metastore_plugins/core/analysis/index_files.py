@@ -3,7 +3,7 @@
 :func:`open_index` brings a capture point's index up to date: a part whose shard changed or went away
 is rebuilt from the shard, a part or FAISS file that does not match its sha256 (or a damaged manifest)
 is said in one warning line and rebuilt, in memory where the store cannot be written. The file
-formats are :mod:`metastore_plugins.core.store.vector_files`'.
+formats are :mod:`metastore_plugins.core.store.vectors.vector_files`'.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from metastore_plugins.core.analysis.vector_search import (
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreReader
-from metastore_plugins.core.store import vector_check as vc
-from metastore_plugins.core.store import vector_files as vf
-from metastore_plugins.core.store import vector_maps as vm
+from metastore_plugins.core.store.vectors import vector_check as vc
+from metastore_plugins.core.store.vectors import vector_files as vf
+from metastore_plugins.core.store.vectors import vector_maps as vm
 
 #: The sketch size of a capture point whose records are factors (a projected one uses its own ``k``).
 DEFAULT_DIM = 16
@@ -219,7 +219,7 @@ def load_part(
     its shard's sha256 is ``sha`` and it is sound and bound to that shard by content: its sample ids and learning
     rates the shard's own (from the store's index), and one of its batches, drawn at random, sketched again from
     the shard to the part's numbers (:func:`sketch_problem`). Else None (a damaged file said in one line: a
-    warning, or to ``say``). ``vectors``: a :class:`~metastore_plugins.core.store.vector_maps.PartRows`, read
+    warning, or to ``say``). ``vectors``: a :class:`~metastore_plugins.core.store.vectors.vector_maps.PartRows`, read
     as rows are asked for."""
     shard = str(entry.get("shard"))
     if entry.get("shard_sha256") != sha or not isinstance(entry.get("file"), str):

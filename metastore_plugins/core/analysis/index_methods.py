@@ -48,7 +48,7 @@ from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, CurvatureMethod, LayerCurvature
 from metastore_plugins.core.store import StoreReader
-from metastore_plugins.core.store import vector_files as vf
+from metastore_plugins.core.store.vectors import vector_files as vf
 
 Curvature = dict[str, LayerCurvature]
 

@@ -7,7 +7,7 @@ is reported apart, docs/benchmarks.md). Per listed shard of the rank and capture
 of the index a default query opens (``(capture point, default_dim, seed 0, the store's layers in order)``)
 is written by :func:`.index_files.encode_part` from :func:`.index_files.build_piece`, the very functions a
 query-time build calls, so its bytes are those a query would write, and listed in the manifest under its
-lock (:func:`~metastore_plugins.core.store.vector_files.add_parts`; ranks closing together never drop each
+lock (:func:`~metastore_plugins.core.store.vectors.vector_files.add_parts`; ranks closing together never drop each
 other's entries). A shard that already has a current part (a resumed run's earlier shards) is skipped.
 
 A part is a cache: one that cannot be built (a full disk, a read-only store) is left to the next query,
@@ -31,8 +31,8 @@ from metastore_plugins.core.analysis.sketches import sketch_layers
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import Selection, StoreReader
-from metastore_plugins.core.store import vector_files as vf
-from metastore_plugins.core.store.entries import shard_pattern
+from metastore_plugins.core.store.shards.entries import shard_pattern
+from metastore_plugins.core.store.vectors import vector_files as vf
 
 __all__ = ["PartsBuilt", "build_rank_parts", "build_shard_parts"]
 

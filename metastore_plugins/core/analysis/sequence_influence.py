@@ -34,7 +34,7 @@ from metastore_plugins.core.model.losses import IGNORE_INDEX, LossFn, logits_of
 from metastore_plugins.core.model.recompute import recompute_batches
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.store import StoreReader
-from metastore_plugins.core.store.snapshots import list_snapshots, load_snapshot_state
+from metastore_plugins.core.store.snapshots.weights import list_snapshots, load_snapshot_state
 
 
 def sequence_loss(shift: bool = True) -> LossFn:

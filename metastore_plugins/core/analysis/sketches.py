@@ -2,7 +2,7 @@
 
 ``<sketch_i, sketch_j>`` estimates ``<g_i, g_j>`` without bias (error in
 :mod:`metastore_plugins.core.ops.sketch`). Summed sketches of a whole capture point are
-cached under ``<store>/sketches/`` (:mod:`~metastore_plugins.core.store.sketch_cache`), so
+cached under ``<store>/sketches/`` (:mod:`~metastore_plugins.core.store.vectors.sketch_cache`), so
 that sketched influence costs one ``(N, k) x (k, M)`` product once they are built.
 """
 
@@ -26,7 +26,8 @@ from metastore_plugins.core.analysis.scan import Scan, scan_of
 from metastore_plugins.core.errors import ConfigError, RepresentationError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.leverage import kernel_solve
-from metastore_plugins.core.store import Selection, StoreReader, sketch_cache
+from metastore_plugins.core.store import Selection, StoreReader
+from metastore_plugins.core.store.vectors import sketch_cache
 
 Combine = Literal["sum", "concat"]
 #: the kernel's ridge when none is given: this fraction of the mean eigenvalue of ``S^T S`` (:func:`kernel_influence`)

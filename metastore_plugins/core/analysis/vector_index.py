@@ -25,7 +25,7 @@ slower. ``similar`` always scans its vectors (cosine is not the inner product IV
 The index in memory and its search are :mod:`.vector_search`, its files :mod:`.index_files`; this
 module holds the queries through it (and names the other two's public names).
 
-**Files** (``<store>/vector_index/``, :mod:`metastore_plugins.core.store.vector_files`): one part per
+**Files** (``<store>/vector_index/``, :mod:`metastore_plugins.core.store.vectors.vector_files`): one part per
 shard holding batches of the capture point (its vectors, sample ids and learning rates), bound to
 the shard's file name and sha256 from the store's index; the FAISS index bound to the parts it
 was built over; a CRC'd manifest listing both with their sha256. A shard that changed or went away

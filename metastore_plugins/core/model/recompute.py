@@ -31,8 +31,8 @@ from metastore_plugins.core.errors import ConfigError, QueryError, StoreError
 from metastore_plugins.core.model.losses import BatchLoss, LossFn, default_labels, logits_of, unbound_loss
 from metastore_plugins.core.model.pass_sources import PassSource, indexed_batches
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
-from metastore_plugins.core.store.selection import join_records
-from metastore_plugins.core.store.snapshots import floating_buffers, load_snapshot_state, trainable
+from metastore_plugins.core.store.reading.selection import join_records
+from metastore_plugins.core.store.snapshots.weights import floating_buffers, load_snapshot_state, trainable
 
 
 def default_loss(model: nn.Module, batch: Any, reduction: LossReduction = "mean") -> Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from metastore_plugins.core.errors import ConfigError
 from metastore_plugins.core.ops.cost import BATCH_METADATA_BYTES, SAMPLE_METADATA_BYTES
-from metastore_plugins.core.store.plan_record import size_text
+from metastore_plugins.core.policy.plan_record import size_text
 
 Policy = Literal["auto", "exact"]
 POLICIES: tuple[Policy, ...] = ("auto", "exact")

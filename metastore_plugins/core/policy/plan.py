@@ -19,7 +19,7 @@ captured batch (its exact records measure each layer's bytes per sample) and the
 Without a budget (``budget=None``) the default is :func:`~.budget.default_budget`: the snapshots plus
 :data:`AUTO_BYTES_PER_SAMPLE` per planned sample. ``policy="exact"`` keeps every layer exact
 (today's behaviour); a budget then only degrades what would overflow it. The plan made is a
-:class:`~metastore_plugins.core.store.plan_record.CapturePlan`, the record the store keeps.
+:class:`~metastore_plugins.core.policy.plan_record.CapturePlan`, the record the store keeps.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from metastore_plugins.core.policy.budget import (
     files_bytes,
     usable_bytes,
 )
+from metastore_plugins.core.policy.plan_record import CapturePlan
 from metastore_plugins.core.records import LayerRecord, Representation
-from metastore_plugins.core.store.plan_record import CapturePlan
 
 #: Rungs from richest to cheapest: a representation and its projection size (0: none).
 LADDER: tuple[tuple[Representation, int], ...] = (

@@ -31,9 +31,9 @@ from metastore_plugins.core.ops.represent import represent
 from metastore_plugins.core.ops.sketch import Projections
 from metastore_plugins.core.policy.budget import POLICIES, Budget, RunShape, usable_bytes
 from metastore_plugins.core.policy.plan import LADDER, factor_sample_bytes, make_plan
+from metastore_plugins.core.policy.plan_record import CapturePlan, in_words
 from metastore_plugins.core.records import REPRESENTATIONS, LayerRecord, Representation
-from metastore_plugins.core.store.encoding import Encoding, encoded_nbytes
-from metastore_plugins.core.store.plan_record import CapturePlan, in_words
+from metastore_plugins.core.store.shards.encoding import Encoding, encoded_nbytes
 
 #: ``(step, capture_point) -> keep`` of a tag covering that step, or None.
 KeepFor = Callable[[int, str], str | None]
@@ -55,7 +55,7 @@ class CapturePolicy:
         encoding: the store's encoding (bytes per value).
         owner: who runs the capture, for messages.
         on_change: called with the plan after it is made or changed (the manifest keeps it).
-        keep_for: what a tag says the step keeps (:meth:`~metastore_plugins.core.store.tags.TagBook.keep_for`);
+        keep_for: what a tag says the step keeps (:meth:`~metastore_plugins.core.store.tags.book.TagBook.keep_for`);
             default: no tags.
     """
 

@@ -17,9 +17,9 @@ import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.errors import QueryError
+from metastore_plugins.core.policy.plan_record import CapturePlan, in_words, readable_plan
 from metastore_plugins.core.reports.tables import Scores, has_margins, self_influence_of
-from metastore_plugins.core.store.disk_usage import disk_usage
-from metastore_plugins.core.store.plan_record import CapturePlan, in_words, readable_plan
+from metastore_plugins.core.store.reading.disk_usage import disk_usage
 
 #: Record kinds that give inner products between samples (``"norms"`` records hold a squared norm alone).
 INNER_PRODUCT_KINDS = frozenset({"outer", "embedding", "dense", "projected"})

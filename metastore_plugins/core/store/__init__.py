@@ -2,7 +2,7 @@
 
 - :class:`StoreWriter` queues records and per-sample metadata and writes whole shards;
 - :class:`StoreReader` lists, selects, restores and verifies what a run directory holds;
-- :mod:`~metastore_plugins.core.store.maintenance` compacts small shards and repairs what a
+- :mod:`~metastore_plugins.core.store.maintenance.compaction` compacts small shards and repairs what a
   killed run left. The format (manifest, journal, shards): docs/format.md.
 
 It knows bytes, not questions: queries (norms, influence, dynamics, sketches) live in
@@ -11,11 +11,11 @@ It knows bytes, not questions: queries (norms, influence, dynamics, sketches) li
 """
 
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store.batches import BatchRef
-from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
-from metastore_plugins.core.store.reader import StoreReader, find_store_dir
-from metastore_plugins.core.store.selection import Selection, StoredBatch
-from metastore_plugins.core.store.writer import StoreWriter, WriterStats
+from metastore_plugins.core.store.reading.batches import BatchRef
+from metastore_plugins.core.store.reading.reader import StoreReader, find_store_dir
+from metastore_plugins.core.store.reading.selection import Selection, StoredBatch
+from metastore_plugins.core.store.shards.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
+from metastore_plugins.core.store.writing.writer import StoreWriter, WriterStats
 
 __all__ = [
     "DEFAULT_ENCODING",

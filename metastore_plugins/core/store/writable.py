@@ -4,7 +4,7 @@ What writes into a store (capture, compaction, repair, the reports into ``<store
 ``OSError`` the operating system gives (``EROFS``, ``EACCES``, ``EPERM``) into
 :class:`~metastore_plugins.core.errors.StoreNotWritableError`, naming the directory and what to do.
 What only reads never needs to write: its caches (sketches, the nearest-gradient index) are skipped
-where they cannot be written (:mod:`.sketch_cache`, :mod:`.vector_files`). A full disk (``ENOSPC``) is
+where they cannot be written (:mod:`.vectors.sketch_cache`, :mod:`.vectors.vector_files`). A full disk (``ENOSPC``) is
 not this: it stays an ``OSError``, which writers report as a disk error.
 """
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from metastore_plugins.core.model.pass_sources import CheckpointSchedule
-from metastore_plugins.core.store.run_log import store_incomplete
+from metastore_plugins.core.store.writing.run_log import store_incomplete
 from metastore_plugins.core.training.settings import CallbackOptions
 
 

@@ -24,7 +24,7 @@ from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.core.model.losses import PerSampleLoss, margins_of, predictions_of
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
 from metastore_plugins.core.records import BatchMeta
-from metastore_plugins.core.store.writer import StoreWriter
+from metastore_plugins.core.store.writing.writer import StoreWriter
 
 
 def capture_step(

@@ -29,6 +29,7 @@ from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import DistributedQueryError
 from metastore_plugins.core.heap import large_blocks_mapped
 from metastore_plugins.core.model.rng import preserved_rng
+from metastore_plugins.core.policy.plan_record import projected_size
 from metastore_plugins.core.reports import RenderFn, report_tables, write_tables
 from metastore_plugins.core.reports.dynamics import dynamics_norms, gradient_map, write_dynamics
 from metastore_plugins.core.reports.files import REPORTS_ELSEWHERE
@@ -45,10 +46,9 @@ from metastore_plugins.core.reports.tensorboard import (
     write_projector,
     write_tensorboard,
 )
-from metastore_plugins.core.store.plan_record import projected_size
-from metastore_plugins.core.store.readcache import SHARDS
-from metastore_plugins.core.store.run_log import noted_once, one_note, store_incomplete
+from metastore_plugins.core.store.reading.readcache import SHARDS
 from metastore_plugins.core.store.writable import check_writable
+from metastore_plugins.core.store.writing.run_log import noted_once, one_note, store_incomplete
 from metastore_plugins.core.training.settings import CallbackOptions
 
 #: The most shard bytes the read cache holds while a callback builds its reports (in the trainer's process;

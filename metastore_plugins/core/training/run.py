@@ -44,13 +44,13 @@ from metastore_plugins.core.model.pass_sources import START_PASS, TRAIN_SPLIT, P
 from metastore_plugins.core.model.recompute import pass_recomputer
 from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
 from metastore_plugins.core.policy.budget import Budget
+from metastore_plugins.core.policy.plan_record import CapturePlan
 from metastore_plugins.core.policy.runtime import CapturePolicy
-from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, Encoding
-from metastore_plugins.core.store.maintenance import CompactionReport, close_and_compact
-from metastore_plugins.core.store.plan_record import CapturePlan
-from metastore_plugins.core.store.snapshots import SnapshotInfo, SnapshotWriter
-from metastore_plugins.core.store.tags import TagBook, tag_attributes
-from metastore_plugins.core.store.writer import StoreWriter
+from metastore_plugins.core.store.maintenance.compaction import CompactionReport, close_and_compact
+from metastore_plugins.core.store.shards.encoding import DEFAULT_ENCODING, Encoding
+from metastore_plugins.core.store.snapshots.weights import SnapshotInfo, SnapshotWriter
+from metastore_plugins.core.store.tags.book import TagBook, tag_attributes
+from metastore_plugins.core.store.writing.writer import StoreWriter
 from metastore_plugins.core.training.basis_fit import (
     BASIS_SAMPLES,
     BasisSource,
@@ -353,7 +353,7 @@ class RunCapture(StepCapture):
 
         ``error``: the exception that ends training (by default the one being handled, if any; none: training
         finished), recorded in the store's run log (``metastore inspect`` names it); ``how`` says it in the run
-        log's words instead (:data:`~metastore_plugins.core.store.run_log.HOW`).
+        log's words instead (:data:`~metastore_plugins.core.store.writing.run_log.HOW`).
         """
         error = error if error is not None else sys.exc_info()[1]
         try:

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from metastore_plugins.core.errors import ExistingStoreError, StoreError, StoreNotWritableError
-from metastore_plugins.core.store.journal import RankLock, journal_name
-from metastore_plugins.core.store.manifest import find_manifests
-from metastore_plugins.core.store.reader import StoreReader
+from metastore_plugins.core.store.reading.reader import StoreReader
+from metastore_plugins.core.store.shards.journal import RankLock, journal_name
+from metastore_plugins.core.store.shards.manifest import find_manifests
 
 #: Rank 0's decision: (what, the place an overwritten store moved to, or why it could not move).
 Decision = tuple[str, str]

@@ -27,7 +27,7 @@ from metastore_plugins.core.model.losses import (
 )
 from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.records import BatchMeta
-from metastore_plugins.core.store.writer import StoreWriter
+from metastore_plugins.core.store.writing.writer import StoreWriter
 from metastore_plugins.core.training.loss_scale import check_loss_reduction, gradients_finite
 from metastore_plugins.core.training.step_basis import StepSums
 

@@ -38,7 +38,7 @@ from metastore_plugins.core.reports.tables import (
     OutlierSource,
     check_outlier_source,
 )
-from metastore_plugins.core.store.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
+from metastore_plugins.core.store.shards.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
 from metastore_plugins.core.training.basis_fit import BASIS_SAMPLES, BASIS_SOURCES, BasisSource
 from metastore_plugins.core.training.run import RunCapture
 from metastore_plugins.core.training.setting_checks import (
