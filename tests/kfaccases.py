@@ -87,5 +87,31 @@ def damped(curvature: Tensor, damping: float | None = None) -> Tensor:
     return curvature + delta * torch.eye(len(curvature), dtype=torch.float64)
 
 
+#: Blocks of :func:`blocks` per checkpoint
+Blocks = dict[str, tuple[Tensor, Tensor | None, Tensor | None]]
+
+
+def paired_scores(
+    method: str | None,
+    train: list[Blocks],
+    test: list[Blocks],
+    rates: list[Tensor],
+    pairs: tuple[tuple[int, tuple[int, ...]], ...],
+) -> Tensor:
+    """``(N, M)`` ``sum over pairs (c, held) of sum_{h in held} rates[h]_i g_i(w_h)^T P g_test(w_c)``: ``P`` the
+    identity (``method`` None) or the damped inverse of the curvature fitted on the rows of every checkpoint in
+    ``held``."""
+    total = torch.zeros(len(rates[0]), len(test[0]["0"][0]), dtype=torch.float64)
+    for point, held in pairs:
+        for layer in train[0]:
+            g, a, d = (None if part[0] is None else torch.cat(part) for part in zip(*(train[h][layer] for h in held)))
+            assert g is not None
+            g_test = test[point][layer][0].T  # (P, M)
+            preconditioned = g_test if method is None else torch.linalg.solve(damped(fisher(g, a, d, method)), g_test)
+            for h in held:
+                total += rates[h][:, None] * (train[h][layer][0] @ preconditioned)  # (N, M)
+    return total
+
+
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(actual - expected).max() / np.abs(expected).max())

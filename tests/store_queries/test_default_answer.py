@@ -16,7 +16,7 @@ import kfaccases
 import numpy as np
 import pytest
 import torch
-from kfaccases import blocks, damped, data, fisher, per_sample_ce, rel_err
+from kfaccases import blocks, data, paired_scores, per_sample_ce, rel_err
 
 from metastore_plugins import StoreWriter, open_store
 from metastore_plugins.core.analysis import DefaultScores, GradientStore
@@ -50,25 +50,21 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> GradientStore:
     return open_store(path)
 
 
-def _side(method: str | None, rows: torch.Tensor, rates: list[torch.Tensor]) -> torch.Tensor:
-    """``(len(rows), 8)`` ``sum_c rate_i g_i(w_c)^T P_c g_test(w_c)``, ``P_c`` fitted on ``rows`` (identity: None)."""
-    (x, y), (xt, yt) = data(24, 1), data(8, 2)
-    total = torch.zeros(len(rows), 8, dtype=torch.float64)
-    for c, model in enumerate(kfaccases.checkpoints(model_seed=5, noise_seed=11)):
-        with torch.no_grad():
-            train, test = blocks(model, x[rows], y[rows]), blocks(model, xt, yt)
-        for layer, (g, a, d) in train.items():
-            g_test = test[layer][0].T  # (P, 8)
-            preconditioned = g_test if method is None else torch.linalg.solve(damped(fisher(g, a, d, method)), g_test)
-            total += rates[c][:, None] * (g @ preconditioned)
-    return total
+#: (test pass, the checkpoints whose steps it is paired with), as in test_in_run_curvature.py
+STEP_PAIRS = ((0, (0,)), (1, (1,)), (1, (0, 1)))
 
 
 def reference(method: str | None) -> np.ndarray:
     """``(24, 8)``: the steps' on the passes' scale, for samples 0-7 the mean of that and the passes' scores."""
-    passes = _side(method, IN_PASSES, [torch.full((8,), r, dtype=torch.float64) for r in PASS_LRS])  # (8, 8)
+    (x, y), (xt, yt) = data(24, 1), data(8, 2)
+    models = kfaccases.checkpoints(model_seed=5, noise_seed=11)
+    with torch.no_grad():
+        train, test = [blocks(m, x, y) for m in models], [blocks(m, xt, yt) for m in models]
+        in_passes = [blocks(m, x[IN_PASSES], y[IN_PASSES]) for m in models]
+    pass_rates = [torch.full((8,), r, dtype=torch.float64) for r in PASS_LRS]
+    passes = paired_scores(method, in_passes, test, pass_rates, ((0, (0,)), (1, (1,))))  # (8, 8)
     step_rates = [torch.tensor([STEP_LRS[2 * c]] * 12 + [STEP_LRS[2 * c + 1]] * 12).double() for c in range(2)]
-    steps = _side(method, torch.arange(24), step_rates)  # (24, 8)
+    steps = paired_scores(method, train, test, step_rates, STEP_PAIRS)  # (24, 8)
     factor = passes.pow(2).mean().sqrt() / steps[IN_PASSES].pow(2).mean().sqrt()
     out = steps * factor
     out[IN_PASSES] = (passes + out[IN_PASSES]) / 2

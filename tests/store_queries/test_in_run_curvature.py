@@ -3,9 +3,10 @@
 The training steps of window ``c`` (steps 2c and 2c+1, samples 0-11 then 12-23, each step its own rate)
 were taken at the weights of checkpoint ``c``; test pass ``c`` at the start of the window (step 2c: taken before
 the window's steps, at the weights they start from, as the callbacks' ``start`` and epoch-end passes are).
-The reference knows nothing of the store: per-sample gradients and factors from ``torch.func``
-(:mod:`kfaccases`), K-FAC / EK-FAC of each window's 24 samples as explicit ``(P, P)`` matrices inverted
-with ``torch.linalg.solve``, the step rates applied by hand, a sample's two occurrences summed.
+Each step goes with the pass before it and the pass after it (:data:`PAIRS`). The reference knows nothing of the
+store: per-sample gradients and factors from ``torch.func`` (:mod:`kfaccases`), K-FAC / EK-FAC of each pair's
+steps as explicit ``(P, P)`` matrices inverted with ``torch.linalg.solve``, the step rates applied by hand, a
+sample's occurrences summed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import kfaccases
 import numpy as np
 import pytest
 import torch
-from kfaccases import blocks, damped, data, fisher, per_sample_ce, rel_err
+from kfaccases import blocks, data, paired_scores, per_sample_ce, rel_err
 from torch import nn
 
 from metastore_plugins import StoreWriter, open_store
@@ -50,19 +51,21 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> GradientStore:
     return open_store(path)
 
 
+#: (test pass, the checkpoints whose steps it is paired with): pass 0 with the steps after it (0-1), pass 1 with
+#: the steps after it (2-3) and with those before it since pass 0 (0-1, and 2-3: the steps after the last pass go
+#: with it as both)
+PAIRS = ((0, (0,)), (1, (1,)), (1, (0, 1)))
+
+
 def reference(method: str | None) -> np.ndarray:
-    """``(24, 8)`` ``sum_t lr_t g_i(w_c)^T P_c g_test(w_c)``: ``P_c`` the identity (``None``) or the damped inverse."""
+    """``(24, 8)`` ``sum_(c, t) lr_t g_i(w_t)^T P g_test(w_c)`` over :data:`PAIRS`: ``P`` the identity (``None``) or
+    the damped inverse of the curvature fitted on the pair's steps."""
     (x, y), (xt, yt) = data(24, 1), data(8, 2)
-    total = torch.zeros(24, 8, dtype=torch.float64)
-    for c, model in enumerate(checkpoints()):
-        with torch.no_grad():
-            train, test = blocks(model, x, y), blocks(model, xt, yt)
-        rates = torch.tensor([STEP_LRS[2 * c]] * 12 + [STEP_LRS[2 * c + 1]] * 12, dtype=torch.float64)  # (24,)
-        for layer, (g, a, d) in train.items():
-            g_test = test[layer][0].T  # (P, 8)
-            preconditioned = g_test if method is None else torch.linalg.solve(damped(fisher(g, a, d, method)), g_test)
-            total += rates[:, None] * (g @ preconditioned)
-    return total.numpy()
+    with torch.no_grad():
+        train = [blocks(model, x, y) for model in checkpoints()]
+        test = [blocks(model, xt, yt) for model in checkpoints()]
+    rates = [torch.tensor([STEP_LRS[2 * c]] * 12 + [STEP_LRS[2 * c + 1]] * 12, dtype=torch.float64) for c in (0, 1)]
+    return paired_scores(method, train, test, rates, PAIRS).numpy()
 
 
 @pytest.mark.parametrize("method", ["kfac", "ekfac"])
@@ -80,17 +83,20 @@ def test_in_run_tracin_pairs_each_window_with_its_pass(store: GradientStore) -> 
     assert rel_err(scores.scores, reference(None)) <= 1e-5
 
 
-def test_step_windows_pair_steps_with_the_pass_before_them(store: GradientStore) -> None:
-    assert step_windows(store, "train", ["epoch-0/test", "epoch-1/test"]) == [
-        ("epoch-0/test", (0, 1)),
+def test_step_windows_pair_each_step_with_the_passes_around_it(store: GradientStore) -> None:
+    tests = ["epoch-0/test", "epoch-1/test"]
+    assert step_windows(store, "train", tests) == [
+        ("epoch-0/test", (0, 1)),  # the steps after each pass
         ("epoch-1/test", (2, 3)),
+        ("epoch-1/test", (0, 3)),  # the steps before each pass since the previous, after the last pass with it
     ]
-    # steps after the last pass go with it, steps before the first pass with the first; a range cuts each window
-    assert step_windows(store, "train", ["epoch-0/test"]) == [("epoch-0/test", (0, 3))]
-    assert step_windows(store, "train", ["epoch-1/test"]) == [("epoch-1/test", (0, 3))]
-    assert step_windows(store, "train", ["epoch-0/test", "epoch-1/test"], (1, 2)) == [
+    # steps before the first pass go with the first as both, as after the last; a range cuts each window
+    assert step_windows(store, "train", ["epoch-0/test"]) == [("epoch-0/test", (0, 3))] * 2
+    assert step_windows(store, "train", ["epoch-1/test"]) == [("epoch-1/test", (0, 3))] * 2
+    assert step_windows(store, "train", tests, (1, 2)) == [
         ("epoch-0/test", (1, 1)),
         ("epoch-1/test", (2, 2)),
+        ("epoch-1/test", (1, 2)),
     ]
 
 
