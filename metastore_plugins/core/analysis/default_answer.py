@@ -6,7 +6,7 @@ resolved on its passes: :func:`.methods.resolve_method`). With ``train`` left ou
 - **passes**: each test point ``P/split`` paired with the training-set pass ``P/train`` where the store holds it
   with inner products (every batch with records, none of them norms only);
 - **steps**: the training steps (``"train"``) through in-run influence against the test points
-  (:func:`.in_run.in_run_influence`: each step with the last pass taken before it), the start pass of their
+  (:func:`.in_run.in_run_influence`: each step with the passes before and after it), the start pass of their
   split first (``start/val``, the pass before the first step) where the store holds it;
 - one row per training sample id the two hold: a sample both hold gets the mean of its two scores (the
   checkpoint's weights on both sides, and the weights of its steps: two estimates of one influence; the mean
