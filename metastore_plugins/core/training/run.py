@@ -260,37 +260,17 @@ class RunCapture(StepCapture):
                                step=step, context=context, samples=self.basis_samples, planning=start)  # fmt: skip
                 self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
             for source in captured:
-                self._capture_split(
-                    model, source, loss_of, name, rank, world_size, to_device, step, epoch, weight, context
+                self.checkpoint_pass(
+                    model,
+                    ((ids, to_device(batch)) for ids, batch in source.batches(rank, world_size)),
+                    loss_of,
+                    capture_point=f"{name}/{source.split}",
+                    step=step,
+                    epoch=epoch,
+                    lr=weight,
+                    context=context,
                 )
         self.seconds["passes"] += time.perf_counter() - started
-
-    def _capture_split(
-        self,
-        model: nn.Module,
-        source: PassSource,
-        loss_of: BatchLoss,
-        name: str,
-        rank: int,
-        world_size: int,
-        to_device: Callable[[Any], Any],
-        step: int,
-        epoch: int,
-        weight: float | None,
-        context: Callable[[], AbstractContextManager[Any]],
-    ) -> None:
-        """One split of pass ``name``: this rank's share of ``source`` as capture point ``name/split``."""
-        batches = source.batches(rank, world_size)
-        self.checkpoint_pass(
-            model,
-            ((ids, to_device(batch)) for ids, batch in batches),
-            loss_of,
-            capture_point=f"{name}/{source.split}",
-            step=step,
-            epoch=epoch,
-            lr=weight,
-            context=context,
-        )
 
     # -- plan, tags and snapshots ----------------------------------------------------------
 
