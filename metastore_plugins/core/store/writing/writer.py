@@ -36,14 +36,14 @@ from metastore_plugins.core.store.shards.journal import journal_name
 from metastore_plugins.core.store.shards.shardfile import ShardBuffer, Written, write_shard
 from metastore_plugins.core.store.shards.shardinfo import describe
 from metastore_plugins.core.store.writing.writer_batches import Batch, WriterStats, record_info, shard_keys
-from metastore_plugins.core.store.writing.writer_life import WriterLife
+from metastore_plugins.core.store.writing.writer_life import WriterLife, closed, opened
 
 
 class _SaveConfig(threading.Event):
     """A request to write the manifest's config now, without a shard (set once written)."""
 
 
-class StoreWriter(WriterLife):
+class StoreWriter:
     """Writes records and per-sample metadata of one process rank to a run directory.
 
     Args:
@@ -70,10 +70,8 @@ class StoreWriter(WriterLife):
             side of the nearest-gradient index queues its part there). It must return at once; what it
             raises is kept in :attr:`on_shard_error` (the first) and never stops capture.
         run_start: the step the run this writer captures starts at: its start and how it ended
-            (:meth:`close`) go to the run log. ``None``: only an error that stops capture is recorded.
-
-    A writer still open when the process exits is closed then (what it holds is written;
-    :mod:`~metastore_plugins.core.store.writing.writer_life`).
+            (:meth:`close`) go to the run log (:attr:`life`, a :class:`~.writer_life.WriterLife`). ``None``: only
+            an error that stops capture is recorded. A writer still open when the process exits is closed then.
     """
 
     def __init__(
@@ -119,10 +117,11 @@ class StoreWriter(WriterLife):
         self._error: BaseException | None = None
         self._closed = False
         try:
-            self._open_life(run_start)
+            self.life = WriterLife(self.path, self.rank, run_start)  # its run log
         except BaseException:
             self._index.close()
             raise
+        opened(self)
         self._thread = threading.Thread(target=self._run, name=f"metastore-writer-rank{self.rank}", daemon=True)
         self._thread.start()
 
@@ -161,7 +160,7 @@ class StoreWriter(WriterLife):
         if self._closed:
             raise StateError("this StoreWriter is closed; open a new one to write more")
         if self.stopped is not None:
-            self._lose(int(meta.step), int(torch.as_tensor(meta.sample_ids).numel()))
+            self.life.lose(int(meta.step), int(torch.as_tensor(meta.sample_ids).numel()), self.stopped)
             return
         if not isinstance(meta.capture_point, str) or not meta.capture_point.strip():
             raise ConfigError(f"capture_point must be a non-empty name such as 'train'; got {meta.capture_point!r}")
@@ -220,10 +219,16 @@ class StoreWriter(WriterLife):
                 self._queue.append((time.monotonic(), None))
                 self._cond.notify_all()
             self._thread.join()
+            closed(self)
             try:
-                self._end_life(how, error)
+                self.life.end(how, error)
             finally:
                 self._index.close()
+
+    @property
+    def failed(self) -> bool:
+        """Whether the writer thread failed (its error is raised by the next ``write``/``flush``/``close``)."""
+        return self._error is not None
 
     # -- caller side ---------------------------------------------------------------------
 
@@ -277,8 +282,8 @@ class StoreWriter(WriterLife):
                 f"the gradient store writer for {self.path} STOPPED CAPTURING after a disk error "
                 f"({self.stopped}); the store keeps the {self._index.shards} shard(s) and "
                 f"{self._index.samples} sample(s) listed in {journal_name(self.rank)}; "
-                f"{self.dropped_samples} sample(s) in flight were lost and later batches are dropped"
-                f"{self._record_note()} (pass on_error='raise' to StoreWriter to fail instead)",
+                f"{self.life.dropped_samples} sample(s) in flight were lost and later batches are dropped"
+                f"{self.life.note()} (pass on_error='raise' to StoreWriter to fail instead)",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -321,7 +326,7 @@ class StoreWriter(WriterLife):
             try:
                 if self.stopped is not None or self._error is not None:  # drop what is left
                     if isinstance(item, Batch):
-                        self._lose(item.info["step"], item.info["size"])
+                        self.life.lose(item.info["step"], item.info["size"], self.stopped or self._error)
                     else:
                         item.set()
                     continue
@@ -352,7 +357,7 @@ class StoreWriter(WriterLife):
                 else:
                     self._error = exc
                 if pending:
-                    self._lose(min(b.info["step"] for b in pending), sum(b.info["size"] for b in pending))
+                    self.life.lose(min(b.info["step"] for b in pending), sum(b.info["size"] for b in pending), exc)
                 pending, pending_bytes, pending_since = [], 0, None
                 if isinstance(item, threading.Event):
                     item.set()
@@ -382,7 +387,7 @@ class StoreWriter(WriterLife):
             files.remove(name, missing_ok=True)  # never listed: free its space; the journal stays valid
             raise
         self.stats.shards += 1
-        self.stored_step = max([self.stored_step or 0, *(b.info["step"] for b in pending)])
+        self.life.stored_step = max([self.life.stored_step or 0, *(b.info["step"] for b in pending)])
         self.stats.batches += len(batches)
         self.stats.bytes_written += entry.bytes
         self.stats.files.append(name)

@@ -1,8 +1,8 @@
 """A :class:`~metastore_plugins.core.store.writing.writer.StoreWriter`'s life in the run log, and the writers left
 open at exit.
 
-:class:`WriterLife` is the writer's base: it appends the run's ``start``, the ``stopped`` of the first
-batch an error kept off the disk, and the ``end`` at :meth:`close` to the rank's run log
+A writer holds one :class:`WriterLife`: it appends the run's ``start``, the ``stopped`` of the first
+batch an error kept off the disk, and the ``end`` at close to the rank's run log
 (:mod:`~metastore_plugins.core.store.writing.run_log`). The writer thread is a daemon (it must never keep a
 process alive), so a process that exits with a writer open (an exception out of ``trainer.train()``, a
 ``KeyboardInterrupt``) would lose what the thread holds: :func:`close_open_writers` runs at interpreter
@@ -20,53 +20,46 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from metastore_plugins.core.store.writing.run_log import append_event, error_text, event, how_of, start_event
 
 
 class WriterLife:
-    """The run-log half of a writer of rank ``rank`` in ``path``; the writer calls :meth:`_open_life` once its
-    index is open, :meth:`_lose` for every batch it cannot store, and :meth:`_end_life` when closing."""
+    """The run log of a writer of rank ``rank`` in ``path``: the ``start`` line when ``run_start`` (a run's first
+    step) is given; the writer calls :meth:`lose` for every batch it cannot store and :meth:`end` when closing."""
 
-    path: Path
-    rank: int
-    stopped: OSError | None
-    _error: BaseException | None
-
-    def _open_life(self, run_start: int | None) -> None:
-        """Start the life: the ``start`` line when ``run_start`` (a run's first step) is given."""
-        self.run_start = run_start
+    def __init__(self, path: Path, rank: int, run_start: int | None) -> None:
+        self.path, self.rank, self.run_start = path, rank, run_start
         self.dropped_samples = 0
         self.lost_from: int | None = None  # the first step not stored after an error (recorded in the run log)
         self.stored_step: int | None = None  # the last step a listed shard holds
         self._unrecorded: list[bytes] = []  # run-log lines the disk refused; tried again at close
         self._record_error: Exception | None = None
-        self._life_lock = threading.Lock()
-        self._pid = os.getpid()
+        self._lock = threading.Lock()
         if run_start is not None:
-            append_event(self.path, self.rank, start_event(run_start))
-        _OPEN.add(self)
+            append_event(path, rank, start_event(run_start))
 
-    def _lose(self, step: int, samples: int) -> None:
-        """Count ``samples`` of a batch at ``step`` that are not stored; the first one is recorded as the stop."""
-        with self._life_lock:
+    def lose(self, step: int, samples: int, error: BaseException | None) -> None:
+        """Count ``samples`` of a batch at ``step`` that are not stored; the first one is recorded as the stop, with
+        ``error`` (what stopped the writer)."""
+        with self._lock:
             self.dropped_samples += samples
             if self.lost_from is not None:
                 return
             self.lost_from = step
-        self._record(event("stopped", step=int(step), error=error_text(self.stopped or self._error)))
+        self._record(event("stopped", step=int(step), error=error_text(error)))
 
     def _record(self, line: bytes) -> None:
-        """Append ``line`` to the run log; a disk that refuses it keeps it for :meth:`_end_life` to try again."""
+        """Append ``line`` to the run log; a disk that refuses it keeps it for :meth:`end` to try again."""
         try:
             append_event(self.path, self.rank, line)
         except (OSError, ValueError) as exc:  # a full disk; StoreError: the directory was changed under it
             self._record_error = exc
             self._unrecorded.append(line)
 
-    def _record_note(self) -> str:
+    def note(self) -> str:
         """What the stop warning says of the run log."""
         if self.lost_from is None:
             return ""
@@ -76,9 +69,8 @@ class WriterLife:
             )
         return f"; the store records that it is incomplete from step {self.lost_from} (metastore inspect shows it)"
 
-    def _end_life(self, how: str | None, error: BaseException | None) -> None:
-        """Append the ``end`` line (a run's writer, or one that lost samples); leave the open writers."""
-        _OPEN.discard(self)
+    def end(self, how: str | None, error: BaseException | None) -> None:
+        """Append the ``end`` line (a run's writer, or one that lost samples)."""
         if self.run_start is None and self.lost_from is None:
             return
         lines, self._unrecorded = self._unrecorded, []
@@ -101,24 +93,44 @@ class WriterLife:
                 stacklevel=3,
             )
 
-    close: Callable[..., None]  # the writer's: write what is queued, end the life (StoreWriter.close)
+
+class OpenWriter(Protocol):
+    """What :func:`close_open_writers` needs of a writer."""
+
+    path: Path
+
+    @property
+    def failed(self) -> bool: ...
+
+    def close(self, error: BaseException | None = None, *, how: str | None = None) -> None: ...
 
 
-#: The writers this process opened and has not closed (the writer thread holds each one while it runs).
-_OPEN: weakref.WeakSet[WriterLife] = weakref.WeakSet()
+#: The writers this process opened and has not closed (the writer thread holds each one while it runs), each with
+#: the process id that opened it.
+_OPEN: weakref.WeakKeyDictionary[OpenWriter, int] = weakref.WeakKeyDictionary()
+
+
+def opened(writer: OpenWriter) -> None:
+    """Count ``writer`` among those :func:`close_open_writers` closes at exit."""
+    _OPEN[writer] = os.getpid()
+
+
+def closed(writer: OpenWriter) -> None:
+    """``writer`` is closed: leave it at exit."""
+    _OPEN.pop(writer, None)
 
 
 def close_open_writers() -> None:
     """Close every writer this process left open (at interpreter exit): write what each holds, record how the run
     ended (the uncaught exception that ends the program, else ``"unfinished"``). A forked child's copies are left."""
     error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    for writer in list(_OPEN):
-        if writer._pid != os.getpid():
+    for writer, pid in list(_OPEN.items()):
+        if pid != os.getpid():
             continue
         try:
             writer.close(error, how=None if error is not None else "unfinished")
         except Exception as exc:  # one writer's failure leaves the others to close; its own error was raised before
-            if writer._error is None:
+            if not writer.failed:
                 warnings.warn(f"{writer.path}: closing the store writer at exit failed ({exc!r})", RuntimeWarning, 2)
 
 
