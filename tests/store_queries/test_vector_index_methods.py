@@ -22,7 +22,7 @@ from torch import nn
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.cli import main
-from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis import GradientStore, index_preconditioned
 from metastore_plugins.core.ops.curvature import CurvatureSums
 from metastore_plugins.core.ops.eigenbasis import fit_bases, represent_on_bases
 
@@ -123,6 +123,16 @@ def test_auto_top_k_is_ekfac_through_the_index(store: GradientStore) -> None:
     fast = store.influence(TRAIN, TEST, method="auto", k=K, index=True, candidates=50)  # the default: 1,600, all rows
     assert len(fast.row_ids) < TRAIN_N
     assert assert_same_where_held(fast, full) >= 1
+
+
+def test_a_pass_too_large_for_the_preconditioned_index_scores_every_row(
+    store: GradientStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(index_preconditioned, "MAX_INDEX_BYTES", 1)
+    full = store.influence(TRAIN, TEST, method="ekfac")
+    fast = store.influence(TRAIN, TEST, method="ekfac", k=K, candidates=50, index=True)
+    assert sorted(fast.row_ids.tolist()) == sorted(full.row_ids.tolist())  # every row, not candidates
+    assert tops(fast) == tops(full)
 
 
 def test_recompute_stays_tracin_only(store: GradientStore) -> None:

@@ -35,6 +35,7 @@ from metastore_plugins.core.analysis import curvature, queries, sketches
 from metastore_plugins.core.analysis.index_files import default_dim, index_head
 from metastore_plugins.core.analysis.index_preconditioned import (
     fitted_curvature,
+    index_fits,
     preconditioned_index,
     query_sketches,
 )
@@ -153,13 +154,14 @@ def _candidates(
     options: dict[str, Any],
 ) -> tuple[list[int], dict[str, Curvature], Passes] | None:
     """``(candidate ids, curvature per train pass, (index, test ids (M,), queries (M, D)) per pass)``; ``None`` where
-    a pass has no kept index and ``index`` is not ``True``."""
+    a pass has no kept index and ``index`` is not ``True``, or its preconditioned index would exceed
+    :data:`~.index_preconditioned.MAX_INDEX_BYTES` (every row is then scored)."""
     order = sketch_layers(store, options["layers"])
     found: set[int] = set()
     fitted: dict[str, Curvature] = {}
     passes: Passes = []
     for train_cp, test_cp in queries.paired_points(train, test):
-        if index is None and not _kept(store, train_cp, order):
+        if (index is None and not _kept(store, train_cp, order)) or not index_fits(store, train_cp, order):
             return None
         if train_cp not in fitted:
             fitted[train_cp] = fitted_curvature(store, train_cp, method, options["layers"], max_bytes)

@@ -9,9 +9,10 @@ of ``|S g_i| |S g_j| / dim``, where the TracIn index's (raw ``g_i`` against ``(F
 lives. On a curvature eigenbasis (records ``projected``) ``S`` divides each record in place, and the sketch of a
 ``k x k`` record at ``dim = k`` is the record: the vectors are exact, ``<lr_i v_i, q_j>`` is the score.
 
-The index depends on the fitted curvature, so it is kept in this process (:data:`MAX_KEPT` of them) while the
-pass's batches and shards are unchanged, not on disk: the reports (one process) build it once for all their test
-samples; each ``metastore influence -k`` command builds its own.
+The index depends on the fitted curvature, so it is kept in this process (:data:`MAX_KEPT` of them, each at most
+:data:`MAX_INDEX_BYTES`: a larger pass is scored row by row) while the pass's batches and shards are unchanged, not
+on disk: the reports (one process) build it once for all their test samples; each ``metastore influence -k``
+command builds its own.
 """
 
 from __future__ import annotations
@@ -78,6 +79,17 @@ def index_dim(store: StoreReader, capture_point: str, order: Sequence[str]) -> i
         kept = [max(r.tensors["projected"].shape[1:]) for r in batch.records if r.kind == "projected"]
         return int(max(kept)) if kept else PRECONDITIONED_DIM
     return PRECONDITIONED_DIM
+
+
+#: The most bytes a preconditioned index may hold in memory (``N x L dim^2`` float32, the flat scan's rows): a larger
+#: train pass is scored row by row instead (10^5 rows of the benchmark's MLP take 1.2 GB; 10^6 would take 12 GB).
+MAX_INDEX_BYTES = 2 << 30
+
+
+def index_fits(store: StoreReader, capture_point: str, order: Sequence[str]) -> bool:
+    """Whether the pass's preconditioned index stays within :data:`MAX_INDEX_BYTES`."""
+    rows = sum(ref.size for ref in store.batch_refs(capture_point))
+    return rows * len(order) * index_dim(store, capture_point, order) ** 2 * 4 <= MAX_INDEX_BYTES
 
 
 def whitened_sketches(
