@@ -48,9 +48,9 @@ def influence_rows(
     the cost grows with train x test pairs, and a report shows a handful.
 
     ``index``: ``True`` scores only each test sample's candidates from the store's nearest-gradient index (built
-    when missing), ``False`` every training row (the reference); ``None`` (default; the reports) is ``True`` from
-    :data:`~metastore_plugins.core.analysis.index_methods.INDEX_ROWS` training rows, below it a kept index for
-    TracIn (``RunCapture(index=True)`` builds it at the run's close) and every row for the other methods
+    when missing), ``False`` every training row (the reference); ``None`` (default; the reports) is, for TracIn,
+    ``True`` from :data:`~metastore_plugins.core.analysis.index_methods.INDEX_ROWS` training rows and below it a kept
+    index (``RunCapture(index=True)`` builds it at the run's close), every row for the other methods
     (:func:`~metastore_plugins.core.analysis.index_methods.report_index`). The candidates are scored exactly by
     the method, as ``store.influence(k=...)`` does: the top lists are the exhaustive scan's where the candidates
     hold them (docs/queries.md measures it). A method's scores are exact where its entry says so and the passes
