@@ -2,8 +2,12 @@
 
 - :class:`StoreWriter` queues records and per-sample metadata and writes whole shards;
 - :class:`StoreReader` lists, selects, restores and verifies what a run directory holds;
-- :mod:`~metastore_plugins.core.store.maintenance.compaction` compacts small shards and repairs what a
+- :mod:`~metastore_plugins.core.store.maintenance` compacts small shards and repairs what a
   killed run left. The format (manifest, journal, shards): docs/format.md.
+
+The modules live in rooms by role (``shards``, ``snapshots``, ``tags``, ``vectors``, ``writing``, ``reading``,
+``maintenance``), each importing only the rooms before it; the root keeps the file access every room goes
+through (``files``, ``file_kinds``, ``writable``): docs/design.md.
 
 It knows bytes, not questions: queries (norms, influence, dynamics, sketches) live in
 :mod:`metastore_plugins.core.analysis`, whose ``open_store`` returns a ``GradientStore``
