@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,8 @@ class RunCapture(StepCapture):
         #: training samples the curvature eigenbasis of projected passes is fitted on (0: seeded projections)
         self.basis_samples = BASIS_SAMPLES
         self.step_sums: StepSums | None = None  # the steps' K-FAC sums (basis_from("steps"))
+        self.announce_at_first_step: Callable[[], None] | None = None
+        self._starting = False  # in the start pass: a plan made there is said at the first training step
 
     def basis_from(self, source: BasisSource) -> None:
         """Fit each checkpoint's eigenbasis on ``basis_samples`` of its samples (``"checkpoint"``) or on the K-FAC
@@ -220,9 +222,9 @@ class RunCapture(StepCapture):
         (:meth:`~metastore_plugins.core.training.pass_rates.PassRates.start_pass`).
 
         ``name`` :data:`~metastore_plugins.core.model.pass_sources.START_PASS` is the pass before the first
-        training step: the validation samples only
-        (``start/val``), the test side in in-run influence of the steps before the first epoch-end pass
-        (:func:`~metastore_plugins.core.analysis.in_run.step_windows` pairs each step with the pass before it).
+        training step: the validation samples only (``start/val``), the test side in in-run influence of the steps
+        before the first epoch-end pass (:func:`~metastore_plugins.core.analysis.in_run.step_windows` pairs each
+        step with the passes around it).
         Where the plan (made there when none is yet) projects a layer, the curvature eigenbasis is fitted first on
         the training source (the steps after it go on that basis, as after any pass). No training split, no
         snapshot, not one of the plan's ``planned_passes`` (its samples are planned beside them); nothing without
@@ -232,45 +234,58 @@ class RunCapture(StepCapture):
         captured = [source for source in sources if source.split != TRAIN_SPLIT] if start else list(sources)
         if not captured:
             return
-        started = time.perf_counter()
-        if not start:
-            self.last_pass = (model, sources, loss_of, to_device, context)
-        weight, trained_at = self.rates.start_pass(lr)
-        attributes = {"epoch": epoch, "lr": trained_at, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
-        if not start and self.policy.should_snapshot(step):
-            self.snapshot(model, name=name, step=step, attributes=attributes)
-        if not start and self.policy.pass_dropped:
-            return  # the budget keeps no part of this pass (said, and recorded in the plan): no tag, no records
-        self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
-        captured = within_memory(
-            captured, self.policy.factor_sample_bytes
-        )  # batches whose factors fit PASS_BATCH_BYTES
-        projecting = start or self.policy.projects_passes()  # the start pass: known once the plan is made
-        fitted_on = training_source(sources) if self.basis_samples and projecting else None
-        with large_blocks_mapped():  # the pass's temporaries leave no holes in the heap for the steps
-            if self.step_sums is not None and not start:  # from the steps since the last pass: no forward or backward
-                fitting = time.perf_counter()
-                sums = self.step_sums.take()
-                if self.policy.projects_passes() or self.policy.projects_steps():
-                    fit_step_bases(self.policy, sums, step)
-                self.seconds["basis"] += time.perf_counter() - fitting
-            elif fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
-                fitting = time.perf_counter()
-                fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
-                               step=step, context=context, samples=self.basis_samples, planning=start)  # fmt: skip
-                self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
-            for source in captured:
-                self.checkpoint_pass(
-                    model,
-                    ((ids, to_device(batch)) for ids, batch in source.batches(rank, world_size)),
-                    loss_of,
-                    capture_point=f"{name}/{source.split}",
-                    step=step,
-                    epoch=epoch,
-                    lr=weight,
-                    context=context,
-                )
-        self.seconds["passes"] += time.perf_counter() - started
+        with self._start_pass(start):
+            started = time.perf_counter()
+            if not start:
+                self.last_pass = (model, sources, loss_of, to_device, context)
+            weight, trained_at = self.rates.start_pass(lr)
+            attributes = {"epoch": epoch, "lr": trained_at, "pass_lr": weight, "checkpoint": True, **(attributes or {})}
+            if not start and self.policy.should_snapshot(step):
+                self.snapshot(model, name=name, step=step, attributes=attributes)
+            if not start and self.policy.pass_dropped:
+                return  # the budget keeps no part of this pass (said, and recorded in the plan): no tag, no records
+            self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
+            captured = within_memory(
+                captured, self.policy.factor_sample_bytes
+            )  # batches whose factors fit PASS_BATCH_BYTES
+            projecting = start or self.policy.projects_passes()  # the start pass: known once the plan is made
+            fitted_on = training_source(sources) if self.basis_samples and projecting else None
+            with large_blocks_mapped():  # the pass's temporaries leave no holes in the heap for the steps
+                if (
+                    self.step_sums is not None and not start
+                ):  # from the steps since the last pass: no forward or backward
+                    fitting = time.perf_counter()
+                    sums = self.step_sums.take()
+                    if self.policy.projects_passes() or self.policy.projects_steps():
+                        fit_step_bases(self.policy, sums, step)
+                    self.seconds["basis"] += time.perf_counter() - fitting
+                elif fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
+                    fitting = time.perf_counter()
+                    fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
+                                   step=step, context=context, samples=self.basis_samples, planning=start)  # fmt: skip
+                    self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
+                for source in captured:
+                    self.checkpoint_pass(
+                        model,
+                        ((ids, to_device(batch)) for ids, batch in source.batches(rank, world_size)),
+                        loss_of,
+                        capture_point=f"{name}/{source.split}",
+                        step=step,
+                        epoch=epoch,
+                        lr=weight,
+                        context=context,
+                    )
+            self.seconds["passes"] += time.perf_counter() - started
+
+    @contextmanager
+    def _start_pass(self, start: bool) -> Iterator[None]:
+        """Mark the start pass while it runs: a plan made there is said at the first training step
+        (:meth:`_plan_changed`: what a training-mode step leaves out, below a BatchNorm, is known only then)."""
+        self._starting = start
+        try:
+            yield
+        finally:
+            self._starting = False
 
     # -- plan, tags and snapshots ----------------------------------------------------------
 
@@ -312,6 +327,11 @@ class RunCapture(StepCapture):
         return timed
 
     def _plan_changed(self, plan: CapturePlan) -> None:
+        if self._starting and self.announce_at_first_step is None and not plan.degraded:
+            # made in the start pass (eval mode): what a training-mode step leaves out is known at the first step
+            self.writer.update_config({"capture_plan": plan.to_json()}, save=True)
+            self.announce_at_first_step = lambda: self._plan_changed(self.policy.plan or plan)
+            return
         mixed = self._session.batch_mixed_parameters() if self._session is not None else {}  # below a train-mode BN
         self.writer.update_config({"capture_plan": plan.to_json(), **batch_mixed_config(mixed)}, save=True)  # now
         if self._announce is not None and not plan.degraded:  # one message, once; slow rules named

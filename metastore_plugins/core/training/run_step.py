@@ -53,6 +53,7 @@ class StepCapture:
     _scaling: Callable[[LayerRecord], LayerRecord]
     _reduction_checked: bool
     step_sums: StepSums | None  # the steps' K-FAC sums, where the eigenbasis is fitted from them
+    announce_at_first_step: Callable[[], None] | None  # the plan made in the start pass, said at the first step
 
     def begin_step(
         self,
@@ -131,6 +132,9 @@ class StepCapture:
         if records is None:  # no backward happened (a skipped step)
             return
         labels, losses = self.losses(forward_output, batch)
+        if capture_point == "train" and self.announce_at_first_step is not None:  # train-mode layers now known
+            announce, self.announce_at_first_step = self.announce_at_first_step, None
+            announce()
         if self.step_sums is not None and capture_point == "train":  # the next checkpoint's basis (basis_from)
             self.step_sums.add(records, self._scaling, step * 1009 + micro_batch)
         kept = self.policy.apply(records, capture_point=capture_point, step=step)
