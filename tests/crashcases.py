@@ -46,6 +46,8 @@ def crash(out: Path, mode: str, step: int) -> None:
         return
     if mode == "exception":
         raise ValueError(f"boom at step {step}")
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # started in the background of a shell: SIGINT inherited
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored; a terminal's Ctrl-C is what is tested
     (out / "waiting").write_text(str(os.getpid()))
     while True:
         time.sleep(0.05)
