@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from metastore_plugins.core.analysis import vector_index as vi
+from metastore_plugins.core.analysis import vector_search as vs
 
 
 def synthetic(rows: int, width: int, seed: int, clusters: int = 256) -> np.ndarray:
@@ -84,28 +85,28 @@ def median_ms(fn, queries: np.ndarray) -> float:
 
 
 def run(rows: int, width: int, n_queries: int, nprobes: list[int]) -> dict:
-    faiss = vi.load_faiss()
+    faiss = vs.load_faiss()
     vectors = synthetic(rows, width, 0)
     queries = synthetic(n_queries, width, 1)
     truth = [top10(vectors @ q) for q in queries]
     result: dict = {"rows": rows, "width": width, "queries": n_queries, "vector_bytes": vectors.nbytes}
-    index = vi.VectorIndex("bench", int(round(width**0.5)), np.arange(rows), np.ones(rows), vectors, vi.Plan())
+    index = vs.VectorIndex("bench", int(round(width**0.5)), np.arange(rows), np.ones(rows), vectors, vs.Plan())
     result["numpy_scan_ms"] = median_ms(lambda q: index.search(q, 10), queries)
-    result["plan"] = vars(vi.choose_plan(rows, width, faiss is not None))
+    result["plan"] = vars(vs.choose_plan(rows, width, faiss is not None))
     if faiss is None:
         return result
     flat = faiss.IndexFlatIP(width)
     flat.add(vectors)
     result["faiss_flat_ms"] = median_ms(lambda q: flat.search(q, 10), queries)
-    plan = vi.choose_plan(rows, width, True)
+    plan = vs.choose_plan(rows, width, True)
     nlist = plan.nlist or int(min(65536, max(64, 2 ** round(np.log2(4 * np.sqrt(rows))))))
     start = time.perf_counter()
-    ann = vi.build_ivf(vectors, vi.Plan("ivf", nlist, nlist // 4), faiss)  # as the library builds it
+    ann = vs.build_ivf(vectors, vs.Plan("ivf", nlist, nlist // 4), faiss)  # as the library builds it
     result["ivf"] = {"nlist": nlist, "build_s": time.perf_counter() - start}
     result["ivf"]["bytes"] = int(faiss.serialize_index(ann).nbytes)
     result["ivf"]["by_nprobe"] = []
     for nprobe in sorted({*nprobes, max(1, nlist // 4)}):
-        ivf = vi.VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, vi.Plan("ivf", nlist, nprobe), ann)
+        ivf = vs.VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, vs.Plan("ivf", nlist, nprobe), ann)
         found = [set(ivf.search(q[None], 10)[0].tolist()) for q in queries]
         recall = np.mean([len(t & f) / 10 for t, f in zip(truth, found)])
         wide = [set(ivf.search(q[None], 50)[0].tolist()) for q in queries]  # the candidates a query rescores
@@ -134,26 +135,26 @@ def exhaustive_top(vectors: np.ndarray, queries: np.ndarray, count: int, block: 
 def reduced_run(train: Path, test: Path, reduced: list[int], candidates: list[int], scans: int) -> dict:
     """The full-width rows of ``train`` (a ``.npy`` from :func:`lowrank_rows`, memory-mapped) searched through
     ``Plan("reduced")`` at each reduced width and candidate count, against the exhaustive scan."""
-    faiss = vi.load_faiss()
+    faiss = vs.load_faiss()
     vectors, queries = np.load(train, mmap_mode="r"), np.asarray(np.load(test), np.float32)
     rows, width = vectors.shape
     result: dict = {"rows": rows, "width": width, "queries": len(queries), "vector_bytes": int(vectors.nbytes)}
-    result["plan"] = vars(vi.choose_plan(rows, width, faiss is not None))
+    result["plan"] = vars(vs.choose_plan(rows, width, faiss is not None))
     start = time.perf_counter()
     truth = [set(t.tolist()) for t in exhaustive_top(vectors, queries, 10)]
     result["reference_s"] = time.perf_counter() - start
-    flat = vi.VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, vi.Plan())
+    flat = vs.VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, vs.Plan())
     result["exhaustive_scan_ms"] = median_ms(lambda q: flat.search(q, 10), queries[:scans])
     result["by_reduced"] = []
     for width_r in reduced:
         start = time.perf_counter()
-        ann = vi.build_reduced(vectors, np.ones(rows), vi.Plan("reduced", reduced=width_r), faiss)
+        ann = vs.build_reduced(vectors, np.ones(rows), vs.Plan("reduced", reduced=width_r), faiss)
         found: dict = {"reduced": width_r, "build_s": time.perf_counter() - start}
         found["bytes"] = int(faiss.serialize_index(ann).nbytes)
         found["runs"] = []
         for count in candidates:
-            plan = vi.Plan("reduced", reduced=width_r, candidates=count)
-            index = vi.VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, plan, ann)
+            plan = vs.Plan("reduced", reduced=width_r, candidates=count)
+            index = vs.VectorIndex("bench", 8, np.arange(rows), np.ones(rows), vectors, plan, ann)
             got = [set(index.search(q[None], 10)[0].tolist()) for q in queries]
             recall = float(np.mean([len(t & g) / 10 for t, g in zip(truth, got)]))
             whole = float(np.mean([t == g for t, g in zip(truth, got)]))

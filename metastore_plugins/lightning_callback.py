@@ -56,6 +56,22 @@ from metastore_plugins.core.training.settings import CaptureSettings
 from metastore_plugins.core.training.settings_doc import with_settings_doc
 
 
+def _stripping(loaders: str) -> Callable[..., None]:
+    """An ``on_<stage>_batch_start`` hook: :func:`strip_index` on the batches of ``trainer.<loaders>``."""
+
+    def hook(
+        self: Callback,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        strip_index(getattr(trainer, loaders), batch, dataloader_idx)
+
+    return hook
+
+
 @with_settings_doc
 class MetaStoreCallback(Callback, FacadeHolder):
     """Stores per-sample gradient factors of every training step, checkpoint passes, and reports.
@@ -206,23 +222,10 @@ class MetaStoreCallback(Callback, FacadeHolder):
             batch_loss=loss * accumulate if isinstance(loss, Tensor) else None,
         )
 
-    @override
-    def on_validation_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        strip_index(trainer.val_dataloaders, batch, dataloader_idx)
-
-    @override
-    def on_test_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        strip_index(trainer.test_dataloaders, batch, dataloader_idx)
-
-    @override
-    def on_predict_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        strip_index(trainer.predict_dataloaders, batch, dataloader_idx)
+    # evaluation batches of an IndexedDataset: its sample ids taken out before the step sees them
+    on_validation_batch_start = _stripping("val_dataloaders")
+    on_test_batch_start = _stripping("test_dataloaders")
+    on_predict_batch_start = _stripping("predict_dataloaders")
 
     # -- checkpoint passes ---------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from metastore_plugins import MetaStoreCallback, open_store
+from metastore_plugins.core.analysis import DefaultScores
 from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING
 
 from .lds_peers import pick
@@ -99,27 +101,35 @@ def train_with_defaults(setup: Setup, data: tuple[Tensor, Tensor, Tensor, Tensor
     return store_dir, time.perf_counter() - started
 
 
-def default_scores(store_dir: Path, setup: Setup, n: int) -> np.ndarray:
-    """``(N, M)`` the default answer over every validation pass the store holds, in step order."""
+def default_answer(store_dir: Path) -> DefaultScores:
+    """The default answer over every validation pass the store holds, in step order."""
     store = open_store(store_dir)
     tests = sorted((p for p in store.capture_points() if p.endswith("/val")), key=lambda p: store.steps(p)[0])
-    return ordered(store.influence(test=tests, method="auto"), n, setup.test_samples + setup.tune_samples)
+    return store.influence(test=tests, method="auto")
 
 
 def defaults_attributors(
     setup: Setup, data: tuple[Tensor, Tensor, Tensor, Tensor], tmp: Path, plain_seconds: float
 ) -> dict[str, dict[str, Any]]:
     """``{ROW: row}`` as :func:`.lds.run` keeps rows (scores ``(N, M)``, seconds with the fit's cost beyond the
-    plain training, the training samples with a score, the plan the defaults made)."""
+    plain training, the training samples with a score, the rows by the side(s) that scored them, the plan the
+    defaults made)."""
     store_dir, seconds = train_with_defaults(setup, data, tmp / "defaults")
     n, m = len(data[1]), setup.test_samples
-    row = pick((DEFAULT_RELATIVE_DAMPING,), lambda _: default_scores(store_dir, setup, n), m, None)
+    answers: list[DefaultScores] = []
+
+    def scores(_: float) -> np.ndarray:
+        answers.append(default_answer(store_dir))
+        return ordered(answers[-1], n, setup.test_samples + setup.tune_samples)  # (N, M + T)
+
+    row = pick((DEFAULT_RELATIVE_DAMPING,), scores, m, None)
     plan = open_store(store_dir).config["capture_plan"]
     row.update(
         seconds=seconds - plain_seconds + row["seconds"],
         query_seconds=row["seconds"],
         trainings=1,
         samples_scored=int((np.abs(row["scores"]).sum(1) > 0).sum()),  # of N: rows not all zero
+        sources=dict(sorted(Counter(str(side) for side in answers[-1].sources).items())),  # rows by side
         plan={"steps": plan["train"], "passes": plan["passes"], "k": plan["k"], "encoding": plan["encoding"]},
     )
     return {ROW: row}

@@ -11,9 +11,8 @@ Example::
     torchrun --nproc-per-node 4 -m metastore_plugins.cli influence runs/text-classifier  # partitioned
 
 Every error of the package (a :class:`~metastore_plugins.core.errors.MetastoreError`: user mistakes such as an unknown
-run, sample, layer or step, a damaged store, a store that cannot be written by a command that writes into it) and a
-path that is not there print one line and exit with status 2; a partitioned query stopped by another rank
-(``DistributedQueryError``) prints one line and exits with status 1.
+run, sample, layer or step, a damaged store, a store that cannot be written by a command that writes into it, a
+partitioned query stopped by another rank) and a path that is not there print one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from metastore_plugins.cli.output import printable
 from metastore_plugins.cli.parser import PARTITIONED, build_parser
 from metastore_plugins.core.analysis import open_store
 from metastore_plugins.core.distributed import init_from_env, launched, open_distributed_store, rank_of, shutdown
-from metastore_plugins.core.errors import DistributedQueryError, IncompleteStoreWarning, MetastoreError
+from metastore_plugins.core.errors import IncompleteStoreWarning, MetastoreError
 from metastore_plugins.core.store import find_store_dir
 
 __all__ = ["PARTITIONED", "build_parser", "main"]
@@ -89,9 +88,6 @@ def _main(argv: Sequence[str] | None) -> int:
             with contextlib.redirect_stdout(out), warnings.catch_warnings():
                 warnings.showwarning = functools.partial(_one_line, args.command, warnings.showwarning)
                 status = args.func(args, target) or 0
-    except DistributedQueryError as exc:
-        print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)
-        return 1
     except (MetastoreError, FileNotFoundError) as exc:  # any error of the package; a store path that is not there
         print(f"metastore {args.command}: error: {printable(exc)}", file=sys.stderr)
         return 2

@@ -14,7 +14,8 @@ from metastore_plugins.core.store.maintenance.compaction import compact, repair
 from metastore_plugins.core.store.reading.plan_check import plan_problem
 from metastore_plugins.core.store.reading.runs import repeated_batches
 from metastore_plugins.core.store.snapshots.weights import SnapshotInfo, check_snapshots
-from metastore_plugins.core.store.tags.book import Tag, check_tags
+from metastore_plugins.core.store.tags.book import check_tags
+from metastore_plugins.core.store.tags.tag_line import Tag
 from metastore_plugins.core.store.vectors import vector_check
 from metastore_plugins.core.store.writing.run_log import Gap, Session
 

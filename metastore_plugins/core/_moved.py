@@ -1,10 +1,10 @@
-"""Old module paths kept for one release: each name is looked up in its new home, with a ``DeprecationWarning``."""
+"""Old module paths and names kept for one release: each is looked up in its new home, with a ``DeprecationWarning``."""
 
 from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from metastore_plugins.core.errors import UnknownNameError
 
@@ -26,5 +26,19 @@ def moved_module(old: str, homes: Sequence[str]) -> Callable[[str], object]:
                 )
                 return getattr(module, name)
         raise UnknownNameError(f"module {old!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+def renamed(module: str, old_names: Mapping[str, tuple[object, str]]) -> Callable[[str], object]:
+    """A module ``__getattr__`` for ``module`` whose old names (``old_names``: each one's ``(object, why)``) give
+    their object with a ``DeprecationWarning``: ``why``, then the release that drops the old name."""
+
+    def __getattr__(name: str) -> object:
+        if name not in old_names:
+            raise UnknownNameError(f"module {module!r} has no attribute {name!r}")
+        found, why = old_names[name]
+        warnings.warn(f"{module}.{name} {why}; the old name goes in {REMOVAL}", DeprecationWarning, stacklevel=2)
+        return found
 
     return __getattr__

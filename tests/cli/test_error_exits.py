@@ -1,5 +1,5 @@
 """The ``metastore`` command's exit on an error: every class of ``core/errors.py`` gives one line and status 2
-(a partitioned query stopped by another rank: status 1); an error that is not the package's is not swallowed."""
+(a partitioned query stopped by another rank too); an error that is not the package's is not swallowed."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from metastore_plugins import cli
+from metastore_plugins.cli import parser
 from metastore_plugins.core import errors
 
 #: Every error class the package raises; its warning class is an error too where warnings are made errors.
@@ -41,7 +42,7 @@ def test_every_error_class_is_listed() -> None:
     assert len(CLASSES) >= 20
 
 
-@pytest.mark.parametrize("cls", [c for c in CLASSES if c is not errors.DistributedQueryError], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_a_package_error_of_each_class_exits_2_with_one_line(
     cls: type[errors.MetastoreError],
     tmp_path: Path,
@@ -55,12 +56,19 @@ def test_a_package_error_of_each_class_exits_2_with_one_line(
     assert err == f"metastore inspect: error: {ESCAPED}\n"
 
 
-def test_a_partitioned_query_stopped_by_another_rank_exits_1_with_one_line(
+def test_a_partitioned_query_stopped_by_another_rank_exits_2_with_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli, "_open", raising(errors.DistributedQueryError(MESSAGE)))
-    status, _, err = run_cli(["influence", str(tmp_path)], capsys)
-    assert status == 1
+    """Raised by the query (the command's own function), not by opening the store: as a rank that stopped does."""
+
+    def stopped(args: argparse.Namespace, target: object) -> int:
+        raise errors.DistributedQueryError(MESSAGE)
+
+    monkeypatch.setattr(cli, "_open", lambda args: tmp_path)
+    monkeypatch.setattr(parser, "cmd_influence", stopped)
+    status, out, err = run_cli(["influence", str(tmp_path)], capsys)
+    assert status == 2
+    assert out == ""
     assert err == f"metastore influence: error: {ESCAPED}\n"
 
 

@@ -24,6 +24,7 @@ from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.errors import RepresentationError
 from metastore_plugins.core.ops import curvature as kfac
 from metastore_plugins.core.ops import represent, total_dots
+from metastore_plugins.core.ops.curvature_rotated import EigenvalueCorrection
 from metastore_plugins.core.ops.precondition import precondition
 from metastore_plugins.core.records import to_dense
 from metastore_plugins.testing import reference_per_sample_gradients
@@ -166,7 +167,7 @@ def store_scores(kind: str, method: str, power: float = 1.0) -> Tensor:
         sums.add(records)
     curvature = sums.fit()
     if method == "ekfac":
-        correction = kfac.EigenvalueCorrection(curvature)
+        correction = EigenvalueCorrection(curvature)
         for records in train_records:
             correction.add(records)
         curvature = correction.fit()
@@ -219,7 +220,7 @@ def test_ekfac_and_kfac_differ_and_absolute_damping_is_used() -> None:
     sums = kfac.CurvatureSums()
     sums.add(records)
     fitted = sums.fit()
-    correction = kfac.EigenvalueCorrection(fitted)
+    correction = EigenvalueCorrection(fitted)
     correction.add(records)
     corrected = correction.fit()
     assert rel_err(corrected["inp"].eigenvalues, fitted["inp"].eigenvalues) > 0.01
@@ -236,7 +237,7 @@ def test_tied_records_of_one_layer_are_one_block() -> None:
     shared = [r for r in case.train_records if r.layer == "shared"]
     assert len(shared) == 2 and sums.layers["shared"].rows == sum(len(r.tensors["sample"]) for r in shared)
     fitted = sums.fit()
-    correction = kfac.EigenvalueCorrection(fitted)
+    correction = EigenvalueCorrection(fitted)
     correction.add(case.train_records)
     corrected = correction.fit()["shared"]
     q = torch.kron(corrected.q_out[0], corrected.q_in[0])  # (P, P)
@@ -265,7 +266,7 @@ def test_dense_batches_of_a_factored_layer() -> None:
     assert got_g is not None and rel_err(got_c[0], c) <= 1e-6 and rel_err(got_g[0], g) <= 1e-6
     fitted = sums.fit()
     assert fitted["inp"].kind == "outer"
-    corrections = [kfac.EigenvalueCorrection(fitted) for _ in range(2)]
+    corrections = [EigenvalueCorrection(fitted) for _ in range(2)]
     for records, correction in zip((halves[1], mixed), corrections):
         correction.add(halves[0])
         correction.add(records)

@@ -35,6 +35,7 @@ from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.ops import curvature as kfac
 from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops import total_dots
+from metastore_plugins.core.ops.curvature_rotated import EigenvalueCorrection, rotated
 from metastore_plugins.core.ops.leverage import preconditioned_sq_norms
 from metastore_plugins.core.ops.precondition import precondition
 from metastore_plugins.core.records import to_dense
@@ -150,7 +151,7 @@ def fitted(method: str, halves: list[list[LayerRecord]]) -> dict[str, kfac.Layer
         sums.add(records)
     curvature = sums.fit()
     if method == "ekfac":
-        correction = kfac.EigenvalueCorrection(curvature)
+        correction = EigenvalueCorrection(curvature)
         for records in halves:
             correction.add(records)
         curvature = correction.fit()
@@ -217,7 +218,7 @@ def test_self_products_sparse_and_dense_rotated(method: str) -> None:
     assert c.q_out is not None
     delta = c.damping()
     sparse = torch.cat([embedding.preconditioned_self_products(h, c.q_out, c.eigenvalues, delta) for h in halves])
-    dense = torch.cat([(kfac.rotated(h, c, 0, 12).square() / (c.eigenvalues + delta)).sum((1, 2)) for h in halves])
+    dense = torch.cat([(rotated(h, c, 0, 12).square() / (c.eigenvalues + delta)).sum((1, 2)) for h in halves])
     assert rel_err(sparse, expected) <= 1e-7 * float(torch.linalg.cond(damped))
     assert rel_err(dense, sparse) <= 1e-12
 

@@ -73,8 +73,8 @@ def parses(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     from metastore_plugins.core.store.shards.journal import ParsedPrefixes
 
     parsed: list[dict] = []
-    original = tags_module._tag_of
-    monkeypatch.setattr(tags_module, "_tag_of", lambda entry: parsed.append(entry) or original(entry))
+    original = tags_module.tag_of
+    monkeypatch.setattr(tags_module, "tag_of", lambda entry: parsed.append(entry) or original(entry))
     monkeypatch.setattr(tags_module, "_PARSED", ParsedPrefixes())
     return parsed
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.store.tags.book import Tag, TagBook, find_tags, read_tags
+from metastore_plugins.core.store.tags.book import TagBook, find_tags, read_tags
+from metastore_plugins.core.store.tags.tag_line import Tag
 
 
 def test_tags_round_trip_and_later_tags_win(tmp_path: Path) -> None:
@@ -165,15 +166,15 @@ def test_a_missing_or_tagless_store_has_no_tags(tmp_path: Path) -> None:
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch, module: object) -> list[dict]:
-    """Every line ``module`` turns into a tag from now on (the decoded objects its ``_tag_of`` is given)."""
+    """Every line ``module`` turns into a tag from now on (the decoded objects its ``tag_of`` is given)."""
     parsed: list[dict] = []
-    original = module._tag_of  # type: ignore[attr-defined]
+    original = module.tag_of  # type: ignore[attr-defined]
 
     def counting(entry: dict) -> object:
         parsed.append(entry)
         return original(entry)
 
-    monkeypatch.setattr(module, "_tag_of", counting)
+    monkeypatch.setattr(module, "tag_of", counting)
     return parsed
 
 

@@ -22,6 +22,7 @@ from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
+from metastore_plugins.core.analysis import vector_search as vs
 from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store.vectors import vector_files
 
@@ -83,22 +84,22 @@ def test_ivf_candidates_recall_at_10_against_the_exhaustive_scan() -> None:
     pytest.importorskip("faiss")
     rows, width = 20_000, 64
     vectors, queries = clustered(rows, width, 0), clustered(40, width, 1)
-    flat = vi.VectorIndex("cp", 8, np.arange(rows), np.ones(rows), vectors, vi.Plan())
-    plan = vi.choose_plan(rows, width, True)
-    assert plan == vi.Plan()  # 20,000 x 64 numbers: flat ...
-    plan = vi.Plan("ivf", 256, 64)  # ... so IVF is asked for, with choose_plan's nprobe = nlist / 4
-    ann = vi.build_ivf(vectors, plan, vi.load_faiss())
-    ivf = vi.VectorIndex("cp", 8, np.arange(rows), np.ones(rows), vectors, plan, ann)
+    flat = vs.VectorIndex("cp", 8, np.arange(rows), np.ones(rows), vectors, vs.Plan())
+    plan = vs.choose_plan(rows, width, True)
+    assert plan == vs.Plan()  # 20,000 x 64 numbers: flat ...
+    plan = vs.Plan("ivf", 256, 64)  # ... so IVF is asked for, with choose_plan's nprobe = nlist / 4
+    ann = vs.build_ivf(vectors, plan, vs.load_faiss())
+    ivf = vs.VectorIndex("cp", 8, np.arange(rows), np.ones(rows), vectors, plan, ann)
     exact = [set(np.argsort(-(vectors @ q), kind="stable")[:10].tolist()) for q in queries]
     assert [set(r.tolist()) for r in flat.search(queries, 10)] == exact  # the flat scan is the exhaustive one
     recall = np.mean([len(e & set(r.tolist())) / 10 for e, r in zip(exact, ivf.search(queries, 10))])
     assert recall >= 0.95
-    assert vi.choose_plan(1_000_000, 64, True) == vi.Plan("ivf", 4096, 1024)
-    assert vi.choose_plan(1_000_000, 64, False) == vi.Plan()
+    assert vs.choose_plan(1_000_000, 64, True) == vs.Plan("ivf", 4096, 1024)
+    assert vs.choose_plan(1_000_000, 64, False) == vs.Plan()
 
 
-@pytest.mark.parametrize("plan", [None, vi.Plan("ivf", 8, 8)], ids=["flat", "ivf"])
-def test_top_k_after_rescoring_equals_the_exhaustive_top_k(store: GradientStore, plan: vi.Plan | None) -> None:
+@pytest.mark.parametrize("plan", [None, vs.Plan("ivf", 8, 8)], ids=["flat", "ivf"])
+def test_top_k_after_rescoring_equals_the_exhaustive_top_k(store: GradientStore, plan: vs.Plan | None) -> None:
     if plan is not None:
         pytest.importorskip("faiss")
         vi.open_index(store, TRAIN, plan=plan)  # kept: the query below reuses it
@@ -139,7 +140,7 @@ def damage(path: Path) -> None:
 def test_damaged_index_file_is_reported_then_rebuilt(store: GradientStore, which: str) -> None:
     if which == "ann":
         pytest.importorskip("faiss")
-    vi.open_index(store, TRAIN, plan=vi.Plan("ivf", 8, 8) if which == "ann" else None)
+    vi.open_index(store, TRAIN, plan=vs.Plan("ivf", 8, 8) if which == "ann" else None)
     folder = store.path / vector_files.FOLDER
     victim = sorted(folder.glob({"part": "part-*", "manifest": "manifest-*", "ann": "ann-*"}[which]))[0]
     damage(victim)
@@ -184,10 +185,10 @@ def test_without_faiss_every_index_is_flat_with_the_same_answers(
 ) -> None:
     with_faiss = store.influence(TRAIN, TEST, k=K, index=True)
     monkeypatch.setitem(sys.modules, "faiss", None)  # import faiss raises ImportError
-    assert vi.load_faiss() is None
-    assert vi.choose_plan(10**8, 64, vi.load_faiss() is not None) == vi.Plan()
-    opened = vi.open_index(store, TRAIN, plan=vi.Plan("ivf", 8, 2))
-    assert opened is not None and opened.plan == vi.Plan() and opened.ann is None
+    assert vs.load_faiss() is None
+    assert vs.choose_plan(10**8, 64, vs.load_faiss() is not None) == vs.Plan()
+    opened = vi.open_index(store, TRAIN, plan=vs.Plan("ivf", 8, 2))
+    assert opened is not None and opened.plan == vs.Plan() and opened.ann is None
     without = store.influence(TRAIN, TEST, k=K, index=True)
     assert_same_top(without, with_faiss)
     assert_same_top(without, store.influence(TRAIN, TEST))

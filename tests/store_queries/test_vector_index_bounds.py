@@ -20,12 +20,13 @@ from metastore_plugins import open_store
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
+from metastore_plugins.core.analysis import vector_search as vs
 from metastore_plugins.core.store.vectors import vector_files
 
 __all__ = ["base", "store"]  # the fixtures: a copy of a module-scoped store per test
 
 FOLDER = vector_files.FOLDER
-REDUCED = vi.Plan("reduced", reduced=16, candidates=60)
+REDUCED = vs.Plan("reduced", reduced=16, candidates=60)
 
 
 def ann_file(path: Path) -> Path:

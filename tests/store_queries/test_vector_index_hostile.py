@@ -32,12 +32,13 @@ from test_vector_index_repair import rewrite_manifest
 from metastore_plugins import open_store
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
+from metastore_plugins.core.analysis import vector_search as vs
 from metastore_plugins.core.store.vectors import vector_files
 
 __all__ = ["base", "store"]  # the fixtures: a copy of a module-scoped store per test
 
 FOLDER = vector_files.FOLDER
-REDUCED = vi.Plan("reduced", reduced=16, candidates=60)
+REDUCED = vs.Plan("reduced", reduced=16, candidates=60)
 
 
 def parts(path: Path) -> list[Path]:
@@ -126,9 +127,10 @@ WORKER = """
 import sys, warnings
 from metastore_plugins import open_store
 from metastore_plugins.core.analysis import vector_index as vi
+from metastore_plugins.core.analysis import vector_search as vs
 warnings.simplefilter("ignore")
 store = open_store(sys.argv[1])
-vi.open_index(store, "{train}", plan=vi.Plan("reduced", reduced=16, candidates=60))
+vi.open_index(store, "{train}", plan=vs.Plan("reduced", reduced=16, candidates=60))
 print("ready", flush=True)
 for line in sys.stdin:
     if line.strip() == "stop":

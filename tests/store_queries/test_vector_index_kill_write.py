@@ -28,6 +28,7 @@ from metastore_plugins import open_store
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
+from metastore_plugins.core.analysis import vector_search as vs
 from metastore_plugins.core.store.file_kinds import temporary_target
 from metastore_plugins.core.store.vectors import vector_files
 from metastore_plugins.core.training.run import RunCapture
@@ -95,8 +96,9 @@ sys.exit(3)  # it wrote fewer index files (or listed fewer shards) than kill_at
 ANN = """
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core.analysis import vector_index as vi
+from metastore_plugins.core.analysis import vector_search as vs
 
-vi.open_index(open_store(store_dir), sys.argv[3], plan=vi.Plan("ivf", 8, 8))
+vi.open_index(open_store(store_dir), sys.argv[3], plan=vs.Plan("ivf", 8, 8))
 sys.exit(3)
 """
 
@@ -197,7 +199,7 @@ def test_a_fresh_ivf_build_killed_while_writing_its_search_file(
         assert main(["verify", str(store.path), "--repair"]) == 0
     assert vi.open_index(open_store(store.path), TRAIN, build=False) is None  # no manifest: `auto` scans
     assert_same_top(query(open_store(store.path), None), exhaustive)
-    opened = vi.open_index(open_store(store.path), TRAIN, plan=vi.Plan("ivf", 8, 8))
+    opened = vi.open_index(open_store(store.path), TRAIN, plan=vs.Plan("ivf", 8, 8))
     assert opened.ann is not None and any(name.startswith("ann-") for name in opened.rebuilt)
     assert_same_top(query(open_store(store.path), None), exhaustive)  # through the IVF index now
     assert temporaries(store.path) == [] and open_store(store.path).verify() == []
@@ -213,7 +215,7 @@ def test_an_ivf_update_killed_while_writing_its_search_file(
     parts only); killed in the manifest, the new search file does not match the sha256 the kept manifest
     records. Either way it is not used for the grown store: rebuilt."""
     pytest.importorskip("faiss")
-    vi.open_index(store, TRAIN, plan=vi.Plan("ivf", 8, 8))
+    vi.open_index(store, TRAIN, plan=vs.Plan("ivf", 8, 8))
     model, x, y = make_model()
     write_pass(store.path, model, x, y, TRAIN, torch.arange(400, 440))
     grown = open_store(store.path)

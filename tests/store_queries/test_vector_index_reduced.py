@@ -17,6 +17,7 @@ from test_vector_index import TEST, TRAIN, K, assert_same_top, base, damage, sto
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis import vector_index as vi
+from metastore_plugins.core.analysis import vector_search as vs
 from metastore_plugins.core.store.vectors import vector_files
 
 __all__ = ["base", "store"]  # the fixtures: a copy of a module-scoped store per test
@@ -35,10 +36,10 @@ def low_rank(rows: int, width: int, seed: int, rank: int = 24) -> np.ndarray:
 
 
 def test_choose_plan_reduces_wide_rows_only() -> None:
-    assert vi.choose_plan(1_000_000, 3456, True) == vi.Plan("reduced", reduced=64, candidates=256)
-    assert vi.choose_plan(1_000_000, 64, True).kind == "ivf"
-    assert vi.choose_plan(2_000, 3456, True) == vi.Plan()  # 6.9 million numbers: a flat scan
-    assert vi.choose_plan(1_000_000, 3456, False) == vi.Plan()
+    assert vs.choose_plan(1_000_000, 3456, True) == vs.Plan("reduced", reduced=64, candidates=256)
+    assert vs.choose_plan(1_000_000, 64, True).kind == "ivf"
+    assert vs.choose_plan(2_000, 3456, True) == vs.Plan()  # 6.9 million numbers: a flat scan
+    assert vs.choose_plan(1_000_000, 3456, False) == vs.Plan()
 
 
 def test_reduced_candidates_rescored_give_the_exhaustive_top_10(tmp_path: Path) -> None:
@@ -49,9 +50,9 @@ def test_reduced_candidates_rescored_give_the_exhaustive_top_10(tmp_path: Path) 
     vectors = np.load(tmp_path / "rows.npy", mmap_mode="r")  # (N, D), not read whole by the build
     lr = np.random.default_rng(2).uniform(0.05, 0.2, rows)  # (N,)
     queries = low_rank(40, width, 1)  # (M, D)
-    plan = vi.Plan("reduced", reduced=24, candidates=100)
-    ann = vi.build_reduced(vectors, lr, plan, faiss, sample=1_000, block=512)
-    reduced = vi.VectorIndex("cp", 16, np.arange(rows), lr, vectors, plan, ann)
+    plan = vs.Plan("reduced", reduced=24, candidates=100)
+    ann = vs.build_reduced(vectors, lr, plan, faiss, sample=1_000, block=512)
+    reduced = vs.VectorIndex("cp", 16, np.arange(rows), lr, vectors, plan, ann)
     exact = (np.asarray(vectors, np.float64) * lr[:, None]) @ queries.astype(np.float64).T  # (N, M)
     tenth = -np.sort(-exact, axis=0)[9]  # (M,)
     threads = faiss.omp_get_max_threads()
@@ -73,7 +74,7 @@ def test_reduced_candidates_rescored_give_the_exhaustive_top_10(tmp_path: Path) 
 def test_store_reduced_plan_top_k_is_the_exhaustive_one_and_inspect_states_it(
     store: GradientStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan = vi.Plan("reduced", reduced=16, candidates=60)
+    plan = vs.Plan("reduced", reduced=16, candidates=60)
     opened = vi.open_index(store, TRAIN, plan=plan)
     assert opened is not None and opened.plan == plan
     assert_same_top(store.influence(TRAIN, TEST, k=K), store.influence(TRAIN, TEST))
@@ -86,7 +87,7 @@ def test_store_reduced_plan_top_k_is_the_exhaustive_one_and_inspect_states_it(
 
 @pytest.mark.parametrize("harm", ["damaged", "missing"])
 def test_damaged_or_missing_reduced_file_is_said_then_rebuilt(store: GradientStore, harm: str) -> None:
-    vi.open_index(store, TRAIN, plan=vi.Plan("reduced", reduced=16, candidates=60))
+    vi.open_index(store, TRAIN, plan=vs.Plan("reduced", reduced=16, candidates=60))
     victim = sorted((store.path / vector_files.FOLDER).glob("ann-*"))[0]  # the projection and the reduced rows
     damage(victim) if harm == "damaged" else victim.unlink()
     problems = store.verify()
@@ -101,11 +102,11 @@ def test_damaged_or_missing_reduced_file_is_said_then_rebuilt(store: GradientSto
 def test_row_stack_reads_the_rows_of_its_parts_as_their_concatenation() -> None:
     rng = np.random.default_rng(3)
     parts = [rng.standard_normal((n, 6)).astype(np.float32) for n in (5, 0, 9, 3)]
-    whole, stack = np.concatenate(parts), vi.RowStack(parts, 6)
+    whole, stack = np.concatenate(parts), vs.RowStack(parts, 6)
     assert stack.shape == whole.shape and len(stack) == 17 and stack.nbytes == whole.nbytes
     rows = np.array([16, 0, 5, 4, 13, 5])  # unsorted, repeated, across parts
     np.testing.assert_array_equal(stack[rows], whole[rows])
     np.testing.assert_array_equal(stack[3:15], whole[3:15])
     m = rng.standard_normal((6, 2)).astype(np.float32)
     np.testing.assert_allclose(stack @ m, whole @ m, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(vi.row_norms(stack, block=4), np.linalg.norm(whole, axis=1), rtol=1e-6)
+    np.testing.assert_allclose(vs.row_norms(stack, block=4), np.linalg.norm(whole, axis=1), rtol=1e-6)

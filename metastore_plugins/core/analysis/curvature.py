@@ -24,11 +24,11 @@ from metastore_plugins.core.ops.curvature import (
     DEFAULT_RELATIVE_DAMPING,
     CurvatureMethod,
     CurvatureSums,
-    EigenvalueCorrection,
     LayerCurvature,
     LayerSums,
     layer_groups,
 )
+from metastore_plugins.core.ops.curvature_rotated import EigenvalueCorrection
 from metastore_plugins.core.ops.precondition import precondition
 from metastore_plugins.core.store import Selection, StoreReader
 

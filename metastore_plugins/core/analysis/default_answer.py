@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins.core.analysis import in_run, methods
-from metastore_plugins.core.analysis.method_table import AUTO, TRACIN
+from metastore_plugins.core.analysis.method_table import AUTO, TRACIN, MethodArgs
 from metastore_plugins.core.analysis.results import DefaultScores, Scores
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import QueryError
@@ -66,37 +66,32 @@ def influence(
     return methods.influence(store, train, test, method=chosen.method, **options)
 
 
+#: the keywords of :func:`.methods.influence` the default answer takes (it scores every row: no top-k ones)
+TAKEN = ("damping", "relative_damping", "layers", "train_ids", "test_ids", "max_bytes")
+
+
 def default_influence(
-    store: StoreReader,
-    test: str | Sequence[str],
-    *,
-    method: str = AUTO,
-    damping: float | None = None,
-    relative_damping: float | None = None,
-    layers: Sequence[str] | None = None,
-    train_ids: Sequence[int] | None = None,
-    test_ids: Sequence[int] | None = None,
-    **options: Any,
+    store: StoreReader, test: str | Sequence[str], *, method: str = AUTO, **options: Any
 ) -> DefaultScores:
     """Influence of every training sample the store holds on the samples of ``test`` (module docstring).
 
     Args:
         test: the test capture point, or points in step order (``["epoch-0/val", "epoch-1/val"]``).
         method: ``"auto"`` (default here), or one method for both sides (``"trak"``: the passes only).
-        damping, relative_damping, layers, train_ids, test_ids: as :func:`.methods.influence` takes them;
-            ``options``: its ``max_bytes``.
+        options: those of :data:`TAKEN`, as :func:`.methods.influence` takes them.
 
     Raises:
         ValueError: no test point, a store with neither passes nor steps paired with them, or an argument of
             TracIn's top-k (``k=``, ``index=``, ...: take ``.top(k)`` of the result).
     """
     methods.check_method(method, methods.method_choices())
-    unknown = sorted(set(options) - {"max_bytes"})
+    unknown = sorted(set(options) - set(TAKEN))
     if unknown:
         raise QueryError(
             f"{', '.join(f'{u}=' for u in unknown)} not taken with train= left out (the default answer scores "
             "every row: take .top(k) of its result)"
         )
+    args = MethodArgs(**options)
     tests = [test] if isinstance(test, str) else list(test)
     if not tests:
         raise QueryError("influence() needs at least one test capture point")
@@ -111,30 +106,35 @@ def default_influence(
             f"no training side for {tests}: no pass 'P/{TRAIN_SPLIT}' beside them and no training steps "
             f"{TRAINING_STEPS!r} with per-sample records; the store has {held}"
         )
-    common = {"layers": layers, "train_ids": train_ids, "test_ids": test_ids, **options}
+    common: dict[str, Any] = {
+        "layers": args.layers,
+        "train_ids": args.train_ids,
+        "test_ids": args.test_ids,
+        "max_bytes": args.max_bytes,
+    }
     notes: list[str] = []
     chosen: dict[str, str] = {}
     parts: dict[str, Scores] = {}
     if pairs:
         trains, paired = [p for p, _ in pairs], [t for _, t in pairs]
-        resolved = methods.resolve_method(store, method, [*trains, *paired], layers)
+        resolved = methods.resolve_method(store, method, [*trains, *paired], args.layers)
         if resolved.fallback:
             notes.append(f"passes: TracIn, because K-FAC cannot precondition {resolved.fallback}")
         if resolved.left_out:
             notes.append(f"passes: {methods.left_out_words(resolved.left_out)}")
         chosen["passes"] = resolved.method
         with _expected_warnings():
-            damped = resolved.entry.damping_options(damping, relative_damping)
-            narrowed = {**common, "layers": resolved.layers_or(layers)}
+            damped = resolved.entry.damping_options(args.damping, args.relative_damping)
+            narrowed = {**common, "layers": resolved.layers_or(args.layers)}
             parts["passes"] = methods.influence(store, trains, paired, method=resolved.method, **damped, **narrowed)
     pass_ids = set(parts["passes"].row_ids.tolist()) if "passes" in parts else set()
     step_ids = set(store.sample_ids(TRAINING_STEPS).tolist()) if steps else set()
-    if train_ids is not None:
-        step_ids &= {int(i) for i in train_ids}
+    if args.train_ids is not None:
+        step_ids &= {int(i) for i in args.train_ids}
     if step_ids - pass_ids:
         wanted = method if method in in_run.in_run_methods() else methods.AUTO_METHOD
         step_tests = _with_start(tests, held)
-        parts["steps"], chosen["steps"] = _steps(store, step_tests, wanted, damping, relative_damping, common, notes)
+        parts["steps"], chosen["steps"] = _steps(store, step_tests, wanted, args, common, notes)
     return _joined(parts, chosen, sorted(pass_ids | step_ids), notes)
 
 
@@ -150,8 +150,7 @@ def _steps(
     store: StoreReader,
     tests: list[str],
     method: str,
-    damping: float | None,
-    relative_damping: float | None,
+    args: MethodArgs,
     common: dict[str, Any],
     notes: list[str],
 ) -> tuple[Scores, str]:
@@ -160,7 +159,7 @@ def _steps(
     if method != TRACIN:
         try:
             with _expected_warnings():
-                damped = methods.method_entry(method).damping_options(damping, relative_damping)
+                damped = methods.method_entry(method).damping_options(args.damping, args.relative_damping)
                 scores = in_run.in_run_influence(store, test, method=method, **damped, **common)
             return scores, method
         except ValueError as exc:  # the curvature refuses what the steps hold (a RepresentationError is one)

@@ -86,7 +86,7 @@ def open_index(
     try:
         manifest = vf.read_manifest(store.path, key)
     except StoreError as exc:
-        _warn(f"{exc}; the index is rebuilt")
+        warn_line(f"{exc}; the index is rebuilt")
         manifest = None
     if manifest is None and not build:
         return None
@@ -234,7 +234,7 @@ def load_part(
         if problem is not None:
             raise StoreError(f"{store.path / vf.FOLDER / entry['file']}: {problem}")
     except (StoreError, ValueError, OSError) as exc:
-        (say or _warn)(f"{exc}; rebuilt from {shard}")
+        (say or warn_line)(f"{exc}; rebuilt from {shard}")
         return None
     return tensors["sample_id"], tensors["lr"], tensors["vector"]
 
@@ -273,7 +273,7 @@ def _open_ann(
             index.ann = _read_ann(store, entry, index.vectors.shape[1], faiss)
             return dict(entry)
         except StoreError as exc:
-            _warn(f"{exc}; rebuilt")
+            warn_line(f"{exc}; rebuilt")
     if plan.kind == "reduced":
         ann = index.ann = build_reduced(index.vectors, index.lr, plan, faiss)
     else:
@@ -334,8 +334,10 @@ def _write(store: StoreReader, name: str, data: bytes) -> bool:
     return True
 
 
-def _warn(message: str) -> None:
-    warnings.warn(message.splitlines()[0] if message else message, stacklevel=3)
+def warn_line(message: str, stacklevel: int = 2) -> None:
+    """The first line of ``message`` as a warning (the index's damage and fallbacks are said in one line);
+    ``stacklevel`` as :func:`warnings.warn` counts it from the caller."""
+    warnings.warn(message.splitlines()[0] if message else message, stacklevel=stacklevel + 1)
 
 
 def build_vector_index(

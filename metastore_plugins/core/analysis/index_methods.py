@@ -25,28 +25,26 @@ cache keeps: that matrix is its index, and one product over it scores every row;
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from metastore_plugins.core.analysis import curvature, queries, sketches
-from metastore_plugins.core.analysis.index_files import default_dim, index_head
+from metastore_plugins.core.analysis.index_files import default_dim, index_head, warn_line
 from metastore_plugins.core.analysis.index_preconditioned import (
     fitted_curvature,
     index_fits,
     preconditioned_index,
     query_sketches,
 )
-from metastore_plugins.core.analysis.method_table import TRACIN
+from metastore_plugins.core.analysis.method_table import TRACIN, MethodArgs, Points
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import sketch_layers
-from metastore_plugins.core.analysis.vector_index import VectorIndex, projected_only
+from metastore_plugins.core.analysis.vector_index import Passes, default_candidates, index_scores, projected_only
 from metastore_plugins.core.analysis.vector_search import largest
 from metastore_plugins.core.errors import StoreError
-from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, CurvatureMethod, LayerCurvature
 from metastore_plugins.core.store import StoreReader
 from metastore_plugins.core.store.vectors import vector_files as vf
@@ -74,8 +72,9 @@ def report_index(store: StoreReader, train: Sequence[str], method: str, index: b
     return True if rows >= INDEX_ROWS else None
 
 
-#: The preconditioned methods search this many times TracIn's candidates (``max(4 k, 50)``): whitened rows spread over
-#: thousands of directions, so their sketch ranks less well than raw gradients'. Measured on a captured MLP
+#: The preconditioned methods search this many times TracIn's candidates (``max(4 k, 50)``,
+#: :func:`~.vector_index.default_candidates`): whitened rows spread over thousands of directions, so their sketch
+#: ranks less well than raw gradients'. Measured on a captured MLP
 #: 32-128-128-10 with exact layers, each test sample asked alone (metastore_bench/index_methods_bench.py,
 #: 2026-11-29): EK-FAC recall@10 at 200 / 800 / 1,600 candidates 0.89 / 0.97 / 0.99 of 20,000 rows, 0.83 / 0.95 /
 #: 0.97 of 100,000 (3,200: 0.98); the old rule (the TracIn index searched with the sketch of ``P g_j``) 0.39 / 0.77 /
@@ -85,67 +84,48 @@ PRECONDITIONED_FACTOR = 32
 
 def candidate_count(k: int, candidates: int | None) -> int:
     """The rows searched per test sample and direction: ``candidates``, else :data:`PRECONDITIONED_FACTOR` times
-    ``max(4 k, 50)`` (1,600 for ``k = 10``)."""
-    return candidates or PRECONDITIONED_FACTOR * max(4 * k, 50)
+    :func:`~.vector_index.default_candidates` (1,600 for ``k = 10``)."""
+    return candidates or PRECONDITIONED_FACTOR * default_candidates(k)
 
 
-def influence(
-    store: StoreReader,
-    train: str | Sequence[str],
-    test: str | Sequence[str],
-    *,
-    method: str,
-    k: int,
-    index: bool | None = None,
-    candidates: int | None = None,
-    damping: float | None = None,
-    relative_damping: float | None = None,
-    layers: Sequence[str] | None = None,
-    test_ids: Sequence[int] | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-) -> Scores:
-    """``method`` (``"kfac"``, ``"ekfac"``, ``"trak"``) scored on each test sample's candidates only (module docstring).
+def influence(method: str, store: StoreReader, train: Points, test: Points, args: MethodArgs) -> Scores:
+    """``method`` (``"kfac"``, ``"ekfac"``, ``"trak"``) scored on each test sample's candidates only (module docstring):
+    the top-``args.k`` path of their :class:`~.method_table.Method` entries.
 
-    ``index``: ``None`` uses a kept index, ``True`` builds one when missing, ``False`` scores every row; every row
-    is scored too where no index is kept (``None``) or the store is partitioned. ``.top(k)`` of the result is the
-    exhaustive query's where the candidates hold its top-k.
+    ``args.index``: ``None`` uses a kept index, ``True`` builds one when missing, ``False`` scores every row; every
+    row is scored too where no index is kept (``None``) or the store is partitioned. ``.top(k)`` of the result is
+    the exhaustive query's where the candidates hold its top-k.
     """
-    count = candidate_count(k, candidates)
+    count = candidate_count(args.k or 0, args.candidates)
+    layers, test_ids = args.layers, args.test_ids
     if method == "trak":
-        ridge = sketches.DEFAULT_REGULARIZATION if relative_damping is None else relative_damping
+        ridge = sketches.DEFAULT_REGULARIZATION if args.relative_damping is None else args.relative_damping
         every = sketches.kernel_influence(store, train, test, layers=layers, regularization=ridge)
         return strongest(every if test_ids is None else _columns(every, test_ids), count)
-    relative = DEFAULT_RELATIVE_DAMPING if relative_damping is None else relative_damping
+    relative = DEFAULT_RELATIVE_DAMPING if args.relative_damping is None else args.relative_damping
     chosen: CurvatureMethod = "kfac" if method == "kfac" else "ekfac"
-    options: dict[str, Any] = {"damping": damping, "relative_damping": relative, "layers": layers}
+    options: dict[str, Any] = {"damping": args.damping, "relative_damping": relative, "layers": layers}
 
     def exhaustive() -> Scores:
         return curvature.kfac_influence(store, train, test, method=chosen, test_ids=test_ids, **options)
 
-    if index is False or scan_of(store).partitioned:
+    if args.index is False or scan_of(store).partitioned:
         return exhaustive()
     try:
-        found = _candidates(store, train, test, chosen, index, count, test_ids, max_bytes, options)
+        found = _candidates(store, train, test, chosen, args.index, count, test_ids, args.max_bytes, options)
     except StoreError as exc:  # a part changed on disk while it was read: this answer scans every row
-        _warn(f"{exc}; every row is scanned")
+        warn_line(f"{exc}; every row is scanned", 3)
         return exhaustive()
     if found is None:
         return exhaustive()
     ids, fitted, passes = found
     if projected_only(store, sketch_layers(store, layers)):
-        row_parts, col_parts = [], []
-        for opened, tested, query in passes:
-            rows = np.flatnonzero(np.isin(opened.sample_ids, ids))  # (n,) every occurrence
-            matrix = opened.weighted_rows(rows).astype(np.float64) @ query.astype(np.float64).T  # (n, M)
-            row_parts.append((opened.sample_ids[rows], matrix))
-            col_parts.append((tested, matrix))
-        return queries.summed_scores(row_parts, col_parts)
+        return index_scores(passes, ids)
     pairs = queries.selected_pairs(store, train, test, layers=layers, train_ids=ids, test_ids=test_ids)
     fitted_on = {cp: store.select(cp, layers=layers) for cp, _, _, _ in pairs}
-    return curvature.preconditioned_scores(store, pairs, fitted_on, chosen, damping, relative, max_bytes, fitted=fitted)
-
-
-Passes = list[tuple[VectorIndex, np.ndarray, np.ndarray]]
+    return curvature.preconditioned_scores(
+        store, pairs, fitted_on, chosen, args.damping, relative, args.max_bytes, fitted=fitted
+    )
 
 
 def _candidates(
@@ -198,7 +178,3 @@ def strongest(scores: Scores, count: int) -> Scores:
 def _columns(scores: Scores, ids: Sequence[int]) -> Scores:
     cols = np.isin(scores.col_ids, list(ids))
     return Scores(scores.scores[:, cols], scores.row_ids, scores.col_ids[cols])
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message.splitlines()[0] if message else message, stacklevel=4)

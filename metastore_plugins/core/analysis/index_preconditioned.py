@@ -32,7 +32,8 @@ from metastore_plugins.core.analysis.vector_search import (
 )
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops._common import chunks
-from metastore_plugins.core.ops.curvature import CurvatureMethod, LayerCurvature, layer_groups, rotated, sample_chunk
+from metastore_plugins.core.ops.curvature import CurvatureMethod, LayerCurvature, layer_groups
+from metastore_plugins.core.ops.curvature_rotated import rotated, sample_chunk
 from metastore_plugins.core.ops.precondition import precondition
 from metastore_plugins.core.records import LayerRecord
 from metastore_plugins.core.store import StoreReader

@@ -31,14 +31,6 @@ from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, Curva
 from metastore_plugins.core.store import Selection, StoreReader
 
 
-def _tracin(store: StoreReader, train: Points, test: Points, args: MethodArgs) -> Scores:
-    """TracIn: every row, or with ``k`` each test sample's candidates from the index (it decides which)."""
-    return vector_index.influence(
-        store, train, test, k=args.k, index=args.index, candidates=args.candidates, recompute=args.recompute,
-        layers=args.layers, train_ids=args.train_ids, test_ids=args.test_ids, max_bytes=args.max_bytes,
-    )  # fmt: skip
-
-
 def _tracin_pairs(
     store: StoreReader, pairs: Sequence[Pair], fitted_on: dict[str, Selection], args: MethodArgs
 ) -> Scores:
@@ -48,15 +40,6 @@ def _tracin_pairs(
 def _tracin_self(store: StoreReader, point: Points | None, args: MethodArgs, where: dict[str, Any]) -> np.ndarray:
     chosen = {} if args.layers is None else {"layers": args.layers}
     return queries.self_influence(store, point, max_bytes=args.max_bytes, scan=args.scan, **chosen, **where)
-
-
-def _top_k(name: str, store: StoreReader, train: Points, test: Points, args: MethodArgs) -> Scores:
-    """The preconditioned methods' top-k: :func:`.index_methods.influence`."""
-    return index_methods.influence(
-        store, train, test, method=name, k=args.k or 0, index=args.index, candidates=args.candidates,
-        damping=args.damping, relative_damping=args.relative_damping, layers=args.layers, test_ids=args.test_ids,
-        max_bytes=args.max_bytes,
-    )  # fmt: skip
 
 
 def _kfac(name: CurvatureMethod, store: StoreReader, train: Points, test: Points, args: MethodArgs) -> Scores:
@@ -111,8 +94,8 @@ def restricted(scores: Scores, row_ids: Sequence[int] | None, col_ids: Sequence[
 TRACIN_METHOD = Method(
     TRACIN,
     "TracIn",
-    influence=_tracin,
-    top_k=_tracin,
+    influence=vector_index.influence,  # every row, or with k each test sample's candidates (it decides which)
+    top_k=vector_index.influence,
     pairs=_tracin_pairs,
     self_influence=_tracin_self,
     takes=frozenset({"recompute", "scan"}),
@@ -130,7 +113,7 @@ def _curvature_method(name: CurvatureMethod, label: str) -> Method:
         name,
         label,
         influence=partial(_kfac, name),
-        top_k=partial(_top_k, name),
+        top_k=partial(index_methods.influence, name),
         pairs=partial(_kfac_pairs, name),
         self_influence=partial(_kfac_self, name),
         takes=frozenset({"damping", "relative_damping"}),
@@ -149,7 +132,7 @@ TRAK = Method(
     "trak",
     "TRAK",
     influence=_trak,
-    top_k=partial(_top_k, "trak"),
+    top_k=partial(index_methods.influence, "trak"),
     self_influence=_trak_self,
     takes=frozenset({"relative_damping"}),
     default_relative=sketches.DEFAULT_REGULARIZATION,

@@ -3,8 +3,9 @@ called with.
 
 An entry holds what the method accepts beyond the arguments every method takes (``takes``), how it scores
 (``influence``: every training row; ``pairs``: given paired selections, what in-run influence calls;
-``self_influence``), its top-k path through the nearest-gradient index (``top_k``: a thin call of
-:mod:`.index_methods` or :mod:`.vector_index`) and how the reports name it (``label``, :class:`MethodWords`).
+``self_influence``), its top-k path through the nearest-gradient index (``top_k``:
+:func:`.index_methods.influence` or :func:`.vector_index.influence`, which take the :class:`MethodArgs` too) and
+how the reports name it (``label``, :class:`MethodWords`).
 The built-in entries are :mod:`.method_entries`; the table every query looks a name up in is
 :data:`.methods.METHODS`, which :func:`.methods.register_method` extends (docs/design.md, "A new influence
 method").

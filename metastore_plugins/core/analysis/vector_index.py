@@ -17,13 +17,14 @@ scores only those rows:
    (:func:`~metastore_plugins.core.analysis.refine.refine_influence`) recomputes the strongest rows.
 
 The result is a :class:`Scores` whose rows are the union of the candidates: ``.top(k)`` is the
-answer. The search structure is chosen from the rows ``N`` and width ``D`` (:func:`choose_plan`):
-an exhaustive scan of the vectors (flat) up to :data:`FLAT_MAX_VALUES` numbers, FAISS IVF above
-(``faiss-cpu``, the ``index`` extra; :func:`build_ivf`). Without FAISS every index is flat: the same candidates,
-slower. ``similar`` always scans its vectors (cosine is not the inner product IVF is built for).
+answer. The search structure is chosen from the rows ``N`` and width ``D``
+(:func:`.vector_search.choose_plan`): an exhaustive scan of the vectors (flat) up to
+:data:`.vector_search.FLAT_MAX_VALUES` numbers, FAISS IVF above (``faiss-cpu``, the ``index`` extra;
+:func:`.vector_search.build_ivf`). Without FAISS every index is flat: the same candidates, slower. ``similar``
+always scans its vectors (cosine is not the inner product IVF is built for).
 
-The index in memory and its search are :mod:`.vector_search`, its files :mod:`.index_files`; this
-module holds the queries through it (and names the other two's public names).
+The index in memory and its search are :mod:`.vector_search` (its names are imported from there), its files
+:mod:`.index_files`; this module holds the queries through it (and names :mod:`.index_files`' public names).
 
 **Files** (``<store>/vector_index/``, :mod:`metastore_plugins.core.store.vectors.vector_files`): one part per
 shard holding batches of the capture point (its vectors, sample ids and learning rates), bound to
@@ -36,30 +37,24 @@ used, said in one warning line, rebuilt (in memory where the store cannot be wri
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from metastore_plugins.core.analysis import queries
-from metastore_plugins.core.analysis.index_files import DEFAULT_DIM, build_vector_index, default_dim, open_index
-from metastore_plugins.core.analysis.refine import RecomputeFn, refine_influence
+from metastore_plugins.core.analysis.index_files import (
+    DEFAULT_DIM,
+    build_vector_index,
+    default_dim,
+    open_index,
+    warn_line,
+)
+from metastore_plugins.core.analysis.method_table import MethodArgs, Points
+from metastore_plugins.core.analysis.refine import refine_influence
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import compute_sketches, sketch_layers
-from metastore_plugins.core.analysis.vector_search import (
-    FLAT_MAX_VALUES,
-    REDUCE_ABOVE,
-    Plan,
-    RowStack,
-    VectorIndex,
-    build_ivf,
-    build_reduced,
-    choose_plan,
-    largest,
-    load_faiss,
-    row_norms,
-)
+from metastore_plugins.core.analysis.vector_search import VectorIndex, largest
 from metastore_plugins.core.errors import ConfigError, StoreError
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.records import KIND_CODES
@@ -67,21 +62,13 @@ from metastore_plugins.core.store import StoreReader
 
 __all__ = [
     "DEFAULT_DIM",
-    "FLAT_MAX_VALUES",
-    "REDUCE_ABOVE",
-    "Plan",
-    "RowStack",
-    "VectorIndex",
-    "build_ivf",
-    "build_reduced",
     "build_vector_index",
-    "choose_plan",
+    "default_candidates",
     "default_dim",
+    "index_scores",
     "influence",
-    "load_faiss",
     "open_index",
     "projected_only",
-    "row_norms",
     "similar",
 ]
 
@@ -108,24 +95,11 @@ def projected_only(store: StoreReader, layers: Sequence[str]) -> bool:
     return bool(mine.any()) and bool(np.all(record["kind"][mine] == KIND_CODES.index("projected")))
 
 
-def influence(
-    store: StoreReader,
-    train: str | Sequence[str],
-    test: str | Sequence[str],
-    *,
-    k: int | None = None,
-    index: bool | None = None,
-    candidates: int | None = None,
-    recompute: RecomputeFn | None = None,
-    layers: Sequence[str] | None = None,
-    train_ids: Sequence[int] | None = None,
-    test_ids: Sequence[int] | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-) -> Scores:
+def influence(store: StoreReader, train: Points, test: Points, args: MethodArgs) -> Scores:
     """:func:`~metastore_plugins.core.analysis.queries.influence`; with ``k``, through the nearest-gradient index.
 
-    ``k``: the rows ``.top(k)`` will show; the index then gives each test sample's ``candidates``
-    (default ``max(4 k, 50)``) proponent and opponent candidates per pass, and only their union is
+    ``args.k``: the rows ``.top(k)`` will show; the index then gives each test sample's ``candidates``
+    (default :func:`default_candidates`) proponent and opponent candidates per pass, and only their union is
     scored (the result's rows): from the index's vectors where every record of the layers is
     projected (they are those records: the same estimates), from the shards otherwise. ``index``:
     ``None`` uses a kept index (brought up to date), ``True`` builds one when missing, ``False``
@@ -134,67 +108,77 @@ def influence(
     (a distributed store): each rank searches the index of its own shards, and the ranks' pooled candidates
     are scored partitioned; every row where a rank has none kept.
     """
-    full: Callable[..., Scores] = queries.influence
     scan = scan_of(store)
-    if scan.partitioned and recompute is not None:
+    if scan.partitioned and args.recompute is not None:
         raise ConfigError("recompute= is not supported by partitioned queries; refine the result with refine_influence")
-    if k is None or index is False or train_ids is not None:
-        return full(store, train, test, layers=layers, train_ids=train_ids, test_ids=test_ids, max_bytes=max_bytes)
+    if args.k is None or args.index is False or args.train_ids is not None:
+        return _every_row(store, train, test, args)
     try:
-        scores = _influence(store, train, test, k, index, candidates, layers, test_ids, max_bytes)
+        scores = _influence(store, train, test, args, args.k)
     except StoreError as exc:  # a part changed on disk while it was read: this answer scans every row
         if scan.partitioned:
             raise
-        _warn(f"{exc}; every row is scanned")
-        scores = full(store, train, test, layers=layers, test_ids=test_ids, max_bytes=max_bytes)
-    if recompute is not None:
-        return refine_influence(store, scores, train, test, recompute)
+        warn_line(f"{exc}; every row is scanned", 3)
+        scores = _every_row(store, train, test, args)
+    if args.recompute is not None:
+        return refine_influence(store, scores, train, test, args.recompute)
     return scores
 
 
-def _influence(
-    store: StoreReader,
-    train: str | Sequence[str],
-    test: str | Sequence[str],
-    k: int,
-    index: bool | None,
-    candidates: int | None,
-    layers: Sequence[str] | None,
-    test_ids: Sequence[int] | None,
-    max_bytes: int,
+def _every_row(
+    store: StoreReader, train: Points, test: Points, args: MethodArgs, train_ids: Sequence[int] | None = None
 ) -> Scores:
+    """TracIn (:func:`.queries.influence`) of ``train_ids`` (default: ``args.train_ids``, every row where ``None``)."""
+    chosen = args.train_ids if train_ids is None else train_ids
+    return queries.influence(
+        store, train, test, layers=args.layers, train_ids=chosen, test_ids=args.test_ids, max_bytes=args.max_bytes
+    )
+
+
+def _influence(store: StoreReader, train: Points, test: Points, args: MethodArgs, k: int) -> Scores:
     """:func:`influence` through the index (``k`` given); :class:`StoreError` when a part changed while read."""
-    full: Callable[..., Scores] = queries.influence
     scan = scan_of(store)
-    count = candidates or max(4 * k, 50)
-    order = sketch_layers(store, layers)
+    count = args.candidates or default_candidates(k)
+    order = sketch_layers(store, args.layers)
     found: set[int] = set()
-    passes = []
+    passes: Passes = []
     for train_cp, test_cp in queries.paired_points(train, test):
+        build, partitioned = bool(args.index), scan.partitioned
         opened = open_index(
-            store, train_cp, layers=order, build=bool(index), max_bytes=max_bytes, partitioned=scan.partitioned
+            store, train_cp, layers=order, build=build, max_bytes=args.max_bytes, partitioned=partitioned
         )
         if not all(scan.every(opened is not None, "vector index: kept")) or opened is None:  # every rank agrees
-            return full(store, train, test, layers=layers, test_ids=test_ids, max_bytes=max_bytes)
-        tested, sketch = _test_sketches(store, test_cp, test_ids, opened, order, 0)  # (M,), (M, D)
+            return _every_row(store, train, test, args)
+        tested, sketch = _test_sketches(store, test_cp, args.test_ids, opened, order, 0)  # (M,), (M, D)
         rows = opened.search(np.concatenate([sketch, -sketch]), count)
         found.update(opened.sample_ids[rows[rows >= 0]].tolist())
         passes.append((opened, tested, sketch))
     if scan.partitioned:  # each rank's candidates from the index of its shards: their union, scored partitioned
         found = set().union(*scan.every(sorted(found), "vector index: candidates"))
     if projected_only(store, order) and not scan.partitioned:
-        row_parts, col_parts = [], []
-        for opened, tested, sketch in passes:
-            rows = np.flatnonzero(np.isin(opened.sample_ids, sorted(found)))  # (n,) every occurrence
-            matrix = opened.weighted_rows(rows).astype(np.float64) @ sketch.astype(np.float64).T  # (n, M)
-            row_parts.append((opened.sample_ids[rows], matrix))
-            col_parts.append((tested, matrix))
-        scores = queries.summed_scores(row_parts, col_parts)
-    else:
-        scores = full(
-            store, train, test, layers=layers, train_ids=sorted(found), test_ids=test_ids, max_bytes=max_bytes
-        )
-    return scores
+        return index_scores(passes, sorted(found))
+    return _every_row(store, train, test, args, sorted(found))
+
+
+#: per pass: its index, the test side's sample ids ``(M,)`` and query vectors ``(M, D)``, laid out as its rows
+Passes = list[tuple[VectorIndex, np.ndarray, np.ndarray]]
+
+
+def index_scores(passes: Passes, ids: Sequence[int]) -> Scores:
+    """``sum_c <lr_i v_i, q_j>`` of the rows ``ids`` from each pass's index vectors: where every record of the
+    layers is projected (the vectors are those records), the query's own scores without reading a shard."""
+    row_parts, col_parts = [], []
+    for opened, tested, query in passes:
+        rows = np.flatnonzero(np.isin(opened.sample_ids, ids))  # (n,) every occurrence
+        matrix = opened.weighted_rows(rows).astype(np.float64) @ query.astype(np.float64).T  # (n, M)
+        row_parts.append((opened.sample_ids[rows], matrix))
+        col_parts.append((tested, matrix))
+    return queries.summed_scores(row_parts, col_parts)
+
+
+def default_candidates(k: int) -> int:
+    """The candidates searched per test sample and direction for top-``k`` when none are asked: ``max(4 k, 50)``."""
+    return max(4 * k, 50)
 
 
 def similar(
@@ -211,7 +195,7 @@ def similar(
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Scores:
     """:func:`~metastore_plugins.core.analysis.queries.similar`; with ``k``, only the ``count`` (default
-    ``max(4 k, 50)``) most and least similar candidates per query by sketch (cosine, or inner product) are
+    :func:`default_candidates`) most and least similar candidates per query by sketch (cosine, or inner product) are
     scored: a scan of the index's vectors, not of the shards."""
 
     def scan(found: Sequence[int] | None) -> Scores:
@@ -233,7 +217,7 @@ def similar(
             _similar_candidates(store, query, candidates, k, index, count, query_ids, cosine, layers, max_bytes)
         )
     except StoreError as exc:  # a part changed on disk while it was read: this answer scans every row
-        _warn(f"{exc}; every row is scanned")
+        warn_line(f"{exc}; every row is scanned", 3)
         return scan(None)
 
 
@@ -255,14 +239,10 @@ def _similar_candidates(
     if opened is None:
         return None
     sketch = _test_sketches(store, query, query_ids, opened, order, 0)[1]  # (M, D)
-    wanted = count or max(4 * k, 50)
+    wanted = count or default_candidates(k)
     both = np.concatenate([sketch, -sketch])  # the most similar, and the least (what .top calls opponents)
     if cosine:
         rows = opened.search_cosine(both, wanted)
     else:
         rows = largest(opened.vectors @ both.T, min(wanted, len(opened.sample_ids)))
     return sorted(set(opened.sample_ids[rows.ravel()].tolist()))
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message.splitlines()[0] if message else message, stacklevel=4)

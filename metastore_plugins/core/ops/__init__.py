@@ -18,7 +18,7 @@ tensors derived from them; the store streams records chunk by chunk into them.
 - :func:`restore_chunk` (per-sample gradients of a range of samples), :func:`chunks` (the ranges).
 """
 
-from metastore_plugins.core.errors import UnknownNameError
+from metastore_plugins.core._moved import renamed
 from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, chunks, restore_chunk
 from metastore_plugins.core.ops.cluster import KMeansResult, kmeans
 from metastore_plugins.core.ops.cost import (
@@ -94,16 +94,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """Deprecated names, kept for one release with a warning."""
-    if name == "Contributors":
-        import warnings
-
-        warnings.warn(
-            "metastore_plugins.core.ops.Contributors is now BatchContributors "
-            "(metastore_plugins.core.analysis.Contributors is the store query's result); the old name goes in 0.3",
-            DeprecationWarning,
-            stacklevel=2,
+#: old names kept for one release, with a warning
+__getattr__ = renamed(
+    __name__,
+    {
+        "Contributors": (
+            BatchContributors,
+            "is now BatchContributors (metastore_plugins.core.analysis.Contributors is the store query's result)",
         )
-        return BatchContributors
-    raise UnknownNameError(f"module {__name__!r} has no attribute {name!r}")
+    },
+)

@@ -36,13 +36,14 @@ Preconditioning: ``(F + delta I)^-1 g = Q [(Q^T g) / (Lambda + delta)]``, for a 
 ``Q_D [(Q_D^T [W | b] Q_A) / (Lambda + delta)] Q_A^T``: no ``(d_out d_in)^2`` matrix is ever built.
 The damping ``delta`` of a layer is given, or :data:`DEFAULT_RELATIVE_DAMPING` times the mean of its
 ``Lambda`` (Kronfluence's rule). Sums accumulate batch by batch (:class:`CurvatureSums`,
-:class:`EigenvalueCorrection`), so a writer can feed them as a run goes; all maths is float64.
+:class:`~.curvature_rotated.EigenvalueCorrection`), so a writer can feed them as a run goes; all maths is float64.
+The gradients in a fitted eigenbasis, and EK-FAC's correction from them, are :mod:`.curvature_rotated`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -52,12 +53,8 @@ from metastore_plugins.core.errors import ConfigError, RepresentationError
 from metastore_plugins.core.ops import curvature_eigen as eigen
 from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops._common import (
-    DEFAULT_MAX_BYTES,
-    chunks,
     need_gradients,
-    rebuild_outer,
     restore_chunk,
-    weight_groups,
 )
 from metastore_plugins.core.ops.represent import by_layer, shared_layers
 from metastore_plugins.core.records import LayerRecord, WeightLayout
@@ -190,18 +187,6 @@ def flat_gradients(record: LayerRecord, lo: int, hi: int) -> Tensor:
     return torch.cat([grads[name].to(_F64).reshape(hi - lo, -1) for name in record.params.values()], 1)
 
 
-def _block_gradients(record: LayerRecord, lo: int, hi: int, layout: WeightLayout, groups: int, d_out: int) -> Tensor:
-    """``(n, G, d_out, d_in')`` float64 ``[W_i | b_i]`` of samples ``lo..hi-1`` of a dense record (factored layer)."""
-    n, parts = hi - lo, []
-    if "weight" in record.params:
-        weight = record.dense_grad("weight")[lo:hi].to(_F64)  # (n, *shape)
-        d_in = weight[0].numel() // (groups * d_out)
-        parts.append(weight_groups(weight, layout, groups, d_out, d_in))  # (n, G, d_out, d_in)
-    if "bias" in record.params:
-        parts.append(record.dense_grad("bias")[lo:hi].to(_F64).reshape(n, groups, d_out, 1))
-    return torch.cat(parts, 3)
-
-
 #: Columns of one block of :func:`gram` (a multiple of 128, so that every block but the last is aligned).
 GRAM_BLOCK = 384
 
@@ -330,78 +315,3 @@ def _added(total: Tensor | None, part: Tensor, layer: str) -> Tensor:
     if total.shape != part.shape:
         raise ConfigError(f"layer '{layer}' has records of two shapes ({tuple(total.shape)}, {tuple(part.shape)})")
     return total + part
-
-
-def rotated(group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi: int) -> Tensor:
-    """Per-sample gradients of samples ``lo..hi-1`` of one layer in its eigenbasis, summed over its records (a new
-    tensor: never a view of a record's).
-
-    Kronecker layer: ``(n, G, d_out, d_in')`` ``Q_D^T [W_i | b_i] Q_A``, from the rotated factors
-    ``(D Q_D)^T (A' Q_A)`` of factored records (rotating the gradient of dense ones); dense layer:
-    ``(n, P)`` ``Q^T g_i`` (``g_i`` itself under a diagonal Fisher); embedding layer: ``(n, V, d)``
-    ``Q_A^T W_i Q_D``, dense (without a full token basis, the queries here use the sparse rows of
-    :mod:`.curvature_embedding` instead).
-    """
-    n = hi - lo
-    if curvature.kind == "eigen":
-        eigen.check_basis(group, curvature.basis)
-        return eigen.rotated_block(group, lo, hi)  # (n, k_out, k_in)
-    if curvature.kind == "embedding":
-        assert curvature.q_out is not None
-        return embedding.dense_rotated(group, curvature.q_out, lo, hi, curvature.q_in)  # (n, V, d)
-    if curvature.kind == "dense":
-        flat = sum((flat_gradients(r, lo, hi) for r in group[1:]), flat_gradients(group[0], lo, hi))  # (n, P)
-        return flat if curvature.q_in is None else flat @ curvature.q_in
-    q_in, q_out = curvature.q_in, curvature.q_out
-    assert q_in is not None and q_out is not None
-    total: Tensor | None = None  # (n, G, d_out, d_in'), from the first record's part (no zeros to add to)
-    for record in group:
-        if record.kind == "dense":
-            part = q_out.transpose(1, 2) @ _block_gradients(record, lo, hi, curvature.layout, *q_out.shape[:2]) @ q_in
-        else:
-            sample = record.tensors["sample"].long()  # (R,)
-            rows = ((sample >= lo) & (sample < hi)).nonzero().squeeze(1)  # (R_chunk,)
-            prefix = torch.einsum("rgi,gij->rgj", augmented_prefix(record)[rows], q_in)  # (R_chunk, G, d_in')
-            suffix = torch.einsum("rgo,gop->rgp", record.tensors["suffix"][rows].to(_F64), q_out)  # (R_chunk, G, d_out)
-            part = rebuild_outer(prefix, suffix, sample[rows] - lo, n)  # (n, G, d_out, d_in')
-        total = part if total is None else total.add_(part)
-    assert total is not None  # a layer group holds at least one record
-    return total
-
-
-def sample_chunk(curvature: LayerCurvature, max_bytes: int) -> int:
-    """Samples per chunk so that a few float64 copies of their rotated gradients stay within ``max_bytes``."""
-    return max(1, max_bytes // (32 * max(1, curvature.eigenvalues.numel())))
-
-
-class EigenvalueCorrection:
-    """EK-FAC: ``(1/N) sum_i (Q_D^T [W_i | b_i] Q_A)^2`` over training batches, in a fitted K-FAC eigenbasis."""
-
-    def __init__(self, curvature: dict[str, LayerCurvature]) -> None:
-        self.curvature = curvature
-        self.sums = {layer: torch.zeros_like(c.eigenvalues) for layer, c in curvature.items() if c.kind != "dense"}
-        self.samples = dict.fromkeys(self.sums, 0)
-
-    def add(self, records: Sequence[LayerRecord], max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        """Add one batch's squared rotated per-sample gradients (in sample chunks within ``max_bytes``)."""
-        for layer, group in layer_groups(records).items():
-            if layer not in self.sums:
-                continue
-            curvature = self.curvature[layer]
-            if curvature.kind == "embedding" and curvature.q_in is None:  # sparse: the diagonal token factor
-                assert curvature.q_out is not None
-                embedding.add_squared_rotated(self.sums[layer], group, curvature.q_out)  # (V, d)
-                self.samples[layer] += group[0].batch_size
-                continue
-            for lo, hi in chunks(group[0].batch_size, sample_chunk(curvature, max_bytes)):
-                self.sums[layer] += rotated(group, curvature, lo, hi).square_().sum(0)  # (G, d_out, d_in'), in place
-            self.samples[layer] += group[0].batch_size
-
-    def fit(self) -> dict[str, LayerCurvature]:
-        """The curvature with EK-FAC's corrected eigenvalues for every layer that saw a batch."""
-        out = dict(self.curvature)
-        for layer, sums in self.sums.items():
-            if self.samples[layer]:
-                c = self.curvature[layer]
-                out[layer] = replace(c, eigenvalues=sums / self.samples[layer])
-        return out

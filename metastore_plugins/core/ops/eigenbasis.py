@@ -42,7 +42,8 @@ from torch import Tensor
 
 from metastore_plugins.core.ops._common import rebuild_outer
 from metastore_plugins.core.ops.cost import TENSOR_OVERHEAD_BYTES
-from metastore_plugins.core.ops.curvature import CurvatureSums, LayerCurvature, LayerSums, rotated
+from metastore_plugins.core.ops.curvature import CurvatureSums, LayerCurvature, LayerSums
+from metastore_plugins.core.ops.curvature_rotated import rotated
 from metastore_plugins.core.ops.influence import total_sq_norms
 from metastore_plugins.core.ops.represent import by_layer, represent, shared_layers, summary_record
 from metastore_plugins.core.ops.sketch import Projections, projection

@@ -4,7 +4,7 @@
   ``F`` of :mod:`.curvature`, block-diagonal, so summed over layers. In a layer's eigenbasis
   ``F = Q diag(Lambda) Q^T`` (for a factored layer ``Q = Q_D ⊗ Q_A``), hence
   ``g^T (F + delta I)^-1 g = sum (Q^T g)^2 / (Lambda + delta)``: the rotated gradient
-  (:func:`~.curvature.rotated`, from the rotated factors) squared and scaled; nothing is rotated back.
+  (:func:`~.curvature_rotated.rotated`, from the rotated factors) squared and scaled; nothing is rotated back.
 - :func:`kernel_solve`, :func:`leverages`: TRAK's ridge kernel on sketches ``S`` ``(N, k)`` of the training
   samples, ``(S^T S + lambda I)^-1`` with ``lambda = regularization * tr(S^T S) / k`` (``regularization``
   times the mean eigenvalue of ``S^T S``); a row ``s``'s leverage is ``s^T (S^T S + lambda I)^-1 s``.
@@ -24,9 +24,8 @@ from metastore_plugins.core.ops.curvature import (
     DEFAULT_RELATIVE_DAMPING,
     LayerCurvature,
     layer_groups,
-    rotated,
-    sample_chunk,
 )
+from metastore_plugins.core.ops.curvature_rotated import rotated, sample_chunk
 from metastore_plugins.core.records import LayerRecord
 
 #: the ridge's floor, so that all-zero sketches still solve

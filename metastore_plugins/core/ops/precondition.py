@@ -24,9 +24,8 @@ from metastore_plugins.core.ops.curvature import (
     DEFAULT_RELATIVE_DAMPING,
     LayerCurvature,
     layer_groups,
-    rotated,
-    sample_chunk,
 )
+from metastore_plugins.core.ops.curvature_rotated import rotated, sample_chunk
 from metastore_plugins.core.records import LayerRecord, dense_key
 
 

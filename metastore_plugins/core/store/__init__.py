@@ -16,7 +16,8 @@ It knows bytes, not questions: queries (norms, influence, dynamics, sketches) li
 
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.store.reading.batches import BatchRef
-from metastore_plugins.core.store.reading.reader import StoreReader, find_store_dir
+from metastore_plugins.core.store.reading.locate import find_store_dir
+from metastore_plugins.core.store.reading.reader import StoreReader
 from metastore_plugins.core.store.reading.selection import Selection, StoredBatch
 from metastore_plugins.core.store.shards.encoding import DEFAULT_ENCODING, ENCODINGS, Encoding
 from metastore_plugins.core.store.writing.writer import StoreWriter, WriterStats

@@ -49,7 +49,8 @@ from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.store.maintenance.compaction import CompactionReport, close_and_compact
 from metastore_plugins.core.store.shards.encoding import DEFAULT_ENCODING, Encoding
 from metastore_plugins.core.store.snapshots.weights import SnapshotInfo, SnapshotWriter
-from metastore_plugins.core.store.tags.book import TagBook, tag_attributes
+from metastore_plugins.core.store.tags.book import TagBook
+from metastore_plugins.core.store.tags.tag_line import tag_attributes
 from metastore_plugins.core.store.writing.writer import StoreWriter
 from metastore_plugins.core.training.basis_fit import (
     BASIS_SAMPLES,

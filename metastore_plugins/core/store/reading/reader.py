@@ -7,7 +7,7 @@ built on this class).
 
 Example::
 
-    reader = StoreReader(find_store_dir("runs/demo"))
+    reader = StoreReader(find_store_dir("runs/demo"))          # find_store_dir: reading/locate.py
     reader.capture_points()                     # ['epoch-0/train', 'epoch-0/val', 'train']
     ids = reader.sample_ids("epoch-0/val")      # aligned with every per-sample result
     grads = reader.restore(ids[0], capture_point="epoch-0/val", layer="classifier")
@@ -30,6 +30,7 @@ from metastore_plugins.core.records import KIND_CODES, PER_SAMPLE_KINDS, restore
 from metastore_plugins.core.store.reading.batches import BatchRef, ShardFiles
 from metastore_plugins.core.store.reading.disk_usage import disk_usage
 from metastore_plugins.core.store.reading.health import check_store, fill_v1_samples
+from metastore_plugins.core.store.reading.locate import stores_below
 from metastore_plugins.core.store.reading.plan_check import plan_problems
 from metastore_plugins.core.store.reading.selection import Selection
 from metastore_plugins.core.store.shards import manifest as mf
@@ -65,7 +66,7 @@ class StoreReader:
         manifests = mf.find_manifests(self.path)
         if not manifests:
             what = "does not exist" if not self.path.exists() else "holds no manifest-rank*.json"
-            below = _stores_below(self.path) if self.path.is_dir() else []
+            below = stores_below(self.path) if self.path.is_dir() else []
             hint = f"; stores below it: {', '.join(map(str, below))}" if below else ""
             raise StoreError(f"{self.path} is not a metastore store: it {what}{hint}")
         self.ranks_read: list[RankIndex] = [read_rank(self.path, rank, path) for rank, path in manifests]
@@ -380,33 +381,4 @@ def _check_restore_size(records: Sequence[Any], sample_id: int) -> None:
         )
 
 
-#: Subdirectories where a run keeps its store: the examples' ``store/``, the callbacks' ``metastore/``
-#: (``<trainer.log_dir>/metastore``, ``<args.output_dir>/metastore``).
-STORE_SUBDIRS = ("store", "metastore")
-
-
-def find_store_dir(path: str | os.PathLike[str]) -> Path:
-    """The store directory of ``path``: itself, or the first of its :data:`STORE_SUBDIRS` that holds manifests.
-
-    So a store directory, an example's run directory, a Lightning log directory
-    (``lightning_logs/version_0``) and a Hugging Face ``output_dir`` all open the same way.
-    ``path`` itself when none holds manifests (opening it then says what is missing).
-    """
-    path = Path(path)
-    if mf.find_manifests(path):
-        return path
-    return next((path / sub for sub in STORE_SUBDIRS if mf.find_manifests(path / sub)), path)
-
-
-def _stores_below(path: Path, depth: int = 3) -> list[Path]:
-    """Store directories at most ``depth`` levels below ``path`` (for a hint), in name order."""
-    found: set[Path] = set()
-    for level in range(1, depth + 1):
-        try:
-            found.update(m.parent for m in path.glob("/".join(["*"] * level) + "/manifest-rank*.json"))
-        except OSError:
-            break
-    return sorted(found)[:5]
-
-
-__all__ = ["StoreError", "StoreReader", "find_store_dir"]
+__all__ = ["StoreError", "StoreReader"]

@@ -25,14 +25,13 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import operator
 import os
 import re
 import warnings
 from collections.abc import Mapping
 from contextlib import closing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -47,48 +46,12 @@ from metastore_plugins.core.store.shards.journal import (
     encode_line,
 )
 from metastore_plugins.core.store.shards.journal_batch import decode_lines, gc_paused
+from metastore_plugins.core.store.tags.tag_line import FIELDS, Tag, tag_attributes, tag_of
 
-#: Attribute values a tag holds: JSON scalars.
-Scalar = str | int | float | bool | None
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _TAGS_FILE = re.compile(r"tags-rank(\d+)\.jsonl")
 #: The largest tags file read (a tag line is about 200 bytes: over a million tags).
 MAX_TAGS_BYTES = 256 * 2**20
-
-
-@dataclass(frozen=True)
-class Tag:
-    """One tag: ``name`` on steps ``first_step..last_step`` (inclusive), of one capture point or all (None)."""
-
-    name: str
-    first_step: int
-    last_step: int
-    keep: str | None = None
-    capture_point: str | None = None
-    attributes: dict[str, Scalar] = field(default_factory=dict)
-    rank: int = 0
-    seq: int = 0
-    automatic: bool = False
-
-    def covers(self, step: int, capture_point: str) -> bool:
-        return self.first_step <= step <= self.last_step and self.capture_point in (None, capture_point)
-
-
-_FIELDS = tuple(Tag.__dataclass_fields__)
-_VALUES = operator.itemgetter(*_FIELDS)  # a decoded line's fields in Tag's order
-
-
-def tag_attributes(values: Mapping[str, Any]) -> dict[str, Scalar]:
-    """The JSON-scalar entries of ``values`` (finite floats, ints, strings, bools, None): what a tag can hold."""
-    out: dict[str, Scalar] = {}
-    for key, value in values.items():
-        if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-            value = value.item()  # numpy / torch scalars
-        if isinstance(value, float) and not math.isfinite(value):
-            continue
-        if isinstance(value, (str, int, float, bool)) or value is None:
-            out[str(key)] = value
-    return out
 
 
 class TagBook:
@@ -166,7 +129,7 @@ class TagBook:
                 f"tag(capture_point=...) must be a capture point name, or None for all; got {capture_point!r}"
             )
         attributes = {**(attributes or {}), **more}
-        clash = sorted(set(attributes) & set(_FIELDS))
+        clash = sorted(set(attributes) & set(FIELDS))
         if clash:
             raise ConfigError(f"tag attributes {clash} clash with the tag's own fields; rename them")
         bad = sorted(str(key) for key, value in attributes.items() if str(key) not in tag_attributes({key: value}))
@@ -208,57 +171,6 @@ def _steps(steps: Any) -> tuple[int, int]:
     return first, last
 
 
-def _tag_of(data: dict[str, Any]) -> Tag:
-    """The :class:`Tag` of a decoded line; :class:`JournalError` naming the field that is missing or wrong."""
-    try:
-        name, first, last, keep, point, attributes, rank, seq, automatic = _VALUES(data)
-    except KeyError:
-        raise JournalError(f"fields {[key for key in _FIELDS if key not in data]} are missing") from None
-    if (  # the common case first, in one expression; the field named below only when something is wrong
-        type(name) is str
-        and type(first) is type(last) is type(rank) is type(seq) is int
-        and 0 <= first <= last
-        and (keep is None or (type(keep) is str and keep in KEEP_CHOICES))
-        and (point is None or type(point) is str)
-        and type(attributes) is dict
-        and _scalars(attributes.values())
-        and type(automatic) is bool
-    ):
-        tag = object.__new__(Tag)  # Tag's fields set at once (its frozen __init__ sets them one by one, 1 us)
-        tag.__dict__.update(zip(_FIELDS, (name, first, last, keep, point, attributes, rank, seq, automatic)))
-        return tag
-    checks = (
-        ("name", type(name) is str),
-        (
-            "first_step/last_step/rank/seq",
-            type(first) is type(last) is type(rank) is type(seq) is int and 0 <= first <= last,
-        ),
-        ("keep", keep is None or (type(keep) is str and keep in KEEP_CHOICES)),
-        ("capture_point", point is None or type(point) is str),
-        ("attributes", type(attributes) is dict and all(map(_scalar, attributes.values()))),
-        ("automatic", type(automatic) is bool),
-    )
-    raise JournalError(f"field(s) {', '.join(key for key, ok in checks if not ok)} hold values a tag cannot have")
-
-
-_PLAIN = frozenset({str, int, bool, type(None)})
-
-
-def _scalars(values: Any) -> bool:
-    """Whether every decoded JSON value of ``values`` is one a tag attribute holds (:func:`_scalar`), by type."""
-    values = list(values)
-    kinds = set(map(type, values))
-    if kinds <= _PLAIN:
-        return True
-    return kinds <= _PLAIN | {float} and all(math.isfinite(v) for v in values if type(v) is float)
-
-
-def _scalar(value: Any) -> bool:
-    """Whether a decoded JSON value is one a tag attribute holds (keys of JSON objects are always strings)."""
-    kind = type(value)
-    return value is None or kind is str or kind is int or kind is bool or (kind is float and math.isfinite(value))
-
-
 #: How a line that keeps something reads in the text ``encode_line`` writes: a training start parses only these.
 _KEEP_TEXT = b'"keep":"'
 
@@ -272,7 +184,7 @@ def _trusted_end(data: bytes) -> tuple[int, str | None]:
     try:
         if len(data) - start > MAX_LINE_BYTES:
             raise JournalError("longer than any tag line")
-        _tag_of(decode_line(data[start:]))
+        tag_of(decode_line(data[start:]))
     except JournalError as exc:
         return start, f"line {number} is damaged ({exc})"
     return len(data), None
@@ -285,7 +197,7 @@ def _keeping_tags(path: Path, data: bytes, good: int) -> list[Tag]:
     while at >= 0:
         start, end = data.rfind(b"\n", 0, at) + 1, data.find(b"\n", at, good) + 1 or good
         try:
-            tag = _tag_of(decode_line(data[start:end]))
+            tag = tag_of(decode_line(data[start:end]))
         except JournalError as exc:
             number = data.count(b"\n", 0, start) + 1
             raise StoreError(f"{path}: line {number} is damaged ({exc}); remove it to read the rest") from None
@@ -343,7 +255,7 @@ def parse_from(
                 if isinstance(entry, JournalError):
                     raise entry
                 if entry is not None:
-                    tags.append(_tag_of(entry))
+                    tags.append(tag_of(entry))
                 good = start + end
             except JournalError as exc:
                 failure = (number, str(exc))

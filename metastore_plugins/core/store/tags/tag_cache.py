@@ -37,7 +37,8 @@ from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import KEEP_CHOICES
 from metastore_plugins.core.store.file_kinds import any_temporary_target
 from metastore_plugins.core.store.files import StoreDir
-from metastore_plugins.core.store.tags.book import MAX_TAGS_BYTES, Tag, parse_from, read_file, tag_files
+from metastore_plugins.core.store.tags.book import MAX_TAGS_BYTES, parse_from, read_file, tag_files
+from metastore_plugins.core.store.tags.tag_line import Tag
 
 #: The folder of the cache inside a store directory.
 FOLDER = "tag_cache"
