@@ -33,7 +33,7 @@ from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis.curvature import preconditioned_scores
 from metastore_plugins.core.analysis.index_files import open_index
-from metastore_plugins.core.analysis.index_preconditioned import fitted_curvature
+from metastore_plugins.core.analysis.index_preconditioned import compresses, fitted_curvature
 from metastore_plugins.core.analysis.queries import selected_pairs
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.sketches import sketch_layers
@@ -192,6 +192,8 @@ def main() -> None:
             "model": "MLP 32-128-128-10, exact fp32 factors",
             "capture_s": time.perf_counter() - start,
             "load_average": os.getloadavg(),
+            "cpus": os.cpu_count(),
+            "product_quantized": compresses(store, "epoch-1/train", sketch_layers(store, None)),
             "methods": {},
         }
         counts = [int(c) for c in args.candidates.split(",")]

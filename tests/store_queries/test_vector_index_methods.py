@@ -22,8 +22,8 @@ from torch import nn
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.cli import main
-from metastore_plugins.core.analysis import GradientStore, index_preconditioned
-from metastore_plugins.core.ops.curvature import CurvatureSums
+from metastore_plugins.core.analysis import GradientStore, index_methods, index_preconditioned
+from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, CurvatureSums
 from metastore_plugins.core.ops.eigenbasis import fit_bases, represent_on_bases
 
 TRAIN_N, TEST_N, K = 600, 12, 5
@@ -129,6 +129,7 @@ def test_a_pass_too_large_for_the_preconditioned_index_scores_every_row(
     store: GradientStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(index_preconditioned, "MAX_INDEX_BYTES", 1)
+    monkeypatch.setattr(index_preconditioned, "_INDEXES", {})  # none kept: one kept is used, whatever its size
     full = store.influence(TRAIN, TEST, method="ekfac")
     fast = store.influence(TRAIN, TEST, method="ekfac", k=K, candidates=50, index=True)
     assert sorted(fast.row_ids.tolist()) == sorted(full.row_ids.tolist())  # every row, not candidates
@@ -156,3 +157,46 @@ def test_cli_influence_k_through_the_index_prints_the_exhaustive_table(
     for a, b in zip(off, built):
         assert {p["sample_id"] for p in a["proponents"]} == {p["sample_id"] for p in b["proponents"]}
         assert {p["sample_id"] for p in a["opponents"]} == {p["sample_id"] for p in b["opponents"]}
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_exact_records_are_scored_from_the_kept_rotated_factors_without_a_shard(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """Single-row Kronecker records (``Linear`` layers): the index keeps their rotated factors, whose scores of every
+    row are the exhaustive query's, and the candidates are scored from them (the shards' scoring is never called)."""
+    store = kept_store("exact", tmp_path_factory)
+    full = store.influence(TRAIN, TEST, method=method)
+    with monkeypatch.context() as patched:
+        patched.setattr(index_methods.curvature, "preconditioned_scores", None)  # a call would raise
+        fast = store.influence(TRAIN, TEST, method=method, k=K, candidates=50, index=True)
+    assert assert_same_where_held(fast, full) >= 1
+    order = store.layers()
+    options = {"damping": None, "relative_damping": DEFAULT_RELATIVE_DAMPING, "layers": None}
+    fitted = index_preconditioned.fitted_curvature(store, TRAIN[0], method, None)
+    opened = index_preconditioned.kept_index(store, TRAIN[0], method, options, order)
+    assert opened is not None and opened.factors is not None
+    tested = index_preconditioned.query_side(store, TEST[0], None, fitted, options, order, opened)
+    assert tested.blocks is not None
+    rows = np.arange(len(opened.sample_ids))
+    got = opened.factors.scores(rows, opened.lr, tested.blocks)  # (N, M) every row of the first pass
+    want = store.influence(TRAIN[0], TEST[0], method=method)
+    assert list(want.row_ids) == list(opened.sample_ids) and list(want.col_ids) == list(tested.ids)
+    np.testing.assert_allclose(got, want.scores, rtol=1e-4, atol=1e-6 * np.abs(want.scores).max())
+
+
+def test_a_product_quantized_index_gives_the_exhaustive_top_k(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above ``COMPRESS_ABOVE`` (here every pass) the whitened sketches are kept as FAISS PQ codes: the candidates
+    from their scan, scored exactly, give the exhaustive top-k where they hold it."""
+    pytest.importorskip("faiss")
+    monkeypatch.setattr(index_preconditioned, "COMPRESS_ABOVE", 0)
+    monkeypatch.setattr(index_preconditioned, "_INDEXES", {})  # not the flat indexes other tests kept
+    store = kept_store("exact", tmp_path_factory)
+    full = store.influence(TRAIN, TEST, method="ekfac")
+    fast = store.influence(TRAIN, TEST, method="ekfac", k=K, candidates=50, index=True)
+    kept = list(index_preconditioned._INDEXES.values())
+    assert len(kept) == 2 and all(i.codes is not None and i.flat is None for i in kept)
+    assert len(fast.row_ids) < TRAIN_N
+    assert assert_same_where_held(fast, full) >= 1

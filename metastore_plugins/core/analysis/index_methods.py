@@ -9,10 +9,11 @@ K-FAC / EK-FAC curvature of pass ``c``, or TRAK's kernel inverse on sketches. Wi
 2. **Candidates.** The pass's preconditioned index (``lr_i`` times the sketches of ``S_c g_i``, built once and kept
    in this process) searched with the sketch of ``S_c g_j`` (``+q`` and ``-q``): the ``candidates`` rows (default
    :func:`candidate_count`) of largest ``<lr_i v_i, +-q_j>`` per pass, their union kept.
-3. **Exact scores.** The chosen method on the union only (:func:`.curvature.preconditioned_scores` with the
-   curvature of step 1), or, where every record of the layers is projected (on a curvature eigenbasis the
-   index's vectors are the whitened records, and ``q_j`` the whitened test record), ``<lr_i v_i, q_j>`` itself:
-   the same numbers, without reading a shard.
+3. **Exact scores.** The chosen method on the union only, without reading a shard where the index keeps the
+   rows' rotated factors (every record a one-row Kronecker record: :mod:`.index_factors`) or every record of the
+   layers is projected (on a curvature eigenbasis the index's vectors are the whitened records, and ``q_j`` the
+   whitened test record: ``<lr_i v_i, q_j>`` is the score); else :func:`.curvature.preconditioned_scores` with the
+   curvature of step 1, which reads the shards holding the candidates.
 
 Before, the TracIn index's rows (raw ``g_i``) were searched with the sketch of ``P_c g_j``: on exact layers of a
 captured MLP (metastore_bench/index_methods_bench.py) a single test sample's query found 46% of the exhaustive
@@ -33,16 +34,19 @@ import numpy as np
 from metastore_plugins.core.analysis import curvature, queries, sketches
 from metastore_plugins.core.analysis.index_files import default_dim, index_head, warn_line
 from metastore_plugins.core.analysis.index_preconditioned import (
+    QuerySide,
+    WhitenedIndex,
     fitted_curvature,
     index_fits,
+    kept_index,
     preconditioned_index,
-    query_sketches,
+    query_side,
 )
 from metastore_plugins.core.analysis.method_table import TRACIN, MethodArgs, Points
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.scan import scan_of
 from metastore_plugins.core.analysis.sketches import sketch_layers
-from metastore_plugins.core.analysis.vector_index import Passes, default_candidates, index_scores, projected_only
+from metastore_plugins.core.analysis.vector_index import default_candidates, projected_only
 from metastore_plugins.core.analysis.vector_search import largest
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, CurvatureMethod, LayerCurvature
@@ -76,15 +80,16 @@ def report_index(store: StoreReader, train: Sequence[str], method: str, index: b
 #: :func:`~.vector_index.default_candidates`): whitened rows spread over thousands of directions, so their sketch
 #: ranks less well than raw gradients'. Measured on a captured MLP
 #: 32-128-128-10 with exact layers, each test sample asked alone (metastore_bench/index_methods_bench.py,
-#: 2026-11-29): EK-FAC recall@10 at 200 / 800 / 1,600 candidates 0.89 / 0.97 / 0.99 of 20,000 rows, 0.83 / 0.95 /
-#: 0.97 of 100,000 (3,200: 0.98); the old rule (the TracIn index searched with the sketch of ``P g_j``) 0.39 / 0.77 /
-#: 0.88 and 0.25 / 0.50 / 0.64.
-PRECONDITIONED_FACTOR = 32
+#: 2026-11-29): EK-FAC recall@10 through the float32 sketches at 200 / 800 / 1,600 candidates 0.89 / 0.97 / 0.99 of
+#: 20,000 rows, 0.83 / 0.95 / 0.97 of 100,000 (3,200: 0.98); through their product-quantized codes (what FAISS
+#: keeps from :data:`~.index_preconditioned.COMPRESS_ABOVE`) 0.94 / 0.96 at 1,600 / 2,400 of 100,000; the old rule
+#: (the TracIn index searched with the sketch of ``P g_j``) 0.39 / 0.77 / 0.88 and 0.25 / 0.50 / 0.64.
+PRECONDITIONED_FACTOR = 48
 
 
 def candidate_count(k: int, candidates: int | None) -> int:
     """The rows searched per test sample and direction: ``candidates``, else :data:`PRECONDITIONED_FACTOR` times
-    :func:`~.vector_index.default_candidates` (1,600 for ``k = 10``)."""
+    :func:`~.vector_index.default_candidates` (2,400 for ``k = 10``)."""
     return candidates or PRECONDITIONED_FACTOR * default_candidates(k)
 
 
@@ -119,13 +124,31 @@ def influence(method: str, store: StoreReader, train: Points, test: Points, args
     if found is None:
         return exhaustive()
     ids, fitted, passes = found
-    if projected_only(store, sketch_layers(store, layers)):
-        return index_scores(passes, ids)
+    if projected_only(store, sketch_layers(store, layers)) or all(o.factors and t.blocks for o, t in passes):
+        row_parts, col_parts = [], []
+        for opened, tested in passes:
+            rows = np.flatnonzero(np.isin(opened.sample_ids, ids))  # (n,) every occurrence
+            matrix = _exact(opened, tested, rows)  # (n, M)
+            row_parts.append((opened.sample_ids[rows], matrix))
+            col_parts.append((tested.ids, matrix))
+        return queries.summed_scores(row_parts, col_parts)
     pairs = queries.selected_pairs(store, train, test, layers=layers, train_ids=ids, test_ids=test_ids)
     fitted_on = {cp: store.select(cp, layers=layers) for cp, _, _, _ in pairs}
     return curvature.preconditioned_scores(
         store, pairs, fitted_on, chosen, args.damping, relative, args.max_bytes, fitted=fitted
     )
+
+
+def _exact(opened: WhitenedIndex, tested: QuerySide, rows: np.ndarray) -> np.ndarray:
+    """``(n, M)`` the method's scores of these rows without a shard: from the rotated factors, or (every record
+    projected on the curvature eigenbasis) the index's vectors, which are then the whitened records."""
+    if opened.factors is not None and tested.blocks is not None:
+        return opened.factors.scores(rows, opened.lr[rows], tested.blocks)
+    assert opened.flat is not None  # projected records are not compressed
+    return opened.flat.weighted_rows(rows).astype(np.float64) @ tested.sketches.astype(np.float64).T
+
+
+Passes = list[tuple[WhitenedIndex, QuerySide]]
 
 
 def _candidates(
@@ -139,7 +162,7 @@ def _candidates(
     max_bytes: int,
     options: dict[str, Any],
 ) -> tuple[list[int], dict[str, Curvature], Passes] | None:
-    """``(candidate ids, curvature per train pass, (index, test ids (M,), queries (M, D)) per pass)``; ``None`` where
+    """``(candidate ids, curvature per train pass, (index, its queries) per pass)``; ``None`` where
     a pass has no kept index and ``index`` is not ``True``, or its preconditioned index would exceed
     :data:`~.index_preconditioned.MAX_INDEX_BYTES` (every row is then scored)."""
     order = sketch_layers(store, options["layers"])
@@ -147,15 +170,19 @@ def _candidates(
     fitted: dict[str, Curvature] = {}
     passes: Passes = []
     for train_cp, test_cp in queries.paired_points(train, test):
-        if (index is None and not _kept(store, train_cp, order)) or not index_fits(store, train_cp, order):
+        if index is None and not _kept(store, train_cp, order):
+            return None
+        opened = kept_index(store, train_cp, method, options, order, max_bytes)
+        if opened is None and not index_fits(store, train_cp, order):
             return None
         if train_cp not in fitted:
             fitted[train_cp] = fitted_curvature(store, train_cp, method, options["layers"], max_bytes)
-        opened = preconditioned_index(store, train_cp, method, fitted[train_cp], options, order, max_bytes)
-        tested, query = query_sketches(store, test_cp, test_ids, fitted[train_cp], options, order, opened.dim)
-        rows = opened.search(np.concatenate([query, -query]), count)  # (2M, c)
+        if opened is None:
+            opened = preconditioned_index(store, train_cp, method, fitted[train_cp], options, order, max_bytes)
+        tested = query_side(store, test_cp, test_ids, fitted[train_cp], options, order, opened, max_bytes)
+        rows = opened.search(np.concatenate([tested.sketches, -tested.sketches]), count)  # (2M, c)
         found.update(opened.sample_ids[rows[rows >= 0]].tolist())
-        passes.append((opened, tested, query))
+        passes.append((opened, tested))
     return sorted(found), fitted, passes
 
 

@@ -9,6 +9,10 @@ of ``|S g_i| |S g_j| / dim``, where the TracIn index's (raw ``g_i`` against ``(F
 lives. On a curvature eigenbasis (records ``projected``) ``S`` divides each record in place, and the sketch of a
 ``k x k`` record at ``dim = k`` is the record: the vectors are exact, ``<lr_i v_i, q_j>`` is the score.
 
+Beside the sketches the index keeps, where every record is a one-row Kronecker record, the rows' rotated factors
+(:mod:`.index_factors`): the candidates' exact scores without a shard. Above :data:`COMPRESS_ABOVE` sketch numbers
+(with FAISS) the sketches are kept as product-quantization codes: the scan of 10^5 rows takes 5 ms, not 0.3 s.
+
 The index depends on the fitted curvature, so it is kept in this process (:data:`MAX_KEPT` of them, each at most
 :data:`MAX_INDEX_BYTES`: a larger pass is scored row by row) while the pass's batches and shards are unchanged, not
 on disk: the reports (one process) build it once for all their test samples; each ``metastore influence -k``
@@ -18,6 +22,7 @@ command builds its own.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,13 +31,12 @@ from torch import Tensor
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import curvature
-from metastore_plugins.core.analysis.vector_search import (
-    Plan,
-    VectorIndex,
-)
+from metastore_plugins.core.analysis.index_factors import KeptFactors, factor_rows, factor_shapes, query_blocks
+from metastore_plugins.core.analysis.vector_index import projected_only
+from metastore_plugins.core.analysis.vector_search import Plan, VectorIndex, ann_search, load_faiss
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops._common import chunks
-from metastore_plugins.core.ops.curvature import CurvatureMethod, LayerCurvature, layer_groups
+from metastore_plugins.core.ops.curvature import CurvatureMethod, LayerCurvature, augmented_prefix, layer_groups
 from metastore_plugins.core.ops.curvature_rotated import rotated, sample_chunk
 from metastore_plugins.core.ops.precondition import precondition
 from metastore_plugins.core.records import LayerRecord
@@ -82,15 +86,51 @@ def index_dim(store: StoreReader, capture_point: str, order: Sequence[str]) -> i
     return PRECONDITIONED_DIM
 
 
-#: The most bytes a preconditioned index may hold in memory (``N x L dim^2`` float32, the flat scan's rows): a larger
-#: train pass is scored row by row instead (10^5 rows of the benchmark's MLP take 1.2 GB; 10^6 would take 12 GB).
-MAX_INDEX_BYTES = 2 << 30
+#: The most bytes a preconditioned index may hold in memory (its sketches, float32 or product-quantized, and its
+#: rotated factors): a larger train pass is scored row by row instead. 10^5 rows of the benchmark's MLP take 1.4 GB
+#: flat (``N x 3 x 32^2`` float32 and 557 factors a row); 10^6 take 2.6 GB with FAISS (:data:`COMPRESS_ABOVE`).
+MAX_INDEX_BYTES = 4 << 30
+
+#: Above this many sketch numbers (``N x L dim^2``), where FAISS is installed and the records are not projected, the
+#: whitened sketches are kept product-quantized (FAISS ``IndexPQFastScan``, 4 bits per :data:`PQ_SPAN` numbers: a
+#: 32nd of their float32 bytes) and scanned by table lookups: at 10^5 rows of the benchmark's MLP, 5 ms a query
+#: against 0.3 s for the float32 rows, recall@10 0.94 / 0.96 at 1,600 / 2,400 candidates where the float32 rows give
+#: 0.97 at 1,600 (metastore_bench/index_methods_bench.py). Without FAISS the sketches stay float32, scanned flat.
+COMPRESS_ABOVE = 1 << 26
+#: Sketch numbers per product-quantizer code (4 bits).
+PQ_SPAN = 4
+#: Rows the product quantizer is trained on (the pass's first ones).
+PQ_TRAIN_ROWS = 1 << 15
+
+
+def index_bytes(store: StoreReader, capture_point: str, order: Sequence[str], compress: bool) -> int:
+    """The bytes of the pass's preconditioned index: its sketches (float32, or :data:`PQ_SPAN` numbers in 4 bits)
+    and the rotated factors of its Kronecker records (``sum G (d_out + d_in')`` float32 a row; counted for every
+    record, whether or not they are kept)."""
+    rows, width = _rows_and_width(store, capture_point, order)
+    factors = 0
+    for batch in store.select(capture_point, layers=list(order)).batches():
+        outer = [r for r in batch.records if r.kind == "outer"]
+        factors = sum(r.tensors["suffix"][0].numel() + augmented_prefix(r)[0].numel() for r in outer)
+        break
+    return rows * ((width // (2 * PQ_SPAN) if compress else 4 * width) + 4 * factors)
+
+
+def compresses(store: StoreReader, capture_point: str, order: Sequence[str]) -> bool:
+    """Whether the pass's index is product-quantized (:data:`COMPRESS_ABOVE`)."""
+    rows, width = _rows_and_width(store, capture_point, order)
+    return rows * width > COMPRESS_ABOVE and load_faiss() is not None and not projected_only(store, order)
+
+
+def _rows_and_width(store: StoreReader, capture_point: str, order: Sequence[str]) -> tuple[int, int]:
+    """The pass's rows and its index's sketch numbers a row (``L dim^2``)."""
+    rows = sum(ref.size for ref in store.batch_refs(capture_point))
+    return rows, len(order) * index_dim(store, capture_point, order) ** 2
 
 
 def index_fits(store: StoreReader, capture_point: str, order: Sequence[str]) -> bool:
     """Whether the pass's preconditioned index stays within :data:`MAX_INDEX_BYTES`."""
-    rows = sum(ref.size for ref in store.batch_refs(capture_point))
-    return rows * len(order) * index_dim(store, capture_point, order) ** 2 * 4 <= MAX_INDEX_BYTES
+    return index_bytes(store, capture_point, order, compresses(store, capture_point, order)) <= MAX_INDEX_BYTES
 
 
 def whitened_sketches(
@@ -155,25 +195,90 @@ def _eigen_sketch(
     return torch.cat(parts)
 
 
-def query_sketches(
+@dataclass
+class WhitenedIndex:
+    """A train pass's preconditioned index, in selection order: ``lr_i`` times the whitened sketches, float32 and
+    scanned flat (``flat``) or product-quantized (``codes``, a FAISS ``IndexPQFastScan`` of the weighted rows), and
+    the rows' rotated factors where every record is rank one (``factors``: exact scores without a shard)."""
+
+    capture_point: str
+    dim: int
+    sample_ids: np.ndarray  # (N,) int64
+    lr: np.ndarray  # (N,) float64
+    flat: VectorIndex | None
+    codes: Any = None
+    factors: KeptFactors | None = None
+
+    def search(self, queries_: np.ndarray, count: int) -> np.ndarray:
+        """``(M, c)`` rows of the ``c = min(count, N)`` largest (estimated) ``<lr_i v_i, q>`` per query."""
+        if self.flat is not None:
+            return self.flat.search(queries_, count)
+        q = np.ascontiguousarray(queries_, dtype=np.float32)  # (M, D)
+        return ann_search(self.codes, q, min(count, len(self.sample_ids)))
+
+
+class _Quantizer:
+    """Weighted sketch rows product-quantized as they come: the first :data:`PQ_TRAIN_ROWS` train it."""
+
+    def __init__(self, faiss: Any, width: int) -> None:
+        self.faiss, self.width = faiss, width
+        self.waiting: list[np.ndarray] = []
+        self.codes: Any = None
+
+    def add(self, rows: np.ndarray) -> None:
+        if self.codes is not None:
+            self.codes.add(rows)
+            return
+        self.waiting.append(rows)
+        if sum(len(w) for w in self.waiting) >= PQ_TRAIN_ROWS:
+            self.finish()
+
+    def finish(self) -> Any:
+        if self.codes is None:
+            first = np.concatenate(self.waiting)  # (n, D)
+            self.codes = self.faiss.IndexPQFastScan(
+                self.width, self.width // PQ_SPAN, 4, self.faiss.METRIC_INNER_PRODUCT
+            )
+            self.codes.train(first)
+            self.codes.add(first)
+            self.waiting = []
+        return self.codes
+
+
+@dataclass
+class QuerySide:
+    """A test pass's queries against a preconditioned index: ``ids`` ``(M,)``, ``sketches`` ``(M, L dim^2)`` (the
+    test side of :func:`whitened_sketches`) and, for an index with rotated factors, ``blocks``
+    (:func:`.index_factors.query_blocks`, else ``None``)."""
+
+    ids: np.ndarray
+    sketches: np.ndarray
+    blocks: dict[str, np.ndarray] | None
+
+
+def query_side(
     store: StoreReader,
     capture_point: str,
     ids: Sequence[int] | None,
     fitted: Curvature,
     options: dict[str, Any],
     order: Sequence[str],
-    dim: int,
-    power: float = 0.5,
+    index: WhitenedIndex,
     max_bytes: int = DEFAULT_MAX_BYTES,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(sample ids (M,), q (M, L dim^2))``: the test side of :func:`whitened_sketches`."""
-    found, parts = [], []
+) -> QuerySide:
+    """The queries of ``capture_point``'s samples ``ids`` (all: ``None``) against ``index``."""
+    found, parts, blocks = [], [], []
     for batch in store.select(capture_point, sample_ids=ids, layers=list(order)).batches():
-        parts.append(whitened_sketches(batch.records, fitted, options, order, dim, power, max_bytes))
+        parts.append(whitened_sketches(batch.records, fitted, options, order, index.dim, 0.5, max_bytes))
         found.append(batch.meta["sample_id"].numpy())
+        if index.factors is not None:
+            blocks.append(query_blocks(batch.records, fitted, options, order, max_bytes))
     if not parts:
-        return np.zeros(0, np.int64), np.zeros((0, len(order) * dim * dim), np.float32)
-    return np.concatenate(found), np.concatenate(parts)
+        return QuerySide(np.zeros(0, np.int64), np.zeros((0, len(order) * index.dim**2), np.float32), None)
+    joined = None
+    if blocks and all(b is not None for b in blocks):
+        joined = {layer: np.concatenate([b[layer] for b in blocks if b is not None]) for layer in order}
+    return QuerySide(np.concatenate(found), np.concatenate(parts), joined)
 
 
 def preconditioned_index(
@@ -184,29 +289,66 @@ def preconditioned_index(
     options: dict[str, Any],
     order: Sequence[str],
     max_bytes: int = DEFAULT_MAX_BYTES,
-) -> VectorIndex:
-    """The train pass's index of ``lr_i`` times the sketches of ``S g_i`` (module docstring), kept in this process
-    while the pass is unchanged. Searched flat (every row): whitened rows have no few principal directions to reduce
-    them to (the TracIn index's ``"reduced"`` plan, 64 of them, found recall@10 0.62 at 200 candidates of 20,000 rows
-    where the flat scan finds 0.89), and ``N x 3 x 32^2`` float32 of 10^5 rows (1.2 GB) scan in about 0.1 s."""
-    damping = (options["damping"], options["relative_damping"])
-    key = pass_key(store, capture_point, method, tuple(order), damping, max_bytes)
+) -> WhitenedIndex:
+    """The train pass's index of ``lr_i`` times the sketches of ``S g_i`` (module docstring) and its rotated
+    factors (:mod:`.index_factors`), kept in this process while the pass is unchanged. Searched flat (every row)
+    or, above :data:`COMPRESS_ABOVE`, through product-quantized codes: whitened rows have no few principal
+    directions to reduce them to, nor clusters to partition them by (the TracIn index's ``"reduced"`` plan found
+    recall@10 0.62 at 200 candidates of 20,000 rows where the flat scan finds 0.89; IVF, a quarter of its lists
+    probed, 0.4 of 10^5 rows)."""
+    key = _index_key(store, capture_point, method, options, order, max_bytes)
     kept = _INDEXES.get(key)
     if kept is not None:
         return kept
     dim = index_dim(store, capture_point, order)
+    width = len(order) * dim * dim
+    quantizer = _Quantizer(load_faiss(), width) if compresses(store, capture_point, order) else None
     ids, lrs, parts = [], [], []
+    factors: list[np.ndarray] | None = []
     for batch in store.select(capture_point, layers=list(order)).batches():
-        parts.append(whitened_sketches(batch.records, fitted, options, order, dim, 0.5, max_bytes))
+        part = whitened_sketches(batch.records, fitted, options, order, dim, 0.5, max_bytes)  # (B, D)
+        if quantizer is None:
+            parts.append(part)
+        else:
+            quantizer.add(part * np.float32(batch.ref.lr_weight))
+        found = None if factors is None else factor_rows(batch.records, fitted, order)  # (B, W)
+        factors = None if factors is None or found is None else [*factors, found]
         ids.append(batch.meta["sample_id"].numpy())
         lrs.append(np.full(batch.size, batch.ref.lr_weight))
-    width = len(order) * dim * dim
-    vectors = np.concatenate(parts) if parts else np.zeros((0, width), np.float32)  # (N, D)
     sample_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     lr = np.concatenate(lrs) if lrs else np.zeros(0)
-    index = VectorIndex(capture_point, dim, sample_ids, lr, vectors, Plan())  # flat: every row scanned
+    flat = None
+    if quantizer is None:
+        vectors = np.concatenate(parts) if parts else np.zeros((0, width), np.float32)  # (N, D)
+        flat = VectorIndex(capture_point, dim, sample_ids, lr, vectors, Plan())  # flat: every row scanned
+    kept_factors = KeptFactors(list(order), np.concatenate(factors), factor_shapes(fitted, order)) if factors else None
+    index = WhitenedIndex(capture_point, dim, sample_ids, lr, flat, quantizer and quantizer.finish(), kept_factors)
     _keep(_INDEXES, key, index)
     return index
+
+
+def kept_index(
+    store: StoreReader,
+    capture_point: str,
+    method: CurvatureMethod,
+    options: dict[str, Any],
+    order: Sequence[str],
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> WhitenedIndex | None:
+    """The pass's preconditioned index where this process keeps it (:func:`preconditioned_index`), else ``None``."""
+    return _INDEXES.get(_index_key(store, capture_point, method, options, order, max_bytes))
+
+
+def _index_key(
+    store: StoreReader,
+    capture_point: str,
+    method: CurvatureMethod,
+    options: dict[str, Any],
+    order: Sequence[str],
+    max_bytes: int,
+) -> tuple[Any, ...]:
+    damping = (options["damping"], options["relative_damping"])
+    return pass_key(store, capture_point, method, tuple(order), damping, max_bytes)
 
 
 def _keep(kept: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> None:
@@ -217,5 +359,5 @@ def _keep(kept: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) ->
 
 #: Curvatures fitted and preconditioned indexes built in this process, the oldest dropped beyond :data:`MAX_KEPT`.
 _FITTED: dict[tuple[Any, ...], Curvature] = {}
-_INDEXES: dict[tuple[Any, ...], VectorIndex] = {}
+_INDEXES: dict[tuple[Any, ...], WhitenedIndex] = {}
 MAX_KEPT = 2
