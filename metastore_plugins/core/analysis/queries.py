@@ -132,15 +132,19 @@ def _lr_weighted(block: Tensor, run: Sequence[StoredBatch]) -> Tensor:
 
 def _union(id_lists: Sequence[np.ndarray], what: str) -> tuple[np.ndarray, list[np.ndarray]]:
     """Sample ids seen in any list (first-seen order) and, per list, the position of each entry in them."""
-    union = list(dict.fromkeys(int(v) for ids in id_lists for v in ids.tolist()))
-    index = {v: k for k, v in enumerate(union)}
-    if len(id_lists) > 1 and any(len(set(ids.tolist())) != len(union) for ids in id_lists):
+    every = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in id_lists]) if id_lists else np.zeros(0, np.int64)
+    unique, first = np.unique(every, return_index=True)  # (U,) sorted, and where each is first seen
+    order = np.argsort(first)  # (U,) the union in first-seen order
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))  # (U,) position in the union of each sorted id
+    if len(id_lists) > 1 and any(len(np.unique(ids)) != len(unique) for ids in id_lists):
         warnings.warn(
             f"the {what} capture points hold different samples; each sample's score sums the capture points "
             "it appears in",
             stacklevel=3,
         )
-    return np.array(union, dtype=np.int64), [np.array([index[int(v)] for v in ids], dtype=np.int64) for ids in id_lists]
+    positions = [rank[np.searchsorted(unique, np.asarray(ids, dtype=np.int64))] for ids in id_lists]
+    return unique[order], [p.astype(np.int64) for p in positions]
 
 
 def paired_points(train: str | Sequence[str], test: str | Sequence[str]) -> list[tuple[str, str]]:
