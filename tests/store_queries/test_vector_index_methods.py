@@ -23,6 +23,7 @@ from torch import nn
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.cli import main
 from metastore_plugins.core.analysis import GradientStore, index_methods, index_preconditioned
+from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, CurvatureSums
 from metastore_plugins.core.ops.eigenbasis import fit_bases, represent_on_bases
 
@@ -174,7 +175,8 @@ def test_exact_records_are_scored_from_the_kept_rotated_factors_without_a_shard(
     order = store.layers()
     options = {"damping": None, "relative_damping": DEFAULT_RELATIVE_DAMPING, "layers": None}
     fitted = index_preconditioned.fitted_curvature(store, TRAIN[0], method, None)
-    opened = index_preconditioned.kept_index(store, TRAIN[0], method, options, order)
+    key = index_preconditioned.index_key(store, TRAIN[0], method, options, order, DEFAULT_MAX_BYTES)
+    opened = index_preconditioned.kept_index(key)
     assert opened is not None and opened.factors is not None
     tested = index_preconditioned.query_side(store, TEST[0], None, fitted, options, order, opened)
     assert tested.blocks is not None

@@ -38,6 +38,7 @@ from metastore_plugins.core.analysis.index_preconditioned import (
     WhitenedIndex,
     fitted_curvature,
     index_fits,
+    index_key,
     kept_index,
     preconditioned_index,
     query_side,
@@ -172,7 +173,7 @@ def _candidates(
     for train_cp, test_cp in queries.paired_points(train, test):
         if index is None and not _kept(store, train_cp, order):
             return None
-        opened = kept_index(store, train_cp, method, options, order, max_bytes)
+        opened = kept_index(index_key(store, train_cp, method, options, order, max_bytes))
         if opened is None and not index_fits(store, train_cp, order):
             return None
         if train_cp not in fitted:

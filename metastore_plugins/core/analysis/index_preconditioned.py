@@ -296,7 +296,7 @@ def preconditioned_index(
     directions to reduce them to, nor clusters to partition them by (the TracIn index's ``"reduced"`` plan found
     recall@10 0.62 at 200 candidates of 20,000 rows where the flat scan finds 0.89; IVF, a quarter of its lists
     probed, 0.4 of 10^5 rows)."""
-    key = _index_key(store, capture_point, method, options, order, max_bytes)
+    key = index_key(store, capture_point, method, options, order, max_bytes)
     kept = _INDEXES.get(key)
     if kept is not None:
         return kept
@@ -327,19 +327,13 @@ def preconditioned_index(
     return index
 
 
-def kept_index(
-    store: StoreReader,
-    capture_point: str,
-    method: CurvatureMethod,
-    options: dict[str, Any],
-    order: Sequence[str],
-    max_bytes: int = DEFAULT_MAX_BYTES,
-) -> WhitenedIndex | None:
-    """The pass's preconditioned index where this process keeps it (:func:`preconditioned_index`), else ``None``."""
-    return _INDEXES.get(_index_key(store, capture_point, method, options, order, max_bytes))
+def kept_index(key: tuple[Any, ...]) -> WhitenedIndex | None:
+    """The preconditioned index of ``key`` (:func:`index_key`) where this process keeps it
+    (:func:`preconditioned_index`), else ``None``."""
+    return _INDEXES.get(key)
 
 
-def _index_key(
+def index_key(
     store: StoreReader,
     capture_point: str,
     method: CurvatureMethod,
@@ -347,6 +341,8 @@ def _index_key(
     order: Sequence[str],
     max_bytes: int,
 ) -> tuple[Any, ...]:
+    """What a pass's preconditioned index is kept under: the pass (its shards), the method, the damping, the layers
+    and ``max_bytes``."""
     damping = (options["damping"], options["relative_damping"])
     return pass_key(store, capture_point, method, tuple(order), damping, max_bytes)
 
