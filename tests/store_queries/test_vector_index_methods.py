@@ -202,3 +202,14 @@ def test_a_product_quantized_index_gives_the_exhaustive_top_k(
     assert len(kept) == 2 and all(i.codes is not None and i.flat is None for i in kept)
     assert len(fast.row_ids) < TRAIN_N
     assert assert_same_where_held(fast, full) >= 1
+
+
+def test_rows_of_finds_every_row_of_the_asked_samples() -> None:
+    """``WhitenedIndex.rows_of`` (a binary search in the kept sorted ids) against ``np.isin`` over every row, with
+    samples held twice and ids not held."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        held = rng.integers(0, 40, int(rng.integers(1, 60)))  # (N,) repeats allowed
+        index = index_preconditioned.WhitenedIndex("p", 4, held, np.ones(len(held)), None)
+        asked = sorted(set(rng.integers(0, 50, int(rng.integers(0, 20))).tolist()))
+        np.testing.assert_array_equal(index.rows_of(asked), np.flatnonzero(np.isin(held, asked)))

@@ -128,7 +128,7 @@ def influence(method: str, store: StoreReader, train: Points, test: Points, args
     if projected_only(store, sketch_layers(store, layers)) or all(o.factors and t.blocks for o, t in passes):
         row_parts, col_parts = [], []
         for opened, tested in passes:
-            rows = np.flatnonzero(np.isin(opened.sample_ids, ids))  # (n,) every occurrence
+            rows = opened.rows_of(ids)  # (n,) every occurrence
             matrix = _exact(opened, tested, rows)  # (n, M)
             row_parts.append((opened.sample_ids[rows], matrix))
             col_parts.append((tested.ids, matrix))

@@ -22,7 +22,7 @@ command builds its own.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -208,6 +208,20 @@ class WhitenedIndex:
     flat: VectorIndex | None
     codes: Any = None
     factors: KeptFactors | None = None
+    _sorted: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+
+    def rows_of(self, ids: Sequence[int]) -> np.ndarray:
+        """``(n,)`` ascending: every row holding one of the sample ``ids`` (a binary search in the sorted sample ids,
+        kept: not a pass over all ``N``)."""
+        if self._sorted is None:
+            order = np.argsort(self.sample_ids, kind="stable")  # (N,)
+            self._sorted = (order, self.sample_ids[order])
+        order, ordered = self._sorted
+        wanted = np.asarray(ids, dtype=np.int64)  # (m,)
+        lo, hi = np.searchsorted(ordered, wanted, "left"), np.searchsorted(ordered, wanted, "right")  # (m,)
+        counts = hi - lo
+        firsts = np.repeat(lo - np.cumsum(counts) + counts, counts)  # (n,) each run's start, less its offset
+        return np.sort(order[firsts + np.arange(int(counts.sum()))])
 
     def search(self, queries_: np.ndarray, count: int) -> np.ndarray:
         """``(M, c)`` rows of the ``c = min(count, N)`` largest (estimated) ``<lr_i v_i, q>`` per query."""
