@@ -22,7 +22,7 @@ from torch import nn
 
 from metastore_plugins import CaptureSession, StoreWriter, open_store
 from metastore_plugins.cli import main
-from metastore_plugins.core.analysis import GradientStore, index_methods, index_preconditioned
+from metastore_plugins.core.analysis import GradientStore, index_factors, index_methods, index_preconditioned
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops.curvature import DEFAULT_RELATIVE_DAMPING, CurvatureSums
 from metastore_plugins.core.ops.eigenbasis import fit_bases, represent_on_bases
@@ -213,3 +213,31 @@ def test_rows_of_finds_every_row_of_the_asked_samples() -> None:
         index = index_preconditioned.WhitenedIndex("p", 4, held, np.ones(len(held)), None)
         asked = sorted(set(rng.integers(0, 50, int(rng.integers(0, 20))).tolist()))
         np.testing.assert_array_equal(index.rows_of(asked), np.flatnonzero(np.isin(held, asked)))
+
+
+def test_the_rank_r_estimates_rank_the_candidates_and_are_exact_at_full_rank(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``KeptFactors.estimates`` with the test blocks' full SVD (rank 24 here) against the exhaustive EK-FAC scores;
+    the default rank-4 estimates pick each test sample's candidates (``_refined``: at most ``2 keep`` of the 300
+    searched), and the top-k through them is the exhaustive one where they hold it."""
+    store = kept_store("exact", tmp_path_factory)
+    full = store.influence(TRAIN, TEST, method="ekfac")
+    fast = store.influence(TRAIN, TEST, method="ekfac", k=K, candidates=300, index=True)  # keep: 200 of 300
+    assert assert_same_where_held(fast, full) >= 1
+    order = store.layers()
+    options = {"damping": None, "relative_damping": DEFAULT_RELATIVE_DAMPING, "layers": None}
+    fitted = index_preconditioned.fitted_curvature(store, TRAIN[0], "ekfac", None)
+    key = index_preconditioned.index_key(store, TRAIN[0], "ekfac", options, order, DEFAULT_MAX_BYTES)
+    opened = index_preconditioned.kept_index(key)
+    assert opened is not None and opened.factors is not None
+    tested = index_preconditioned.query_side(store, TEST[0], None, fitted, options, order, opened)
+    assert tested.blocks is not None
+    want = store.influence(TRAIN[0], TEST[0], method="ekfac").scores  # (600, 12)
+    rows = np.arange(len(opened.sample_ids))
+    for j, basis in enumerate(index_factors.low_rank(tested.blocks, rank=64)):
+        got = opened.factors.estimates(rows, opened.lr, basis)
+        np.testing.assert_allclose(got, want[:, j], rtol=1e-4, atol=1e-6 * np.abs(want[:, j]).max())
+    searched = opened.search(np.concatenate([tested.sketches, -tested.sketches]), 300)  # (24, 300)
+    picked = index_methods._refined(opened, tested, searched, 20)
+    assert len(picked) <= 2 * 20 * len(tested.ids)
