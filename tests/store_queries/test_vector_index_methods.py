@@ -216,13 +216,14 @@ def test_rows_of_finds_every_row_of_the_asked_samples() -> None:
 
 
 def test_the_rank_r_estimates_rank_the_candidates_and_are_exact_at_full_rank(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``KeptFactors.estimates`` with the test blocks' full SVD (rank 24 here) against the exhaustive EK-FAC scores;
     the default rank-4 estimates pick each test sample's candidates (``_refined``: at most ``2 keep`` of the 300
     searched), and the top-k through them is the exhaustive one where they hold it."""
     store = kept_store("exact", tmp_path_factory)
     full = store.influence(TRAIN, TEST, method="ekfac")
+    monkeypatch.setattr(index_methods, "REFINE_ABOVE", 0)  # refined however few the candidates
     fast = store.influence(TRAIN, TEST, method="ekfac", k=K, candidates=300, index=True)  # keep: 200 of 300
     assert assert_same_where_held(fast, full) >= 1
     order = store.layers()

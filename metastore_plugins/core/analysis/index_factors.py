@@ -57,7 +57,8 @@ class KeptFactors:
         out = np.zeros((len(rows), count))  # (n, M) float64
         for layer, u, v in self._split(rows):
             for j, block in enumerate(tests[layer].astype(np.float32)):  # (G, d_out, d_in')
-                out[:, j] += np.einsum("gno,gno->n", v @ block.transpose(0, 2, 1), u)  # float32 products
+                for g in range(block.shape[0]):  # float32 products
+                    out[:, j] += np.einsum("no,no->n", v[:, g] @ block[g].T, u[:, g])
         return out * lr[:, None]
 
     def estimates(
@@ -69,18 +70,19 @@ class KeptFactors:
         out = np.zeros(len(rows))  # (n,)
         for layer, u, v in self._split(rows):
             left, right = basis[layer]  # (G, d_out, R), (G, d_in', R)
-            out += np.einsum("gnr,gnr->n", u @ left, v @ right)
+            for g in range(left.shape[0]):
+                out += np.einsum("nr,nr->n", u[:, g] @ left[g], v[:, g] @ right[g])
         return out * lr
 
     def _split(self, rows: np.ndarray) -> list[tuple[str, np.ndarray, np.ndarray]]:
-        """``(layer, u (G, n, d_out), v (G, n, d_in'))`` float32 of these rows, per layer."""
+        """``(layer, u (n, G, d_out), v (n, G, d_in'))`` float32 of these rows, per layer (views of one gather)."""
         picked = self.rows[rows]  # (n, W) float32
         found, start = [], 0
         for layer in self.order:
             groups, d_out, d_in = self.shapes[layer]
-            u = picked[:, start : start + groups * d_out].reshape(-1, groups, d_out).transpose(1, 0, 2)
+            u = picked[:, start : start + groups * d_out].reshape(-1, groups, d_out)
             start += groups * d_out
-            v = picked[:, start : start + groups * d_in].reshape(-1, groups, d_in).transpose(1, 0, 2)
+            v = picked[:, start : start + groups * d_in].reshape(-1, groups, d_in)
             start += groups * d_in
             found.append((layer, u, v))
         return found
