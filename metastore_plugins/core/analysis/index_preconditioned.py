@@ -325,8 +325,12 @@ def preconditioned_index(
             parts.append(part)
         else:
             quantizer.add(part * np.float32(batch.ref.lr_weight))
-        found = None if factors is None else factor_rows(batch.records, fitted, order)  # (B, W)
-        factors = None if factors is None or found is None else [*factors, found]
+        if factors is not None:
+            found = factor_rows(batch.records, fitted, order)  # (B, W), None: not rank one
+            if found is None:
+                factors = None
+            else:
+                factors.append(found)
         ids.append(batch.meta["sample_id"].numpy())
         lrs.append(np.full(batch.size, batch.ref.lr_weight))
     sample_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
