@@ -91,7 +91,7 @@ class MetaStoreTrainerCallback(TrainerCallback, FacadeHolder):
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.facade = RunFacade(
             "MetaStoreTrainerCallback", settings, every_n=checkpoint_every_n_evals,
-            every_n_setting="checkpoint_every_n_evals",
+            every_n_setting="checkpoint_every_n_evals", start_pass=False,  # no eval loader before the first evaluation
         )  # fmt: skip
         self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
         self.passes: list[str] = []

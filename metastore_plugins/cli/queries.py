@@ -18,7 +18,7 @@ from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import ConfigError, StoreError
 from metastore_plugins.core.reports import OUTLIER_COLUMNS, checkpoint_points, markdown_table
 from metastore_plugins.core.reports.files import influence_markdown
-from metastore_plugins.core.reports.influence_table import influence_rows
+from metastore_plugins.core.reports.influence_table import default_rows, influence_rows
 from metastore_plugins.core.reports.stored import (
     budget_caption,
     dropped_message,
@@ -44,8 +44,24 @@ def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
 
 
 def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
-    """Influence by ``--method`` over paired passes (``auto``: EK-FAC where the passes can be preconditioned, else
-    TracIn); a test sample stored several times in its capture point has its occurrences summed."""
+    """Influence by ``--method``: over every training sample (the default answer) where the training steps hold
+    inner products and neither ``--train``, ``--capture-point`` nor ``--index build`` is given, else over paired
+    passes (``auto``: EK-FAC where they can be preconditioned, else TracIn); a test sample stored several times in
+    its capture point has its occurrences summed."""
+    if not (args.train or args.capture_point or args.index == "build") and with_gradients(
+        store, [TRAINING_STEPS], inner=True
+    ):
+        tests = sorted(checkpoint_points(store, args.test_split), key=lambda cp: store.steps(cp)[0])
+        tests = [cp for cp in tests if with_gradients(store, [cp], inner=True)]
+        if tests:
+            _check_tests(store, args.test, tests)
+            rows = default_rows(
+                store, tests, args.k, test_ids=args.test, method=args.method, damping=args.damping,
+                relative_damping=args.relative_damping, layers=args.layers,
+            )  # fmt: skip
+            notes = _occurrence_notes(store, tests, [row["test_id"] for row in rows])
+            emit(args, rows, "".join(f"{line}\n" for line in notes) + influence_markdown(rows))
+            return
     train = train_points(store, args.train)
     test = [cp.split("/")[0] + "/" + args.test_split for cp in train]
     if args.capture_point:
@@ -67,11 +83,7 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
         why = dropped_message(store) or "they hold metadata only or exact norms only"
         named = bare[0] + (f" and {len(bare) - 1} more capture points" if len(bare) > 1 else "")
         raise StoreError(f"influence needs per-sample gradients with inner products, and {named} hold none: {why}")
-    if args.test is not None:
-        stored = {int(i) for cp in test for i in store.sample_ids(cp).tolist()}
-        missing = sorted(set(args.test) - stored)
-        if missing:
-            raise not_stored(store, missing, test, f"test sample(s) {missing} are")
+    _check_tests(store, args.test, test)
     rows = influence_rows(
         store,
         train,
@@ -87,6 +99,15 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
         rows = [row for row in rows if row["test_id"] in set(args.test)]
     notes = _occurrence_notes(store, test, [row["test_id"] for row in rows])
     emit(args, rows, "".join(f"{line}\n" for line in notes) + influence_markdown(rows))
+
+
+def _check_tests(store: GradientStore, wanted: Sequence[int] | None, test: Sequence[str]) -> None:
+    """Raise naming the ``--test`` ids that no test capture point holds."""
+    if wanted is not None:
+        stored = {int(i) for cp in test for i in store.sample_ids(cp).tolist()}
+        missing = sorted(set(wanted) - stored)
+        if missing:
+            raise not_stored(store, missing, test, f"test sample(s) {missing} are")
 
 
 def _checked_method(args: argparse.Namespace, store: GradientStore, points: Sequence[str]) -> ResolvedMethod:

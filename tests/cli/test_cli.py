@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from reportcases import assert_top_ranking
 from safetensors.torch import load_file
 
 from metastore_plugins import open_store
+from metastore_plugins.core.analysis import Scores
 from metastore_plugins.testing import max_relative_error
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,10 +101,23 @@ def test_outliers_by_final_loss(run_dir: Path) -> None:
 
 
 def test_influence_of_chosen_test_samples(run_dir: Path) -> None:
+    """Every training sample by default (the default answer); ``--train`` names the passes to rank instead."""
+    store = open_store(run_dir)
+    # the same test ids: the steps' scale factor is taken over the columns asked for
+    default = store.influence(test=["epoch-0/val", "epoch-1/val"], method="auto", test_ids=[3, 5])
     rows = json_of("influence", str(run_dir), "--test", "3,5", "-k", "4")
+    assert {row["train_side"] for row in rows} == {default.train_side}
+    assert_proponents(rows, default)
+    passes = ["--train", "epoch-0/train", "--train", "epoch-1/train"]
+    rows = json_of("influence", str(run_dir), "--test", "3,5", "-k", "4", *passes)
     method = rows[0]["method"]  # --method auto: EK-FAC where the passes can be preconditioned, else TracIn
-    points = (["epoch-0/train", "epoch-1/train"], ["epoch-0/val", "epoch-1/val"])
-    scores = open_store(run_dir).influence(*points, method=method)
+    assert_proponents(
+        rows, store.influence(["epoch-0/train", "epoch-1/train"], ["epoch-0/val", "epoch-1/val"], method=method)
+    )
+
+
+def assert_proponents(rows: list[dict[str, Any]], scores: Scores) -> None:
+    """The rows of test samples 3 and 5 hold a top 4 of their columns of ``scores``."""
     assert [row["test_id"] for row in rows] == [3, 5]
     for row in rows:
         column = scores.scores[:, list(scores.col_ids).index(row["test_id"])]
@@ -112,7 +127,8 @@ def test_influence_of_chosen_test_samples(run_dir: Path) -> None:
 
 
 def test_similar_and_restore(run_dir: Path, tmp_path: Path) -> None:
-    rows = json_of("similar", str(run_dir), "--sample", "7", "-k", "3")
+    held = int(open_store(run_dir).sample_ids("epoch-1/train")[0])  # a sample of the last training pass
+    rows = json_of("similar", str(run_dir), "--sample", str(held), "-k", "3")
     assert len(rows) == 3 and all(-1.0 - 1e-6 <= r["cosine"] <= 1.0 + 1e-6 for r in rows)
     out = tmp_path / "g.safetensors"
     done = metastore("restore", str(run_dir), "--sample", "7", "--capture-point", "epoch-1/val", "--out", str(out))

@@ -51,6 +51,7 @@ def _data(n: int, seed: int) -> TensorDataset:
 
 def _run(root: Path, budget: str, batch_sampler: bool = False, **settings: Any) -> Path:
     store = root / "store"
+    settings.setdefault("attribution_time", None)  # passes of the sizes set: what the budget does to them
     callback = MetaStoreCallback(store, budget=budget, **settings)
     dataset, generator = IndexedDataset(_data(N_TRAIN, 1)), torch.Generator().manual_seed(3)
     if batch_sampler:  # DataLoader(batch_sampler=...): loader.batch_size is None

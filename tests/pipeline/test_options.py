@@ -54,7 +54,12 @@ def test_flush_seconds_reach_the_store_writer(callback: type, tmp_path: Path) ->
 def test_the_typed_settings_are_the_settings_table() -> None:
     """CaptureSettings (what mypy checks a callback's keywords against) is SETTINGS' names and types, in order."""
     assert list(get_type_hints(CaptureSettings).items()) == [(row.name, row.type) for row in SETTINGS]
-    assert [f.name for f in fields(CallbackOptions)] == ["owner", *(row.name for row in SETTINGS), "capture_budget"]
+    assert [f.name for f in fields(CallbackOptions)] == [
+        "owner",
+        *(row.name for row in SETTINGS),
+        "given",
+        "capture_budget",
+    ]
 
 
 def test_each_setting_is_documented_checked_and_defaulted_from_its_one_declaration() -> None:

@@ -59,6 +59,8 @@ class CheckpointSchedule:
         seed: the seed of that draw.
         val_samples: the most validation samples in each pass (the first ones).
         start_pass: a pass over the validation samples before the first training step (:meth:`at_start`).
+        periods: the epochs (or evaluations) of the schedule's that make a pass (None: each of them), set with the
+            sizes by the attribution allowance (:meth:`allow`).
     """
 
     every_n_epochs: int = 1
@@ -67,9 +69,22 @@ class CheckpointSchedule:
     val_samples: int = 256
     start_pass: bool = True
     train_indices: list[int] | None = field(default=None)
+    periods: tuple[int, ...] | None = None
 
     def due(self, epoch: int) -> bool:
+        """Whether a pass runs at the end of epoch (or evaluation) ``epoch`` (0-based)."""
+        if self.periods is not None:
+            return epoch in self.periods
         return self.every_n_epochs > 0 and (epoch + 1) % self.every_n_epochs == 0
+
+    def due_periods(self, periods: int) -> list[int]:
+        """The periods of ``0 .. periods - 1`` the schedule makes a pass at, before any allowance."""
+        return [p for p in range(periods) if self.every_n_epochs > 0 and (p + 1) % self.every_n_epochs == 0]
+
+    def allow(self, periods: tuple[int, ...], val_samples: int, train_samples: int) -> None:
+        """Keep passes at ``periods`` only, of these sizes (the attribution allowance's; before the first pass)."""
+        self.periods, self.val_samples, self.train_samples = periods, val_samples, train_samples
+        self.train_indices = None
 
     def at_start(self, step: int) -> bool:
         """Whether a pass runs before training step ``step`` (:data:`START_PASS`): before the first step of a run

@@ -22,7 +22,7 @@ from metastore_plugins.core.reports.files import (
     write_table,
     write_text,
 )
-from metastore_plugins.core.reports.influence_table import influence_rows
+from metastore_plugins.core.reports.influence_table import default_rows, first_ids, influence_rows
 from metastore_plugins.core.reports.stored import (
     budget_caption,
     budget_notes,
@@ -97,10 +97,12 @@ def report_tables(
     (:func:`~.tables.outlier_points`). ``rank_outliers_by``: ``"auto"`` (AUM where the training
     steps hold margins, else self-influence), ``"aum"``, ``"loss"`` or ``"self_influence"``
     (:func:`~.tables.outlier_scores`).
-    ``recompute``: refines estimated TracIn scores exactly (:func:`~.influence_table.influence_rows`).
-    ``influence_method``: what scores the influence table, one of
-    :func:`~metastore_plugins.core.analysis.methods.method_choices`; ``"auto"`` (default) is EK-FAC where
-    every layer of the passes can be preconditioned (the best LDS measured, docs/quality.md), else TracIn.
+    The influence table ranks every training sample the store holds where the training steps hold inner
+    products (the default answer: :func:`~.influence_table.default_rows`), else the checkpoint passes' training
+    samples (:func:`~.influence_table.influence_rows`; ``recompute`` refines estimated TracIn scores exactly).
+    ``influence_method``: what scores it, one of :func:`~metastore_plugins.core.analysis.methods.method_choices`;
+    ``"auto"`` (default) is EK-FAC where every layer can be preconditioned (the best LDS measured,
+    docs/quality.md), else TracIn.
 
     Its store queries are those a partitioned report pass makes on every rank, in this order:
     ``self_influence`` (unless ``scores`` is given), then one ``influence``.
@@ -125,7 +127,13 @@ def report_tables(
     influence: list[dict[str, Any]] | None = None
     pairs = [(a, a.split("/")[0] + "/" + test_split) for a in train if a.split("/")[0] + "/" + test_split in test]
     pairs = [(a, b) for a, b in pairs if len(with_gradients(store, (a, b), inner=True)) == 2]
-    if pairs:
+    steps = TRAINING_STEPS in store.capture_points() and bool(with_gradients(store, (TRAINING_STEPS,), inner=True))
+    tests = sorted((b for b in test if with_gradients(store, (b,), inner=True)), key=lambda b: store.steps(b)[0])
+    if steps and tests:  # every training sample, from the steps (the default answer)
+        influence = default_rows(
+            store, tests, 5, test_ids=first_ids(store, tests, influence_samples), method=influence_method
+        )
+    elif pairs:
         influence = influence_rows(
             store,
             [a for a, _ in pairs],

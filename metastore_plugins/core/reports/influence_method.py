@@ -50,5 +50,10 @@ def exactness_line(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def influence_caption(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The lines under the influence table: the method and damping, then whether the scores are exact."""
-    return [method_line(rows[0]), exactness_line(rows)] if rows else []
+    """The lines under the influence table: the method and damping, whether the scores are exact, and (the default
+    answer) where the training samples came from."""
+    if not rows:
+        return []
+    side = rows[0].get("train_side")
+    where = [f"Training samples: every one the {side} hold (in-run influence of each step)."] if side else []
+    return [method_line(rows[0]), exactness_line(rows), *where]

@@ -12,11 +12,12 @@ from typing import Any
 
 from metastore_plugins.core.analysis import GradientStore
 from metastore_plugins.core.analysis.index_methods import report_index
-from metastore_plugins.core.analysis.method_table import TRACIN, MethodArgs, check_arguments
-from metastore_plugins.core.analysis.methods import ResolvedMethod, resolve_method
+from metastore_plugins.core.analysis.method_table import AUTO, TRACIN, MethodArgs, check_arguments
+from metastore_plugins.core.analysis.methods import METHODS, ResolvedMethod, resolve_method
 from metastore_plugins.core.analysis.refine import RecomputeFn, RefinedScores, refine_influence
 from metastore_plugins.core.analysis.results import Scores
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
+from metastore_plugins.core.model.pass_sources import TRAIN_SPLIT
 from metastore_plugins.core.records import EXACT_KINDS
 from metastore_plugins.core.reports.influence_method import method_fields
 from metastore_plugins.core.reports.tables import last_metadata
@@ -62,7 +63,7 @@ def influence_rows(
     chosen = method if isinstance(method, ResolvedMethod) else resolve_method(store, method, [*train, *test], layers)
     method_of = chosen.entry
     check_arguments(method_of, MethodArgs(damping, relative_damping))
-    test_ids = None if samples is None else sorted(set(store.sample_ids(test[-1]).tolist()))[:samples]
+    test_ids = first_ids(store, test, samples)
     index = report_index(store, train, chosen.method, index)
     top_k: dict[str, Any] = {} if index is False else {"k": k, "index": index}
     damped = method_of.damping_options(damping, relative_damping)
@@ -74,6 +75,55 @@ def influence_rows(
     if not exact and "recompute" in method_of.takes:
         scores = _refined(store, scores, train, test, recompute if layers is None else None)
     fields = method_fields(chosen, damping, relative_damping)
+    return _rows(store, scores, k, train, test, exact, fields)
+
+
+def default_rows(
+    store: GradientStore,
+    test: Sequence[str],
+    k: int = 5,
+    *,
+    test_ids: Sequence[int] | None = None,
+    method: str = AUTO,
+    damping: float | None = None,
+    relative_damping: float | None = None,
+    layers: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`influence_rows` over every training sample the store holds: the default answer
+    (``store.influence(test=...)`` with ``train`` left out: the training steps, with the passes' training samples
+    where they hold them; :func:`~metastore_plugins.core.analysis.default_answer.default_influence`), for the test
+    samples ``test_ids`` (all when None). Each row says the method of the steps' side (else the passes') and
+    ``train_side``; its scores are not refined."""
+    scores = store.influence(
+        test=list(test), method=method, test_ids=test_ids, damping=damping, relative_damping=relative_damping,
+        layers=layers,
+    )  # fmt: skip
+    chosen = getattr(scores, "methods", {})
+    name = chosen.get("steps", chosen.get("passes", TRACIN))
+    ran_with, relative = METHODS[name].ran_with(damping, relative_damping)
+    fields = {"method": name, "damping": ran_with, "relative_damping": relative}
+    fields["train_side"] = getattr(scores, "train_side", "")
+    exact = METHODS[name].exact and all_exact(store)
+    points = [p for p in store.capture_points() if p.endswith(f"/{TRAIN_SPLIT}")] + [TRAINING_STEPS]
+    return _rows(store, scores, k, points, test, exact, fields)
+
+
+def first_ids(store: GradientStore, test: Sequence[str], samples: int | None) -> list[int] | None:
+    """The ``samples`` smallest test ids of the last test point (None: every one)."""
+    return None if samples is None else sorted(set(store.sample_ids(test[-1]).tolist()))[:samples]
+
+
+def _rows(
+    store: GradientStore,
+    scores: Scores,
+    k: int,
+    train: Sequence[str],
+    test: Sequence[str],
+    exact: bool,
+    fields: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """The table's rows from ``scores``: per test sample its ``k`` proponents and opponents, labelled from the
+    metadata of ``train`` and ``test``, with ``fields`` (what produced them)."""
     train_meta, test_meta = last_metadata(store, train), last_metadata(store, test)
     rows = []
     for entry in scores.top(k):
@@ -111,5 +161,10 @@ def _refined(
 def passes_exact(store: GradientStore) -> bool:
     """Whether every record the checkpoint passes hold is exact: what the shards hold, not what was planned
     (a budget may have degraded a pass planned exact while the run went on)."""
-    points = [p for p in store.capture_points() if p != TRAINING_STEPS]
+    return all_exact(store, [p for p in store.capture_points() if p != TRAINING_STEPS])
+
+
+def all_exact(store: GradientStore, points: Sequence[str] | None = None) -> bool:
+    """Whether every record of ``points`` (every capture point when None) is exact, as the shards hold it."""
+    points = store.capture_points() if points is None else points
     return all(r["kind"] in EXACT_KINDS for p in points for ref in store.batch_refs(p) for r in ref.info["records"])

@@ -31,8 +31,10 @@ from torch import Tensor, nn
 
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.capture.session import LossReduction
+from metastore_plugins.core.errors import StateError
 from metastore_plugins.core.model.losses import BatchLoss
 from metastore_plugins.core.model.pass_sources import START_PASS, CheckpointSchedule, PassSource, dataset_size
+from metastore_plugins.core.policy.allowance import PassAllowance
 from metastore_plugins.core.reports.files import DecodeFn, RenderFn, text_renderer
 from metastore_plugins.core.reports.tensorboard import summary_writer
 from metastore_plugins.core.training.adapter_support import end_reports, open_run, refuse_compiled, run_end
@@ -54,6 +56,7 @@ class RunFacade:
         settings: the adapter's ``**settings`` (:class:`~.settings.CaptureSettings`), checked now.
         every_n: a checkpoint pass at every ``every_n``-th epoch or evaluation (0: none); ``every_n_setting``
             names it in the adapter's signature, for the error message.
+        start_pass: the adapter makes the pass before the first step (``start/val``) where the schedule does.
 
     Attributes:
         options, schedule: the checked settings and the checkpoint schedule.
@@ -61,9 +64,13 @@ class RunFacade:
         report_result: what :meth:`reports` made; seconds: the run's passes, refinement and basis time.
     """
 
-    def __init__(self, owner: str, settings: CaptureSettings, *, every_n: int, every_n_setting: str) -> None:
+    def __init__(
+        self, owner: str, settings: CaptureSettings, *, every_n: int, every_n_setting: str, start_pass: bool = True
+    ) -> None:
         self.options = CallbackOptions.of(owner, settings)
         self.schedule = self.options.schedule(every_n, every_n_setting)
+        self.schedule.start_pass &= start_pass
+        self.allowance: PassAllowance | None = None  # what sized the schedule (open)
         self.run: RunCapture | None = None
         self.report_result: ReportResult | None = None
         self.seconds: dict[str, float] = {}
@@ -122,9 +129,11 @@ class RunFacade:
         )  # fmt: skip
         sizes = (_size(train_loader), _size(val_loader))
         try:
-            expect_run(self.options, self.run, model, self.schedule, train_batches=train_batches, sizes=sizes,
-                       train_batch_size=train_batch_size, periods=periods, rank=rank, world_size=world_size,
-                       pass_at_end=pass_at_end, start_pass=self.schedule.at_start(step))  # fmt: skip
+            self.allowance = expect_run(
+                self.options, self.run, model, self.schedule, train_batches=train_batches, sizes=sizes,
+                train_batch_size=train_batch_size, periods=periods, rank=rank, world_size=world_size,
+                pass_at_end=pass_at_end, start_pass=self.schedule.at_start(step),
+            )  # fmt: skip
         except BaseException as error:
             self.close(error)  # a budget below the run's needs: the run's lock and writer thread go with it
             raise
@@ -132,7 +141,7 @@ class RunFacade:
 
     def start_line(self, dirpath: Path, period: str) -> str:
         """The line to log when training starts (``period``: what the schedule counts, ``"epoch(s)"``)."""
-        return start_line(self.options, dirpath, self.schedule, period)
+        return start_line(self.options, dirpath, self.schedule, period, self.allowance)
 
     # -- training steps ------------------------------------------------------------------
 
@@ -201,9 +210,18 @@ class RunFacade:
         return sources
 
     def tag(self, name: str, step: int, **options: Any) -> Any:
-        """Tag ``step`` (or ``steps=``) with ``name`` (:meth:`~.settings.CallbackOptions.tag`: before the run opens,
-        a tag with ``steps=`` is kept and written when it opens)."""
-        return self.options.tag(self.run, name, step, self.early_tags, **options)
+        """``run.tag(name, step=step, ...)`` (see :meth:`RunCapture.tag`); before the run opens, a tag with ``steps=``
+        is kept and written when it opens (:meth:`~.settings.CallbackOptions.run_capture`), and returns None."""
+        if self.run is not None:
+            return self.run.tag(name, step=step, **options)
+        if options.get("steps") is None or options.get("keep") == "snapshot":
+            raise StateError(
+                f"{self.owner}.tag() before training starts needs steps=(first, last) (or steps=one step), and is "
+                "written when training starts; a tag of the current step, or keep='snapshot' (the weights now), "
+                "must be set while training runs: call it from a hook of your model or of a callback"
+            )
+        self.early_tags.append((name, dict(options)))
+        return None
 
     # -- end -----------------------------------------------------------------------------
 

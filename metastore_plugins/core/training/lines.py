@@ -7,12 +7,20 @@ from pathlib import Path
 from typing import Any
 
 from metastore_plugins.core.model.pass_sources import CheckpointSchedule
+from metastore_plugins.core.policy.allowance import PassAllowance
 from metastore_plugins.core.store.writing.run_log import store_incomplete
 from metastore_plugins.core.training.settings import CallbackOptions
 
 
-def start_line(options: CallbackOptions, store_dir: Path, schedule: CheckpointSchedule, period: str) -> str:
-    """The one line a callback logs when training starts: where the store goes, and what it keeps."""
+def start_line(
+    options: CallbackOptions,
+    store_dir: Path,
+    schedule: CheckpointSchedule,
+    period: str,
+    allowance: PassAllowance | None = None,
+) -> str:
+    """The one line a callback logs when training starts: where the store goes, and what it keeps (the passes as
+    ``allowance`` sized them, where it did)."""
     steps = "every training step" if options.capture_train_steps else "no training steps"
     passes = (
         f"checkpoint passes every {schedule.every_n_epochs} {period} over at most {schedule.train_samples} "
@@ -20,6 +28,9 @@ def start_line(options: CallbackOptions, store_dir: Path, schedule: CheckpointSc
         if schedule.every_n_epochs
         else "no checkpoint passes"
     )
+    if allowance is not None:
+        at = ", ".join(str(p + 1) for p in allowance.periods)
+        passes = f"{allowance.line()}, after {period} {at}"
     return f"{options.owner}: per-sample gradients of {steps} and {passes} go to {store_dir} ({options.encoding})"
 
 

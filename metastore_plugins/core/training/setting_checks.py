@@ -83,3 +83,13 @@ def byte_size(owner: str, setting: str, value: Any) -> int | None:
     """A check that the value is ``None`` or a size in bytes (``250_000_000``, ``"250MB"``, ``"4GiB"``), kept as
     an ``int`` (:func:`~metastore_plugins.core.policy.budget.parse_budget`)."""
     return parse_budget(value, owner)
+
+
+def share(owner: str, setting: str, value: Any) -> float | None:
+    """A check that the value is ``None`` or a positive, finite share (``0.25``: a quarter)."""
+    wrong = isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")
+    if value is not None and wrong:
+        raise refuse(
+            owner, setting, "be a positive share of the training (0.25: a quarter), or None for no limit", value
+        )
+    return None if value is None else float(value)

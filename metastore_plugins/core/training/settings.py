@@ -27,9 +27,10 @@ from metastore_plugins.core.capture.session import (
     LossReduction,
     UnsupportedPolicy,
 )
-from metastore_plugins.core.errors import ConfigError, ConfigTypeError, StateError
+from metastore_plugins.core.errors import ConfigError, ConfigTypeError
 from metastore_plugins.core.model.losses import LabelsFn, PerSampleLossFn
 from metastore_plugins.core.model.pass_sources import CheckpointSchedule
+from metastore_plugins.core.policy.allowance import ATTRIBUTION_TIME
 from metastore_plugins.core.policy.budget import POLICIES, Budget, Policy
 from metastore_plugins.core.reports.samples import SampleRenderer
 from metastore_plugins.core.reports.tables import (
@@ -49,6 +50,7 @@ from metastore_plugins.core.training.setting_checks import (
     one_of,
     sample_function,
     seconds,
+    share,
     whole,
     whole_number,
 )
@@ -86,6 +88,7 @@ class CaptureSettings(TypedDict, total=False):
     capture_train_steps: bool
     checkpoint_train_samples: int
     checkpoint_val_samples: int
+    attribution_time: float | None
     basis_samples: int
     basis_from: BasisSource
     seed: int
@@ -165,6 +168,15 @@ class CallbackOptions:
         256,
         "the most validation samples in each checkpoint pass (default 256).",
         whole(1),
+    )
+    attribution_time: float | None = setting(
+        ATTRIBUTION_TIME,
+        "the most the checkpoint passes and their basis fits may cost, as a share of the training, counted in "
+        "samples (default 0.25): at most four passes, evenly spaced, each of as many validation and training "
+        "samples as that share affords, 32 of each at least; sizes you set are kept. ``None``: a pass at each "
+        "scheduled epoch (or evaluation) of the sizes set. The start line says the passes and their cost "
+        "(docs/policies.md).",
+        share,
     )
     basis_samples: int = setting(
         BASIS_SAMPLES,
@@ -253,6 +265,7 @@ class CallbackOptions:
         "always continues its store.",
         flag,
     )
+    given: frozenset[str] = field(default=frozenset(), repr=False, compare=False)  # the settings passed
     capture_budget: Budget = field(init=False, repr=False, compare=False)
 
     @classmethod
@@ -265,7 +278,7 @@ class CallbackOptions:
                 f"{owner}() got unexpected setting(s) {', '.join(map(repr, unknown))}; "
                 f"it takes: {', '.join(sorted(known))}"
             )
-        return cls(owner, **settings)
+        return cls(owner, **settings, given=frozenset(settings))
 
     def __post_init__(self) -> None:
         for row in SETTINGS:  # each setting's own check, in the order they are declared
@@ -362,22 +375,6 @@ class CallbackOptions:
             run.close()  # a bad tag: its lock and writer thread go with it
             raise
         return run
-
-    def tag(
-        self, run: RunCapture | None, name: str, step: int, early: list[tuple[str, dict[str, Any]]], **options: Any
-    ) -> Any:
-        """``run.tag(...)`` at ``step`` (see :meth:`RunCapture.tag`); before training (``run`` None) a tag with
-        ``steps=`` is kept in ``early`` and written when the run starts (:meth:`run_capture`), and returns None."""
-        if run is not None:
-            return run.tag(name, step=step, **options)
-        if options.get("steps") is None or options.get("keep") == "snapshot":
-            raise StateError(
-                f"{self.owner}.tag() before training starts needs steps=(first, last) (or steps=one step), and is "
-                "written when training starts; a tag of the current step, or keep='snapshot' (the weights now), "
-                "must be set while training runs: call it from a hook of your model or of a callback"
-            )
-        early.append((name, dict(options)))
-        return None
 
 
 def _table() -> tuple[Setting, ...]:
