@@ -11,7 +11,7 @@ import numpy as np
 from metastore_plugins.cli.hints import not_stored, store_damage, train_points
 from metastore_plugins.cli.output import emit
 from metastore_plugins.core.analysis import GradientStore
-from metastore_plugins.core.analysis.method_table import MethodArgs, check_arguments
+from metastore_plugins.core.analysis.method_table import AUTO, MethodArgs, check_arguments
 from metastore_plugins.core.analysis.methods import ResolvedMethod, resolve_method
 from metastore_plugins.core.analysis.queries import nearest_occurrences
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
@@ -44,12 +44,14 @@ def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
 
 
 def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
-    """Influence by ``--method``: over every training sample (the default answer) where the training steps hold
-    inner products and neither ``--train``, ``--capture-point`` nor ``--index build`` is given, else over paired
-    passes (``auto``: EK-FAC where they can be preconditioned, else TracIn); a test sample stored several times in
-    its capture point has its occurrences summed."""
-    if not (args.train or args.capture_point or args.index == "build") and with_gradients(
-        store, [TRAINING_STEPS], inner=True
+    """Influence by ``--method``: ``auto`` (default) over every training sample (the default answer) where the
+    training steps hold inner products and neither ``--train``, ``--capture-point`` nor ``--index build`` is given;
+    else over paired passes (``auto``: EK-FAC where they can be preconditioned, else TracIn); a test sample stored
+    several times in its capture point has its occurrences summed."""
+    if (
+        args.method == AUTO
+        and not (args.train or args.capture_point or args.index == "build")
+        and with_gradients(store, [TRAINING_STEPS], inner=True)
     ):
         tests = sorted(checkpoint_points(store, args.test_split), key=lambda cp: store.steps(cp)[0])
         tests = [cp for cp in tests if with_gradients(store, [cp], inner=True)]

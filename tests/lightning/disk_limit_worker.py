@@ -68,7 +68,9 @@ if __name__ == "__main__":
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     torch.manual_seed(0)
-    callback = MetaStoreCallback(out / "store", encoding="fp32", flush_seconds=None, checkpoint_every_n_epochs=2)
+    callback = MetaStoreCallback(  # passes of the sizes set: the shard sizes the limits below are measured on
+        out / "store", encoding="fp32", flush_seconds=None, checkpoint_every_n_epochs=2, attribution_time=None
+    )
     trainer = L.Trainer(
         max_epochs=EPOCHS,
         accelerator="cpu",

@@ -31,7 +31,7 @@ def _reference(module: Classifier, x: torch.Tensor, y: torch.Tensor) -> dict[str
 def accumulated_run(tmp_path_factory: pytest.TempPathFactory):
     """lr=0 (weights fixed), shuffle, drop_last, accumulate 2 over 5 batches (a last, partial window), fp32."""
     tmp_path = tmp_path_factory.mktemp("accumulated")
-    recorder, callback = Recorder(), MetaStoreCallback(encoding="fp32")
+    recorder, callback = Recorder(), MetaStoreCallback(encoding="fp32", attribution_time=None)  # whole sets passed
     module = Classifier(lr=0.0)
     train, val = loaders(N_TRAIN, 12, BATCH, drop_last=True)
     trainer = fit(tmp_path, module, train, val, [recorder, callback], accumulate_grad_batches=2)

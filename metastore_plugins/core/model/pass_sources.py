@@ -82,9 +82,11 @@ class CheckpointSchedule:
         return [p for p in range(periods) if self.every_n_epochs > 0 and (p + 1) % self.every_n_epochs == 0]
 
     def allow(self, periods: tuple[int, ...], val_samples: int, train_samples: int) -> None:
-        """Keep passes at ``periods`` only, of these sizes (the attribution allowance's; before the first pass)."""
-        self.periods, self.val_samples, self.train_samples = periods, val_samples, train_samples
-        self.train_indices = None
+        """Keep passes at ``periods`` only, of these sizes (the attribution allowance's; before the first pass). A
+        training subset already drawn (restored from a checkpoint) stays as it is: the same samples after
+        resuming."""
+        self.periods, self.val_samples = periods, val_samples
+        self.train_samples = train_samples if self.train_indices is None else len(self.train_indices)
 
     def at_start(self, step: int) -> bool:
         """Whether a pass runs before training step ``step`` (:data:`START_PASS`): before the first step of a run

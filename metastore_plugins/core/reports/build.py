@@ -13,7 +13,7 @@ from metastore_plugins.core.analysis.method_table import AUTO
 from metastore_plugins.core.analysis.refine import RecomputeFn
 from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.capture.batch_mixing import batch_mixed_note
-from metastore_plugins.core.errors import QueryError
+from metastore_plugins.core.errors import MetastoreError, QueryError
 from metastore_plugins.core.reports.files import (
     REPORTS_ELSEWHERE,
     RenderFn,
@@ -97,12 +97,12 @@ def report_tables(
     (:func:`~.tables.outlier_points`). ``rank_outliers_by``: ``"auto"`` (AUM where the training
     steps hold margins, else self-influence), ``"aum"``, ``"loss"`` or ``"self_influence"``
     (:func:`~.tables.outlier_scores`).
-    The influence table ranks every training sample the store holds where the training steps hold inner
-    products (the default answer: :func:`~.influence_table.default_rows`), else the checkpoint passes' training
-    samples (:func:`~.influence_table.influence_rows`; ``recompute`` refines estimated TracIn scores exactly).
-    ``influence_method``: what scores it, one of :func:`~metastore_plugins.core.analysis.methods.method_choices`;
-    ``"auto"`` (default) is EK-FAC where every layer can be preconditioned (the best LDS measured,
-    docs/quality.md), else TracIn.
+    The influence table: with ``influence_method="auto"`` (default), every training sample the store holds where
+    the training steps hold inner products (the default answer, EK-FAC where every layer can be preconditioned,
+    else TracIn: :func:`~.influence_table.default_rows`); else (or with another method of
+    :func:`~metastore_plugins.core.analysis.methods.method_choices`) the checkpoint passes' training samples
+    (:func:`~.influence_table.influence_rows`, ``auto`` there as on the passes; ``recompute`` refines estimated
+    TracIn scores exactly).
 
     Its store queries are those a partitioned report pass makes on every rank, in this order:
     ``self_influence`` (unless ``scores`` is given), then one ``influence``.
@@ -124,16 +124,12 @@ def report_tables(
         for row in outliers:
             row["text"] = render(train_split, row["sample_id"])
         columns = (*OUTLIER_COLUMNS, "text")
-    influence: list[dict[str, Any]] | None = None
     pairs = [(a, a.split("/")[0] + "/" + test_split) for a in train if a.split("/")[0] + "/" + test_split in test]
     pairs = [(a, b) for a, b in pairs if len(with_gradients(store, (a, b), inner=True)) == 2]
-    steps = TRAINING_STEPS in store.capture_points() and bool(with_gradients(store, (TRAINING_STEPS,), inner=True))
-    tests = sorted((b for b in test if with_gradients(store, (b,), inner=True)), key=lambda b: store.steps(b)[0])
-    if steps and tests:  # every training sample, from the steps (the default answer)
-        influence = default_rows(
-            store, tests, 5, test_ids=first_ids(store, tests, influence_samples), method=influence_method
-        )
-    elif pairs:
+    influence: list[dict[str, Any]] | None = None
+    if influence_method == AUTO:  # every training sample (an explicit method: the passes', by it)
+        influence = _default_table(store, test, influence_samples, caption)
+    if influence is None and pairs:
         influence = influence_rows(
             store,
             [a for a, _ in pairs],
@@ -143,7 +139,7 @@ def report_tables(
             recompute=recompute,
             method=influence_method,
         )
-    elif test or notes:
+    elif influence is None and (test or notes):
         caption.append("No influence report: no checkpoint pass holds train and test gradients with inner products.")
     if render is not None and influence is not None:
         for row in influence:
@@ -151,6 +147,25 @@ def report_tables(
             for entry in (*row["proponents"], *row["opponents"]):
                 entry["text"] = render(train_split, entry["sample_id"])
     return {"outliers": outliers, "influence": influence, "outlier_columns": columns, "outlier_caption": caption}
+
+
+def _default_table(
+    store: GradientStore, test: list[str], samples: int | None, caption: list[str]
+) -> list[dict[str, Any]] | None:
+    """The influence rows of the default answer (every training sample) where the training steps hold inner
+    products; None (the passes' table) where they do not, or where the answer cannot pair them (said in
+    ``caption``)."""
+    steps = TRAINING_STEPS in store.capture_points() and bool(with_gradients(store, (TRAINING_STEPS,), inner=True))
+    tests = sorted((b for b in test if with_gradients(store, (b,), inner=True)), key=lambda b: store.steps(b)[0])
+    if not (steps and tests):
+        return None
+    try:
+        return default_rows(store, tests, 5, test_ids=first_ids(store, tests, samples))
+    except MetastoreError as exc:  # steps the passes cannot be paired with (a tagged range kept otherwise)
+        caption.append(
+            f"Influence over the checkpoint passes' training samples: the training steps could not be paired ({exc})."
+        )
+        return None
 
 
 def write_tables(store: GradientStore, directory: str | Path, tables: dict[str, Any]) -> dict[str, Any]:
