@@ -51,10 +51,16 @@ def rows(g: torch.Generator, n: int, prompts: list[int]) -> list[dict[str, Tenso
 
 
 class Weights(transformers.TrainerCallback):
-    """Copies the model's weights at each evaluation (the weights of the checkpoint pass there)."""
+    """Copies the model's weights at each evaluation (the weights of the checkpoint pass there) and before each
+    training step."""
 
     def __init__(self) -> None:
         self.states: list[dict[str, Tensor]] = []
+        self.steps: list[dict[str, Tensor]] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
+        assert model is not None
+        self.steps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
 
     def on_evaluate(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
         assert model is not None
@@ -81,7 +87,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, nn.Module, list[
     )  # fmt: skip
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=train, eval_dataset=val, data_collator=transformers.default_data_collator,
-        callbacks=[MetaStoreTrainerCallback(encoding="fp32", reports=False), weights],
+        callbacks=[MetaStoreTrainerCallback(encoding="fp32", reports=False, budget="200MB"), weights],  # all exact
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -111,7 +117,7 @@ def test_influence_of_new_sequences_is_tracin_by_hand(run: Any) -> None:
     assert len(weights.states) == EPOCHS
     g = torch.Generator().manual_seed(12)
     new = stacked(rows(g, 3, [0, 3, 6]))  # a whole text, and two completions behind prompts of 3 and 6 tokens
-    scores = store.influence_of_sequences(model, new)
+    scores = store.influence_of_sequences(model, new, train_from="passes")
     expected = by_hand(model, weights.states, stacked(train), new)
     assert scores.row_ids.tolist() == list(range(N_TRAIN)) and scores.col_ids.tolist() == [0, 1, 2]
     error = np.abs(scores.scores - expected).max() / np.abs(expected).max()
@@ -119,6 +125,36 @@ def test_influence_of_new_sequences_is_tracin_by_hand(run: Any) -> None:
     assert not np.allclose(expected[:, 1], expected[:, 2], rtol=0.1)  # the prompts change the scores
     top = scores.top(3)[2]["proponents"]
     assert [i for i, _ in top] == np.argsort(-expected[:, 2], kind="stable")[:3].tolist()
+
+
+def test_influence_of_new_sequences_over_the_steps_is_in_run_tracin_by_hand(run: Any) -> None:
+    store, model, train, weights, _ = run
+    assert len(weights.steps) == EPOCHS * N_TRAIN // BATCH == 6
+    new = stacked(rows(torch.Generator().manual_seed(12), 3, [0, 3, 6]))
+    paired = {t: [0, 0] if t < 3 else [0, 1] for t in range(6)}  # the passes at steps 3 and 6 (evaluations 0, 1)
+    new_grads = []
+    for state in weights.states:
+        at = copy.deepcopy(model)
+        at.load_state_dict(state)
+        new_grads.append(reference_per_sample_gradients(at, causal_loss, new))
+    meta = store.metadata("train")
+    expected = np.zeros((N_TRAIN, 3))
+    for t, state in enumerate(weights.steps):
+        ids = meta["sample_id"][meta["step"] == t].tolist()
+        at = copy.deepcopy(model)
+        at.load_state_dict(state)
+        g = reference_per_sample_gradients(at, causal_loss, stacked([train[i] for i in ids]))
+        for c in paired[t]:
+            dots = sum(g[n].flatten(1).double() @ new_grads[c][n].flatten(1).double().T for n in g)  # (B, 3)
+            expected[ids] += LR * dots.numpy()
+    scores = store.influence_of_sequences(model, new)  # default: the steps
+    assert sorted(scores.row_ids.tolist()) == list(range(N_TRAIN)) and scores.col_ids.tolist() == [0, 1, 2]
+    got = np.zeros_like(expected)
+    got[scores.row_ids] = scores.scores
+    error = np.abs(got - expected).max() / np.abs(expected).max()
+    assert error < TOLERANCE, error
+    passes = store.influence_of_sequences(model, new, train_from="passes")
+    assert not np.allclose(passes.scores, got[passes.row_ids], rtol=0.05)  # the steps are another estimate
 
 
 def test_a_store_without_snapshots_names_them(run: Any, tmp_path: Path) -> None:

@@ -6,9 +6,11 @@ or a prompt and completion with the prompt's labels ``-100``), :func:`influence_
 model at each snapshot's weights, captures each new sequence's gradient of its own loss (the sum of its
 unmasked token losses, as the passes store a training sequence's) and scores it against the pass:
 
-    score(i, j) = sum_c lr_c <g_train_i(w_c), g_new_j(w_c)>
+    score(i, j) = sum_t lr_t <g_train_i(w_t), g_new_j(w_c(t))>
 
-TracIn over the checkpoint passes, as ``store.influence`` scores stored evaluation sequences. Positive:
+in-run TracIn over the training steps ``t`` that hold sequence ``i`` (every trained sequence), each step with the
+passes ``c(t)`` before and after it; a store without training steps: ``sum_c lr_c <g_train_i(w_c), g_new_j(w_c)>``
+over the checkpoint passes' training sequences. Positive:
 training on sequence ``i`` lowered the loss of new sequence ``j`` (a proponent); negative: it raised it.
 
 Example::
@@ -21,19 +23,21 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from metastore_plugins.core.analysis.in_run import step_windows
 from metastore_plugins.core.analysis.queries import dot_blocks, summed_scores
 from metastore_plugins.core.analysis.results import Scores
-from metastore_plugins.core.errors import QueryError, StoreError
+from metastore_plugins.core.analysis.signals import TRAINING_STEPS
+from metastore_plugins.core.errors import QueryError, RepresentationError, StoreError
 from metastore_plugins.core.model.losses import IGNORE_INDEX, LossFn, logits_of
 from metastore_plugins.core.model.recompute import recompute_batches
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
-from metastore_plugins.core.store import StoreReader
+from metastore_plugins.core.store import Selection, StoreReader
 from metastore_plugins.core.store.snapshots.weights import list_snapshots, load_snapshot_state
 
 
@@ -72,8 +76,12 @@ def influence_of_sequences(
     layers: Sequence[str] | None = None,
     rank: int = 0,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    train_from: Literal["steps", "passes"] = "steps",
 ) -> Scores:
-    """TracIn scores of the stored training sequences on the ``B`` sequences of ``batch``, over the checkpoint passes.
+    """TracIn scores of the stored training sequences on the ``B`` sequences of ``batch``: every trained sequence
+    from the training steps, each step with the passes before and after it (:func:`.in_run.step_windows`), the new
+    sequences' gradients taken at those passes' snapshots; the passes' training samples where the store keeps no
+    training steps (or only steps they cannot be scored against: norms only).
 
     Args:
         model: the model the run trained (its live weights, ``.grad``, mode and RNG states are restored after).
@@ -82,6 +90,8 @@ def influence_of_sequences(
         train_split: the passes scored against: ``<checkpoint>/<train_split>``, each at snapshot ``<checkpoint>``.
         shift, loss_fn: the loss whose gradient is taken, summed over the batch's sequences (:func:`sequence_loss`).
         layers: score on these layers only (every stored layer by default).
+        train_from: ``"steps"`` (default): the training steps where the store holds them; ``"passes"``: the
+            checkpoint passes' training sequences.
 
     Returns:
         :class:`Scores` with rows the training sample ids and columns ``0 .. B-1`` (the batch's sequences).
@@ -103,14 +113,31 @@ def influence_of_sequences(
         )
     loss = loss_fn or sequence_loss(shift)
     size = int(batch["labels"].shape[0])
-    row_parts, col_parts = [], []
-    for cp in points:
-        weights, buffers = load_snapshot_state(store.path, cp.split("/")[0], rank)
-        records = recompute_batches(
-            model, [batch], weights=weights, buffers=buffers, loss_fn=loss, loss_reduction="sum", snapshot=cp
-        )
-        rows = store.select(cp, layers=layers)
-        block = dot_blocks(rows, [[(size, records)]], weighted=True, max_bytes=max_bytes)  # (N, B)
-        row_parts.append((rows.sample_ids(), block))
-        col_parts.append((np.arange(size), block))
-    return summed_scores(row_parts, col_parts)
+    points = sorted(points, key=lambda cp: store.steps(cp)[0])
+    kept: dict[str, Any] = {}
+
+    def new_records(cp: str) -> Any:  # the new sequences' records at the snapshot of pass ``cp``, once each
+        if cp not in kept:
+            weights, buffers = load_snapshot_state(store.path, cp.split("/")[0], rank)
+            kept[cp] = recompute_batches(
+                model, [batch], weights=weights, buffers=buffers, loss_fn=loss, loss_reduction="sum", snapshot=cp
+            )
+        return kept[cp]
+
+    def scored(paired: list[tuple[str, Selection]]) -> Scores:
+        row_parts, col_parts = [], []
+        for cp, rows in paired:
+            block = dot_blocks(rows, [[(size, new_records(cp))]], weighted=True, max_bytes=max_bytes)  # (N, B)
+            row_parts.append((rows.sample_ids(), block))
+            col_parts.append((np.arange(size), block))
+        return summed_scores(row_parts, col_parts)
+
+    if (
+        train_from == "steps" and TRAINING_STEPS in store.capture_points()
+    ):  # every trained sequence: its steps, with the passes around them
+        windows = step_windows(store, TRAINING_STEPS, points)
+        try:
+            return scored([(cp, store.select(TRAINING_STEPS, steps=at, layers=layers)) for cp, at in windows])
+        except RepresentationError:  # steps the new records cannot meet (norms only, another projection)
+            pass
+    return scored([(cp, store.select(cp, layers=layers)) for cp in points])
