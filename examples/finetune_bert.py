@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--no-callback", action="store_true", help="train without the callback (for timing)")
     parser.add_argument(
+        "--defaults", action="store_true", help="the callback as it comes: MetaStoreTrainerCallback(report_k=...) only"
+    )
+    parser.add_argument(
         "--no-passes", action="store_true", help="callback without checkpoint passes and reports (for timing)"
     )
     parser.add_argument(
@@ -224,17 +227,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "classifier",
         ]
     )
-    callback = MetaStoreTrainerCallback(
-        checkpoint_train_samples=args.checkpoint_train_samples or every,
-        report_k=top,
-        modules=modules,
-        checkpoint_every_n_evals=0 if args.no_passes else 1,
-        reports=not args.no_passes,
-        outliers_from=args.outliers_from,
-        policy=args.policy,
-        budget=args.budget,
-        basis_samples=args.basis_samples,
-        encoding=args.encoding,
+    callback = (
+        MetaStoreTrainerCallback(report_k=top)
+        if args.defaults
+        else MetaStoreTrainerCallback(
+            checkpoint_train_samples=args.checkpoint_train_samples or every,
+            report_k=top,
+            modules=modules,
+            checkpoint_every_n_evals=0 if args.no_passes else 1,
+            reports=not args.no_passes,
+            outliers_from=args.outliers_from,
+            policy=args.policy,
+            budget=args.budget,
+            basis_samples=args.basis_samples,
+            encoding=args.encoding,
+        )
     )
     trainer = Trainer(
         model=model,

@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="BERT layers")
     parser.add_argument("--hidden", type=int, default=64, help="BERT width (heads of 64; feed-forward 4x wide)")
     parser.add_argument("--no-callback", action="store_true", help="train without the callback (for timing)")
+    parser.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (default 0: every epoch)")
     parser.add_argument(
         "--defaults",
         action="store_true",
@@ -114,7 +115,8 @@ def main() -> None:
         per_device_train_batch_size=32,
         per_device_eval_batch_size=64,
         learning_rate=1e-3,
-        eval_strategy="epoch",
+        eval_strategy="steps" if args.eval_steps else "epoch",
+        eval_steps=args.eval_steps or None,
         save_strategy="no",
         logging_steps=5,
         report_to=["tensorboard"],

@@ -55,6 +55,17 @@ EXAMPLES: dict[str, tuple[str, dict[str, list[str]]]] = {
             "the callback's defaults": ["--defaults", "--layers", "4", "--hidden", "256"],
         },
     ),
+    "hf-defaults": (  # the MiniLM fine-tune under the HF callback as it comes (issue 45's target: 1.3x)
+        "examples/finetune_bert.py",
+        {"no callback": ["--no-callback"], "the callback's defaults": ["--defaults"]},
+    ),
+    "hf-bert4-steps5": (  # the 4-layer BERT evaluating every 5 steps (issue 45's target: 1.5x)
+        "examples/hf_text_classifier.py",
+        {
+            "no callback": ["--no-callback", "--layers", "4", "--hidden", "256", "--eval-steps", "5"],
+            "the callback's defaults": ["--defaults", "--layers", "4", "--hidden", "256", "--eval-steps", "5"],
+        },
+    ),
     "lightning-defaults": (  # the digits MLP under the Lightning callback as it comes
         "examples/lightning_digits.py",
         {"no callback": ["--no-callback"], "the callback's defaults": ["--defaults"]},

@@ -79,7 +79,7 @@ def report_tables(
     render: RenderFn | None = None,
     scores: Scores | None = None,
     influence_samples: int | None = INFLUENCE_SAMPLES,
-    outliers_from: str = "checkpoints",
+    outliers_from: str = "auto",
     recompute: RecomputeFn | None = None,
     rank_outliers_by: str = "auto",
     influence_method: str = AUTO,
@@ -93,7 +93,7 @@ def report_tables(
     ``(ids, self-influence)`` when already computed (:func:`~.tables.self_influence_of`).
     ``influence_samples``: the influence report covers the test samples with the smallest
     ids, this many (``None``: all of them, at a cost that grows with train x test pairs).
-    ``outliers_from``: where self-influence is summed, ``"checkpoints"`` or ``"training"``
+    ``outliers_from``: where self-influence is summed, ``"auto"``, ``"checkpoints"`` or ``"training"``
     (:func:`~.tables.outlier_points`). ``rank_outliers_by``: ``"auto"`` (AUM where the training
     steps hold margins, else self-influence), ``"aum"``, ``"loss"`` or ``"self_influence"``
     (:func:`~.tables.outlier_scores`).

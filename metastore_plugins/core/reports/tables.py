@@ -52,7 +52,7 @@ def last_metadata(store: GradientStore, points: Sequence[str]) -> dict[int, dict
 Scores = tuple[np.ndarray, np.ndarray]
 
 #: where the outlier report takes self-influence from
-OutlierSource = Literal["checkpoints", "training"]
+OutlierSource = Literal["auto", "checkpoints", "training"]
 OUTLIER_SOURCES: tuple[str, ...] = get_args(OutlierSource)
 
 
@@ -72,10 +72,12 @@ def outlier_points(store: GradientStore, checkpoints: Sequence[str], outliers_fr
     ``"checkpoints"``: the training checkpoint passes (every sample at the same weights, the
     samples the passes cover). ``"training"``: the training steps (``sum_t lr_t ||g_i(w_t)||^2``
     over the steps each sample was trained in, TracIn's in-run form: every trained sample,
-    no pass needed).
+    no pass needed). ``"auto"``: the training steps where the store holds them, else the passes.
     """
     if outliers_from not in OUTLIER_SOURCES:
         raise ConfigError(f"outliers_from must be one of {OUTLIER_SOURCES}, got {outliers_from!r}")
+    if outliers_from == "auto":
+        outliers_from = "training" if TRAINING_STEPS in store.capture_points() else "checkpoints"
     if outliers_from == "checkpoints":
         return list(checkpoints)
     if TRAINING_STEPS not in store.capture_points():

@@ -120,7 +120,7 @@ def report_run(
     projector: bool = True,
     render: RenderFn | None = None,
     samples: SampleLookup | None = None,
-    outliers_from: str = "checkpoints",
+    outliers_from: str = "auto",
     recompute: RecomputeFn | None = None,
     rank_outliers_by: str = "auto",
     per_layer_scalars: bool = False,

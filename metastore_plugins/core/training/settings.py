@@ -210,11 +210,11 @@ class CallbackOptions:
         whole(1),
     )
     outliers_from: OutlierSource = setting(
-        "checkpoints",
-        'where the outlier table\'s self-influence comes from: ``"checkpoints"`` (default): the training '
-        'samples of the checkpoint passes, at the passes\' weights; ``"training"``: every trained sample, '
-        "in-run ``sum_t lr_t ||g_i(w_t)||^2`` over the captured training steps (no pass over the whole "
-        "training set needed).",
+        "auto",
+        'where the outlier table\'s self-influence comes from: ``"auto"`` (default): the training steps where '
+        'they are captured, else the passes; ``"checkpoints"``: the training samples of the checkpoint passes, '
+        'at the passes\' weights; ``"training"``: every trained sample, in-run ``sum_t lr_t ||g_i(w_t)||^2`` '
+        "over the captured training steps (no pass over the whole training set needed).",
     )
     rank_outliers_by: OutlierRanking = setting(
         "auto",
