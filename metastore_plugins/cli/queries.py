@@ -27,15 +27,13 @@ from metastore_plugins.core.reports.stored import (
     stored_self_influence,
     with_gradients,
 )
-from metastore_plugins.core.reports.tables import outlier_markdown, outlier_points, outlier_table
+from metastore_plugins.core.reports.tables import outlier_markdown, outlier_table
 from metastore_plugins.core.store.writable import writing
 
 
 def cmd_outliers(args: argparse.Namespace, store: GradientStore) -> None:
-    """The outlier table, ranked ``--by``, its self-influence over the training steps where the store holds them,
-    else over the train checkpoint passes (as the reports' ``outliers_from="auto"``), or over ``--capture-point``."""
-    passes = checkpoint_points(store, "train")  # none left by the budget: AUM or loss alone
-    given = args.capture_point or (outlier_points(store, passes, "auto") if passes else passes)
+    """The outlier table over the train checkpoint passes (or ``--capture-point``), ranked ``--by``."""
+    given = args.capture_point or checkpoint_points(store, "train")  # none left by the budget: AUM or loss alone
     points = list(given) if given or TRAINING_STEPS in store.capture_points() else train_points(store, None)
     by = outlier_ranking(store, points, args.by)
     scores = stored_self_influence(store, points)

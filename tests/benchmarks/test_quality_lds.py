@@ -133,9 +133,10 @@ def test_a_tiny_run_reports_every_attributor(kind: lds.Kind) -> None:
         row = rows[name]
         assert -1 <= row["ci95"][0] <= row["lds"] <= row["ci95"][1] <= 1 and row["trainings"] == 1
     assert rows["TracIn exact (checkpoint passes)"]["minus_exact_tracin"] == 0.0
-    # the one line's answer: a row per training sample, each scored by the passes (they hold all 100 samples, so the
-    # default answer leaves the steps out: it adds them only where they hold samples the passes do not)
-    assert rows[lds_defaults.ROW]["sources"] == {"passes": 100}
+    # the one line's answer: a row per training sample; the passes hold the attribution allowance's share (both sides
+    # score those), the steps every other sample
+    sources = rows[lds_defaults.ROW]["sources"]
+    assert sum(sources.values()) == 100 and set(sources) == {"passes and steps", "steps"}, sources
     assert result["subset_trainings"] == 100
     assert "| TracIn exact (checkpoint passes) |" in lds.table(result)
     assert not any(name.startswith("Kronfluence") for name in rows)
