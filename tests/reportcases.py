@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from metastore_plugins import open_store
-from metastore_plugins.core.reports.tables import checkpoint_points, outlier_scores, self_influence_of
+from metastore_plugins.core.reports.tables import checkpoint_points, outlier_points, outlier_scores, self_influence_of
 
 RTOL = 1e-6
 
@@ -44,8 +44,9 @@ def assert_tables_match(store_dir: Path, got: dict[str, Any], alone: dict[str, A
     """``got``'s rows (a partitioned pass) rank as ``alone``'s (one process) and as the store's own scores."""
     store = open_store(store_dir)
     points = checkpoint_points(store, "train")
-    si_ids, si = self_influence_of(store, points)
-    ranked = outlier_scores(store, points, "auto", (si_ids, si))
+    sources = outlier_points(store, points, "auto")  # the reports' default: the training steps where captured
+    si_ids, si = self_influence_of(store, sources)
+    ranked = outlier_scores(store, sources, "auto", (si_ids, si))
     score_of = dict(zip(ranked.ids.tolist(), ranked.score.tolist()))
     tol = RTOL * float(np.nanmax(np.abs(ranked.score)))
     assert len(got["outliers"]) == len(alone["outliers"])

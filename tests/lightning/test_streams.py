@@ -33,7 +33,9 @@ class Stream(IterableDataset):
 def test_a_stream_with_ids_trains_and_gets_checkpoint_passes(tmp_path: Path) -> None:
     train = DataLoader(Stream(40, 1), batch_size=8)
     val = DataLoader(Stream(12, 2), batch_size=8)
-    callback = MetaStoreCallback(tmp_path / "store", checkpoint_train_samples=12, checkpoint_val_samples=10)
+    callback = MetaStoreCallback(  # self-influence over the passes: the stream items they took
+        tmp_path / "store", checkpoint_train_samples=12, checkpoint_val_samples=10, outliers_from="checkpoints"
+    )
     fit(tmp_path, DictClassifier(), train, val, [callback])
     store = open_store(tmp_path / "store")
     assert store.sample_ids("train").tolist() == list(range(40)) * 2
