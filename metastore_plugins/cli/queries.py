@@ -21,6 +21,7 @@ from metastore_plugins.core.reports.files import influence_markdown
 from metastore_plugins.core.reports.influence_table import default_rows, influence_rows
 from metastore_plugins.core.reports.stored import (
     budget_caption,
+    default_test_points,
     dropped_message,
     outlier_ranking,
     paired_passes,
@@ -48,13 +49,8 @@ def cmd_influence(args: argparse.Namespace, store: GradientStore) -> None:
     training steps hold inner products and neither ``--train``, ``--capture-point`` nor ``--index build`` is given;
     else over paired passes (``auto``: EK-FAC where they can be preconditioned, else TracIn); a test sample stored
     several times in its capture point has its occurrences summed."""
-    if (
-        args.method == AUTO
-        and not (args.train or args.capture_point or args.index == "build")
-        and with_gradients(store, [TRAINING_STEPS], inner=True)
-    ):
-        tests = sorted(checkpoint_points(store, args.test_split), key=lambda cp: store.steps(cp)[0])
-        tests = [cp for cp in tests if with_gradients(store, [cp], inner=True)]
+    if args.method == AUTO and not (args.train or args.capture_point or args.index == "build"):
+        tests = default_test_points(store, checkpoint_points(store, args.test_split))
         if tests:
             _check_tests(store, args.test, tests)
             rows = default_rows(

@@ -26,6 +26,7 @@ from metastore_plugins.core.reports.influence_table import default_rows, first_i
 from metastore_plugins.core.reports.stored import (
     budget_caption,
     budget_notes,
+    default_test_points,
     dropped_message,
     outlier_ranking,
     stored_self_influence,
@@ -155,9 +156,8 @@ def _default_table(
     """The influence rows of the default answer (every training sample) where the training steps hold inner
     products; None (the passes' table) where they do not, or where the answer cannot pair them (said in
     ``caption``)."""
-    steps = TRAINING_STEPS in store.capture_points() and bool(with_gradients(store, (TRAINING_STEPS,), inner=True))
-    tests = sorted((b for b in test if with_gradients(store, (b,), inner=True)), key=lambda b: store.steps(b)[0])
-    if not (steps and tests):
+    tests = default_test_points(store, test)
+    if not tests:
         return None
     try:
         return default_rows(store, tests, 5, test_ids=first_ids(store, tests, samples))

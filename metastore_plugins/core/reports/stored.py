@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from metastore_plugins.core.analysis import GradientStore
+from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import QueryError
 from metastore_plugins.core.policy.plan_record import CapturePlan, in_words, readable_plan
 from metastore_plugins.core.reports.tables import Scores, has_margins, self_influence_of
@@ -30,6 +31,14 @@ def stored_kinds(store: GradientStore, capture_point: str) -> set[str]:
     if capture_point not in store.capture_points():
         return set()
     return {record["kind"] for ref in store.batch_refs(capture_point) for record in ref.info["records"]}
+
+
+def default_test_points(store: GradientStore, points: Sequence[str]) -> list[str]:
+    """The test side of the default answer: ``points`` with inner products, in step order, where the training steps
+    hold inner products too; none otherwise (the passes' table then)."""
+    if TRAINING_STEPS not in store.capture_points() or not with_gradients(store, [TRAINING_STEPS], inner=True):
+        return []
+    return sorted(with_gradients(store, points, inner=True), key=lambda point: store.steps(point)[0])
 
 
 def with_gradients(store: GradientStore, points: Sequence[str], *, inner: bool = False) -> list[str]:

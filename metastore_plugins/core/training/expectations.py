@@ -86,7 +86,7 @@ def allow(
         schedule.due_periods(periods),
         val_size=schedule.val_samples if val_size is None else val_size,
         val_most=schedule.val_samples,
-        train_most=min(schedule.train_samples, schedule.train_samples if train_size is None else train_size),
+        train_most=schedule.train_samples if train_size is None else min(schedule.train_samples, train_size),
         basis_most=options.basis_samples if options.basis_from == "checkpoint" else 0,
         start_pass=schedule.start_pass,
         kept=options.given,
