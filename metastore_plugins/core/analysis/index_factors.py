@@ -36,6 +36,12 @@ from metastore_plugins.core.records import LayerRecord
 Curvature = dict[str, LayerCurvature]
 
 
+#: Rows gathered at a time by :meth:`KeptFactors.scores` and :meth:`~KeptFactors.estimates`: their products then
+#: read the gathered rows from the cache, not the memory (measured: the estimates of 38,400 rows of 10^6, 17 ms in
+#: blocks of 1,024 against 41 ms gathered at once; 256: 20 ms, 4,096: 22 ms).
+GATHER_ROWS = 1024
+
+
 @dataclass
 class KeptFactors:
     """A train pass's rotated factors, in its index's row order.
@@ -55,10 +61,12 @@ class KeptFactors:
         products, float64 sums over the layers)."""
         count = len(next(iter(tests.values()))) if tests else 0
         out = np.zeros((len(rows), count))  # (n, M) float64
-        for layer, u, v in self._split(rows):
-            for j, block in enumerate(tests[layer].astype(np.float32)):  # (G, d_out, d_in')
-                for g in range(block.shape[0]):  # float32 products
-                    out[:, j] += np.einsum("no,no->n", v[:, g] @ block[g].T, u[:, g])
+        blocks = {layer: block.astype(np.float32) for layer, block in tests.items()}  # (M, G, d_out, d_in')
+        for lo, hi in chunks(len(rows), GATHER_ROWS):
+            for layer, u, v in self._split(rows[lo:hi]):
+                for j, block in enumerate(blocks[layer]):  # (G, d_out, d_in')
+                    for g in range(block.shape[0]):  # float32 products
+                        out[lo:hi, j] += np.einsum("no,no->n", v[:, g] @ block[g].T, u[:, g])
         return out * lr[:, None]
 
     def estimates(
@@ -68,10 +76,11 @@ class KeptFactors:
         ``R`` approximations ``L R^T`` (:func:`low_rank`): ``R (d_out + d_in')`` products a row and layer, not
         ``d_out d_in'``."""
         out = np.zeros(len(rows))  # (n,)
-        for layer, u, v in self._split(rows):
-            left, right = basis[layer]  # (G, d_out, R), (G, d_in', R)
-            for g in range(left.shape[0]):
-                out += np.einsum("nr,nr->n", u[:, g] @ left[g], v[:, g] @ right[g])
+        for lo, hi in chunks(len(rows), GATHER_ROWS):
+            for layer, u, v in self._split(rows[lo:hi]):
+                left, right = basis[layer]  # (G, d_out, R), (G, d_in', R)
+                for g in range(left.shape[0]):
+                    out[lo:hi] += np.einsum("nr,nr->n", u[:, g] @ left[g], v[:, g] @ right[g])
         return out * lr
 
     def _split(self, rows: np.ndarray) -> list[tuple[str, np.ndarray, np.ndarray]]:
@@ -113,26 +122,31 @@ def factor_shapes(fitted: Curvature, order: Sequence[str]) -> dict[str, tuple[in
     return {layer: tuple(fitted[layer].eigenvalues.shape) for layer in order}  # type: ignore[misc]
 
 
-def query_blocks(
-    records: Sequence[LayerRecord],
-    fitted: Curvature,
-    options: dict[str, Any],
-    order: Sequence[str],
-    max_bytes: int,
-) -> dict[str, np.ndarray] | None:
-    """Layer -> ``(B, G, d_out, d_in')`` float64 ``X_j / (Lambda + delta)`` of one test batch (any records of a
-    Kronecker layer), or ``None`` where a layer's curvature is not Kronecker."""
-    out: dict[str, np.ndarray] = {}
+def query_rotations(
+    records: Sequence[LayerRecord], fitted: Curvature, order: Sequence[str], max_bytes: int
+) -> dict[str, Tensor] | None:
+    """Layer -> ``(B, G, d_out, d_in')`` float64 ``X_j = Q_D^T G_j Q_A`` of one test batch (any records of a Kronecker
+    layer), or ``None`` where a layer's curvature is not Kronecker."""
+    out: dict[str, Tensor] = {}
     groups = layer_groups(records)
     for layer in order:
         c = fitted.get(layer)
         if c is None or c.kind != "outer" or layer not in groups:
             return None
-        delta = c.damping(options["damping"], options["relative_damping"])
-        inverse = 1.0 / (c.eigenvalues + delta)  # (G, d_out, d_in')
         size = groups[layer][0].batch_size
-        parts = [rotated(groups[layer], c, lo, hi) * inverse for lo, hi in chunks(size, sample_chunk(c, max_bytes))]
-        out[layer] = torch.cat(parts).numpy()
+        out[layer] = torch.cat(
+            [rotated(groups[layer], c, lo, hi) for lo, hi in chunks(size, sample_chunk(c, max_bytes))]
+        )
+    return out
+
+
+def query_blocks(rotations: dict[str, Tensor], fitted: Curvature, options: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Layer -> ``(B, G, d_out, d_in')`` float64 ``X_j / (Lambda + delta)`` of :func:`query_rotations`."""
+    out: dict[str, np.ndarray] = {}
+    for layer, x in rotations.items():
+        c = fitted[layer]
+        delta = c.damping(options["damping"], options["relative_damping"])
+        out[layer] = (x / (c.eigenvalues + delta)).numpy()
     return out
 
 
@@ -143,12 +157,19 @@ def query_blocks(
 REFINE_RANK = 4
 
 
+#: Columns beyond the rank the randomized approximation draws, and its power iterations (:func:`low_rank`).
+OVERSAMPLE, POWER_STEPS = 4, 2
+
+
 def low_rank(blocks: dict[str, np.ndarray], rank: int = REFINE_RANK) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Per test sample, layer -> ``(L (G, d_out, R), R (G, d_in', R))`` float32 with ``L R^T`` the best rank-``R``
-    approximation of its block (its SVD, the singular values in ``L``)."""
+    approximation of its block (the singular values in ``L``): its SVD, or where ``R +`` :data:`OVERSAMPLE` is below
+    both sides, the randomized one (a seeded range of ``R +`` :data:`OVERSAMPLE` columns refined by
+    :data:`POWER_STEPS` power iterations, then the SVD of the block on it: the benchmark MLP's three blocks in 0.65 ms,
+    not 1.9 ms; its error within 0.02% of the SVD's there, within 1% in ``test_vector_index_methods.py``)."""
     found: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
     for layer, block in blocks.items():  # (M, G, d_out, d_in')
-        left, values, right = np.linalg.svd(block.astype(np.float32), full_matrices=False)
+        left, values, right = _svd(block.astype(np.float32), rank)
         r = min(rank, values.shape[-1])
         pairs = zip(left[..., :r] * values[..., None, :r], np.swapaxes(right[..., :r, :], -1, -2))
         for j, (lo, ro) in enumerate(pairs):
@@ -156,3 +177,18 @@ def low_rank(blocks: dict[str, np.ndarray], rank: int = REFINE_RANK) -> list[dic
                 found.append({})
             found[j][layer] = (np.ascontiguousarray(lo), np.ascontiguousarray(ro))
     return found
+
+
+def _svd(block: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(U (..., d_out, p), S (..., p), V^T (..., p, d_in'))`` of ``block`` ``(..., d_out, d_in')``: its SVD, or the
+    randomized one of :func:`low_rank` (``p = rank +`` :data:`OVERSAMPLE`)."""
+    width = rank + OVERSAMPLE
+    if width >= min(block.shape[-2:]):
+        return np.linalg.svd(block, full_matrices=False)
+    draw = np.random.default_rng(0).standard_normal((block.shape[-1], width)).astype(np.float32)  # (d_in', p)
+    transposed = np.swapaxes(block, -1, -2)  # (..., d_in', d_out)
+    basis = np.linalg.qr(block @ draw)[0]  # (..., d_out, p)
+    for _ in range(POWER_STEPS):
+        basis = np.linalg.qr(block @ np.linalg.qr(transposed @ basis)[0])[0]  # (..., d_out, p)
+    small, values, right = np.linalg.svd(np.swapaxes(basis, -1, -2) @ block, full_matrices=False)  # (..., p, p)
+    return basis @ small, values, right

@@ -84,8 +84,9 @@ def report_index(store: StoreReader, train: Sequence[str], method: str, index: b
 #: 32-128-128-10 with exact layers, each test sample asked alone (metastore_bench/index_methods_bench.py,
 #: 2026-11-29): EK-FAC recall@10 through the float32 sketches at 200 / 800 / 1,600 candidates 0.89 / 0.97 / 0.99 of
 #: 20,000 rows, 0.83 / 0.95 / 0.97 of 100,000 (3,200: 0.98); through their product-quantized codes (what FAISS
-#: keeps from :data:`~.index_preconditioned.COMPRESS_ABOVE`) 0.94 / 0.96 at 1,600 / 2,400 of 100,000; the old rule
-#: (the TracIn index searched with the sketch of ``P g_j``) 0.39 / 0.77 / 0.88 and 0.25 / 0.50 / 0.64.
+#: keeps from :data:`~.index_preconditioned.COMPRESS_ABOVE`, projected) 0.92 / 0.95 / 0.96 at 1,600 / 2,400 / 3,200
+#: of 100,000, 0.77 / 0.86 / 0.91 at 2,400 / 9,600 / 19,200 of 10^6; the old rule (the TracIn index searched with
+#: the sketch of ``P g_j``) 0.39 / 0.77 / 0.88 and 0.25 / 0.50 / 0.64.
 PRECONDITIONED_FACTOR = 48
 
 
@@ -94,9 +95,10 @@ PRECONDITIONED_FACTOR = 48
 #: are scored exactly (200 of 2,400 for ``k = 10``).
 REFINED_FACTOR = 4
 #: ... when a test sample has more candidates than this (both directions): below, scoring them all exactly costs no
-#: more (measured on the benchmark's MLP, one thread: 4,800 rows 8.7 ms exactly, 8.5 ms estimated plus 2.8 ms for
-#: the test blocks' SVD; 48,000 rows 95 ms and 64 ms, both mostly the gather of the rows' factors).
-REFINE_ABOVE = 12_000
+#: more (measured on the benchmark's MLP, one thread: 4,800 rows 5.1 ms exactly, 2.4 ms estimated plus 0.6 ms for
+#: the test blocks' randomized rank-4 approximation and 0.3 ms for the 400 exact; a whole query at 10^5 rows, the
+#: default 2,400 candidates each way, 25 ms against 31 ms scoring all 4,800, the same recall, load average 5).
+REFINE_ABOVE = 2_000
 
 
 def candidate_count(k: int, candidates: int | None) -> int:

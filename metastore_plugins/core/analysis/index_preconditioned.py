@@ -11,7 +11,8 @@ lives. On a curvature eigenbasis (records ``projected``) ``S`` divides each reco
 
 Beside the sketches the index keeps, where every record is a one-row Kronecker record, the rows' rotated factors
 (:mod:`.index_factors`): the candidates' exact scores without a shard. Above :data:`COMPRESS_ABOVE` sketch numbers
-(with FAISS) the sketches are kept as product-quantization codes: the scan of 10^5 rows takes 5 ms, not 0.3 s.
+(with FAISS) the sketches are projected on their leading principal directions and kept as product-quantization
+codes: the scan of 10^5 rows takes about 1 ms, not 0.12 s.
 
 The index depends on the fitted curvature, so it is kept in this process (:data:`MAX_KEPT` of them, each at most
 :data:`MAX_INDEX_BYTES`: a larger pass is scored row by row) while the pass's batches and shards are unchanged, not
@@ -31,9 +32,23 @@ from torch import Tensor
 
 from metastore_plugins.core import ops
 from metastore_plugins.core.analysis import curvature
-from metastore_plugins.core.analysis.index_factors import KeptFactors, factor_rows, factor_shapes, query_blocks
+from metastore_plugins.core.analysis.index_factors import (
+    KeptFactors,
+    factor_rows,
+    factor_shapes,
+    query_blocks,
+    query_rotations,
+)
 from metastore_plugins.core.analysis.vector_index import projected_only
-from metastore_plugins.core.analysis.vector_search import Plan, VectorIndex, ann_search, load_faiss
+from metastore_plugins.core.analysis.vector_search import (
+    PQ_SPAN,
+    REDUCED_DIM,
+    Plan,
+    ProjectedCodes,
+    VectorIndex,
+    ann_search,
+    load_faiss,
+)
 from metastore_plugins.core.ops import DEFAULT_MAX_BYTES
 from metastore_plugins.core.ops._common import chunks
 from metastore_plugins.core.ops.curvature import CurvatureMethod, LayerCurvature, augmented_prefix, layer_groups
@@ -54,9 +69,22 @@ PRECONDITIONED_DIM = 32
 def pass_key(store: StoreReader, capture_point: str, *rest: Any) -> tuple[Any, ...]:
     """What a curvature or index of a train pass depends on: the store, the pass, its batches and their shards'
     sha256, and ``rest`` (the method, layers, damping...)."""
-    refs = store.batch_refs(capture_point)
-    binding = tuple((ref.file.name, ref.batch, store.shard_sha256(ref.file.name)) for ref in refs)
-    return (str(store.path), capture_point, *rest, binding)
+    return (str(store.path), capture_point, *rest, _binding(store, capture_point))
+
+
+def _binding(store: StoreReader, capture_point: str) -> tuple[tuple[str, int, str], ...]:
+    """The pass's batches and their shards' sha256, kept per reader index (a reader's index does not change; a
+    pass of 10^6 rows has about 2,000 batches: 5 ms a query, twice, otherwise)."""
+    kept = _BINDINGS.get(id(store.index))
+    if kept is None or kept[0] is not store.index:
+        kept = (store.index, {})
+        _keep(_BINDINGS, id(store.index), kept)
+    found = kept[1].get(capture_point)
+    if found is None:
+        refs = store.batch_refs(capture_point)
+        found = tuple((ref.file.name, ref.batch, store.shard_sha256(ref.file.name)) for ref in refs)
+        kept[1][capture_point] = found
+    return found
 
 
 def fitted_curvature(
@@ -88,23 +116,22 @@ def index_dim(store: StoreReader, capture_point: str, order: Sequence[str]) -> i
 
 #: The most bytes a preconditioned index may hold in memory (its sketches, float32 or product-quantized, and its
 #: rotated factors): a larger train pass is scored row by row instead. 10^5 rows of the benchmark's MLP take 1.4 GB
-#: flat (``N x 3 x 32^2`` float32 and 557 factors a row); 10^6 take 2.6 GB with FAISS (:data:`COMPRESS_ABOVE`).
+#: flat (``N x 3 x 32^2`` float32 and 557 factors a row); 10^6 take 2.4 GB with FAISS (:data:`COMPRESS_ABOVE`).
 MAX_INDEX_BYTES = 4 << 30
 
 #: Above this many sketch numbers (``N x L dim^2``), where FAISS is installed and the records are not projected, the
-#: whitened sketches are kept product-quantized (FAISS ``IndexPQFastScan``, 4 bits per :data:`PQ_SPAN` numbers: a
-#: 32nd of their float32 bytes) and scanned by table lookups: at 10^5 rows of the benchmark's MLP, 5 ms a query
-#: against 0.3 s for the float32 rows, recall@10 0.94 / 0.96 at 1,600 / 2,400 candidates where the float32 rows give
-#: 0.97 at 1,600 (metastore_bench/index_methods_bench.py). Without FAISS the sketches stay float32, scanned flat.
+#: whitened sketches are projected on their :data:`~.vector_search.REDUCED_DIM` leading uncentred principal
+#: directions and kept product-quantized (:class:`~.vector_search.ProjectedCodes`: 128 bytes a row), scanned by table
+#: lookups. Measured at 10^5 rows of the benchmark's MLP (each test sample's candidates against its exhaustive EK-FAC
+#: top-10, both directions, one thread): the float32 sketches scanned flat hold 0.98 at 2,400 candidates in 123 ms;
+#: their 4-bit codes of 4 numbers (384 bytes, before) 0.96 in 4.4 ms; projected on 512 directions (79% of their
+#: energy; 94% on 1,024), 4 bits per 2 numbers, 0.95 in 1.2 ms (per 1: 0.96 in 2.5 ms). Without FAISS the sketches
+#: stay float32, scanned flat.
 COMPRESS_ABOVE = 1 << 26
-#: Sketch numbers per product-quantizer code (4 bits).
-PQ_SPAN = 4
-#: Rows the product quantizer is trained on (the pass's first ones).
-PQ_TRAIN_ROWS = 1 << 15
 
 
 def index_bytes(store: StoreReader, capture_point: str, order: Sequence[str], compress: bool) -> int:
-    """The bytes of the pass's preconditioned index: its sketches (float32, or :data:`PQ_SPAN` numbers in 4 bits)
+    """The bytes of the pass's preconditioned index: its sketches (float32, or projected and product-quantized)
     and the rotated factors of its Kronecker records (``sum G (d_out + d_in')`` float32 a row; counted for every
     record, whether or not they are kept)."""
     rows, width = _rows_and_width(store, capture_point, order)
@@ -113,7 +140,7 @@ def index_bytes(store: StoreReader, capture_point: str, order: Sequence[str], co
         outer = [r for r in batch.records if r.kind == "outer"]
         factors = sum(r.tensors["suffix"][0].numel() + augmented_prefix(r)[0].numel() for r in outer)
         break
-    return rows * ((width // (2 * PQ_SPAN) if compress else 4 * width) + 4 * factors)
+    return rows * ((min(REDUCED_DIM, width) // (2 * PQ_SPAN) if compress else 4 * width) + 4 * factors)
 
 
 def compresses(store: StoreReader, capture_point: str, order: Sequence[str]) -> bool:
@@ -141,9 +168,13 @@ def whitened_sketches(
     dim: int,
     power: float,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    draw: ops.Projections | None = None,
+    rotations: dict[str, Tensor] | None = None,
 ) -> np.ndarray:
     """``(B, L dim^2)`` float32: each sample's gradient times ``(F + delta I)^-power`` per layer, sketched (seed 0) and
-    laid side by side in ``order``; ``power = 1/2`` for the index's rows and a query.
+    laid side by side in ``order``; ``power = 1/2`` for the index's rows and a query. ``draw`` keeps the projections
+    across calls (an index's build and its queries: drawn once, not per batch or query); ``rotations`` the Kronecker
+    layers' gradients in their eigenbasis where already at hand (:func:`.index_factors.query_rotations`).
 
     A Kronecker layer is whitened in its eigenbasis and sketched through projections that hold the rotation back
     (:func:`_eigen_sketch`: no ``d_out d_in (d_out + d_in)`` products per sample to rotate it); other layers are
@@ -151,13 +182,14 @@ def whitened_sketches(
     """
     batch = records[0].batch_size
     block = torch.zeros(batch, len(order), dim * dim)  # (B, L, dim^2)
-    draw = ops.Projections()
+    draw = draw or ops.Projections()
     for layer, group in layer_groups(records).items():
         c = fitted.get(layer)
         slot = order.index(layer)
         if c is not None and c.kind == "outer":
             delta = c.damping(options["damping"], options["relative_damping"])
-            block[:, slot] = _eigen_sketch(group, c, delta, power, dim, draw, max_bytes)
+            given = None if rotations is None else rotations[layer]
+            block[:, slot] = _eigen_sketch(group, c, delta, power, dim, draw, max_bytes, given)
             continue
         whitened = precondition(group, fitted, options["damping"], options["relative_damping"], max_bytes, power)
         for record in whitened:
@@ -173,13 +205,15 @@ def _eigen_sketch(
     dim: int,
     draw: ops.Projections,
     max_bytes: int,
+    given: Tensor | None = None,
 ) -> Tensor:
     """``(B, dim^2)`` sketches ``sum_g P_out,g Q_D,g X_g Q_A,g^T P_in^T`` of one Kronecker layer's gradients whitened
     in its eigenbasis (``X = (Q_D^T G Q_A) / (Lambda + delta)^power``): the rotations are folded into the
     projections (``P Q``, once), so each sample costs a projection of ``X``, not a rotation of it. The sketch is then
     of the whitened gradient in the weights' basis, where it is spread evenly; sketched in the eigenbasis, where a
     few entries hold most of it, the Kronecker sketch was noisier (on the benchmark's MLP, 20,000 rows, 200
-    candidates searched by the ``"reduced"`` plan: recall@10 0.55 against 0.62)."""
+    candidates searched by the ``"reduced"`` plan: recall@10 0.55 against 0.62). ``given``: ``Q_D^T G Q_A``, if
+    computed already."""
     groups, d_out, d_in = c.eigenvalues.shape
     assert c.q_in is not None and c.q_out is not None
     layer, cpu = group[0].layer, torch.device("cpu")
@@ -189,7 +223,7 @@ def _eigen_sketch(
     p_in = draw("whitened-in", layer, 0, (dim, d_in), dim, cpu) @ c.q_in.float()  # (G, dim, d_in')
     parts = []
     for lo, hi in chunks(group[0].batch_size, sample_chunk(c, max_bytes)):
-        x = rotated(group, c, lo, hi).float() * scale  # (n, G, d_out, d_in')
+        x = (rotated(group, c, lo, hi) if given is None else given[lo:hi]).float() * scale  # (n, G, d_out, d_in')
         sketch = (p_out @ x @ p_in.transpose(1, 2)).sum(1)  # (n, dim, dim)
         parts.append(sketch.reshape(hi - lo, dim * dim))
     return torch.cat(parts)
@@ -198,7 +232,8 @@ def _eigen_sketch(
 @dataclass
 class WhitenedIndex:
     """A train pass's preconditioned index, in selection order: ``lr_i`` times the whitened sketches, float32 and
-    scanned flat (``flat``) or product-quantized (``codes``, a FAISS ``IndexPQFastScan`` of the weighted rows), and
+    scanned flat (``flat``) or projected and product-quantized (``codes``, a FAISS ``IndexPreTransform`` of an
+    ``IndexPQFastScan`` of the weighted rows: :data:`COMPRESS_ABOVE`), and
     the rows' rotated factors where every record is rank one (``factors``: exact scores without a shard)."""
 
     capture_point: str
@@ -208,6 +243,7 @@ class WhitenedIndex:
     flat: VectorIndex | None
     codes: Any = None
     factors: KeptFactors | None = None
+    draw: ops.Projections = field(default_factory=ops.Projections, repr=False)  # its sketches' projections
     _sorted: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def rows_of(self, ids: Sequence[int]) -> np.ndarray:
@@ -229,34 +265,6 @@ class WhitenedIndex:
             return self.flat.search(queries_, count)
         q = np.ascontiguousarray(queries_, dtype=np.float32)  # (M, D)
         return ann_search(self.codes, q, min(count, len(self.sample_ids)))
-
-
-class _Quantizer:
-    """Weighted sketch rows product-quantized as they come: the first :data:`PQ_TRAIN_ROWS` train it."""
-
-    def __init__(self, faiss: Any, width: int) -> None:
-        self.faiss, self.width = faiss, width
-        self.waiting: list[np.ndarray] = []
-        self.codes: Any = None
-
-    def add(self, rows: np.ndarray) -> None:
-        if self.codes is not None:
-            self.codes.add(rows)
-            return
-        self.waiting.append(rows)
-        if sum(len(w) for w in self.waiting) >= PQ_TRAIN_ROWS:
-            self.finish()
-
-    def finish(self) -> Any:
-        if self.codes is None:
-            first = np.concatenate(self.waiting)  # (n, D)
-            self.codes = self.faiss.IndexPQFastScan(
-                self.width, self.width // PQ_SPAN, 4, self.faiss.METRIC_INNER_PRODUCT
-            )
-            self.codes.train(first)
-            self.codes.add(first)
-            self.waiting = []
-        return self.codes
 
 
 @dataclass
@@ -283,10 +291,14 @@ def query_side(
     """The queries of ``capture_point``'s samples ``ids`` (all: ``None``) against ``index``."""
     found, parts, blocks = [], [], []
     for batch in store.select(capture_point, sample_ids=ids, layers=list(order)).batches():
-        parts.append(whitened_sketches(batch.records, fitted, options, order, index.dim, 0.5, max_bytes))
+        turned = None if index.factors is None else query_rotations(batch.records, fitted, order, max_bytes)
+        sketched = whitened_sketches(
+            batch.records, fitted, options, order, index.dim, 0.5, max_bytes, index.draw, turned
+        )
+        parts.append(sketched)
         found.append(batch.meta["sample_id"].numpy())
         if index.factors is not None:
-            blocks.append(query_blocks(batch.records, fitted, options, order, max_bytes))
+            blocks.append(None if turned is None else query_blocks(turned, fitted, options))
     if not parts:
         return QuerySide(np.zeros(0, np.int64), np.zeros((0, len(order) * index.dim**2), np.float32), None)
     joined = None
@@ -316,11 +328,11 @@ def preconditioned_index(
         return kept
     dim = index_dim(store, capture_point, order)
     width = len(order) * dim * dim
-    quantizer = _Quantizer(load_faiss(), width) if compresses(store, capture_point, order) else None
-    ids, lrs, parts = [], [], []
+    quantizer = ProjectedCodes(load_faiss(), width) if compresses(store, capture_point, order) else None
+    ids, lrs, parts, draw = [], [], [], ops.Projections()
     factors: list[np.ndarray] | None = []
     for batch in store.select(capture_point, layers=list(order)).batches():
-        part = whitened_sketches(batch.records, fitted, options, order, dim, 0.5, max_bytes)  # (B, D)
+        part = whitened_sketches(batch.records, fitted, options, order, dim, 0.5, max_bytes, draw)  # (B, D)
         if quantizer is None:
             parts.append(part)
         else:
@@ -340,7 +352,8 @@ def preconditioned_index(
         vectors = np.concatenate(parts) if parts else np.zeros((0, width), np.float32)  # (N, D)
         flat = VectorIndex(capture_point, dim, sample_ids, lr, vectors, Plan())  # flat: every row scanned
     kept_factors = KeptFactors(list(order), np.concatenate(factors), factor_shapes(fitted, order)) if factors else None
-    index = WhitenedIndex(capture_point, dim, sample_ids, lr, flat, quantizer and quantizer.finish(), kept_factors)
+    codes = quantizer and quantizer.finish()
+    index = WhitenedIndex(capture_point, dim, sample_ids, lr, flat, codes, kept_factors, draw)
     _keep(_INDEXES, key, index)
     return index
 
@@ -365,7 +378,7 @@ def index_key(
     return pass_key(store, capture_point, method, tuple(order), damping, max_bytes)
 
 
-def _keep(kept: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> None:
+def _keep(kept: dict[Any, Any], key: Any, value: Any) -> None:
     kept[key] = value
     while len(kept) > MAX_KEPT:
         kept.pop(next(iter(kept)))
@@ -375,3 +388,5 @@ def _keep(kept: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) ->
 _FITTED: dict[tuple[Any, ...], Curvature] = {}
 _INDEXES: dict[tuple[Any, ...], WhitenedIndex] = {}
 MAX_KEPT = 2
+#: :func:`_binding`'s, per reader index (the index itself kept beside them: its ``id`` is not reused while kept).
+_BINDINGS: dict[int, tuple[Any, dict[str, tuple[tuple[str, int, str], ...]]]] = {}

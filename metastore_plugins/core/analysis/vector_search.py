@@ -193,6 +193,14 @@ def principal_directions(sample: np.ndarray, count: int) -> np.ndarray:
     return np.ascontiguousarray(vectors[:, ::-1][:, :count], dtype=np.float32)  # (D, count)
 
 
+def projection(basis: np.ndarray, faiss: Any) -> Any:
+    """A FAISS ``LinearTransform`` ``y = basis^T x`` (``basis`` ``(D, r)``), trained."""
+    transform = faiss.LinearTransform(basis.shape[0], basis.shape[1], False)
+    faiss.copy_array_to_vector(np.ascontiguousarray(basis.T, dtype=np.float32).ravel(), transform.A)  # A (r, D)
+    transform.is_trained = True
+    return transform
+
+
 def build_reduced(
     vectors: np.ndarray | RowStack,
     lr: np.ndarray,
@@ -207,14 +215,50 @@ def build_reduced(
     ``vectors`` may be a memory-mapped array larger than memory; the index holds ``N x plan.reduced`` numbers."""
     picked = np.sort(np.random.default_rng(0).permutation(len(vectors))[:sample])  # (s,)
     basis = principal_directions(np.asarray(vectors[picked]) * lr[picked, None], plan.reduced)  # (D, r)
-    transform = faiss.LinearTransform(vectors.shape[1], plan.reduced, False)
-    faiss.copy_array_to_vector(np.ascontiguousarray(basis.T).ravel(), transform.A)  # y = A x, A (r, D)
-    transform.is_trained = True
-    ann = faiss.IndexPreTransform(transform, faiss.IndexFlatIP(plan.reduced))
+    ann = faiss.IndexPreTransform(projection(basis, faiss), faiss.IndexFlatIP(plan.reduced))
     for start in range(0, len(vectors), block):
         rows = np.asarray(vectors[start : start + block]) * lr[start : start + block, None]  # (b, D)
         ann.add(np.ascontiguousarray(rows, dtype=np.float32))
     return ann
+
+
+#: The principal directions the rows are projected on before they are product-quantized (:class:`ProjectedCodes`).
+REDUCED_DIM = 512
+#: Projected numbers per product-quantizer code (4 bits).
+PQ_SPAN = 2
+#: Rows the projection and the product quantizer are fitted on (the pass's first ones).
+PQ_TRAIN_ROWS = 1 << 15
+
+
+class ProjectedCodes:
+    """Rows projected and product-quantized as they come (``add``; ``finish`` gives the FAISS index, an
+    ``IndexPreTransform`` of an ``IndexPQFastScan``): the first :data:`PQ_TRAIN_ROWS` fit the projection on their
+    :data:`REDUCED_DIM` leading principal directions and the quantizer (4 bits per :data:`PQ_SPAN` numbers)."""
+
+    def __init__(self, faiss: Any, width: int) -> None:
+        self.faiss, self.width = faiss, width
+        self.waiting: list[np.ndarray] = []
+        self.codes: Any = None
+
+    def add(self, rows: np.ndarray) -> None:
+        if self.codes is not None:
+            self.codes.add(rows)
+            return
+        self.waiting.append(rows)
+        if sum(len(w) for w in self.waiting) >= PQ_TRAIN_ROWS:
+            self.finish()
+
+    def finish(self) -> Any:
+        if self.codes is None:
+            first = np.concatenate(self.waiting)  # (n, D)
+            reduced = min(REDUCED_DIM, self.width)
+            quantized = self.faiss.IndexPQFastScan(reduced, reduced // PQ_SPAN, 4, self.faiss.METRIC_INNER_PRODUCT)
+            basis = principal_directions(first, reduced)  # (D, r)
+            self.codes = self.faiss.IndexPreTransform(projection(basis, self.faiss), quantized)
+            self.codes.train(first)
+            self.codes.add(first)
+            self.waiting = []
+        return self.codes
 
 
 def row_norms(vectors: np.ndarray | RowStack, block: int = 1 << 14) -> np.ndarray:
