@@ -7,7 +7,9 @@ window, as the callbacks take them). Samples 0-7 are in the passes and the steps
 8-23 in the steps only. The reference knows nothing of the store: per-sample gradients and factors from
 ``torch.func``, K-FAC / EK-FAC as explicit ``(P, P)`` matrices solved with ``torch.linalg.solve`` (fitted on the
 pass's 8 samples, or the window's 24 steps' samples), the rates by hand; the passes' rows for 0-7, the steps'
-rows times the ratio of root-mean-square scores of the two on 0-7 for 8-23, the mean of the two for 0-7.
+rows times the ratio of root-mean-square scores of the two on 0-7 for 8-23, the mean of the two for 0-7. Under
+K-FAC / EK-FAC the steps' scores are, per test sample, the mean of the trapezoid pairing and every step with the
+last pass (curvature fitted on all 48 step rows), each divided by its root-mean-square over the 24 rows.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> GradientStore:
 
 #: (test pass, the checkpoints whose steps it is paired with), as in test_in_run_curvature.py
 STEP_PAIRS = ((0, (0,)), (1, (1,)), (1, (0, 1)))
+#: every step with the last pass, the curvature fitted on them all (kfac / ekfac only)
+END_PAIRS = ((1, (0, 1)),)
 
 
 def reference(method: str | None) -> np.ndarray:
@@ -65,6 +69,9 @@ def reference(method: str | None) -> np.ndarray:
     passes = paired_scores(method, in_passes, test, pass_rates, ((0, (0,)), (1, (1,))))  # (8, 8)
     step_rates = [torch.tensor([STEP_LRS[2 * c]] * 12 + [STEP_LRS[2 * c + 1]] * 12).double() for c in range(2)]
     steps = paired_scores(method, train, test, step_rates, STEP_PAIRS)  # (24, 8)
+    if method is not None:  # and every step with the last pass, curvature on every step: the mean per test sample
+        end = paired_scores(method, train, test, step_rates, END_PAIRS)  # (24, 8)
+        steps = (steps + end * steps.pow(2).mean(0).sqrt() / end.pow(2).mean(0).sqrt()) / 2
     factor = passes.pow(2).mean().sqrt() / steps[IN_PASSES].pow(2).mean().sqrt()
     out = steps * factor
     out[IN_PASSES] = (passes + out[IN_PASSES]) / 2

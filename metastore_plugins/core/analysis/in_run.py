@@ -93,6 +93,14 @@ def step_windows(
     return windows
 
 
+def pairs_with_last(store: StoreReader, train: str = "train") -> bool:
+    """Whether every training step can be paired with the last test pass alone: none is kept projected on a
+    curvature eigenbasis (a basis is fitted at each checkpoint, so a step pairs only with the pass of its own; the
+    last step is on one whenever any step is)."""
+    trained = store.steps(train)
+    return bool(trained) and _blocks(store, train, (trained[-1], trained[-1])) is None
+
+
 def in_run_influence(
     store: StoreReader,
     test: str | Sequence[str],
