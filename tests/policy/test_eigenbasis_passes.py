@@ -250,7 +250,8 @@ def test_an_embedding_layer_keeps_the_seeded_vocabulary_side_and_the_output_eige
         torch.testing.assert_close(kept @ kept.T, ref @ ref.T, rtol=1e-4, atol=1e-8)
         torch.testing.assert_close(kept.square(), ref.square(), rtol=1e-4, atol=1e-8)
     values = (p.square() @ frequencies)[:, None] * l_d[-K:].flip(0)[None, :]
-    torch.testing.assert_close(record.tensors["eigenvalues"].to(F64), values, rtol=1e-4, atol=1e-10)
+    tiny = 1e-6 * float(values.abs().max())  # fitted in float32: the near-zero eigenvalues are rounding of the largest
+    torch.testing.assert_close(record.tensors["eigenvalues"].to(F64), values, rtol=1e-4, atol=tiny)
     torch.testing.assert_close(float(record.tensors["mean_eigenvalue"]), float(frequencies.mean() * l_d.mean()),
                                rtol=1e-4, atol=1e-10)  # fmt: skip
     scores = store.kfac_influence("epoch-0/train", "epoch-0/test", layers=["emb"])

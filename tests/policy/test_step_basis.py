@@ -125,7 +125,8 @@ def test_steps_after_a_pass_keep_their_gradients_on_its_eigenbasis(tmp_path: Pat
         assert {r.basis for r in records} == {basis}
         kept = torch.cat([r.tensors["projected"] for r in records]).double().flatten(1).numpy()  # (N, K * K)
         want = torch.cat([seen["steps"][s][1] for s in steps]).numpy() @ q  # (N, K * K)
-        np.testing.assert_allclose(kept @ kept.T, want @ want.T, rtol=1e-4, atol=1e-9)
+        gram = want @ want.T  # the basis is fitted in float32: entries near zero carry ~1e-7 of the largest
+        np.testing.assert_allclose(kept @ kept.T, gram, rtol=1e-4, atol=1e-6 * np.abs(gram).max())
     before = [r for b in store.select("train", steps=(0, 2), layers=["2"]).batches() for r in b.records]
     assert {r.basis for r in before} == {None}  # no basis before the first pass: seeded
 
