@@ -238,6 +238,7 @@ def test_the_rank_r_estimates_rank_the_candidates_and_are_exact_at_full_rank(
     want = store.influence(TRAIN[0], TEST[0], method="ekfac").scores  # (600, 12)
     rows = np.arange(len(opened.sample_ids))
     monkeypatch.setattr(index_factors, "GATHER_ROWS", 7)  # the rows gathered in blocks, the last one short
+    monkeypatch.setattr(index_factors, "THREADS_ABOVE", 100)  # and estimated in two threads
     for j, basis in enumerate(index_factors.low_rank(tested.blocks, rank=64)):
         got = opened.factors.estimates(rows, opened.lr, basis)
         np.testing.assert_allclose(got, want[:, j], rtol=1e-4, atol=1e-6 * np.abs(want[:, j]).max())
@@ -264,3 +265,12 @@ def test_the_randomized_low_rank_is_near_the_best_rank_r_approximation() -> None
             lo, ro = layers["x"]  # (G, d_out, R), (G, d_in, R)
             error = np.linalg.norm(block[j] - lo @ np.swapaxes(ro, -1, -2), axis=(-2, -1))  # (G,)
             assert np.all(error <= 1.01 * best[j] + 1e-6 * np.abs(block[j]).max()), (error, best[j])
+
+
+def test_the_default_candidates_grow_with_the_pass() -> None:
+    """``candidates=None``: 48 ``max(4k, 50)`` (2,400 for ``k = 10``) or one row in 40 of the pass, the larger; a
+    count given is kept."""
+    assert index_methods.candidate_count(10, None, 1_000) == 2_400
+    assert index_methods.candidate_count(10, None, 100_000) == 2_500
+    assert index_methods.candidate_count(10, None, 1_000_000) == 25_000
+    assert index_methods.candidate_count(10, 77, 1_000_000) == 77

@@ -88,6 +88,12 @@ def report_index(store: StoreReader, train: Sequence[str], method: str, index: b
 #: of 100,000, 0.77 / 0.86 / 0.91 at 2,400 / 9,600 / 19,200 of 10^6; the old rule (the TracIn index searched with
 #: the sketch of ``P g_j``) 0.39 / 0.77 / 0.88 and 0.25 / 0.50 / 0.64.
 PRECONDITIONED_FACTOR = 48
+#: ... and at least one row in this many of the pass's: at a fixed count recall falls as more rows compete (10^6 rows
+#: of that MLP, the projected codes: each test sample's candidates held 0.77 / 0.91 / 0.96 / 0.985 of its exhaustive
+#: top-10 at 2,400 / 19,200 / 38,400 / 76,800 each way; 10^5 rows: 0.95 / 0.96 at 2,400 / 3,200). The rank-4
+#: estimates of a test sample's candidates cost about 0.45 us a row (the gather of their factors, memory-bound), so
+#: one in 40 keeps a query at 10^6 rows near 50 ms (40,000 each way: recall 0.96, 78 ms).
+ROWS_PER_CANDIDATE = 40
 
 
 #: Where the index keeps rotated factors, each test sample's candidates are ranked by their rank-``R`` estimate
@@ -101,10 +107,11 @@ REFINED_FACTOR = 4
 REFINE_ABOVE = 2_000
 
 
-def candidate_count(k: int, candidates: int | None) -> int:
-    """The rows searched per test sample and direction: ``candidates``, else :data:`PRECONDITIONED_FACTOR` times
-    :func:`~.vector_index.default_candidates` (2,400 for ``k = 10``)."""
-    return candidates or PRECONDITIONED_FACTOR * default_candidates(k)
+def candidate_count(k: int, candidates: int | None, rows: int) -> int:
+    """The rows searched per test sample and direction in a pass of ``rows``: ``candidates``, else
+    :data:`PRECONDITIONED_FACTOR` times :func:`~.vector_index.default_candidates` (2,400 for ``k = 10``) or
+    ``rows /`` :data:`ROWS_PER_CANDIDATE`, the larger (2,500 of 10^5 rows, 25,000 of 10^6)."""
+    return candidates or max(PRECONDITIONED_FACTOR * default_candidates(k), rows // ROWS_PER_CANDIDATE)
 
 
 def influence(method: str, store: StoreReader, train: Points, test: Points, args: MethodArgs) -> Scores:
@@ -115,11 +122,11 @@ def influence(method: str, store: StoreReader, train: Points, test: Points, args
     row is scored too where no index is kept (``None``) or the store is partitioned. ``.top(k)`` of the result is
     the exhaustive query's where the candidates hold its top-k.
     """
-    count = candidate_count(args.k or 0, args.candidates)
     layers, test_ids = args.layers, args.test_ids
     if method == "trak":
         ridge = sketches.DEFAULT_REGULARIZATION if args.relative_damping is None else args.relative_damping
         every = sketches.kernel_influence(store, train, test, layers=layers, regularization=ridge)
+        count = candidate_count(args.k or 0, args.candidates, len(every.row_ids))
         return strongest(every if test_ids is None else _columns(every, test_ids), count)
     relative = DEFAULT_RELATIVE_DAMPING if args.relative_damping is None else args.relative_damping
     chosen: CurvatureMethod = "kfac" if method == "kfac" else "ekfac"
@@ -131,8 +138,8 @@ def influence(method: str, store: StoreReader, train: Points, test: Points, args
     if args.index is False or scan_of(store).partitioned:
         return exhaustive()
     try:
-        keep = REFINED_FACTOR * default_candidates(args.k or 0)
-        found = _candidates(store, train, test, chosen, args.index, (count, keep), test_ids, args.max_bytes, options)
+        wanted = (args.k or 0, args.candidates, REFINED_FACTOR * default_candidates(args.k or 0))
+        found = _candidates(store, train, test, chosen, args.index, wanted, test_ids, args.max_bytes, options)
     except StoreError as exc:  # a part changed on disk while it was read: this answer scans every row
         warn_line(f"{exc}; every row is scanned", 3)
         return exhaustive()
@@ -172,14 +179,15 @@ def _candidates(
     test: str | Sequence[str],
     method: CurvatureMethod,
     index: bool | None,
-    counts: tuple[int, int],
+    wanted: tuple[int, int | None, int],
     test_ids: Sequence[int] | None,
     max_bytes: int,
     options: dict[str, Any],
 ) -> tuple[list[int], dict[str, Curvature], Passes] | None:
     """``(candidate ids, curvature per train pass, (index, its queries) per pass)``: per pass and test sample the
-    ``counts[0]`` rows of largest and smallest sketched score, of which, where the index keeps rotated factors, the
-    ``counts[1]`` largest and smallest by their estimate above :data:`REFINE_ABOVE` (:func:`_refined`); ``None`` where
+    :func:`candidate_count` rows (``wanted``: ``(k, candidates, keep)``) of largest and smallest sketched score, of
+    which, where the index keeps rotated factors, the ``keep`` largest and smallest by their estimate above
+    :data:`REFINE_ABOVE` (:func:`_refined`); ``None`` where
     a pass has no kept index and ``index`` is not ``True``, or its preconditioned index would exceed
     :data:`~.index_preconditioned.MAX_INDEX_BYTES` (every row is then scored)."""
     order = sketch_layers(store, options["layers"])
@@ -197,8 +205,9 @@ def _candidates(
         if opened is None:
             opened = preconditioned_index(store, train_cp, method, fitted[train_cp], options, order, max_bytes)
         tested = query_side(store, test_cp, test_ids, fitted[train_cp], options, order, opened, max_bytes)
-        rows = opened.search(np.concatenate([tested.sketches, -tested.sketches]), counts[0])  # (2M, c)
-        kept = _refined(opened, tested, rows, counts[1]) if 2 * rows.shape[1] > REFINE_ABOVE else rows[rows >= 0]
+        count = candidate_count(wanted[0], wanted[1], len(opened.sample_ids))
+        rows = opened.search(np.concatenate([tested.sketches, -tested.sketches]), count)  # (2M, c)
+        kept = _refined(opened, tested, rows, wanted[2]) if 2 * rows.shape[1] > REFINE_ABOVE else rows[rows >= 0]
         found.update(opened.sample_ids[kept].tolist())
         passes.append((opened, tested))
     return sorted(found), fitted, passes
@@ -212,8 +221,10 @@ def _refined(opened: WhitenedIndex, tested: QuerySide, rows: np.ndarray, keep: i
         return rows[rows >= 0]
     tests, kept = len(tested.ids), []
     for j, basis in enumerate(low_rank(tested.blocks)):
-        mine = np.unique(np.concatenate([rows[j], rows[tests + j]]))  # (c',) this test sample's candidates
-        mine = mine[mine >= 0]
+        held = np.zeros(len(opened.sample_ids), bool)  # a mask, not np.unique: 16 ms for 80,000 rows of 10^6
+        held[rows[j][rows[j] >= 0]] = True
+        held[rows[tests + j][rows[tests + j] >= 0]] = True
+        mine = np.flatnonzero(held)  # (c',) this test sample's candidates, ascending
         estimate = opened.factors.estimates(mine, opened.lr[mine], basis)[:, None]  # (c', 1)
         count = min(keep, len(mine))
         kept.append(mine[np.union1d(largest(estimate, count)[0], largest(-estimate, count)[0])])
