@@ -274,3 +274,26 @@ def test_the_default_candidates_grow_with_the_pass() -> None:
     assert index_methods.candidate_count(10, None, 100_000) == 2_500
     assert index_methods.candidate_count(10, None, 1_000_000) == 25_000
     assert index_methods.candidate_count(10, 77, 1_000_000) == 77
+
+
+def _estimates_in_child(factors: Any, basis: Any) -> np.ndarray:
+    return factors.estimates(np.arange(len(factors.rows)), np.ones(len(factors.rows)), basis)
+
+
+def test_threaded_estimates_run_in_a_forked_child_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimates' thread pool is the process's own: a child forked after the parent used both of its threads
+    gets its own pool (the parent's threads do not exist there: one pool shared across the fork leaves the child's
+    work queued forever) and the same numbers as a reference of plain products."""
+    import multiprocessing
+
+    monkeypatch.setattr(index_factors, "THREADS_ABOVE", 10)
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((200_000, 7)).astype(np.float32)  # enough that both threads start
+    factors = index_factors.KeptFactors(["a"], rows, {"a": (1, 3, 4)})
+    (basis,) = index_factors.low_rank({"a": rng.standard_normal((1, 1, 3, 4))}, rank=2)
+    left, right = basis["a"]  # (1, 3, 2), (1, 4, 2)
+    want = np.einsum("nr,nr->n", rows[:, :3].astype(np.float64) @ left[0], rows[:, 3:] @ right[0])  # (N,)
+    np.testing.assert_allclose(_estimates_in_child(factors, basis), want, rtol=1e-4, atol=1e-5)  # the parent's pool
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(_estimates_in_child, (factors, basis)).get(timeout=30)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

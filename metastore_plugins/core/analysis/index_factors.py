@@ -20,6 +20,7 @@ products a row and layer) and only the best of them are scored exactly.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,7 +45,15 @@ GATHER_ROWS = 1024
 #: From this many rows the estimates run in :data:`THREADS` threads (numpy's gathers and products release the GIL;
 #: 76,800 rows of 10^6: 19-26 ms against 33 ms on one, load average 1.8).
 THREADS_ABOVE, THREADS = 16_384, 2
-_POOL = ThreadPoolExecutor(THREADS)
+#: The estimates' threads, per process (a pool's threads are not carried into a forked child).
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool() -> ThreadPoolExecutor:
+    pool = _POOLS.get(os.getpid())
+    if pool is None:
+        pool = _POOLS[os.getpid()] = ThreadPoolExecutor(THREADS)
+    return pool
 
 
 @dataclass
@@ -82,7 +91,7 @@ class KeptFactors:
         ``d_out d_in'``. From :data:`THREADS_ABOVE` rows, in :data:`THREADS` threads (halves of ``rows``)."""
         if len(rows) >= THREADS_ABOVE:
             parts = np.array_split(np.arange(len(rows)), THREADS)
-            done = [_POOL.submit(self._estimates, rows[part], lr[part], basis) for part in parts]
+            done = [_pool().submit(self._estimates, rows[part], lr[part], basis) for part in parts]
             return np.concatenate([d.result() for d in done])
         return self._estimates(rows, lr, basis)
 
