@@ -163,6 +163,19 @@ class MetaStoreTrainerCallback(TrainerCallback, FacadeHolder):
         if state.is_world_process_zero:
             logger.log(self._say, self.facade.start_line(self.dirpath, "evaluation(s)"))
         self._state, self._optimizer, self._started = state, kwargs.get("optimizer"), time.time()
+        device = next(model.parameters()).device
+        self.facade.start_basis(  # the basis the first evaluation's steps go on (that pass keeps it)
+            model,
+            kwargs.get("train_dataloader"),
+            functools.partial(self._pass_loss, model),
+            train_batch_size=args.per_device_train_batch_size,
+            rank=args.process_index,
+            world_size=args.world_size,
+            to_device=lambda batch: to_device(batch, device),
+            step=state.global_step,
+            epoch=0,
+            lr=first_lr(self._optimizer),
+        )
         self._epoch, self._evals, self.passes = int(state.epoch or 0), 0, []
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),

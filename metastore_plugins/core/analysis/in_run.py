@@ -57,8 +57,9 @@ def step_windows(
     where the test gradient at the step's own weights is not stored. Steps before the first pass go with the first
     in both, steps after the last with the last. Measured on the LDS tasks, each pairing alone wins on some tasks
     and loses up to 0.05 on others; their sum is never the worst and the best in total (docs/quality.md). Steps
-    kept projected on curvature eigenbases go with the pass of their basis only (the pass before them), and steps
-    before the first pass, kept on no basis, are left out.
+    kept projected on curvature eigenbases go with the pass of their basis only (the pass before them; steps before
+    the first pass with it where they are on its basis, as the HF callback keeps them), and steps before the first
+    pass, kept on no basis, are left out.
 
     Raises:
         QueryError: a test capture point holding gradients of several steps, or passes not in step order.
@@ -78,10 +79,11 @@ def step_windows(
         taken.append(at[0])
     trained = store.steps(train)
     lo_all, hi_all = steps if steps is not None else (trained[0], trained[-1]) if trained else (0, -1)
-    on_bases = bool(taken) and _blocks(store, train, (taken[0], trained[-1] if trained else taken[0])) is not None
+    on_bases = bool(taken) and bool(trained) and _blocks(store, train, (trained[-1], trained[-1])) is not None
+    from_first = not on_bases or (taken and _basis_of(store, train, lo_all) == _basis_of(store, tests[0]) is not None)
     last = len(tests) - 1
     after = [  # each pass with the steps after it, until the next pass
-        (lo_all if c == 0 and not on_bases else max(lo_all, s), hi_all if c == last else min(hi_all, taken[c + 1] - 1))
+        (lo_all if c == 0 and from_first else max(lo_all, s), hi_all if c == last else min(hi_all, taken[c + 1] - 1))
         for c, s in enumerate(taken)
     ]
     before = [  # each pass with the steps before it, since the previous pass
@@ -157,6 +159,13 @@ def in_run_influence(
     }
     assert entry.pairs is not None  # in_run_methods() holds only such entries
     return entry.pairs(store, pairs, fitted_on, args)
+
+
+def _basis_of(store: StoreReader, point: str, step: int | None = None) -> int | None:
+    """The eigenbasis (its fit step) the first stored batch of ``point`` (at ``step``) is kept on; None: seeded,
+    exact, or no such batch."""
+    batch = next(iter(store.select(point, steps=None if step is None else (step, step)).batches()), None)
+    return next((r.basis for r in batch.records if r.basis is not None), None) if batch is not None else None
 
 
 def _blocks(

@@ -70,11 +70,13 @@ def fit_pass_bases(
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     samples: int = BASIS_SAMPLES,
     planning: bool = False,
+    for_passes: bool = False,
 ) -> None:
     """Fit the eigenbasis of the passes at ``step`` on ``source``'s first ``samples`` and give it to the policy.
 
     ``planning``: the run may have no plan yet (the pass before the first step): the first batch makes it, and
-    nothing more is fitted unless it projects a layer of the passes or the steps."""
+    nothing more is fitted unless it projects a layer of the passes or the steps (``for_passes``: of the passes,
+    which will then be the steps' test side on it)."""
     sums, seen, share = CurvatureSums(torch.float32), 0, -(-samples // max(1, world))  # top eigenvectors only
     with weights_untouched(model), preserved_rng():
         try:
@@ -86,7 +88,7 @@ def fit_pass_bases(
                     loss = loss_of(to_device(batch), k)
                 run.backward(loss)
                 records = run.factors_read()
-                if planning and not seen and not projects(run.policy, records):
+                if planning and not seen and not projects(run.policy, records, passes_only=for_passes):
                     return  # every layer exact: no basis to fit
                 sums.add(fittable(records))  # the batch's factors are let go before the next forward
                 seen += len(ids)
@@ -97,10 +99,10 @@ def fit_pass_bases(
         run.policy.set_bases(fit_bases(sums, run.policy.pass_k(), step), step)
 
 
-def projects(policy: CapturePolicy, records: Sequence[LayerRecord]) -> bool:
-    """Whether the plan (made from ``records`` when none is yet) projects a layer of the passes or the steps."""
+def projects(policy: CapturePolicy, records: Sequence[LayerRecord], passes_only: bool = False) -> bool:
+    """Whether the plan (made from ``records`` when none is yet) projects a layer of the passes (or the steps)."""
     policy.plan_for(records)
-    return policy.projects_passes() or policy.projects_steps()
+    return policy.projects_passes() or (not passes_only and policy.projects_steps())
 
 
 def fit_step_bases(policy: CapturePolicy, sums: CurvatureSums, step: int) -> None:

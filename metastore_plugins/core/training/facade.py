@@ -209,6 +209,19 @@ class RunFacade:
         self.run.checkpoint_passes(model, sources, loss_of, name=name, rank=rank, world_size=world_size, **where)
         return sources
 
+    def start_basis(
+        self, model: nn.Module, train_loader: Any, loss_of: BatchLoss, *, train_batch_size: int, **where: Any
+    ) -> None:
+        """Before the first step of a run whose schedule makes passes but no start pass (no validation loader yet:
+        the HF callback), the curvature eigenbasis the first steps are kept on, fitted on the pass's training
+        samples where the plan projects a layer (:meth:`RunCapture.checkpoint_passes` with :data:`START_PASS` and
+        no validation split); the first checkpoint pass keeps it. ``where``: :meth:`checkpoint_passes`'s other
+        keywords (``rank``, ``world_size``, ``to_device``, ``step``, ``epoch``, ``lr``)."""
+        if self.run is None or self.schedule.start_pass or self.schedule.every_n_epochs <= 0 or where["step"] != 0:
+            return
+        sources = self.schedule.sources(train_loader, None, train_batch_size=train_batch_size, val_batch_size=1)
+        self.run.checkpoint_passes(model, sources, loss_of, name=START_PASS, basis_only=True, **where)
+
     def tag(self, name: str, step: int, **options: Any) -> Any:
         """``run.tag(name, step=step, ...)`` (see :meth:`RunCapture.tag`); before the run opens, a tag with ``steps=``
         is kept and written when it opens (:meth:`~.settings.CallbackOptions.run_capture`), and returns None."""

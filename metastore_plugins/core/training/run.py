@@ -148,6 +148,7 @@ class RunCapture(StepCapture):
         self.step_sums: StepSums | None = None  # the steps' K-FAC sums (basis_from("steps"))
         self.announce_at_first_step: Callable[[], None] | None = None
         self._starting = False  # in the start pass: a plan made there is said at the first training step
+        self._basis_untested = False  # the latest basis has no validation pass on it yet (kept by the next pass)
 
     def basis_from(self, source: BasisSource) -> None:
         """Fit each checkpoint's eigenbasis on ``basis_samples`` of its samples (``"checkpoint"``) or on the K-FAC
@@ -212,6 +213,7 @@ class RunCapture(StepCapture):
         lr: float | None,
         context: Callable[[], AbstractContextManager[Any]] = nullcontext,
         attributes: Mapping[str, Any] | None = None,
+        basis_only: bool = False,
     ) -> None:
         """One checkpoint pass: each source's share for this rank (:func:`rank_share`), as capture point ``name/split``.
 
@@ -228,12 +230,15 @@ class RunCapture(StepCapture):
         step with the passes around it).
         Where the plan (made there when none is yet) projects a layer, the curvature eigenbasis is fitted first on
         the training source (the steps after it go on that basis, as after any pass). No training split, no
-        snapshot, not one of the plan's ``planned_passes`` (its samples are planned beside them); nothing without
-        a validation split.
+        snapshot, not one of the plan's ``planned_passes`` (its samples are planned beside them); nothing without a
+        validation split, unless ``basis_only`` (the HF callback: no evaluation loader before the first evaluation),
+        which fits that basis where the plan projects the passes. A pass refits the basis only once a validation split was captured on the latest one, so the first
+        epoch-end pass then keeps the start basis: its validation samples are the test side of the steps before it.
         """
         start = name == START_PASS
         captured = [source for source in sources if source.split != TRAIN_SPLIT] if start else list(sources)
-        if not captured:
+        basis_only = basis_only and start and not captured and self.basis_samples > 0 and bool(sources)
+        if not captured and not basis_only:
             return
         with self._start_pass(start):
             started = time.perf_counter()
@@ -245,7 +250,8 @@ class RunCapture(StepCapture):
                 self.snapshot(model, name=name, step=step, attributes=attributes)
             if not start and self.policy.pass_dropped:
                 return  # the budget keeps no part of this pass (said, and recorded in the plan): no tag, no records
-            self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
+            if captured:
+                self.tags.add(name, steps=step, automatic=True, attributes=tag_attributes(attributes))
             captured = within_memory(
                 captured, self.policy.factor_sample_bytes
             )  # batches whose factors fit PASS_BATCH_BYTES
@@ -260,11 +266,13 @@ class RunCapture(StepCapture):
                     if self.policy.projects_passes() or self.policy.projects_steps():
                         fit_step_bases(self.policy, sums, step)
                     self.seconds["basis"] += time.perf_counter() - fitting
-                elif fitted_on is not None:  # the passes' projected layers go on the K-FAC eigenbasis at these weights
-                    fitting = time.perf_counter()
+                elif fitted_on is not None and not (self._basis_untested and self.policy.bases):
+                    fitting = time.perf_counter()  # the passes' projected layers go on the eigenbasis at these weights
                     fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
-                                   step=step, context=context, samples=self.basis_samples, planning=start)  # fmt: skip
+                                   step=step, context=context, samples=self.basis_samples, planning=start,
+                                   for_passes=basis_only)  # fmt: skip
                     self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
+                    self._basis_untested = bool(self.policy.bases)
                 for source in captured:
                     self.checkpoint_pass(
                         model,
@@ -276,6 +284,7 @@ class RunCapture(StepCapture):
                         lr=weight,
                         context=context,
                     )
+                    self._basis_untested &= source.split == TRAIN_SPLIT  # validation samples on it: the test side
             self.seconds["passes"] += time.perf_counter() - started
 
     @contextmanager
