@@ -148,7 +148,7 @@ class RunCapture(StepCapture):
         self.step_sums: StepSums | None = None  # the steps' K-FAC sums (basis_from("steps"))
         self.announce_at_first_step: Callable[[], None] | None = None
         self._starting = False  # in the start pass: a plan made there is said at the first training step
-        self._basis_untested = False  # the latest basis has no validation pass on it yet (kept by the next pass)
+        self._basis_untested = False  # a basis-only start fit, no validation pass on it yet: the next pass keeps it
 
     def basis_from(self, source: BasisSource) -> None:
         """Fit each checkpoint's eigenbasis on ``basis_samples`` of its samples (``"checkpoint"``) or on the K-FAC
@@ -232,8 +232,8 @@ class RunCapture(StepCapture):
         the training source (the steps after it go on that basis, as after any pass). No training split, no
         snapshot, not one of the plan's ``planned_passes`` (its samples are planned beside them); nothing without a
         validation split, unless ``basis_only`` (the HF callback: no evaluation loader before the first evaluation),
-        which fits that basis where the plan projects the passes. A pass refits the basis only once a validation split was captured on the latest one, so the first
-        epoch-end pass then keeps the start basis: its validation samples are the test side of the steps before it.
+        which fits that basis where the plan projects the passes; the next pass then keeps it, so that its
+        validation samples are the test side of the steps before it on their own basis.
         """
         start = name == START_PASS
         captured = [source for source in sources if source.split != TRAIN_SPLIT] if start else list(sources)
@@ -272,7 +272,7 @@ class RunCapture(StepCapture):
                                    step=step, context=context, samples=self.basis_samples, planning=start,
                                    for_passes=basis_only)  # fmt: skip
                     self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
-                    self._basis_untested = bool(self.policy.bases)
+                    self._basis_untested = basis_only and bool(self.policy.bases)
                 for source in captured:
                     self.checkpoint_pass(
                         model,
