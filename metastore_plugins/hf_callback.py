@@ -165,17 +165,11 @@ class MetaStoreTrainerCallback(TrainerCallback, FacadeHolder):
         self._state, self._optimizer, self._started = state, kwargs.get("optimizer"), time.time()
         device = next(model.parameters()).device
         self.facade.start_basis(  # the basis the first evaluation's steps go on (that pass keeps it)
-            model,
-            kwargs.get("train_dataloader"),
-            functools.partial(self._pass_loss, model),
-            train_batch_size=args.per_device_train_batch_size,
-            rank=args.process_index,
-            world_size=args.world_size,
-            to_device=lambda batch: to_device(batch, device),
-            step=state.global_step,
-            epoch=0,
+            model, kwargs.get("train_dataloader"), functools.partial(self._pass_loss, model),
+            train_batch_size=args.per_device_train_batch_size, rank=args.process_index, world_size=args.world_size,
+            to_device=lambda batch: to_device(batch, device), step=state.global_step, epoch=0,
             lr=first_lr(self._optimizer),
-        )
+        )  # fmt: skip
         self._epoch, self._evals, self.passes = int(state.epoch or 0), 0, []
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
