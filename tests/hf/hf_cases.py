@@ -66,15 +66,15 @@ class TorchDataset(torch.utils.data.Dataset):
         return {"input_ids": self.rows["input_ids"][i], "label": self.rows["label"][i]}
 
 
-def make_model(seed: int = 0, cls: type = BertForSequenceClassification, dropout: float = 0.0) -> Any:
+def make_model(seed: int = 0, cls: type = BertForSequenceClassification, dropout: float = 0.0, hidden: int = 16) -> Any:
     """The same tiny BERT for a seed, whatever the global RNG state (which it leaves untouched);
-    ``dropout`` is its hidden and attention dropout."""
+    ``dropout`` is its hidden and attention dropout, ``hidden`` its width (the feed-forward layer twice that)."""
     config = BertConfig(
         vocab_size=len(VOCAB),
-        hidden_size=16,
+        hidden_size=hidden,
         num_hidden_layers=1,
         num_attention_heads=2,
-        intermediate_size=32,
+        intermediate_size=2 * hidden,
         max_position_embeddings=32,
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,

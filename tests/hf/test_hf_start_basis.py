@@ -11,7 +11,6 @@ plan's own list of fits; the default answer's rows against every training id.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,9 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
 
-import torch  # noqa: E402
-from hf_cases import CLASSES, VOCAB, make_dataset, train  # noqa: E402
-from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
+from hf_cases import make_dataset, make_model, train  # noqa: E402
 
 from metastore_plugins import MetaStoreTrainerCallback, open_store  # noqa: E402
 from metastore_plugins.core.analysis import DefaultScores, GradientStore  # noqa: E402
@@ -32,20 +29,9 @@ N_TRAIN, N_VAL, BATCH = 48, 16, 4
 BUDGET = 1_500_000
 
 
-def wider_bert() -> Any:
-    """hf_cases' tiny BERT at hidden 128: wide enough that a budget projects it on an eigenbasis."""
-    config = BertConfig(vocab_size=len(VOCAB), hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=256, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, num_labels=CLASSES)  # fmt: skip
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return BertForSequenceClassification(config)
-
-
 def _run(tmp_path: Path, epochs: int) -> GradientStore:
     callback = MetaStoreTrainerCallback(budget=BUDGET, reports=False)
-    train(tmp_path, wider_bert(), make_dataset(N_TRAIN, 1), make_dataset(N_VAL, 2), [callback],
+    train(tmp_path, make_model(hidden=128), make_dataset(N_TRAIN, 1), make_dataset(N_VAL, 2), [callback],
           num_train_epochs=epochs, learning_rate=1e-3, per_device_train_batch_size=BATCH)  # fmt: skip
     return open_store(callback.dirpath)
 

@@ -79,7 +79,7 @@ def step_windows(
         taken.append(at[0])
     trained = store.steps(train)
     lo_all, hi_all = steps if steps is not None else (trained[0], trained[-1]) if trained else (0, -1)
-    on_bases = bool(taken) and bool(trained) and _blocks(store, train, (trained[-1], trained[-1])) is not None
+    on_bases = bool(taken) and bool(trained) and not pairs_with_last(store, train)
     from_first = not on_bases or (taken and _basis_of(store, train, lo_all) == _basis_of(store, tests[0]) is not None)
     last = len(tests) - 1
     after = [  # each pass with the steps after it, until the next pass
@@ -164,7 +164,7 @@ def in_run_influence(
 def _basis_of(store: StoreReader, point: str, step: int | None = None) -> int | None:
     """The eigenbasis (its fit step) the first stored batch of ``point`` (at ``step``) is kept on; None: seeded,
     exact, or no such batch."""
-    batch = next(iter(store.select(point, steps=None if step is None else (step, step)).batches()), None)
+    batch = _first_batch(store, point, None if step is None else (step, step))
     return next((r.basis for r in batch.records if r.basis is not None), None) if batch is not None else None
 
 
@@ -173,11 +173,18 @@ def _blocks(
 ) -> dict[str, tuple[int, int]] | None:
     """Each layer's eigenbasis block in the first stored training batch of ``steps`` (None: it holds no eigenbasis
     record, or there is no such batch)."""
-    batch = next(iter(store.select(train, steps=steps, layers=layers).batches()), None)
+    batch = _first_batch(store, train, steps, layers)
     if batch is None:
         return None
     blocks = {r.layer: tuple(r.tensors["projected"].shape[1:]) for r in batch.records if r.basis is not None}
     return {layer: (int(block[0]), int(block[1])) for layer, block in blocks.items()} or None
+
+
+def _first_batch(
+    store: StoreReader, point: str, steps: tuple[int, int] | None, layers: Sequence[str] | None = None
+) -> StoredBatch | None:
+    """The first stored batch of ``point`` (within ``steps``, of ``layers``), or None."""
+    return next(iter(store.select(point, steps=steps, layers=layers).batches()), None)
 
 
 @dataclass(frozen=True)
