@@ -3,6 +3,7 @@ kept diagonal keeps its coordinates of largest mean square; grouped weights and 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -11,10 +12,10 @@ from metastore_plugins.core.capture import CaptureSession
 from metastore_plugins.core.ops import curvature as kfac
 from metastore_plugins.core.ops.curvature import CurvatureSums
 from metastore_plugins.core.ops.eigenbasis import (
-    FULL_EIGH_MAX_DIM,
     eigenbasis_record,
     fit_bases,
     fittable,
+    subspace_cheaper,
     top_eigenpairs,
 )
 from metastore_plugins.testing import reference_per_sample_gradients
@@ -76,7 +77,8 @@ class _Tied(nn.Module):
 
 
 def test_subspace_iteration_finds_the_top_eigenpairs_of_a_large_covariance() -> None:
-    d, k = FULL_EIGH_MAX_DIM + 100, 8
+    d, k = 612, 8
+    assert subspace_cheaper(d, k)
     g = torch.Generator().manual_seed(2)
     q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64)).Q
     spectrum = 1.0 / torch.arange(1, d + 1, dtype=torch.float64)  # a covariance's decaying eigenvalues
@@ -85,3 +87,17 @@ def test_subspace_iteration_finds_the_top_eigenpairs_of_a_large_covariance() -> 
     torch.testing.assert_close(values, spectrum[:k], rtol=1e-6, atol=0)
     overlap = torch.linalg.svdvals(q[:, :k].T @ vectors)  # cosines of the principal angles
     assert float(overlap.min()) > 1 - 1e-6
+
+
+def test_a_rank_bound_below_k_completes_the_top_pairs_with_an_orthonormal_null_space() -> None:
+    """A full Fisher of 12 samples at ``k = 40`` of 60 parameters: 12 nonzero pairs (numpy's), then 28 null vectors."""
+    g = torch.Generator().manual_seed(3)
+    grads = torch.randn(12, 60, generator=g, dtype=torch.float64)  # (N, P) per-sample gradients
+    fisher = grads.T @ grads / 12
+    values, vectors = top_eigenpairs(fisher, 40, rank=12)
+    want = np.linalg.eigvalsh(fisher.numpy())[::-1]  # descending
+    np.testing.assert_allclose(values[:12].numpy(), want[:12], rtol=1e-5)
+    assert values.shape == (40,) and float(values[12:].abs().max()) < 1e-12 * float(want[0])
+    torch.testing.assert_close(vectors.T @ vectors, torch.eye(40, dtype=torch.float64), rtol=0, atol=1e-5)
+    residual = fisher @ vectors - vectors * values  # an eigenbasis: M q = lambda q for every kept pair
+    assert float(residual.abs().max()) < 1e-5 * float(want[0])

@@ -45,9 +45,10 @@ def _data(n: int, seed: int) -> TensorDataset:
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 5, (n,), generator=g))
 
 
-def _capture(path: Path, model: nn.Module, steps: tuple[int, ...] = (5,)) -> None:
+def _capture(path: Path, model: nn.Module, steps: tuple[int, ...] = (5,), basis_samples: int | None = None) -> None:
     """Passes ``epoch-e/train`` (24 samples) and ``epoch-e/test`` (10) at each step, every layer projected k=3."""
     run = RunCapture(path, encoding="fp32", budget=Budget("auto", None))
+    run.basis_samples = run.basis_samples if basis_samples is None else basis_samples
     run.policy.plan = CapturePlan(
         "auto", None, "test", "fp32", K, {"0": "exact", "2": "exact"}, {"0": "projected", "2": "projected"}, 0, 2, {}
     )
@@ -151,8 +152,21 @@ def test_kfac_influence_on_eigenbasis_records_is_the_scaled_block_product(
     torch.testing.assert_close(got.to(F64), lr * want, rtol=2e-4, atol=1e-6)
 
 
+def _bases(path: Path, point: str) -> set[int | None]:
+    return {r.basis for b in open_store(path).select(point).batches() for r in b.records}
+
+
+def test_the_last_pass_keeps_the_latest_basis_unless_it_holds_more_samples_than_a_fit(tmp_path: Path) -> None:
+    """No step comes after the last planned pass: a fit there would serve only its own 24 training samples."""
+    _capture(tmp_path / "kept", _model().eval(), steps=(5, 9))  # a fit takes up to 256 samples: more than 24
+    assert _bases(tmp_path / "kept", "epoch-1/train") == _bases(tmp_path / "kept", "epoch-1/test") == {5}
+    _capture(tmp_path / "refit", _model().eval(), steps=(5, 9), basis_samples=8)  # the pass holds more than a fit
+    assert _bases(tmp_path / "refit", "epoch-1/train") == _bases(tmp_path / "refit", "epoch-1/test") == {9}
+    assert _bases(tmp_path / "refit", "epoch-0/test") == {5}
+
+
 def test_passes_of_two_checkpoints_never_meet(tmp_path: Path) -> None:
-    _capture(tmp_path / "store", _model().eval(), steps=(5, 9))
+    _capture(tmp_path / "store", _model().eval(), steps=(5, 9), basis_samples=8)  # the last pass refits
     store = open_store(tmp_path / "store")
     with pytest.raises(RepresentationError, match="eigenbasis of step"):
         store.kfac_influence("epoch-0/train", "epoch-1/test")

@@ -41,6 +41,11 @@ class PassSource:
     collate_fn: Callable[[list[Any]], Any] | None = None
     limit: int = 0
 
+    @property
+    def samples(self) -> int:
+        """The samples the split covers (over all ranks)."""
+        return self.limit if self.indices is None else len(self.indices)
+
     def batches(self, rank: int, world_size: int) -> Iterator[tuple[Tensor, Any]]:
         """``(ids, batch)`` of this rank's share (:func:`rank_share`; a stream: the first items of this rank's own)."""
         if self.indices is None:

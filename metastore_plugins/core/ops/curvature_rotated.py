@@ -13,15 +13,17 @@ from torch import Tensor
 from metastore_plugins.core.ops import curvature_eigen as eigen
 from metastore_plugins.core.ops import curvature_embedding as embedding
 from metastore_plugins.core.ops._common import DEFAULT_MAX_BYTES, chunks, rebuild_outer, weight_groups
-from metastore_plugins.core.ops.curvature import LayerCurvature, augmented_prefix, flat_gradients, layer_groups
+from metastore_plugins.core.ops.curvature import LayerCurvature, flat_gradients, layer_groups
 from metastore_plugins.core.records import LayerRecord, WeightLayout
 
 _F64 = torch.float64
 
 
-def rotated(group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi: int) -> Tensor:
+def rotated(
+    group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi: int, dtype: torch.dtype = _F64
+) -> Tensor:
     """Per-sample gradients of samples ``lo..hi-1`` of one layer in its eigenbasis, summed over its records (a new
-    tensor: never a view of a record's).
+    tensor: never a view of a record's), in ``dtype`` (float64 for the queries; the capture keeps float32 records).
 
     Kronecker layer: ``(n, G, d_out, d_in')`` ``Q_D^T [W_i | b_i] Q_A``, from the rotated factors
     ``(D Q_D)^T (A' Q_A)`` of factored records (rotating the gradient of dense ones); dense layer:
@@ -39,21 +41,36 @@ def rotated(group: Sequence[LayerRecord], curvature: LayerCurvature, lo: int, hi
     if curvature.kind == "dense":
         flat = sum((flat_gradients(r, lo, hi) for r in group[1:]), flat_gradients(group[0], lo, hi))  # (n, P)
         return flat if curvature.q_in is None else flat @ curvature.q_in
-    q_in, q_out = curvature.q_in, curvature.q_out
-    assert q_in is not None and q_out is not None
-    total: Tensor | None = None  # (n, G, d_out, d_in'), from the first record's part (no zeros to add to)
+    assert curvature.q_in is not None and curvature.q_out is not None
+    q_in, q_out = curvature.q_in.to(dtype), curvature.q_out.to(dtype)  # (G, d_in', k_in), (G, d_out, k_out)
+    total: Tensor | None = None  # (n, G, k_out, k_in), from the first record's part (no zeros to add to)
     for record in group:
         if record.kind == "dense":
-            part = q_out.transpose(1, 2) @ _block_gradients(record, lo, hi, curvature.layout, *q_out.shape[:2]) @ q_in
+            blocks = _block_gradients(record, lo, hi, curvature.layout, *q_out.shape[:2]).to(dtype)
+            part = q_out.transpose(1, 2) @ blocks @ q_in  # (n, G, k_out, k_in)
         else:
             sample = record.tensors["sample"].long()  # (R,)
-            rows = ((sample >= lo) & (sample < hi)).nonzero().squeeze(1)  # (R_chunk,)
-            prefix = torch.einsum("rgi,gij->rgj", augmented_prefix(record)[rows], q_in)  # (R_chunk, G, d_in')
-            suffix = torch.einsum("rgo,gop->rgp", record.tensors["suffix"][rows].to(_F64), q_out)  # (R_chunk, G, d_out)
-            part = rebuild_outer(prefix, suffix, sample[rows] - lo, n)  # (n, G, d_out, d_in')
+            inside = (sample >= lo) & (sample < hi)  # (R,)
+            rows = None if bool(inside.all()) else inside.nonzero().squeeze(1)  # (R_chunk,): all rows, no copy
+            prefix = _rotated_prefix(record, q_in, rows)  # (R_chunk, G, k_in)
+            suffix = record.tensors["suffix"] if rows is None else record.tensors["suffix"][rows]  # (R_chunk, G, d_out)
+            suffix = torch.einsum("rgo,gop->rgp", suffix.to(dtype), q_out)  # (R_chunk, G, k_out)
+            part = rebuild_outer(prefix, suffix, (sample if rows is None else sample[rows]) - lo, n)
         total = part if total is None else total.add_(part)
     assert total is not None  # a layer group holds at least one record
     return total
+
+
+def _rotated_prefix(record: LayerRecord, q_in: Tensor, rows: Tensor | None) -> Tensor:
+    """``(R_chunk, G, k_in)`` ``[A_r | 1] Q_A`` of an outer record's ``rows`` (None: all), in ``q_in``'s dtype:
+    ``A_r Q_A[:d_in] + Q_A[d_in]`` (the bias's row of ones), with no augmented copy of the prefix."""
+    if "weight" not in record.params:  # a bias alone: the prefix is the ones
+        count = record.tensors["suffix"].shape[0] if rows is None else rows.shape[0]
+        return q_in[:, -1].expand(count, *q_in[:, -1].shape)
+    prefix = record.tensors["prefix"] if rows is None else record.tensors["prefix"][rows]  # (R_chunk, G, d_in)
+    d_in = prefix.shape[2]
+    out = torch.einsum("rgi,gij->rgj", prefix.to(q_in.dtype), q_in[:, :d_in])  # (R_chunk, G, k_in)
+    return out + q_in[:, d_in] if "bias" in record.params else out
 
 
 def sample_chunk(curvature: LayerCurvature, max_bytes: int) -> int:

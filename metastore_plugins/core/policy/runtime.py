@@ -160,6 +160,10 @@ class CapturePolicy:
                 return None
             self._degrade(part, step)
 
+    def at_last_pass(self) -> bool:
+        """Whether the pass started last (:meth:`start_pass`) is the last planned one (or beyond the plan)."""
+        return self._part("pass") == "last"
+
     def _part(self, capture_point: str) -> str:
         """``"train"``, ``"passes"``, or ``"last"``: the last planned pass, which starts again from its planned
         rung on the bytes kept for it (and any pass beyond the plan)."""

@@ -99,6 +99,16 @@ def fit_pass_bases(
         run.policy.set_bases(fit_bases(sums, run.policy.pass_k(), step), step)
 
 
+def keeps_basis(policy: CapturePolicy, source: PassSource, samples: int) -> bool:
+    """Whether the last planned pass keeps the latest eigenbasis instead of fitting its own.
+
+    No training step is kept on a basis fitted there, so its fit would serve only the pass's own records on
+    ``source``; where those are no more than the fit's ``samples``, the fit costs more than what it serves. The
+    steps since the previous pass are on the latest basis, so the pass's validation records are on their basis too.
+    """
+    return bool(policy.bases) and policy.at_last_pass() and source.samples <= samples
+
+
 def projects(policy: CapturePolicy, records: Sequence[LayerRecord], passes_only: bool = False) -> bool:
     """Whether the plan (made from ``records`` when none is yet) projects a layer of the passes (or the steps)."""
     policy.plan_for(records)

@@ -57,6 +57,7 @@ from metastore_plugins.core.training.basis_fit import (
     BasisSource,
     fit_pass_bases,
     fit_step_bases,
+    keeps_basis,
     training_source,
 )
 from metastore_plugins.core.training.pass_rates import PassRates
@@ -266,7 +267,11 @@ class RunCapture(StepCapture):
                     if self.policy.projects_passes() or self.policy.projects_steps():
                         fit_step_bases(self.policy, sums, step)
                     self.seconds["basis"] += time.perf_counter() - fitting
-                elif fitted_on is not None and not (self._basis_untested and self.policy.bases):
+                elif (
+                    fitted_on is not None
+                    and not (self._basis_untested and self.policy.bases)
+                    and (start or not keeps_basis(self.policy, fitted_on, self.basis_samples))
+                ):
                     fitting = time.perf_counter()  # the passes' projected layers go on the eigenbasis at these weights
                     fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
                                    step=step, context=context, samples=self.basis_samples, planning=start,
