@@ -19,19 +19,17 @@ See ``docs/hf.md`` for defaults, sample ids, loss scaling and the reports.
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import DefaultFlowCallback, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.utils import logging as hf_logging
 from typing_extensions import Unpack, override
 
@@ -44,7 +42,6 @@ from metastore_plugins.core.training.adapter_support import (
     from_rank_zero,
     loader_datasets,
     model_loss,
-    newest_event_dir,
     resumed_batches,
     sampler_recorder,
     to_device,
@@ -53,6 +50,7 @@ from metastore_plugins.core.training.facade import FacadeHolder, RunFacade
 from metastore_plugins.core.training.loss_scale import MeasuredLossScale, batch_weight
 from metastore_plugins.core.training.settings import CaptureSettings
 from metastore_plugins.core.training.settings_doc import with_settings_doc
+from metastore_plugins.hf_callback.trainer_run import report_logdirs, scheduled_evaluations, token_decoder
 
 #: Under transformers' own logger, whose handler and level TrainingArguments(log_level=...) sets, as for the Trainer's
 #: "***** Running training *****" (a logger outside it would show nothing without logging.basicConfig).
@@ -155,7 +153,7 @@ class MetaStoreTrainerCallback(TrainerCallback, FacadeHolder):
             val_loader=kwargs.get("eval_dataloader"),
             train_batches=int(state.max_steps) * max(1, int(args.gradient_accumulation_steps)),
             train_batch_size=args.per_device_train_batch_size,
-            periods=_evaluations(args, state, kwargs.get("train_dataloader")),
+            periods=scheduled_evaluations(args, state, kwargs.get("train_dataloader")),
             pass_at_end=True,  # on_train_end runs one when no evaluation made one
         )
         if moved is not None and state.is_world_process_zero:
@@ -326,7 +324,7 @@ class MetaStoreTrainerCallback(TrainerCallback, FacadeHolder):
                 "passes hold no evaluation samples and there is no influence report; set eval_strategy='epoch' (or "
                 "'steps') with an eval_dataset to get one"
             )
-        logdirs = _report_logdirs(args, self.tensorboard_dir, self._started) if zero and self.options.reports else []
+        logdirs = report_logdirs(args, self.tensorboard_dir, self._started) if zero and self.options.reports else []
         datasets = loader_datasets(kwargs.get("train_dataloader"), kwargs.get("eval_dataloader"))
         self.facade.reports(
             self.dirpath,
@@ -335,7 +333,7 @@ class MetaStoreTrainerCallback(TrainerCallback, FacadeHolder):
             datasets=datasets,
             recompute=recompute,
             logdirs=logdirs,
-            decode=_decoder(kwargs.get("processing_class")),  # the tables show decoded input_ids
+            decode=token_decoder(kwargs.get("processing_class")),  # the tables show decoded input_ids
         )
         if zero:
             logger.log(self._say, self.facade.end_line(self.dirpath, logdirs))
@@ -345,55 +343,3 @@ class MetaStoreTrainerCallback(TrainerCallback, FacadeHolder):
             handle.remove()
         self._hooks, self._pending = [], None
         self.facade.close(how=how)
-
-
-def _evaluations(args: TrainingArguments, state: TrainerState, loader: Any) -> int:
-    """The evaluations this ``train()`` call will run, counted as the installed Trainer schedules them.
-
-    ``eval_on_start`` adds one. ``"steps"``: every step from the one after ``state.global_step`` (a resumed run)
-    to ``state.max_steps`` that is a multiple of ``state.eval_steps`` (the Trainer's absolute number) and not
-    before ``eval_delay``, plus the last step when the installed ``DefaultFlowCallback`` evaluates at the end
-    of training off the grid (transformers 5 does; asked of it, not of its version). ``"epoch"``: every epoch
-    left (the Trainer's ``state.num_train_epochs``, a partial last epoch included), from ``eval_delay`` on.
-    """
-    strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
-    first, last = int(state.global_step), int(state.max_steps)
-    delay = float(getattr(args, "eval_delay", 0) or 0)
-    count = 1 if getattr(args, "eval_on_start", False) else 0
-    if strategy == "steps" and last > first:
-        every = max(1, int(state.eval_steps or 1))
-        start = max(first + 1, math.ceil(delay))  # the first step that may evaluate
-        count += max(0, last // every - (start - 1) // every)
-        if last % every and last >= delay:
-            probe, control = copy.copy(state), TrainerControl()  # the flow callback only sets the control
-            probe.global_step = last
-            DefaultFlowCallback().on_step_end(args, probe, control)
-            count += bool(control.should_evaluate)
-    elif strategy == "epoch":
-        length = len(loader) if hasattr(loader, "__len__") else 0
-        accumulation = max(1, int(args.gradient_accumulation_steps))
-        per_epoch = max(1, -(-length // accumulation)) if length else 0
-        done = first // per_epoch if per_epoch else 0
-        epochs = min(int(state.num_train_epochs or 0), done + max(0, last - first))  # an epoch ends at a step or later
-        count += sum(1 for epoch in range(done, epochs) if delay <= epoch + 1)
-    return count
-
-
-def _decoder(tokenizer: Any) -> Callable[[Sequence[int]], str] | None:
-    """A HF tokenizer's ``decode`` without special tokens (``None`` without a tokenizer)."""
-    decode = getattr(tokenizer, "decode", None)
-    return functools.partial(decode, skip_special_tokens=True) if callable(decode) else None
-
-
-def _report_logdirs(args: TrainingArguments, tensorboard_dir: Path | None, started: float) -> list[Path]:
-    """Where the TensorBoard reports go: none unless the Trainer reports to TensorBoard; else ``tensorboard_dir``,
-    or the directory of the Trainer's own TensorBoard writer (created at the start of training)."""
-    report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
-    if "tensorboard" not in report_to and "all" not in report_to:
-        return []
-    if tensorboard_dir is not None:
-        return [tensorboard_dir]
-    if os.getenv("TENSORBOARD_LOGGING_DIR"):
-        return [Path(os.path.expanduser(os.environ["TENSORBOARD_LOGGING_DIR"]))]
-    runs = Path(args.output_dir or ".") / "runs"
-    return [newest_event_dir(runs, started) or runs / "metastore"]
