@@ -270,7 +270,7 @@ class RunCapture(StepCapture):
                 elif (
                     fitted_on is not None
                     and not (self._basis_untested and self.policy.bases)
-                    and (start or not keeps_basis(self.policy, fitted_on, self.basis_samples))
+                    and not keeps_basis(self.policy, fitted_on, self.basis_samples)
                 ):
                     fitting = time.perf_counter()  # the passes' projected layers go on the eigenbasis at these weights
                     fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
