@@ -23,7 +23,8 @@ from metastore_plugins.cli import main  # noqa: E402
 from metastore_plugins.core.errors import ExistingStoreError  # noqa: E402
 from metastore_plugins.core.store.reading.runs import repeated_batches  # noqa: E402
 from metastore_plugins.core.store.tags.book import read_tags  # noqa: E402
-from metastore_plugins.core.training.run_start import claim_store_dir  # noqa: E402
+from metastore_plugins.core.training.adapter_support import open_run  # noqa: E402
+from metastore_plugins.core.training.run_start import Decision, claim_store_dir  # noqa: E402
 
 N_TRAIN = 24
 
@@ -183,3 +184,23 @@ def test_overwrite_never_moves_a_store_that_a_writer_still_holds(tmp_path: Path)
     assert claim_store_dir(store, continuing=True, overwrite=True, owner="Test", resume="-", step=1) is None  # kept
     moved = claim_store_dir(store, continuing=False, overwrite=True, owner="Test", resume="-")
     assert moved is not None and sorted(_files(moved)) == sorted(before) and list(store.iterdir()) == []
+
+
+def test_another_rank_touches_the_store_directory_only_after_rank_zero_decides(tmp_path: Path) -> None:
+    """Rank 0 may be moving the directory aside (``overwrite=True``) while rank 1 waits for its decision: rank 1
+    must neither create nor check the directory before it hears where the store went (a DDP race seen in CI)."""
+    store = tmp_path / "store"
+    seen: list[bool] = []
+
+    def rank_zero_moves_it(decision: Decision) -> Decision:
+        seen.append(store.exists())  # what rank 1 had done to the directory by the time rank 0 decided
+        return "replaced", str(tmp_path / "store.replaced-x")
+
+    options = _callback(store).facade.options
+    run, moved = open_run(
+        options, store, setting="dirpath", resume="-", continuing=False, step=0, agree=rank_zero_moves_it,
+        rank=1, world_size=2, loss_reduction="mean", config={}, announce=None, early_tags=[],
+    )  # fmt: skip
+    run.close()
+    assert seen == [False]
+    assert moved == tmp_path / "store.replaced-x" and store.is_dir()  # created after the decision

@@ -40,7 +40,7 @@ from metastore_plugins.core.reports.files import RenderFn
 from metastore_plugins.core.reports.render import dataset_lookup
 from metastore_plugins.core.training.report_pass import ReportResult, build_reports
 from metastore_plugins.core.training.run import RunCapture
-from metastore_plugins.core.training.run_start import Decision, check_writable, claim_store_dir
+from metastore_plugins.core.training.run_start import Decision, claim_store_dir, create_store_dir
 from metastore_plugins.core.training.settings import CallbackOptions
 
 T = TypeVar("T")
@@ -97,7 +97,6 @@ def open_run(
     error when ``dirpath`` holds another run's store. Returns the run, and where an earlier store moved
     (``overwrite=True``) or ``None``.
     """
-    check_writable(dirpath, setting)
     moved = claim_store_dir(
         dirpath,
         continuing=continuing,
@@ -108,6 +107,7 @@ def open_run(
         rank=start["rank"],
         agree=agree,
     )
+    create_store_dir(dirpath, setting)  # after rank 0's decision: it may have moved the directory aside
     return options.run_capture(dirpath, start_step=step, **start), moved
 
 

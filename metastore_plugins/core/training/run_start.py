@@ -25,6 +25,7 @@ from metastore_plugins.core.errors import ExistingStoreError, StoreError, StoreN
 from metastore_plugins.core.store.reading.reader import StoreReader
 from metastore_plugins.core.store.shards.journal import RankLock, journal_name
 from metastore_plugins.core.store.shards.manifest import find_manifests
+from metastore_plugins.core.store.writable import check_writable
 
 #: Rank 0's decision: (what, the place an overwritten store moved to, or why it could not move).
 Decision = tuple[str, str]
@@ -85,19 +86,19 @@ def claim_store_dir(
     return None
 
 
-def check_writable(path: str | os.PathLike[str], setting: str) -> Path:
-    """Create ``path`` and check it is writable, or raise naming ``setting``."""
+def create_store_dir(path: str | os.PathLike[str], setting: str) -> Path:
+    """Create ``path`` and check this process can write it, or raise naming ``setting``.
+
+    Called on every rank after :func:`claim_store_dir`: before rank 0's decision, another rank must not touch
+    the directory, which rank 0 may be moving aside.
+    """
     path = Path(path)
+    fix = f"set {setting} to a writable directory"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise StoreNotWritableError(
-            f"cannot create the store directory {path} ({exc}); set {setting} to a writable directory"
-        ) from exc
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise StoreNotWritableError(
-            f"the store directory {path} is not writable; set {setting} to a writable directory"
-        )
+        raise StoreNotWritableError(f"cannot create the store directory {path} ({exc}); {fix}") from exc
+    check_writable(path, fix)
     return path
 
 
