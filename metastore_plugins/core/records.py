@@ -211,7 +211,7 @@ class LayerRecord:
     def basis(self) -> int | None:
         """The checkpoint step of the curvature eigenbasis a ``"projected"`` record was made on (None: seeded)."""
         stored = self.tensors.get("basis") if self.kind == "projected" else None
-        return None if stored is None else int(stored.reshape(-1)[0])
+        return None if stored is None else int(stored.reshape(-1)[0].item())
 
     @property
     def nbytes(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from storecases import PooledTagger, reference_loop, tagger_batch, tagger_loss
@@ -61,3 +62,37 @@ def test_kept_records_round_trip(tmp_path: Path, encoding: str) -> None:
         total_dots([by_layer["emb"]], [by_layer["emb"]])
     with pytest.raises(RepresentationError, match="layer 'enc'"):
         store.restore(2, layer="enc")
+
+
+@pytest.mark.parametrize("where", ["eigenvalues", "mean_eigenvalue"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1e-3])
+def test_a_projected_record_with_eigenvalues_not_finite_or_negative_is_refused(where: str, bad: float) -> None:
+    """The reader's check of a projected record's eigenbasis, against numpy's ``isfinite`` and ``>= 0``."""
+    from metastore_plugins.core.errors import StoreError
+    from metastore_plugins.core.store.shards.record_check import check_record
+
+    entry = {"layer": "enc", "kind": "projected"}
+    layer = {"param_shapes": {"weight": [8, 6]}, "params": {"weight": "enc.weight"}, "layout": "out_in"}
+
+    def tensors(value: float) -> dict[str, torch.Tensor]:
+        found = {
+            "projected": torch.randn(3, 4, 2),
+            "sq_norm": torch.rand(3),
+            "basis": torch.tensor([5]),
+            "eigenvalues": torch.rand(4, 2) + 0.5,
+            "mean_eigenvalue": torch.tensor([0.7]),
+        }
+        found[where].reshape(-1)[-1] = value
+        return found
+
+    for value, float64 in ((bad, False), (bad, True), (0.0, False), (3.0, True)):
+        given = tensors(value)
+        if float64:
+            given[where] = given[where].double()
+        array = given[where].numpy()
+        sound = bool(np.isfinite(array).all() and (array >= 0).all())  # the reference
+        if sound:
+            check_record(Path("s.safetensors"), "b0/r0/", entry, layer, 3, given, given)
+        else:
+            with pytest.raises(StoreError, match=rf"s.safetensors: tensor b0/r0/{where} must be finite, non-negative"):
+                check_record(Path("s.safetensors"), "b0/r0/", entry, layer, 3, given, given)
