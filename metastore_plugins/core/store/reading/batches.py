@@ -27,6 +27,7 @@ from torch import Tensor
 from metastore_plugins.core.errors import StoreError
 from metastore_plugins.core.records import KIND_CODES, LayerRecord, meta_key, record_prefix
 from metastore_plugins.core.store.reading.readcache import SHARDS
+from metastore_plugins.core.store.reading.record_memo import RECORDS
 from metastore_plugins.core.store.shards.encoding import decode, is_scale_key
 from metastore_plugins.core.store.shards.index import StoreIndex
 from metastore_plugins.core.store.shards.record_check import check_record
@@ -146,7 +147,7 @@ class BatchRef:
         layer (:func:`~metastore_plugins.core.store.shards.record_check.check_record`): what queries and ``verify``
         read."""
         wanted = [k for k, r in enumerate(self.info["records"]) if layers is None or r["layer"] in layers]
-        return [self.record_at(shard, k) for k in wanted]
+        return RECORDS.records(shard, (self.batch, tuple(wanted)), lambda: [self.record_at(shard, k) for k in wanted])
 
     def record_at(self, shard: ShardData, k: int) -> LayerRecord:
         """Record ``k`` of the batch decoded from ``shard`` and checked; :class:`StoreError` naming the shard."""
