@@ -61,9 +61,8 @@ def check_record(
         if key in INTEGER_TENSORS:
             if value.is_floating_point() or value.dim() != 1:
                 raise fail(key, f"must be a 1-d integer tensor; got {value.dtype} {tuple(value.shape)}")
-        else:
-            if not value.is_floating_point():
-                raise fail(key, f"must be a float tensor; got {value.dtype}")
+        elif not value.is_floating_point():
+            raise fail(key, f"must be a float tensor; got {value.dtype}")
         if value.shape[0] != tensors["suffix"].shape[0]:
             raise fail(key, f"has {value.shape[0]} rows, suffix has {tensors['suffix'].shape[0]}")
     sample = tensors["sample"]
@@ -100,9 +99,8 @@ def check_record(
                 f"and suffix do not make a weight of shape {weight} ({layer['layout']}: {groups} group(s) of d_out "
                 f"{d_out}, d_in {d_in}): the manifest's shape or layout is not the stored layer's",
             )
-    if "bias" in shapes:
-        if groups * d_out != math.prod(shapes["bias"]):
-            raise fail("suffix", f"does not make a bias of shape {shapes['bias']}")
+    if "bias" in shapes and groups * d_out != math.prod(shapes["bias"]):
+        raise fail("suffix", f"does not make a bias of shape {shapes['bias']}")
 
 
 def _within(values: Tensor, bound: int) -> bool:
