@@ -117,3 +117,22 @@ def test_the_allowance_keeps_the_most_recently_used_batches(tmp_path: Path, deco
 
 def batches_records(store: Any) -> list[Any]:
     return [r for batch in store.select().batches() for r in batch.records]
+
+
+def test_blocks_closed_out_of_order_leave_nothing_kept(tmp_path: Path, decoded: list) -> None:
+    """Two threads' report passes overlapping (the first to open closes first): once both closed, a read keeps
+    nothing."""
+    build_store(tmp_path / "store")
+    store = open_store(tmp_path / "store")
+    first, second = RECORDS.active(1 << 30), RECORDS.active(1 << 20)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    list(store.select(steps=0).batches())
+    second.__exit__(None, None, None)
+    assert RECORDS.max_bytes == 0
+    count = len(next(iter(store.select(steps=0).batches())).records)
+    decoded.clear()
+    list(store.select(steps=0).batches())
+    list(store.select(steps=0).batches())
+    assert len(decoded) == 2 * count  # decoded at each read: nothing kept

@@ -33,19 +33,24 @@ class RecordMemo:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kept: OrderedDict[Hashable, tuple[list[LayerRecord], weakref.ref[ShardData], int]] = OrderedDict()
-        self.max_bytes = 0  # 0: nothing kept (outside ``active``)
+        self._blocks: list[int] = []  # the allowances of the blocks open now (several threads may each be in one)
+        self.max_bytes = 0  # the largest of them; 0: nothing kept (outside every block)
 
     @contextmanager
     def active(self, max_bytes: int) -> Iterator[None]:
-        """Keep decoded records inside the block, at most ``max_bytes`` of them; all dropped after it."""
-        before = self.max_bytes
-        self.max_bytes = max_bytes
+        """Keep decoded records inside the block, at most ``max_bytes`` of them (the largest allowance of the
+        blocks open); all dropped when the last block closes."""
+        with self._lock:
+            self._blocks.append(max_bytes)
+            self.max_bytes = max(self._blocks)
         try:
             yield
         finally:
-            self.max_bytes = before
             with self._lock:
-                self._kept.clear()
+                self._blocks.remove(max_bytes)
+                self.max_bytes = max(self._blocks, default=0)
+                if not self._blocks:
+                    self._kept.clear()
 
     def records(self, shard: ShardData, key: Hashable, read: Callable[[], list[LayerRecord]]) -> list[LayerRecord]:
         """The records ``key`` of ``shard``: those kept from these bytes (as new objects), else ``read()``, kept
