@@ -114,3 +114,25 @@ def test_the_default_answer_refuses_what_it_cannot_take(store: GradientStore) ->
         store.influence(method="auto")
     with pytest.raises(ValueError, match="not checkpoint passes"):
         store.influence(test=["train"], method="auto")
+
+
+def test_the_default_answer_decodes_each_record_once(store: GradientStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steps are read for each window's curvature fit and again to score them: inside the answer each record
+    is decoded once (``record_memo``), and nothing is kept after it."""
+    from collections import Counter
+
+    from metastore_plugins.core.store.reading import batches
+    from metastore_plugins.core.store.reading.record_memo import RECORDS
+
+    decoded: Counter = Counter()
+    decode = batches.BatchRef.record_at
+
+    def counted(self: batches.BatchRef, data: object, k: int) -> object:
+        decoded[(self.file.name, self.batch, k)] += 1
+        return decode(self, data, k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batches.BatchRef, "record_at", counted)
+    scores = store.influence(test=TESTS, method="ekfac")
+    assert rel_err(scores.scores, reference("ekfac")) <= 1e-5
+    assert decoded and max(decoded.values()) == 1
+    assert RECORDS.max_bytes == 0

@@ -41,6 +41,7 @@ from metastore_plugins.core.analysis.signals import TRAINING_STEPS
 from metastore_plugins.core.errors import QueryError
 from metastore_plugins.core.model.pass_sources import START_PASS, TRAIN_SPLIT
 from metastore_plugins.core.store import StoreReader
+from metastore_plugins.core.store.reading.record_memo import MEMO_BYTES, RECORDS
 
 #: the warning a query gives when its capture points hold different samples: expected here (the steps' windows)
 _DIFFERENT_SAMPLES = "the .* capture points hold different samples"
@@ -113,6 +114,22 @@ def default_influence(
         "test_ids": args.test_ids,
         "max_bytes": args.max_bytes,
     }
+    with RECORDS.active(min(MEMO_BYTES, args.max_bytes // 2)):  # the steps are read for each window's fit, then scored
+        return _answer(store, tests, held, pairs, steps, method, args, common)
+
+
+def _answer(
+    store: StoreReader,
+    tests: list[str],
+    held: list[str],
+    pairs: list[tuple[str, str]],
+    steps: bool,
+    method: str,
+    args: MethodArgs,
+    common: dict[str, Any],
+) -> DefaultScores:
+    """:func:`default_influence`'s scores, its arguments checked: the passes' ``pairs`` (train, test) and the
+    training ``steps`` (whether the store holds them with records), joined per sample id."""
     notes: list[str] = []
     chosen: dict[str, str] = {}
     parts: dict[str, Scores] = {}

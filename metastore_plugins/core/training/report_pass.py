@@ -47,7 +47,7 @@ from metastore_plugins.core.reports.tensorboard import (
     write_tensorboard,
 )
 from metastore_plugins.core.store.reading.readcache import SHARDS
-from metastore_plugins.core.store.reading.record_memo import RECORDS
+from metastore_plugins.core.store.reading.record_memo import MEMO_BYTES, RECORDS
 from metastore_plugins.core.store.writable import check_writable
 from metastore_plugins.core.store.writing.run_log import noted_once, one_note, store_incomplete
 from metastore_plugins.core.training.settings import CallbackOptions
@@ -56,9 +56,6 @@ from metastore_plugins.core.training.settings import CallbackOptions
 #: the default allowance, up to 4 GiB, is for a query process of its own). Below it, a shard read again
 #: costs a read from the page cache and a checksum.
 REPORT_CACHE_BYTES = 512 * 2**20
-#: The most bytes of decoded records the reports keep for their later questions
-#: (:mod:`~metastore_plugins.core.store.reading.record_memo`; the MiniLM example's store decodes to 35 MB).
-REPORT_RECORD_BYTES = 256 * 2**20
 
 
 @dataclass(eq=False)
@@ -111,7 +108,7 @@ def projector_dim(store: GradientStore) -> int:
 
 
 @noted_once  # an incomplete store is warned about once in the pass (and said in the outlier table's caption)
-@RECORDS.active(REPORT_RECORD_BYTES)  # each record decoded once for the several questions the reports ask
+@RECORDS.active(MEMO_BYTES)  # each record decoded once for the several questions the reports ask
 def report_run(
     store_dir: str | os.PathLike[str] | GradientStore,
     reports_dir: str | os.PathLike[str],

@@ -1,4 +1,4 @@
-"""Records decoded and checked once while the reports are built, not once per query.
+"""Records decoded and checked once while the reports (or the default answer) are built, not once per query.
 
 The reports ask several questions of the same records: the default answer reads the training steps to fit
 each step window's curvature and again to score them, self-influence and the norms heatmap read them again
@@ -89,6 +89,11 @@ def _copy(record: LayerRecord) -> LayerRecord:
     )
 
 
+#: The most bytes of decoded records kept while one answer asks its several questions (the reports, the default
+#: answer; the MiniLM example's store decodes to 35 MB).
+MEMO_BYTES = 256 * 2**20
+
 #: The process's memo, used by every store's reads (:meth:`~.batches.BatchRef.records_in`); active while the
-#: reports are built (:func:`~metastore_plugins.core.training.report_pass.report_run`).
+#: reports are built (:func:`~metastore_plugins.core.training.report_pass.report_run`) and while the default answer
+#: is computed (:func:`~metastore_plugins.core.analysis.default_answer.default_influence`).
 RECORDS = RecordMemo()
