@@ -34,7 +34,11 @@ class RecordMemo:
         self._lock = threading.Lock()
         self._kept: OrderedDict[Hashable, tuple[list[LayerRecord], weakref.ref[ShardData], int]] = OrderedDict()
         self._blocks: list[int] = []  # the allowances of the blocks open now (several threads may each be in one)
-        self.max_bytes = 0  # the largest of them; 0: nothing kept (outside every block)
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest allowance of the blocks open; 0 (nothing kept) outside every block."""
+        return max(self._blocks, default=0)
 
     @contextmanager
     def active(self, max_bytes: int) -> Iterator[None]:
@@ -42,13 +46,11 @@ class RecordMemo:
         blocks open); all dropped when the last block closes."""
         with self._lock:
             self._blocks.append(max_bytes)
-            self.max_bytes = max(self._blocks)
         try:
             yield
         finally:
             with self._lock:
                 self._blocks.remove(max_bytes)
-                self.max_bytes = max(self._blocks, default=0)
                 if not self._blocks:
                     self._kept.clear()
 
