@@ -28,6 +28,7 @@ from metastore_plugins.core.ops.sketch import projection
 from metastore_plugins.core.policy.budget import Budget
 from metastore_plugins.core.policy.plan import LADDER
 from metastore_plugins.core.policy.plan_record import CapturePlan
+from metastore_plugins.core.training import basis_fit
 from metastore_plugins.core.training.report_pass import report_run
 from metastore_plugins.core.training.run import RunCapture
 
@@ -45,10 +46,17 @@ def _data(n: int, seed: int) -> TensorDataset:
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 5, (n,), generator=g))
 
 
-def _capture(path: Path, model: nn.Module, steps: tuple[int, ...] = (5,), basis_samples: int | None = None) -> None:
-    """Passes ``epoch-e/train`` (24 samples) and ``epoch-e/test`` (10) at each step, every layer projected k=3."""
+def _capture(
+    path: Path, model: nn.Module, steps: tuple[int, ...] = (5,), basis_samples: int | None = None, apart: bool = False
+) -> None:
+    """Passes ``epoch-e/train`` (24 samples) and ``epoch-e/test`` (10) at each step, every layer projected k=3.
+
+    The basis is fitted in the training side's own forward and backward (its factors are measured, 1 KB a sample),
+    or ``apart`` in a forward and backward of its own (a rank's share of factors would exceed what a fit holds)."""
     run = RunCapture(path, encoding="fp32", budget=Budget("auto", None))
     run.basis_samples = run.basis_samples if basis_samples is None else basis_samples
+    # apart: 24 samples hold 1.2x what a fit may hold; batches of 8 still within a pass batch's bytes
+    run.policy.factor_sample_bytes = basis_fit.HELD_FIT_BYTES / 20 if apart else 1000.0
     run.policy.plan = CapturePlan(
         "auto", None, "test", "fp32", K, {"0": "exact", "2": "exact"}, {"0": "projected", "2": "projected"}, 0, 2, {}
     )
@@ -105,12 +113,12 @@ def _reference(model: nn.Module, layer: int) -> dict[str, Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def captured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module]:
+@pytest.fixture(scope="module", params=["fitted in the pass", "fitted apart"])
+def captured(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[Path, nn.Module]:
     path = tmp_path_factory.mktemp("eigenbasis") / "store"
     model = _model().eval()
     reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    _capture(path, model)
+    _capture(path, model, apart=request.param == "fitted apart")
     model.load_state_dict(reference)  # the weights the first checkpoint's passes ran at
     return path, model
 
@@ -150,6 +158,19 @@ def test_kfac_influence_on_eigenbasis_records_is_the_scaled_block_product(
         want += (train / (values + 0.1 * ref["mean"])) @ test.T
     got = torch.as_tensor(scores.scores)[scores.row_ids.argsort()][:, scores.col_ids.argsort()]
     torch.testing.assert_close(got.to(F64), lr * want, rtol=2e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_the_training_side_is_read_once_for_its_fit_and_its_records(tmp_path: Path, apart: bool) -> None:
+    """24 training samples in batches of 8, 10 test samples in batches of 4: 3 + 3 forwards when the basis is fitted
+    in the training side's own forward and backward, 3 more when a rank's share of factors exceeds what a fit holds
+    (``apart``). Nothing else differs: the records are checked against the hand-built basis with both."""
+    model = _model().eval()
+    forwards: list[int] = []
+    model.register_forward_hook(lambda module, args, output: forwards.append(len(args[0])))
+    _capture(tmp_path / "store", model, apart=apart)
+    assert forwards == ([8, 8, 8] if apart else []) + [8, 8, 8, 4, 4, 2]
+    assert _bases(tmp_path / "store", "epoch-0/train") == _bases(tmp_path / "store", "epoch-0/test") == {5}
 
 
 def _bases(path: Path, point: str) -> set[int | None]:

@@ -19,11 +19,10 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, closing, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from metastore_plugins.core.analysis.index_parts import PartsBuilt, build_rank_parts
@@ -42,7 +41,6 @@ from metastore_plugins.core.model.losses import (
 )
 from metastore_plugins.core.model.pass_sources import START_PASS, TRAIN_SPLIT, PassSource, within_memory
 from metastore_plugins.core.model.recompute import pass_recomputer
-from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
 from metastore_plugins.core.policy.budget import Budget
 from metastore_plugins.core.policy.plan_record import CapturePlan
 from metastore_plugins.core.policy.runtime import CapturePolicy
@@ -55,8 +53,10 @@ from metastore_plugins.core.store.writing.writer import StoreWriter
 from metastore_plugins.core.training.basis_fit import (
     BASIS_SAMPLES,
     BasisSource,
+    fit_from_sums,
+    fit_on_pass,
     fit_pass_bases,
-    fit_step_bases,
+    fits_on_pass,
     keeps_basis,
     training_source,
 )
@@ -183,20 +183,12 @@ class RunCapture(StepCapture):
         (:func:`~metastore_plugins.core.model.rng.preserved_rng`): training goes on as if no pass ran.
         """
         count = 0
-        with weights_untouched(model), preserved_rng():
-            try:
-                for k, (ids, batch) in enumerate(batches):
-                    self.begin_step(model, capture_point=capture_point, capture_only=True)
-                    with torch.enable_grad(), context():
-                        loss = loss_of(batch, k)
-                    self.backward(loss)
-                    self.end_backward()
-                    self.finish_step(
-                        batch, ids, step=step, capture_point=capture_point, epoch=epoch, micro_batch=k, lr=lr
-                    )
-                    count += len(ids)
-            finally:
-                self.abort_step()
+        steps = self.capture_only_steps(model, batches, loss_of, capture_point=capture_point, context=context)
+        with closing(steps):
+            for k, ids, batch in steps:
+                self.end_backward()
+                self.finish_step(batch, ids, step=step, capture_point=capture_point, epoch=epoch, micro_batch=k, lr=lr)
+                count += len(ids)
         return count
 
     def checkpoint_passes(
@@ -258,32 +250,41 @@ class RunCapture(StepCapture):
             )  # batches whose factors fit PASS_BATCH_BYTES
             projecting = start or self.policy.projects_passes()  # the start pass: known once the plan is made
             fitted_on = training_source(sources) if self.basis_samples and projecting else None
+            held, held_split = None, None  # the training side read once for the fit and the pass
             with large_blocks_mapped():  # the pass's temporaries leave no holes in the heap for the steps
-                if (
-                    self.step_sums is not None and not start
-                ):  # from the steps since the last pass: no forward or backward
-                    fitting = time.perf_counter()
+                fitting = time.perf_counter()
+                if self.step_sums is not None and not start:  # from the steps since the last pass: no forward
                     sums = self.step_sums.take()
                     if self.policy.projects_passes() or self.policy.projects_steps():
-                        fit_step_bases(self.policy, sums, step)
-                    self.seconds["basis"] += time.perf_counter() - fitting
+                        fit_from_sums(self.policy, sums, step)
                 elif (
                     fitted_on is not None
                     and not (self._basis_untested and self.policy.bases)
                     and not keeps_basis(self.policy, fitted_on, self.basis_samples)
-                ):
-                    fitting = time.perf_counter()  # the passes' projected layers go on the eigenbasis at these weights
-                    fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size, to_device=to_device,
-                                   step=step, context=context, samples=self.basis_samples, planning=start,
-                                   for_passes=basis_only)  # fmt: skip
-                    self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
+                ):  # the passes' projected layers go on the eigenbasis at these weights
+                    own = next((s for s in captured if s.split == fitted_on.split), None) if not start else None
+                    if own is not None and fits_on_pass(self.policy, own, self.basis_samples, world_size):
+                        held, held_split = fit_on_pass(
+                            self, model, ((ids, to_device(batch)) for ids, batch in own.batches(rank, world_size)),
+                            loss_of, capture_point=f"{name}/{own.split}", step=step, context=context,
+                        ), own.split  # fmt: skip
+                    else:
+                        fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size,
+                                       to_device=to_device, step=step, context=context, samples=self.basis_samples,
+                                       planning=start, for_passes=basis_only)  # fmt: skip
                     self._basis_untested = basis_only and bool(self.policy.bases)
+                self.seconds["basis"] += time.perf_counter() - fitting  # part of the passes' seconds
                 for source in captured:
+                    point = f"{name}/{source.split}"
+                    if held is not None and source.split == held_split:
+                        for k, batch_held in enumerate(held):  # kept on the basis just fitted on them
+                            self.keep(batch_held, step=step, capture_point=point, epoch=epoch, micro_batch=k, lr=weight)
+                        continue
                     self.checkpoint_pass(
                         model,
                         ((ids, to_device(batch)) for ids, batch in source.batches(rank, world_size)),
                         loss_of,
-                        capture_point=f"{name}/{source.split}",
+                        capture_point=point,
                         step=step,
                         epoch=epoch,
                         lr=weight,

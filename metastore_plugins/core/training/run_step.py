@@ -8,8 +8,9 @@ constructor sets.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +19,7 @@ from metastore_plugins.core.capture import CaptureSession, LayerRecord
 from metastore_plugins.core.capture.session import LossReduction
 from metastore_plugins.core.errors import ConfigError, LossScaleError
 from metastore_plugins.core.model.losses import (
+    BatchLoss,
     DefaultPerSampleLoss,
     LabelsFn,
     PerSampleLossFn,
@@ -25,11 +27,31 @@ from metastore_plugins.core.model.losses import (
     margins_of,
     predictions_of,
 )
+from metastore_plugins.core.model.rng import preserved_rng, weights_untouched
 from metastore_plugins.core.policy.runtime import CapturePolicy
 from metastore_plugins.core.records import BatchMeta
 from metastore_plugins.core.store.writing.writer import StoreWriter
 from metastore_plugins.core.training.loss_scale import check_loss_reduction, gradients_finite
 from metastore_plugins.core.training.step_basis import StepSums
+
+
+class Outcome(NamedTuple):
+    """What a batch's forward gave besides its gradients, in :class:`~metastore_plugins.core.records.BatchMeta`'s
+    order: labels, per-sample losses, predictions, margins."""
+
+    labels: Tensor
+    losses: Tensor
+    predictions: Tensor | None
+    margins: Tensor | None
+
+
+class HeldBatch(NamedTuple):
+    """A captured batch not yet kept: its sample ids, exact records (unscaled), their scaling and its outcome."""
+
+    sample_ids: Tensor
+    records: list[LayerRecord]
+    scaling: Callable[[LayerRecord], LayerRecord]
+    outcome: Outcome
 
 
 class StepCapture:
@@ -81,6 +103,29 @@ class StepCapture:
         self._session.resume()
         self._collecting = True
 
+    def capture_only_steps(
+        self,
+        model: nn.Module,
+        batches: Iterable[tuple[Tensor, Any]],
+        loss_of: BatchLoss,
+        *,
+        capture_point: str,
+        context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> Generator[tuple[int, Tensor, Any], None, None]:
+        """Forward and backward of each ``(ids, batch)`` for capture alone (a checkpoint pass, a basis fit), yielding
+        ``(k, ids, batch)`` after each backward for the caller to read; weights, ``.grad``, mode and the global random
+        state are left as they were (close the generator, :func:`contextlib.closing`, to restore them on a break)."""
+        with weights_untouched(model), preserved_rng():
+            try:
+                for k, (ids, batch) in enumerate(batches):
+                    self.begin_step(model, capture_point=capture_point, capture_only=True)
+                    with torch.enable_grad(), context():
+                        loss = loss_of(batch, k)
+                    self.backward(loss)
+                    yield k, ids, batch
+            finally:
+                self.abort_step()
+
     def backward(self, loss: Tensor) -> None:
         """The backward of a ``capture_only`` step: the gradients capture reads, no parameter's ``.grad``
         (:meth:`~metastore_plugins.core.capture.session.CaptureSession.backward`)."""
@@ -131,26 +176,43 @@ class StepCapture:
         self._output = None
         if records is None:  # no backward happened (a skipped step)
             return
-        labels, losses = self.losses(forward_output, batch)
+        outcome = self.outcome(forward_output, batch)
         if capture_point == "train" and self.announce_at_first_step is not None:  # train-mode layers now known
             announce, self.announce_at_first_step = self.announce_at_first_step, None
             announce()
         if self.step_sums is not None and capture_point == "train":  # the next checkpoint's basis (basis_from)
             self.step_sums.add(records, self._scaling, step * 1009 + micro_batch)
-        kept = self.policy.apply(records, capture_point=capture_point, step=step)
-        if kept is None:  # the budget is spent
-            return
-        kept = [self._scaling(record) for record in kept]
         if batch_loss is not None and not self._reduction_checked:
             self._reduction_checked = True
             try:
-                check_loss_reduction(batch_loss.detach().cpu(), losses, self.loss_reduction, self.owner)
+                check_loss_reduction(batch_loss.detach().cpu(), outcome.losses, self.loss_reduction, self.owner)
             except LossScaleError as exc:
                 warnings.warn(f"{self.owner}: the loss reduction cannot be checked ({exc})", stacklevel=3)
-        logits = logits_of(forward_output)
-        at = BatchMeta(sample_ids, step, capture_point, epoch, micro_batch, labels, losses, predictions_of(logits),
-                       margins_of(logits, labels), lr)  # fmt: skip
-        self.writer.write(kept, at)
+        self.keep(HeldBatch(sample_ids, records, self._scaling, outcome), step=step, capture_point=capture_point,
+                  epoch=epoch, micro_batch=micro_batch, lr=lr)  # fmt: skip
+
+    def hold(self, batch: Any, sample_ids: Tensor) -> HeldBatch:
+        """The records and outcome of the backward just done, to :meth:`keep` later (a pass whose basis is fitted on
+        its own samples: :func:`~metastore_plugins.core.training.basis_fit.fit_on_pass`)."""
+        self.end_backward()
+        records, output, self._records, self._output = self._records or [], self._output, None, None
+        return HeldBatch(sample_ids, records, self._scaling, self.outcome(output, batch))
+
+    def keep(
+        self, held: HeldBatch, *, step: int, capture_point: str, epoch: int, micro_batch: int, lr: float | None
+    ) -> None:
+        """Queue a batch's records as the plan keeps them at ``capture_point`` (projected on the bases it holds now)."""
+        kept = self.policy.apply(held.records, capture_point=capture_point, step=step)
+        if kept is None:  # the budget is spent
+            return
+        at = BatchMeta(held.sample_ids, step, capture_point, epoch, micro_batch, *held.outcome, lr)
+        self.writer.write([held.scaling(record) for record in kept], at)
+
+    def outcome(self, output: Any, batch: Any) -> Outcome:
+        """A batch's labels, per-sample losses, predictions and margins, from the forward's output."""
+        labels, losses = self.losses(output, batch)
+        logits = logits_of(output)
+        return Outcome(labels, losses, predictions_of(logits), margins_of(logits, labels))
 
     def abort_step(self) -> None:
         """Forget an unfinished step (the model stays hooked, paused)."""
