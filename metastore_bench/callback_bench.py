@@ -119,7 +119,8 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     lines += [
         "",
         "Medians over the rounds. *Passes*: the checkpoint passes, of which *basis fit* fits the curvature "
-        "eigenbasis their projections are kept on; *reports*: building the reports at the end of training, of which "
+        "eigenbasis their projections are kept on (with the pass's training side where the fit is read from it); "
+        "*reports*: building the reports at the end of training, of which "
         "*refinement* is the exact recomputation of influence candidates; all are inside the training time. "
         "*Peak RSS*: the process's peak resident memory.",
         "",
