@@ -193,7 +193,8 @@ class StepCapture:
 
     def hold(self, batch: Any, sample_ids: Tensor) -> HeldBatch:
         """The records and outcome of the backward just done, to :meth:`keep` later (a pass whose basis is fitted on
-        its own samples: :func:`~metastore_plugins.core.training.basis_fit.fit_on_pass`)."""
+        its own samples: :func:`~metastore_plugins.core.training.basis_fit.fit_on_pass`; a capture-only backward has
+        no GradScaler, so none is skipped)."""
         self.end_backward()
         records, output, self._records, self._output = self._records or [], self._output, None, None
         return HeldBatch(sample_ids, records, self._scaling, self.outcome(output, batch))
