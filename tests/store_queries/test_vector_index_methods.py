@@ -243,7 +243,7 @@ def test_the_rank_r_estimates_rank_the_candidates_and_are_exact_at_full_rank(
         got = opened.factors.estimates(rows, opened.lr, basis)
         np.testing.assert_allclose(got, want[:, j], rtol=1e-4, atol=1e-6 * np.abs(want[:, j]).max())
     searched = opened.search(np.concatenate([tested.sketches, -tested.sketches]), 300)  # (24, 300)
-    picked = index_methods._refined(opened, tested, searched, 20)
+    picked = index_methods._refined(opened, tested, searched, 20, np.zeros(0, np.int64))
     assert len(picked) <= 2 * 20 * len(tested.ids)
 
 

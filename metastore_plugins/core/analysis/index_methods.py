@@ -8,7 +8,11 @@ K-FAC / EK-FAC curvature of pass ``c``, or TRAK's kernel inverse on sketches. Wi
    process while the pass's shards are unchanged: :func:`~.index_preconditioned.fitted_curvature`).
 2. **Candidates.** The pass's preconditioned index (``lr_i`` times the sketches of ``S_c g_i``, built once and kept
    in this process) searched with the sketch of ``S_c g_j`` (``+q`` and ``-q``): the ``candidates`` rows (default
-   :func:`candidate_count`) of largest ``<lr_i v_i, +-q_j>`` per pass, their union kept.
+   :func:`candidate_count`) of largest ``<lr_i v_i, +-q_j>`` per pass, their union kept. Where they are ranked by
+   their estimates (:func:`_refined`), half as many are searched (at least 48 ``max(4k, 50)``) and the pass's
+   ``candidates`` rows of largest norm (:meth:`~.index_preconditioned.WhitenedIndex.heaviest`) join them: a sketch
+   errs by about ``|S g_i| |S g_j| / dim``, so a heavy row's top score can sit anywhere in its ranking (10^6 rows of
+   the benchmark's MLP: recall@10 0.975 in 37 ms a query, 0.93 in 43-46 ms before).
 3. **Exact scores.** The chosen method on the union only, without reading a shard where the index keeps the
    rows' rotated factors (every record a one-row Kronecker record: :mod:`.index_factors`) or every record of the
    layers is projected (on a curvature eigenbasis the index's vectors are the whitened records, and ``q_j`` the
@@ -92,7 +96,8 @@ PRECONDITIONED_FACTOR = 48
 #: of that MLP, the projected codes: each test sample's candidates held 0.77 / 0.91 / 0.96 / 0.985 of its exhaustive
 #: top-10 at 2,400 / 19,200 / 38,400 / 76,800 each way; 10^5 rows: 0.95 / 0.96 at 2,400 / 3,200). The rank-4
 #: estimates of a test sample's candidates cost about 0.45 us a row (the gather of their factors, memory-bound), so
-#: one in 40 keeps a query at 10^6 rows near 50 ms (40,000 each way: recall 0.96, 78 ms).
+#: one in 40 kept a query at 10^6 rows near 50 ms (40,000 each way: recall 0.96, 78 ms); with the rows of largest
+#: norm among them (half searched, as many heavy rows), 37 ms at recall 0.975.
 ROWS_PER_CANDIDATE = 40
 
 
@@ -108,7 +113,8 @@ REFINE_ABOVE = 2_000
 
 
 def candidate_count(k: int, candidates: int | None, rows: int) -> int:
-    """The rows searched per test sample and direction in a pass of ``rows``: ``candidates``, else
+    """The candidates per test sample and direction in a pass of ``rows`` (where their estimates rank them: half that
+    searched, at least 48 ``max(4k, 50)``, and as many rows of largest norm; module docstring): ``candidates``, else
     :data:`PRECONDITIONED_FACTOR` times :func:`~.vector_index.default_candidates` (2,400 for ``k = 10``) or
     ``rows /`` :data:`ROWS_PER_CANDIDATE`, the larger (2,500 of 10^5 rows, 25,000 of 10^6)."""
     return candidates or max(PRECONDITIONED_FACTOR * default_candidates(k), rows // ROWS_PER_CANDIDATE)
@@ -205,25 +211,31 @@ def _candidates(
         if opened is None:
             opened = preconditioned_index(store, train_cp, method, fitted[train_cp], options, order, max_bytes)
         tested = query_side(store, test_cp, test_ids, fitted[train_cp], options, order, opened, max_bytes)
-        count = candidate_count(wanted[0], wanted[1], len(opened.sample_ids))
-        rows = opened.search(np.concatenate([tested.sketches, -tested.sketches]), count)  # (2M, c)
-        kept = _refined(opened, tested, rows, wanted[2]) if 2 * rows.shape[1] > REFINE_ABOVE else rows[rows >= 0]
+        count = min(candidate_count(wanted[0], wanted[1], len(opened.sample_ids)), len(opened.sample_ids))
+        refine = opened.factors is not None and tested.blocks is not None and 2 * count > REFINE_ABOVE
+        searched = (
+            min(count, max(PRECONDITIONED_FACTOR * default_candidates(wanted[0]), count // 2)) if refine else count
+        )
+        rows = opened.search(np.concatenate([tested.sketches, -tested.sketches]), searched)  # (2M, c)
+        kept = _refined(opened, tested, rows, wanted[2], opened.heaviest(count)) if refine else rows[rows >= 0]
         found.update(opened.sample_ids[kept].tolist())
         passes.append((opened, tested))
     return sorted(found), fitted, passes
 
 
-def _refined(opened: WhitenedIndex, tested: QuerySide, rows: np.ndarray, keep: int) -> np.ndarray:
-    """The candidate rows (``rows`` ``(2M, c)``: each test sample's ``+q`` then ``-q`` searches) whose rank-``R``
-    estimate is among their test sample's ``keep`` largest or smallest; all of them where the index keeps no
-    factors or ``c <= keep``."""
-    if opened.factors is None or tested.blocks is None or rows.shape[1] <= keep:
-        return rows[rows >= 0]
+def _refined(opened: WhitenedIndex, tested: QuerySide, rows: np.ndarray, keep: int, heavy: np.ndarray) -> np.ndarray:
+    """The candidate rows (``rows`` ``(2M, c)``: each test sample's ``+q`` then ``-q`` searches, and the ``heavy``
+    rows of every test sample) whose rank-``R`` estimate is among their test sample's ``keep`` largest or smallest;
+    all of them where ``c <= keep``."""
+    assert opened.factors is not None and tested.blocks is not None
+    if rows.shape[1] + len(heavy) <= keep:
+        return np.union1d(rows[rows >= 0], heavy)
     tests, kept = len(tested.ids), []
     for j, basis in enumerate(low_rank(tested.blocks)):
         held = np.zeros(len(opened.sample_ids), bool)  # a mask, not np.unique: 16 ms for 80,000 rows of 10^6
         held[rows[j][rows[j] >= 0]] = True
         held[rows[tests + j][rows[tests + j] >= 0]] = True
+        held[heavy] = True
         mine = np.flatnonzero(held)  # (c',) this test sample's candidates, ascending
         estimate = opened.factors.estimates(mine, opened.lr[mine], basis)[:, None]  # (c', 1)
         count = min(keep, len(mine))

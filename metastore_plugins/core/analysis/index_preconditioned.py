@@ -106,8 +106,7 @@ def fitted_curvature(
 
 
 def index_dim(store: StoreReader, capture_point: str, order: Sequence[str]) -> int:
-    """The largest ``k`` of the pass's projected records (their sketch is the record), else
-    :data:`PRECONDITIONED_DIM`."""
+    """The largest ``k`` of the pass's projected records (each its own sketch), else :data:`PRECONDITIONED_DIM`."""
     for batch in store.select(capture_point, layers=list(order)).batches():
         kept = [max(r.tensors["projected"].shape[1:]) for r in batch.records if r.kind == "projected"]
         return int(max(kept)) if kept else PRECONDITIONED_DIM
@@ -122,11 +121,8 @@ MAX_INDEX_BYTES = 4 << 30
 #: Above this many sketch numbers (``N x L dim^2``), where FAISS is installed and the records are not projected, the
 #: whitened sketches are projected on their :data:`~.vector_search.REDUCED_DIM` leading uncentred principal
 #: directions and kept product-quantized (:class:`~.vector_search.ProjectedCodes`: 128 bytes a row), scanned by table
-#: lookups. Measured at 10^5 rows of the benchmark's MLP (each test sample's candidates against its exhaustive EK-FAC
-#: top-10, both directions, one thread): the float32 sketches scanned flat hold 0.98 at 2,400 candidates in 123 ms;
-#: their 4-bit codes of 4 numbers (384 bytes, before) 0.96 in 4.4 ms; projected on 512 directions (79% of their
-#: energy; 94% on 1,024), 4 bits per 2 numbers, 0.95 in 1.2 ms (per 1: 0.96 in 2.5 ms). Without FAISS the sketches
-#: stay float32, scanned flat.
+#: lookups: at 10^5 rows of the benchmark's MLP the candidates' recall of the exhaustive top-10 went from 0.98 to 0.95
+#: at 2,400 candidates, the scan from 123 ms to 1.2 ms (docs/benchmarks.md). Without FAISS they stay float32, flat.
 COMPRESS_ABOVE = 1 << 26
 
 
@@ -234,7 +230,8 @@ class WhitenedIndex:
     """A train pass's preconditioned index, in selection order: ``lr_i`` times the whitened sketches, float32 and
     scanned flat (``flat``) or projected and product-quantized (``codes``, a FAISS ``IndexPreTransform`` of an
     ``IndexPQFastScan`` of the weighted rows: :data:`COMPRESS_ABOVE`), and
-    the rows' rotated factors where every record is rank one (``factors``: exact scores without a shard)."""
+    the rows' rotated factors where every record is rank one (``factors``: exact scores without a shard);
+    ``norms``: each row's ``lr_i |sketch of S g_i|``, the scale of its sketch's error."""
 
     capture_point: str
     dim: int
@@ -244,7 +241,17 @@ class WhitenedIndex:
     codes: Any = None
     factors: KeptFactors | None = None
     draw: ops.Projections = field(default_factory=ops.Projections, repr=False)  # its sketches' projections
+    norms: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (N,)
     _sorted: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    _heaviest: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def heaviest(self, count: int) -> np.ndarray:
+        """``(c,)`` ascending: the rows of the ``c = min(count, N)`` largest :attr:`norms` (kept per count)."""
+        count = min(count, len(self.norms))
+        if count not in self._heaviest:
+            top = np.argpartition(-self.norms, count - 1)[:count] if count else np.zeros(0, np.int64)
+            self._heaviest[count] = np.sort(top)
+        return self._heaviest[count]
 
     def rows_of(self, ids: Sequence[int]) -> np.ndarray:
         """``(n,)`` ascending: every row holding one of the sample ``ids`` (a binary search in the sorted sample ids,
@@ -316,12 +323,10 @@ def preconditioned_index(
     order: Sequence[str],
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> WhitenedIndex:
-    """The train pass's index of ``lr_i`` times the sketches of ``S g_i`` (module docstring) and its rotated
-    factors (:mod:`.index_factors`), kept in this process while the pass is unchanged. Searched flat (every row)
-    or, above :data:`COMPRESS_ABOVE`, through product-quantized codes: whitened rows have no few principal
-    directions to reduce them to, nor clusters to partition them by (the TracIn index's ``"reduced"`` plan found
-    recall@10 0.62 at 200 candidates of 20,000 rows where the flat scan finds 0.89; IVF, a quarter of its lists
-    probed, 0.4 of 10^5 rows)."""
+    """The train pass's index of ``lr_i`` times the sketches of ``S g_i`` (module docstring), its rotated factors
+    (:mod:`.index_factors`) and its rows' norms, kept in this process while the pass is unchanged. Searched flat or,
+    above :data:`COMPRESS_ABOVE`, through product-quantized codes (no clusters to partition whitened rows by: IVF, a
+    quarter of its lists probed, recalled 0.4 of 10^5 rows' top-10)."""
     key = index_key(store, capture_point, method, options, order, max_bytes)
     kept = _INDEXES.get(key)
     if kept is not None:
@@ -329,10 +334,11 @@ def preconditioned_index(
     dim = index_dim(store, capture_point, order)
     width = len(order) * dim * dim
     quantizer = ProjectedCodes(load_faiss(), width) if compresses(store, capture_point, order) else None
-    ids, lrs, parts, draw = [], [], [], ops.Projections()
+    ids, lrs, parts, norms, draw = [], [], [], [], ops.Projections()
     factors: list[np.ndarray] | None = []
     for batch in store.select(capture_point, layers=list(order)).batches():
         part = whitened_sketches(batch.records, fitted, options, order, dim, 0.5, max_bytes, draw)  # (B, D)
+        norms.append(np.linalg.norm(part, axis=1) * np.float32(batch.ref.lr_weight))  # (B,)
         if quantizer is None:
             parts.append(part)
         else:
@@ -353,7 +359,8 @@ def preconditioned_index(
         flat = VectorIndex(capture_point, dim, sample_ids, lr, vectors, Plan())  # flat: every row scanned
     kept_factors = KeptFactors(list(order), np.concatenate(factors), factor_shapes(fitted, order)) if factors else None
     codes = quantizer and quantizer.finish()
-    index = WhitenedIndex(capture_point, dim, sample_ids, lr, flat, codes, kept_factors, draw)
+    index = WhitenedIndex(capture_point, dim, sample_ids, lr, flat, codes, kept_factors, draw,
+                          np.concatenate(norms) if norms else np.zeros(0, np.float32))  # fmt: skip
     _keep(_INDEXES, key, index)
     return index
 
