@@ -226,7 +226,7 @@ def _candidates(
 def _refined(opened: WhitenedIndex, tested: QuerySide, rows: np.ndarray, keep: int, heavy: np.ndarray) -> np.ndarray:
     """The candidate rows (``rows`` ``(2M, c)``: each test sample's ``+q`` then ``-q`` searches, and the ``heavy``
     rows of every test sample) whose rank-``R`` estimate is among their test sample's ``keep`` largest or smallest;
-    all of them where ``c <= keep``."""
+    all of them where they are no more than ``keep``."""
     assert opened.factors is not None and tested.blocks is not None
     if rows.shape[1] + len(heavy) <= keep:
         return np.union1d(rows[rows >= 0], heavy)
