@@ -264,10 +264,11 @@ class RunCapture(StepCapture):
                 ):  # the passes' projected layers go on the eigenbasis at these weights
                     own = next((s for s in captured if s.split == fitted_on.split), None) if not start else None
                     if own is not None and fits_on_pass(self.policy, own, self.basis_samples, world_size):
-                        held, held_split = fit_on_pass(
+                        held_split = own.split
+                        held = fit_on_pass(
                             self, model, ((ids, to_device(batch)) for ids, batch in own.batches(rank, world_size)),
                             loss_of, capture_point=f"{name}/{own.split}", step=step, context=context,
-                        ), own.split  # fmt: skip
+                        )  # fmt: skip
                     else:
                         fit_pass_bases(self, model, fitted_on, loss_of, rank=rank, world=world_size,
                                        to_device=to_device, step=step, context=context, samples=self.basis_samples,
